@@ -1,0 +1,143 @@
+"""Tables and figures built from MLflow runs (never from private files)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+from rich.table import Table
+
+from mergescope.progress import console
+from mergescope.tracking import Tracker
+
+REPR_METRICS = [("cka", "cka"), ("procrustes", "procrustes"), ("svcca", "svcca"), ("retrieval", "retrieval_p1"), ("mutual_knn", "mutual_knn")]
+
+
+def fetch(tracker: Tracker, run_ids: list[str]) -> list[dict[str, Any]]:
+    """Runs as flat records: tags, metrics (latest value), run id."""
+    out = []
+    for rid in run_ids:
+        r = tracker.client.get_run(rid)
+        out.append({"run_id": rid, **{f"tag.{k}": v for k, v in r.data.tags.items()}, **r.data.metrics})
+    return out
+
+
+def cka_matrix(records: list[dict[str, Any]], models: list[str]) -> np.ndarray:
+    """Lower triangle matched CKA, upper triangle shuffled control, diagonal NaN (spec section 3)."""
+    idx = {m: i for i, m in enumerate(models)}
+    M = np.full((len(models), len(models)), np.nan)
+    for r in records:
+        if r.get("tag.metric") != "cka":
+            continue
+        i, j = idx[r["tag.model_a"]], idx[r["tag.model_b"]]
+        lo, hi = max(i, j), min(i, j)
+        M[lo, hi] = r["cka"]
+        M[hi, lo] = r["cka_shuffled"]
+    return M
+
+
+def _matrix_table(M: np.ndarray, models: list[str]) -> Table:
+    t = Table(title="Last-layer CKA: lower = matched, upper = shuffled control")
+    t.add_column("")
+    for m in models:
+        t.add_column(m, justify="right")
+    for i, m in enumerate(models):
+        cells = []
+        for j in range(len(models)):
+            v = M[i, j]
+            cells.append("—" if np.isnan(v) else (f"[italic dim]{v:.3f}[/]" if j > i else f"{v:.3f}"))
+        t.add_row(m, *cells)
+    return t
+
+
+def _matrix_csv(M: np.ndarray, models: list[str]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow([""] + models)
+    for i, m in enumerate(models):
+        w.writerow([m] + ["" if np.isnan(v) else f"{v:.6f}" for v in M[i]])
+    return buf.getvalue()
+
+
+def _matrix_figure(M: np.ndarray, models: list[str]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 * len(models) + 2, 1.0 * len(models) + 1.5))
+    im = ax.imshow(np.nan_to_num(M, nan=0.0), vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(models)), models, rotation=40, ha="right")
+    ax.set_yticks(range(len(models)), models)
+    for i in range(len(models)):
+        for j in range(len(models)):
+            if not np.isnan(M[i, j]):
+                ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", color="w" if M[i, j] < 0.5 else "k", fontsize=9)
+    ax.set_title("CKA: matched (lower) vs shuffled (upper)")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    return fig
+
+
+def pair_table(records: list[dict[str, Any]]) -> tuple[Table, list[list[str]]]:
+    """Per pair: every metric matched / shuffled."""
+    by_pair: dict[str, dict[str, Any]] = {}
+    for r in records:
+        by_pair.setdefault(r["tag.pair"], {}).update({k: v for k, v in r.items() if not k.startswith("tag.")})
+    cols = [key for _, key in REPR_METRICS]
+    t = Table(title="Matched / shuffled, every metric")
+    t.add_column("pair")
+    for c in cols:
+        t.add_column(c, justify="right")
+    rows = []
+    for pair, vals in by_pair.items():
+        cells = [f"{vals[c]:.3f} / {vals[c + '_shuffled']:.3f}" if c in vals else "" for c in cols]
+        t.add_row(pair, *cells)
+        rows.append([pair, *cells])
+    return t, rows
+
+
+def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_results, overrides: list[str]) -> dict[str, Any]:
+    tracker = Tracker(cfg)
+    records = fetch(tracker, [r.run_id for _, r in results])
+    M = cka_matrix(records, models)
+    console.print(_matrix_table(M, models))
+    ptable, prows = pair_table(records)
+    console.print(ptable)
+
+    qrec = {m: fetch(tracker, [q.run_id])[0] for m, q in quality.items()}
+    trec = {m: fetch(tracker, [t.run_id])[0] for m, t in train_results.items()}
+    qt = Table(title="Per-model quality (nats/token)")
+    for c in ("model", "FLORES nll", "held-out nll (train text)", "unigram nll"):
+        qt.add_column(c, justify="right")
+    for m in models:
+        tr = trec.get(m, {})
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ""  # noqa: E731
+        qt.add_row(m, fmt(qrec[m].get("nll")), fmt(tr.get("heldout_nll")), fmt(tr.get("unigram_nll")))
+    console.print(qt)
+
+    n_above = int(sum(1 for r in records if r.get("tag.metric") == "cka" and r["cka"] > r["cka_shuffled"]))
+    n_cka = int(sum(1 for r in records if r.get("tag.metric") == "cka"))
+    with tracker.start(cfg, "analysis:study", {"kind": "analysis", "study": cfg.tracking.experiment}, overrides) as job:
+        job.log_text(_matrix_csv(M, models), "tables/cka_matrix.csv")
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["pair"] + [k for _, k in REPR_METRICS]] + prows)
+        job.log_text(buf.getvalue(), "tables/pairs_matched_shuffled.csv")
+        console_text = Console_to_text([_matrix_table(M, models), ptable, qt])
+        job.log_text(console_text, "tables/summary.txt")
+        fig = _matrix_figure(M, models)
+        job.log_figure(fig, "figures/cka_matched_vs_shuffled.png")
+        job.log_metrics({"pairs_cka_above_shuffled": n_above, "pairs_cka": n_cka})
+        job.log_params({"runs": [r.run_id for _, r in results]})
+    return {"cka_matrix": M, "models": models, "records": records, "pairs_above": n_above, "pairs": n_cka}
+
+
+def Console_to_text(tables: list[Table]) -> str:  # noqa: N802
+    from rich.console import Console
+
+    c = Console(record=True, width=160, file=io.StringIO())
+    for t in tables:
+        c.print(t)
+    return c.export_text()

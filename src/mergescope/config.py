@@ -1,0 +1,81 @@
+"""Config helpers: resolvers, the job hash, flattening for MLflow params."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
+
+
+def _first_dir(*candidates: str) -> str:
+    """The first candidate that is an existing folder, else the last one (for the error message)."""
+    for c in candidates:
+        if Path(c).expanduser().is_dir():
+            return str(Path(c).expanduser().resolve())
+    return str(Path(candidates[-1]).expanduser().resolve())
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("ms.abspath"):
+        OmegaConf.register_new_resolver("ms.abspath", lambda p: str(Path(p).expanduser().resolve()))
+    if not OmegaConf.has_resolver("ms.first_dir"):
+        OmegaConf.register_new_resolver("ms.first_dir", _first_dir)
+
+
+register_resolvers()
+
+
+def to_plain(cfg: Any) -> Any:
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def job_hash(task: str, cfg: DictConfig, keys: list[str]) -> str:
+    """Hash of what determines a job's result: the task and the resolved config sections it reads."""
+    body = {"task": task}
+    for k in keys:
+        node = OmegaConf.select(cfg, k)
+        body[k] = to_plain(node)
+    blob = json.dumps(body, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> string values; secrets redacted."""
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, list) and d and all(isinstance(x, (dict, list)) for x in d):
+        for i, v in enumerate(d):
+            out.update(flatten(v, f"{prefix}{i}."))
+    else:
+        key = prefix[:-1]
+        val = "null" if d is None else json.dumps(d) if isinstance(d, list) else str(d)
+        if any(w in key.lower() for w in SECRET_WORDS) and d not in (None, ""):
+            val = "<redacted>"
+        out[key] = val[:6000]
+    return out
+
+
+def redact(d: Any) -> Any:
+    """A copy of a plain config with secret-looking values replaced (for logged YAML)."""
+    if isinstance(d, dict):
+        return {
+            k: ("<redacted>" if any(w in str(k).lower() for w in SECRET_WORDS) and v not in (None, "") and not isinstance(v, dict) else redact(v))
+            for k, v in d.items()
+        }
+    if isinstance(d, list):
+        return [redact(x) for x in d]
+    return d
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,118 @@
+"""Parallel data: FLORES-200 folder layout, a folder of line-aligned <lang>.txt files, or FLORES+ on the hub.
+
+Every side of a pair is read from the same source and split; the only thing two sides share is
+the line index, so sides that are not line-aligned are an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mergescope.errors import MergescopeError, did_you_mean
+
+# FLORES-200 code -> FLORES+ (openlanguagedata/flores_plus) code, where they differ.
+FLORES_PLUS_CODES = {"zho_Hans": "cmn_Hans", "zho_Hant": "cmn_Hant"}
+
+
+@dataclass(frozen=True)
+class Side:
+    lang: str
+    sentences: tuple[str, ...]
+    source: str  # file path or hub id, for the record
+
+    @property
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for s in self.sentences:
+            h.update(s.encode("utf-8"))
+            h.update(b"\n")
+        return h.hexdigest()[:16]
+
+
+def _layout(root: Path, split: str) -> str:
+    if (root / split).is_dir() and any((root / split).glob(f"*.{split}")):
+        return "flores"
+    if any(root.glob("*.txt")):
+        return "folder"
+    raise MergescopeError(
+        f"data.root={root} holds neither FLORES-200 files (<root>/{split}/<lang>.{split}) "
+        "nor line-aligned <lang>.txt files; point data.root at one of those"
+    )
+
+
+def available_langs(root: str | Path, split: str) -> list[str]:
+    root = Path(root)
+    if _layout(root, split) == "flores":
+        return sorted(p.name[: -len(split) - 1] for p in (root / split).glob(f"*.{split}"))
+    return sorted(p.stem for p in root.glob("*.txt"))
+
+
+def _read_lines(path: Path) -> tuple[str, ...]:
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return tuple(line.rstrip("\r") for line in lines)
+
+
+def _local_side(root: Path, split: str, lang: str) -> Side:
+    layout = _layout(root, split)
+    path = root / split / f"{lang}.{split}" if layout == "flores" else root / f"{lang}.txt"
+    if not path.is_file():
+        langs = available_langs(root, split)
+        raise MergescopeError(
+            f"language '{lang}' is not in {root} (split {split}): {did_you_mean(lang, langs)}"
+        )
+    sents = _read_lines(path)
+    empty = [i for i, s in enumerate(sents) if not s.strip()]
+    if empty:
+        raise MergescopeError(f"{path} has an empty line at line {empty[0] + 1}; parallel files need one sentence per line")
+    return Side(lang=lang, sentences=sents, source=str(path))
+
+
+def _hub_side(cfg: Any, lang: str) -> Side:
+    from mergescope.hub import check_hub_reachable
+
+    code = FLORES_PLUS_CODES.get(lang, lang)
+    check_hub_reachable(f"dataset {cfg.hub_id}")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.hub_id, code, split=cfg.split, revision=cfg.get("revision"))
+    except Exception as exc:  # datasets raises many types; keep the message one line
+        raise MergescopeError(
+            f"could not load {cfg.hub_id} config {code} split {cfg.split} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); check the language code, split and your hub login"
+        ) from exc
+    return Side(lang=lang, sentences=tuple(ds[cfg.get("text_field", "text")]), source=f"hf://{cfg.hub_id}/{code}/{cfg.split}")
+
+
+def load_side(cfg: Any, lang: str) -> Side:
+    """One language's side of the parallel data described by a ``data`` config."""
+    if cfg.source == "hub":
+        side = _hub_side(cfg, lang)
+    else:
+        root = Path(cfg.root).expanduser()
+        if not root.is_dir():
+            raise MergescopeError(
+                f"data.root={root} does not exist; run `make data` or set data.root=<folder with the parallel files>"
+            )
+        side = _local_side(root, cfg.split, lang)
+    limit = cfg.get("max_sentences")
+    if limit:
+        side = Side(lang=side.lang, sentences=side.sentences[: int(limit)], source=side.source)
+    return side
+
+
+def load_parallel(cfg: Any, lang_a: str, lang_b: str) -> tuple[Side, Side]:
+    """Both sides; an error if they are not line-aligned (different line counts)."""
+    a, b = load_side(cfg, lang_a), load_side(cfg, lang_b)
+    if len(a.sentences) != len(b.sentences):
+        raise MergescopeError(
+            f"parallel sides are misaligned: {a.source} has {len(a.sentences)} lines but {b.source} has "
+            f"{len(b.sentences)}; give line-aligned files (line i = the same sentence in every language)"
+        )
+    return a, b

@@ -1,0 +1,34 @@
+"""Mutual k-nearest-neighbour alignment (Huh et al. 2024, platonic representations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mergescope.metrics._common import pair_f64
+from mergescope.registry import metrics
+
+
+def _knn_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    z = torch.nn.functional.normalize(x, dim=1)
+    sim = z @ z.T
+    sim.fill_diagonal_(float("-inf"))
+    idx = sim.topk(k, dim=1).indices
+    mask = torch.zeros_like(sim, dtype=torch.bool)
+    mask.scatter_(1, idx, True)
+    return mask
+
+
+def mutual_knn(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
+    """Mean over sentences of |kNN_X(i) & kNN_Y(i)| / k, cosine neighbours, self excluded."""
+    x, y = pair_f64(X, Y, device)
+    if not 1 <= k < x.shape[0]:
+        raise ValueError(f"k must be in [1, n-1={x.shape[0] - 1}], got {k}")
+    both = _knn_mask(x, k) & _knn_mask(y, k)
+    return float(both.sum(dim=1).double().mean() / k)
+
+
+@metrics.register("mutual_knn")
+def mutual_knn_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
+    return {"mutual_knn": mutual_knn(X, Y, k=k, device=device), "mutual_knn_chance": k / (len(X) - 1)}

@@ -1,0 +1,34 @@
+"""Orthogonal-Procrustes alignability (rectangular widths native)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mergescope.metrics._common import center, pair_f64
+from mergescope.registry import metrics
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    x = center(x)
+    norm = torch.linalg.matrix_norm(x)
+    if norm == 0:
+        raise ValueError("a side is constant across sentences (zero variance); alignability is undefined")
+    return x / norm
+
+
+def procrustes_alignability(X: Any, Y: Any, device: str = "auto") -> float:
+    """Nuclear norm of Yhat^T Xhat, each side column-centred and scaled to unit Frobenius norm.
+
+    Equals max over semi-orthogonal R (dB x dA) of <R, Yhat^T Xhat> = 1 - ||Xhat R^T... ||^2 / 2 at
+    the optimum, so it is 1 exactly when one side is an orthogonal (or semi-orthogonal) image of
+    the other, and lies in [0, 1].
+    """
+    x, y = pair_f64(X, Y, device)
+    return float(torch.linalg.svdvals(_unit(y).T @ _unit(x)).sum())
+
+
+@metrics.register("procrustes")
+def procrustes_metric(X: Any, Y: Any, device: str = "auto") -> dict[str, float]:
+    return {"procrustes": procrustes_alignability(X, Y, device=device)}

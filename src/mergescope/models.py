@@ -1,0 +1,164 @@
+"""Model loading (hub id or local folder, revision, explicit dtype, device) and the true config."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergescope.errors import MergescopeError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise MergescopeError(f"device={device} was asked for but CUDA is not available; use device=auto or device=cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise MergescopeError(f"unknown dtype '{name}': choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _looks_local(name_or_path: str) -> bool:
+    return name_or_path.startswith(("/", "./", "../", "~")) or Path(name_or_path).expanduser().exists()
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a model entry's weights live: a local folder, or a hub id at a revision."""
+
+    name: str
+    location: str  # local folder, or hub id
+    revision: str | None  # hub revision (None for local)
+    local: bool
+
+    @property
+    def label(self) -> str:
+        return self.name if not self.revision else f"{self.name}@{self.revision}"
+
+
+def resolve(entry: Any) -> ModelRef:
+    """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist.
+
+    For a local folder, ``revision`` names a sub-folder (``step64``); with no revision the folder
+    itself is used, or its ``main/`` sub-folder when the folder holds checkpoints.
+    """
+    path = str(entry.name_or_path)
+    rev = entry.get("revision")
+    name = entry.get("name") or Path(path).name
+    if _looks_local(path):
+        root = Path(path).expanduser().resolve()
+        if not root.is_dir():
+            raise MergescopeError(f"model folder {root} does not exist; train it (task=train) or fix name_or_path=")
+        if rev:
+            folder = root / str(rev)
+            if not folder.is_dir():
+                revs = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+                raise MergescopeError(
+                    f"revision '{rev}' is not a sub-folder of {root}; available: {', '.join(revs) or 'none'}"
+                )
+        elif (root / "config.json").is_file():
+            folder = root
+        elif (root / "main" / "config.json").is_file():
+            folder = root / "main"
+        else:
+            raise MergescopeError(f"{root} holds no config.json (nor main/config.json); point name_or_path at a saved model")
+        return ModelRef(name=name, location=str(folder), revision=None, local=True)
+    if path.count("/") != 1:
+        raise MergescopeError(
+            f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; fix name_or_path="
+        )
+    return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
+
+
+def fingerprint(ref: ModelRef) -> str:
+    """Content identity for caching: weight files' names, sizes and mtimes (local), or id@revision (hub)."""
+    if ref.local:
+        h = hashlib.sha256()
+        for p in sorted(Path(ref.location).iterdir()):
+            if p.suffix in (".safetensors", ".json", ".model", ".txt"):
+                st = p.stat()
+                h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return f"local:{ref.location}:{h.hexdigest()[:16]}"
+    return f"hub:{ref.location}@{ref.revision or 'main'}"
+
+
+def _hub_kwargs(ref: ModelRef) -> dict[str, Any]:
+    from mergescope.hub import hub_reachable
+
+    if ref.local:
+        return {}
+    kwargs: dict[str, Any] = {"revision": ref.revision}
+    if not hub_reachable():
+        # Only the local HF cache can serve it; fail with one line if it is not there.
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(ref.location, "config.json", revision=ref.revision)
+        except Exception:
+            cached = None
+        if not isinstance(cached, str):
+            raise MergescopeError(
+                f"the Hugging Face hub is unreachable and {ref.label} is not in the local cache; "
+                "connect to the internet, or give a local folder as name_or_path="
+            )
+        kwargs["local_files_only"] = True
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        kwargs["token"] = token
+    return kwargs
+
+
+def load_tokenizer(ref: ModelRef):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ref.location, trust_remote_code=False, **_hub_kwargs(ref))
+    return tok
+
+
+def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto"):
+    """A causal LM in eval mode: safetensors only, no remote code, explicit dtype, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            ref.location,
+            dtype=resolve_dtype(dtype),
+            trust_remote_code=False,
+            use_safetensors=True,
+            **_hub_kwargs(ref),
+        )
+    except OSError as exc:
+        raise MergescopeError(
+            f"could not load {ref.label} ({str(exc).splitlines()[0]}); it must have safetensors weights and a config.json"
+        ) from exc
+    return model.to(resolve_device(device)).eval()
+
+
+def true_config(model) -> dict[str, Any]:
+    """What the checkpoint really is (the spec found a model card that lied)."""
+    c = model.config
+    heads = getattr(c, "num_attention_heads", None)
+    emb = model.get_input_embeddings().weight
+    return {
+        "model_type": c.model_type,
+        "hidden": getattr(c, "hidden_size", None),
+        "layers": getattr(c, "num_hidden_layers", None),
+        "heads": heads,
+        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "ffn": getattr(c, "intermediate_size", None),
+        "vocab": getattr(c, "vocab_size", None),
+        "embedding_rows": int(emb.shape[0]),
+        "tied_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        "n_params": int(sum(p.numel() for p in model.parameters())),
+    }

@@ -1,0 +1,89 @@
+"""One registry type for plug-ins (metrics, merge operators).
+
+A plug-in is a function registered under a stable name with a decorator; its keyword
+arguments (after the two positional data arguments) are its parameter schema, and the YAML
+file of the same name in ``conf/<group>/`` holds exactly those keys (plus ``name``).
+Modules in a plug-in package are discovered automatically.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergescope.errors import MergescopeError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    fn: Callable[..., Any]
+    kind: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, inspect.Parameter]:
+        sig = inspect.signature(self.fn)
+        positional = self.meta.get("n_positional", 2)
+        return dict(list(sig.parameters.items())[positional:])
+
+    def check_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate configured keyword arguments against the signature; return them as a dict."""
+        params = self.params
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            k = unknown[0]
+            raise MergescopeError(
+                f"{self.kind} '{self.name}' has no parameter '{k}': {did_you_mean(k, params)}"
+            )
+        missing = [
+            k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
+        ]
+        if missing:
+            raise MergescopeError(
+                f"{self.kind} '{self.name}' needs parameter '{missing[0]}': set {self.kind}.{missing[0]}=..."
+            )
+        return dict(kwargs)
+
+
+class Registry:
+    def __init__(self, kind: str, package: str):
+        self.kind = kind
+        self.package = package
+        self._entries: dict[str, Entry] = {}
+        self._discovered = False
+
+    def register(self, name: str, **meta: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._entries and self._entries[name].fn is not fn:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._entries[name] = Entry(name=name, fn=fn, kind=self.kind, meta=meta)
+            return fn
+
+        return deco
+
+    def discover(self) -> None:
+        if self._discovered:
+            return
+        pkg = importlib.import_module(self.package)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{self.package}.{info.name}")
+        self._discovered = True
+
+    def names(self) -> list[str]:
+        self.discover()
+        return sorted(self._entries)
+
+    def get(self, name: str) -> Entry:
+        self.discover()
+        if name not in self._entries:
+            raise MergescopeError(f"unknown {self.kind} '{name}': {did_you_mean(name, self._entries)}")
+        return self._entries[name]
+
+
+metrics = Registry("metric", "mergescope.metrics")

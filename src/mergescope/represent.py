@@ -1,0 +1,216 @@
+"""Sentence representations and per-token NLL: batched, length-sorted forward passes, cached on disk.
+
+Pooling over non-pad tokens of a chosen hidden state:
+- ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th real token = i;
+- ``mean``: plain mean; ``last``: the last real token.
+``layer=-1`` is the final pre-logit hidden state, after the final norm (what the LM head
+receives); any other index selects ``hidden_states[layer]`` (0 = embeddings).
+Position ids are computed from the attention mask, so left and right padding give the same vector.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mergescope.errors import MergescopeError
+from mergescope.progress import bar
+
+POOLINGS = ("sgpt", "mean", "last")
+CACHE_VERSION = 1
+
+
+def tokenize(tokenizer, sentences: list[str] | tuple[str, ...], max_length: int) -> tuple[list[list[int]], int]:
+    """Token ids with the tokenizer's default special tokens; truncation only above ``max_length``.
+
+    Returns (ids, n_truncated).
+    """
+    enc = tokenizer(list(sentences), add_special_tokens=True, truncation=False)["input_ids"]
+    n_trunc = sum(len(e) > max_length for e in enc)
+    ids = [e[:max_length] for e in enc]
+    if any(len(e) == 0 for e in ids):
+        raise MergescopeError("a sentence tokenised to zero tokens; remove empty lines from the data")
+    return ids, n_trunc
+
+
+def length_batches(lengths: np.ndarray, batch_tokens: int, max_batch: int = 256) -> list[np.ndarray]:
+    """Indices grouped longest-first so that each batch's padded size stays within ``batch_tokens``."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        longest = max(cur_max, int(lengths[i]))
+        if cur and (longest * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
+            batches.append(np.array(cur))
+            cur, longest = [], int(lengths[i])
+        cur.append(i)
+        cur_max = longest
+    if cur:
+        batches.append(np.array(cur))
+    return batches
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids) for one batch; positions count real tokens only."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if side == "left":
+            ids[r, width - len(s):] = torch.tensor(s)
+            mask[r, width - len(s):] = 1
+        else:
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Pool (B, T, d) hidden states over real tokens in float64; pad positions never contribute."""
+    h = hidden.to(torch.float64).masked_fill(~mask.bool().unsqueeze(-1), 0.0)
+    m = mask.to(torch.float64)
+    if pooling == "sgpt":
+        w = m.cumsum(1) * m
+    elif pooling == "mean":
+        w = m
+    elif pooling == "last":
+        w = (m.cumsum(1) == m.sum(1, keepdim=True)).to(torch.float64) * m
+    else:
+        raise MergescopeError(f"unknown pooling '{pooling}': choose one of {', '.join(POOLINGS)}")
+    w = w / w.sum(1, keepdim=True)
+    return torch.einsum("bt,btd->bd", w, h)
+
+
+def _pad_id(tokenizer) -> int:
+    for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def final_hidden(model, ids, mask, pos, layer: int) -> torch.Tensor:
+    """Hidden state ``layer`` of the base model; -1 = post-final-norm (the LM head's input)."""
+    base = model.base_model
+    out = base(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=layer != -1, use_cache=False)
+    if layer == -1:
+        return out.last_hidden_state
+    n = len(out.hidden_states)
+    if not -n <= layer < n:
+        raise MergescopeError(f"layer={layer} is out of range for a model with {n} hidden states (0..{n - 1}, or -1)")
+    return out.hidden_states[layer]
+
+
+@torch.inference_mode()
+def embed(
+    model,
+    tokenizer,
+    sentences: list[str] | tuple[str, ...],
+    pooling: str = "sgpt",
+    layer: int = -1,
+    batch_tokens: int = 8192,
+    max_length: int = 512,
+    padding_side: str = "right",
+    progress: bool = True,
+    label: str = "embed",
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """(n, d) float64 pooled representations in input order, plus stats."""
+    if pooling not in POOLINGS:
+        raise MergescopeError(f"unknown pooling '{pooling}': choose one of {', '.join(POOLINGS)}")
+    device = next(model.parameters()).device
+    ids, n_trunc = tokenize(tokenizer, sentences, max_length)
+    lengths = np.array([len(s) for s in ids])
+    out: np.ndarray | None = None
+    pad = _pad_id(tokenizer)
+    batches = length_batches(lengths, batch_tokens)
+    with bar() as pb:
+        task = pb.add_task(label, total=len(sentences), visible=progress)
+        for b in batches:
+            x, m, p = pad_batch([ids[i] for i in b], pad, padding_side, device)
+            pooled = pool(final_hidden(model, x, m, p, layer), m, pooling).cpu().numpy()
+            if out is None:
+                out = np.empty((len(sentences), pooled.shape[1]), dtype=np.float64)
+            out[b] = pooled
+            pb.advance(task, len(b))
+    assert out is not None
+    return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches)}
+
+
+@torch.inference_mode()
+def token_nll(
+    model, tokenizer, sentences, batch_tokens: int = 4096, max_length: int = 512, progress: bool = True, label: str = "nll"
+) -> dict[str, float]:
+    """Mean per-token NLL (nats) over every predicted token of every sentence, accumulated in float64."""
+    device = next(model.parameters()).device
+    ids, n_trunc = tokenize(tokenizer, sentences, max_length)
+    lengths = np.array([len(s) for s in ids])
+    total, count = 0.0, 0
+    with bar() as pb:
+        task = pb.add_task(label, total=len(sentences), visible=progress)
+        for b in length_batches(lengths, batch_tokens):
+            x, m, p = pad_batch([ids[i] for i in b], _pad_id(tokenizer), "right", device)
+            logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
+            valid = m[:, 1:].bool()
+            lp = torch.nn.functional.cross_entropy(
+                logits[:, :-1][valid].float(), x[:, 1:][valid], reduction="sum"
+            )
+            total += float(lp.double())
+            count += int(valid.sum())
+            pb.advance(task, len(b))
+    if count == 0:
+        raise MergescopeError("no token to predict: every sentence is a single token")
+    return {"nll": total / count, "n_tokens": count, "n_truncated": n_trunc}
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@dataclass(frozen=True)
+class ReprKey:
+    model: str  # fingerprint (local content or hub id@revision)
+    data: str  # digest of the sentences
+    lang: str
+    split: str
+    pooling: str
+    layer: int
+    dtype: str
+    max_length: int
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps({**self.__dict__, "v": CACHE_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class ReprCache:
+    """Pooled representations on disk by content key: <dir>/<digest>.npy and .json (metadata)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def _paths(self, key: ReprKey) -> tuple[Path, Path]:
+        return self.root / f"{key.digest}.npy", self.root / f"{key.digest}.json"
+
+    def get(self, key: ReprKey) -> tuple[np.ndarray, dict[str, Any]] | None:
+        npy, meta = self._paths(key)
+        if npy.is_file() and meta.is_file():
+            return np.load(npy), json.loads(meta.read_text())
+        return None
+
+    def put(self, key: ReprKey, value: np.ndarray, meta: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        npy, mpath = self._paths(key)
+        tmp = npy.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, value)
+        os.replace(tmp, npy)
+        mtmp = mpath.with_suffix(f".tmp{os.getpid()}")
+        mtmp.write_text(json.dumps({**meta, "key": key.__dict__, "created": time.time()}, indent=1))
+        os.replace(mtmp, mpath)

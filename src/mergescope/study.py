@@ -1,0 +1,87 @@
+"""task=study: run a study's sweep in-process (same jobs, same configs as ``-m``), then summarise.
+
+The study overlay's ``hydra.sweeper.params`` is the list of jobs; each job is composed exactly
+as the multirun would compose it (user overrides + the job's sweep values), so its cfg_hash,
+logged config and skip-if-done behaviour are identical to a ``python launch.py -m`` job.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from hydra import compose
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mergescope.errors import MergescopeError
+from mergescope.jobs import JobResult, model_label, run_measure, run_quality, run_train
+from mergescope.progress import console
+
+
+def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
+    """Cartesian product of the sweeper params, as lists of ``key=value`` overrides."""
+    parser = OverridesParser.create()
+    axes = []
+    for key, spec in params.items():
+        ov = parser.parse_override(f"{key}={spec}")
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
+        axes.append([f"{key}={v}" for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def _user_overrides(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").split("=")[0] in ("task",)]
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    return compose(config_name="config", overrides=overrides, return_hydra_config=False)
+
+
+def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    from mergescope import analysis
+
+    study_cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    params = OmegaConf.to_container(study_cfg.hydra.sweeper.params, resolve=False) or {}
+    if not params:
+        raise MergescopeError("this study defines no sweep (hydra.sweeper.params); pick one with study=<name>")
+    base = _user_overrides(overrides)
+    measure_jobs = [base + job for job in sweep_jobs(params)]
+    configs = [(_compose(o), o) for o in measure_jobs]
+
+    # Distinct models in the study, in first-seen order.
+    entries: dict[str, Any] = {}
+    for c, _ in configs:
+        for side in ("a", "b"):
+            entries.setdefault(model_label(c.pair[side]), c.pair[side])
+
+    # 1. train zoo models that are missing (reused afterwards)
+    train_results = {}
+    for label, entry in entries.items():
+        if entry.get("zoo") is not None:
+            tcfg, tov = _job_cfg(base + ["task=train"], entry)
+            if not (Path(str(entry.name_or_path)) / "main" / "config.json").is_file():
+                console.print(f"[bold]training zoo model[/] {label}")
+            train_results[label] = run_train(tcfg, tov)  # returns at once when already trained
+
+    # 2. quality per model, 3. every measure job
+    quality: dict[str, JobResult] = {}
+    for label, entry in entries.items():
+        qcfg, qov = _job_cfg(base + ["task=quality"], entry)
+        quality[label] = run_quality(qcfg, qov)
+    results: list[tuple[DictConfig, JobResult]] = []
+    for i, (c, o) in enumerate(configs, 1):
+        r = run_measure(c, o)
+        console.print(f"[{i}/{len(configs)}] {c.metric.name} {model_label(c.pair.a)} x {model_label(c.pair.b)}"
+                      f"{' (done before)' if r.skipped else ''}")
+        results.append((c, r))
+    return analysis.summarise_study(cfg, list(entries), results, quality, train_results, base)
+
+
+def _job_cfg(overrides: list[str], entry: Any) -> tuple[DictConfig, list[str]]:
+    """A single-model job's config: composed from the overrides, with ``model`` set to the entry."""
+    c = _compose(overrides)
+    with open_dict(c):
+        c.model = OmegaConf.create(OmegaConf.to_container(entry, resolve=True))
+    return c, overrides + [f"model={model_label(entry)}"]

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny models built in-process (seconds), the shared FLORES data, a Hydra composer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MERGESCOPE_DATA", REPO.parent / "shared" / "data"))
+FLORES = SHARED / "flores200"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def make_tokenizer(lines: list[str], vocab_size: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(lines, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+ARCHS = {
+    "gpt_neox": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+    "llama": dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96),
+    "mistral": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+}
+
+
+def make_model(family: str, vocab_size: int, seed: int = 0):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(ARCHS[family], vocab_size=vocab_size, max_position_embeddings=1024)
+    if family == "gpt_neox":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    return MistralForCausalLM(MistralConfig(**kw, sliding_window=None)).eval()
+
+
+def save_tiny(path: Path, family: str, lang: str, seed: int = 0, revisions: tuple[str, ...] = ()) -> Path:
+    lines = (FLORES / "dev" / f"{lang}.dev").read_text(encoding="utf-8").splitlines()
+    tok = make_tokenizer(lines, vocab_size=300 + 17 * seed)
+    model = make_model(family, len(tok), seed)
+    for folder in [path, *(path / r for r in revisions)]:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+        # perturb so that revisions differ
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "neox_en": save_tiny(root / "neox_en", "gpt_neox", "eng_Latn", seed=0, revisions=("step1", "step2")),
+        "llama_pt": save_tiny(root / "llama_pt", "llama", "por_Latn", seed=1),
+        "mistral_it": save_tiny(root / "mistral_it", "mistral", "ita_Latn", seed=2),
+    }
+
+
+@pytest.fixture()
+def compose_cfg(tmp_path):
+    """compose(overrides) -> config with paths under tmp_path (own MLflow store and cache)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import mergescope.config  # noqa: F401
+
+    GlobalHydra.instance().clear()
+    ctx = initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3")
+    ctx.__enter__()
+    base = [f"paths.root={tmp_path}", f"paths.data={SHARED}", "progress=false", "tracking.experiment=test"]
+
+    def _compose(overrides: list[str]):
+        return compose(config_name="config", overrides=base + overrides), base + overrides
+
+    yield _compose
+    ctx.__exit__(None, None, None)
+    GlobalHydra.instance().clear()
