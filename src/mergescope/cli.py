@@ -72,8 +72,19 @@ def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
 
 def run(cfg: DictConfig):
     """The Hydra app body: one-line error and exit 2 on bad input."""
+    from mergescope.jobs import JobResult
+
     try:
-        dispatch(cfg)
+        result = dispatch(cfg)
     except MergescopeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    if isinstance(result, JobResult):
+        print(report(result))
+
+
+def report(result) -> str:
+    head = (f"skipped: FINISHED run {result.run_id} has the same cfg_hash {result.cfg_hash} (rerun=true to run again)"
+            if result.skipped else f"run {result.run_id} FINISHED (cfg_hash {result.cfg_hash})")
+    body = ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items()))
+    return f"{head}\n  {body}"

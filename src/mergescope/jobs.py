@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from rich.table import Table
 
 from mergescope import data as data_mod
 from mergescope import models
@@ -61,11 +60,8 @@ def _check_represent(cfg: DictConfig) -> None:
 
 
 def show_true_config(label: str, tc: dict[str, Any]) -> None:
-    t = Table(title=f"{label}: true config", show_header=True)
-    for k in tc:
-        t.add_column(k)
-    t.add_row(*[str(v) for v in tc.values()])
-    console.print(t)
+    """One line per loaded model: what its config really says (cards can lie)."""
+    console.print(f"[bold]{label}[/] true config: " + ", ".join(f"{k}={v}" for k, v in tc.items()))
 
 
 def representations(cfg: DictConfig, entry: Any, side: data_mod.Side) -> tuple[np.ndarray, dict[str, Any]]:

@@ -12,6 +12,13 @@ import torch
 
 from mergescope.errors import MergescopeError
 
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -130,6 +137,7 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto
     """A causal LM in eval mode: safetensors only, no remote code, explicit dtype, on ``device``."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             ref.location,

@@ -39,6 +39,8 @@ def store_uri(cfg: DictConfig) -> tuple[str, str]:
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
+    for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 
@@ -99,7 +101,8 @@ class Tracker:
         """Create a run, log config, yield a Job; FINISHED on success, FAILED on any exception."""
         from mlflow.entities import Param
 
-        tags = {k: str(v) for k, v in tags.items() if v is not None}
+        extra = cfg.get("tags") or {}
+        tags = {k: str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         job = Job(self.client, run.info.run_id)

@@ -49,7 +49,7 @@ TRAIN_KEYS = (
     "eval_batches",
 )
 # Keys that change nothing about the trained weights (excluded from the run fingerprint).
-_NON_TRAINING_KEYS = ("eval_batches", "log_every", "stop_after", "device")
+_NON_TRAINING_KEYS = ("eval_batches", "log_every", "stop_after", "device", "num_threads")
 
 SUMMARY_FILE = "summary.json"
 STATE_DIR = "train_state"
@@ -347,10 +347,18 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 def _save_checkpoint(model, tokenizer, out_dir: Path, name: str) -> None:
     """model + tokenizer (safetensors) to ``out_dir/name``, written to a temp folder first so
     that a half-written checkpoint never looks like a finished one."""
+    from transformers.utils import logging as hf_logging
+
     tmp = out_dir / f".{name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     _replace_dir(tmp, out_dir / name)
 
@@ -439,9 +447,10 @@ def train_model(
     """Train one zoo model from scratch (or resume it) and return its summary.
 
     ``entry`` is a model entry (``name``, ``lang``, ``zoo: {family, vocab_size, ...arch}``);
-    ``train`` holds the hyperparameters (:data:`TRAIN_KEYS`; optional ``log_every`` (10),
-    ``device`` (auto) and ``stop_after`` (stop after that many steps, to simulate an
-    interruption; the summary then has ``finished: False``)).
+    ``train`` holds the hyperparameters (:data:`TRAIN_KEYS`; optional: ``log_every`` (10),
+    ``device`` (auto), ``num_threads`` (CPU threads; null = torch's default) and
+    ``stop_after`` (stop after that many steps, to simulate an interruption; the returned
+    summary then has ``finished: False``)).
 
     Writes ``out_dir/step<N>/`` at :func:`checkpoint_steps` (``step0`` = initialisation),
     ``out_dir/main/`` (= the last step), ``out_dir/train_state/`` and ``out_dir/summary.json``.
@@ -449,6 +458,17 @@ def train_model(
     """
     entry, train = dict(_plain(entry)), dict(_plain(train))
     _check_train(train)
+    threads = torch.get_num_threads()
+    if train.get("num_threads"):
+        torch.set_num_threads(int(train["num_threads"]))
+    try:
+        return _train(entry, train, Path(text_root), Path(out_dir), log, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(entry: dict, train: dict, text_root: Path, out: Path, log, progress: bool) -> dict:
+    """The body of :func:`train_model` (arguments already checked and converted)."""
     for key in ("name", "lang", "zoo"):
         if key not in entry:
             raise MergescopeError(f"the zoo model entry lacks '{key}'; see conf/model/zoo-*.yaml")
@@ -456,7 +476,6 @@ def train_model(
     if "vocab_size" not in zoo or "family" not in zoo:
         raise MergescopeError(f"model {entry['name']}: zoo needs 'family' and 'vocab_size'")
     name, lang = str(entry["name"]), str(entry["lang"])
-    out = Path(out_dir)
     fingerprint = _fingerprint(entry, train)
 
     # A finished run: return its summary (refusing one trained with other settings).

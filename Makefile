@@ -1,0 +1,50 @@
+# mergescope — set-up and common entry points. `make` = install + fetch data + run the main job.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+SHARED ?= ../shared/data
+PORT   ?= 5000
+RUN    ?=
+
+.PHONY: all install run test test-fast data ui reproduce bench clean-cache
+
+all: install data run
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q 'torch==2.13.0'
+	$(PIP) install -q 'setuptools<81'
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) launch.py
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+# Copy the shared offline data into ./data (ignored by git), or say what to put where.
+data:
+	@if [ -d data/flores200 ]; then echo "data/ is present"; \
+	elif [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/"; \
+	else $(PY) -m mergescope.fetch_data data; fi
+
+# MLflow UI over the project's store, on loopback only.
+ui: install
+	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlruns/mlflow.db" \
+	  --default-artifact-root "file://$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(PORT)
+
+reproduce: install
+	@test -n "$(RUN)" || (echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2)
+	$(PY) -m mergescope.reproduce $(RUN)
+
+bench: install
+	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean-cache:
+	rm -rf .cache/mergescope

@@ -1,0 +1,74 @@
+"""Re-run a logged job from its resolved config and say whether the metrics agree.
+
+    python -m mergescope.reproduce <run_id> [--root .] [--rtol 1e-6] [--atol 1e-9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf, open_dict
+
+import mergescope.config  # noqa: F401
+from mergescope.errors import MergescopeError
+
+
+def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e-9) -> tuple[bool, list[tuple[str, float, float, bool]]]:
+    from mergescope.cli import dispatch
+    from mergescope.tracking import _client, resolved_config_of, store_uri
+
+    uri, _ = store_uri(OmegaConf.create({"paths": {"root": str(Path(root).resolve())}, "tracking": {}}))
+    client = _client(uri)
+    try:
+        original = client.get_run(run_id)
+    except Exception as exc:
+        raise MergescopeError(f"no run '{run_id}' in {uri}; copy a run id from the MLflow UI (make ui)") from exc
+    kind = original.data.tags.get("kind")
+    if kind not in ("measure", "quality", "train"):
+        raise MergescopeError(f"run {run_id} is a '{kind}' run; reproduce takes a measure, quality or train run")
+    cfg = resolved_config_of(client, run_id)
+    with open_dict(cfg):
+        cfg.rerun = True
+        cfg.tags = {**(cfg.get("tags") or {}), "reproduces": run_id}
+    result = dispatch(cfg, overrides=[f"reproduce={run_id}"])
+    rows = []
+    for key, old in sorted(original.data.metrics.items()):
+        new = result.metrics.get(key)
+        if new is None or key in ("seconds", "tokens_per_s"):
+            continue
+        ok = math.isclose(old, new, rel_tol=rtol, abs_tol=atol)
+        rows.append((key, old, new, ok))
+    return all(r[3] for r in rows), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_id")
+    p.add_argument("--root", default=".")
+    p.add_argument("--rtol", type=float, default=1e-6)
+    p.add_argument("--atol", type=float, default=1e-9)
+    a = p.parse_args(argv)
+    try:
+        ok, rows = reproduce(a.run_id, a.root, a.rtol, a.atol)
+    except MergescopeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    from rich.table import Table
+
+    from mergescope.progress import console
+
+    t = Table(title=f"reproduce {a.run_id}")
+    for c in ("metric", "logged", "rerun", "agree"):
+        t.add_column(c)
+    for k, old, new, good in rows:
+        t.add_row(k, f"{old:.10g}", f"{new:.10g}", "yes" if good else "[red]NO[/]")
+    console.print(t)
+    print("reproduced: all metrics agree" if ok else "NOT reproduced: some metrics differ")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""End to end through launch.py: a -m sweep on two tiny models given by path, read back from MLflow;
+the reproduce path; every bad input gives one line, a non-zero exit and no RUNNING run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import FLORES, REPO, SHARED
+
+pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+N = 150
+
+
+def launch(args: list[str], root: Path, module: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGESCOPE_DATA": str(SHARED)}
+    cmd = [sys.executable, "-m", module] if module else [sys.executable, str(REPO / "launch.py")]
+    base = [] if module else [f"paths.root={root}", "progress=false", f"hydra.run.dir={root}/outputs/run", f"hydra.sweep.dir={root}/multirun"]
+    return subprocess.run(cmd + args + base, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+
+
+def pair_args(models, a="neox_en", b="llama_pt", la="eng_Latn", lb="por_Latn"):
+    return ["pair=custom", f"pair.a.name_or_path={models[a]}", f"pair.a.lang={la}",
+            f"pair.b.name_or_path={models[b]}", f"pair.b.lang={lb}", f"data.max_sentences={N}"]
+
+
+def runs(root: Path, experiment="toy"):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db")
+    exp = c.get_experiment_by_name(experiment)
+    return [] if exp is None else c.search_runs([exp.experiment_id], filter_string="", max_results=1000)
+
+
+def outside_sgpt(path: Path, lang: str) -> np.ndarray:
+    """Representations computed without the project: unpadded forward per sentence, SGPT weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sents = (FLORES / "devtest" / f"{lang}.devtest").read_text(encoding="utf-8").splitlines()[:N]
+    out = []
+    with torch.no_grad():
+        for s in sents:
+            ids = tok(s)["input_ids"]
+            h = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].double().numpy()
+            w = np.arange(1, len(ids) + 1, dtype=np.float64)
+            out.append((w[:, None] * h).sum(0) / w.sum())
+    return np.array(out)
+
+
+def np_cka(X, Y):
+    X, Y = X - X.mean(0), Y - Y.mean(0)
+    return np.linalg.norm(Y.T @ X) ** 2 / (np.linalg.norm(X.T @ X) * np.linalg.norm(Y.T @ Y))
+
+
+def np_procrustes(X, Y):
+    X, Y = X - X.mean(0), Y - Y.mean(0)
+    X, Y = X / np.linalg.norm(X), Y / np.linalg.norm(Y)
+    return np.linalg.svd(Y.T @ X, compute_uv=False).sum()
+
+
+def test_sweep_readback_reproduce(tiny_models, tmp_path):
+    p = launch(["-m", "task=measure", "metric=cka,procrustes,svcca,retrieval,mutual_knn", *pair_args(tiny_models)], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rs = runs(tmp_path)
+    assert len(rs) == 5 and all(r.info.status == "FINISHED" for r in rs)
+    by = {r.data.tags["metric"]: r for r in rs}
+    for r in rs:
+        assert r.data.tags["kind"] == "measure" and r.data.tags["cfg_hash"]
+        assert r.data.params["pair.a.lang"] == "eng_Latn" and r.data.params["model_a.true.model_type"] == "gpt_neox"
+        assert r.data.params["model_b.true.model_type"] == "llama"
+    X = outside_sgpt(tiny_models["neox_en"], "eng_Latn")
+    Y = outside_sgpt(tiny_models["llama_pt"], "por_Latn")
+    m = by["cka"].data.metrics
+    assert m["cka"] == pytest.approx(np_cka(X, Y), abs=1e-5)
+    assert m["cka_ci_low"] < m["cka"] < m["cka_ci_high"]
+    perm = np.random.default_rng(0).permutation(N)
+    assert m["cka_shuffled"] == pytest.approx(np_cka(X, Y[perm]), abs=1e-5)
+    assert by["procrustes"].data.metrics["procrustes"] == pytest.approx(np_procrustes(X, Y), abs=1e-5)
+    assert set(by["retrieval"].data.metrics) >= {"retrieval_p1", "retrieval_p1_shuffled", "retrieval_chance", "retrieval_p1_ab", "retrieval_p1_ba"}
+    assert by["retrieval"].data.metrics["retrieval_chance"] == pytest.approx(1 / 75)
+
+    # a second launch with the same config is skipped (skip-if-done), no new run
+    p2 = launch(["task=measure", "metric=cka", *pair_args(tiny_models)], tmp_path)
+    assert p2.returncode == 0 and "skipped" in p2.stdout
+    assert len(runs(tmp_path)) == 5
+
+    # reproduce from the logged config
+    rid = by["svcca"].info.run_id
+    p3 = launch([rid, "--root", str(tmp_path)], tmp_path, module="mergescope.reproduce")
+    assert p3.returncode == 0, p3.stdout + p3.stderr
+    assert "reproduced: all metrics agree" in p3.stdout
+    new = [r for r in runs(tmp_path) if r.data.tags.get("reproduces") == rid]
+    assert len(new) == 1 and new[0].data.metrics["svcca"] == pytest.approx(by["svcca"].data.metrics["svcca"], abs=1e-12)
+
+
+def bad_inputs(models, tmp: Path):
+    mis = tmp / "misaligned"
+    mis.mkdir()
+    (mis / "eng_Latn.txt").write_text("a\nb\nc\n")
+    (mis / "por_Latn.txt").write_text("a\nb\n")
+    return {
+        "unknown model": (["task=quality", "model=zoo-neox-enn"], "unknown model 'zoo-neox-enn': did you mean 'zoo-neox-en'?"),
+        "unknown metric": (["task=measure", "metric=ckaa"], "unknown metric 'ckaa': did you mean 'cka'?"),
+        "unknown data": (["task=measure", "data=flores20"], "unknown data 'flores20': did you mean 'flores200'?"),
+        "missing local path": (["task=measure", *pair_args(models), f"pair.a.name_or_path={tmp}/nope"], "does not exist"),
+        "hub unreachable": (["task=measure", *pair_args(models), "pair.a.name_or_path=EleutherAI/pythia-1.4b"], "hub"),
+        "misaligned": (["task=measure", *pair_args(models), "data=folder", f"data.root={mis}"], "misaligned"),
+        "same model": (["task=measure", *pair_args(models, b="neox_en", lb="eng_Latn")], "same model"),
+        "missing language": (["task=measure", *pair_args(models, lb="xho_Latn")], "language 'xho_Latn' is not in"),
+        "bad pooling": (["task=measure", *pair_args(models), "represent.pooling=max"], "unknown represent.pooling"),
+    }
+
+
+def test_bad_inputs_one_line_nonzero_no_run(tiny_models, tmp_path):
+    cases = bad_inputs(tiny_models, tmp_path)
+    with ThreadPoolExecutor(max_workers=3) as pool:  # each is a separate process; run a few at once
+        done = dict(zip(cases, pool.map(lambda a: launch(a[0], tmp_path), cases.values())))
+    for name, (args, expect) in cases.items():
+        p = done[name]
+        err = [line for line in p.stderr.strip().splitlines() if line.strip()]
+        assert p.returncode == 2, (name, p.returncode, p.stderr[-1500:])
+        assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], (name, err)
+    assert runs(tmp_path) == []  # nothing was started, so nothing RUNNING or half-written
