@@ -141,3 +141,50 @@ def Console_to_text(tables: list[Table]) -> str:  # noqa: N802
     for t in tables:
         c.print(t)
     return c.export_text()
+
+
+def latest_by_hash(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (pair, metric): the most recent FINISHED run (records come newest first)."""
+    seen, out = set(), []
+    for r in records:
+        key = (r.get("tag.pair"), r.get("tag.metric"))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the CKA matrix and the matched/shuffled table of an experiment, from MLflow alone.
+
+    python -m mergescope.analysis [--experiment toy] [--root .]
+    """
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    p = argparse.ArgumentParser(description="Tables of an experiment's measure runs, read from MLflow.")
+    p.add_argument("--experiment", default="toy")
+    p.add_argument("--root", default=".")
+    a = p.parse_args(argv)
+    cfg = OmegaConf.create({"paths": {"root": a.root}, "tracking": {"experiment": a.experiment}})
+    tracker = Tracker(cfg)
+    runs = tracker.runs("tags.kind = 'measure'")
+    records = latest_by_hash([{"run_id": r.info.run_id, **{f"tag.{k}": v for k, v in r.data.tags.items()}, **r.data.metrics} for r in runs])
+    if not records:
+        print(f"no FINISHED measure runs in experiment '{a.experiment}'")
+        return 1
+    models: list[str] = []
+    for r in records:
+        for k in ("tag.model_a", "tag.model_b"):
+            if r[k] not in models:
+                models.append(r[k])
+    console.print(_matrix_table(cka_matrix(records, models), models))
+    console.print(pair_table(records)[0])
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
