@@ -102,7 +102,7 @@ def _needs_model(cfg: DictConfig, entry: Any, side: data_mod.Side) -> None:
 def check_measure(cfg: DictConfig) -> tuple[Any, dict[str, Any], data_mod.Side, data_mod.Side]:
     a, b = cfg.pair.a, cfg.pair.b
     ref_a, ref_b = models.resolve(a), models.resolve(b)
-    if (ref_a.location, ref_a.revision) == (ref_b.location, ref_b.revision):
+    if (ref_a.location, ref_a.revision or "main") == (ref_b.location, ref_b.revision or "main"):
         raise MergescopeError(
             f"pair.a and pair.b are the same model ({ref_a.label}); a pair needs two different models or revisions"
         )
@@ -116,6 +116,14 @@ def check_measure(cfg: DictConfig) -> tuple[Any, dict[str, Any], data_mod.Side, 
     return entry, kwargs, side_a, side_b
 
 
+def _finished(cfg: DictConfig, tracker: Tracker, h: str) -> JobResult | None:
+    """The FINISHED run with this cfg_hash, as a skipped result (unless rerun=true)."""
+    if cfg.rerun:
+        return None
+    done = tracker.find_finished(h)
+    return None if done is None else JobResult(done.info.run_id, True, dict(done.data.metrics), h)
+
+
 def _log_true_config(job, prefix: str, meta: dict[str, Any]) -> None:
     if "true_config" in meta:
         job.log_params({f"{prefix}.true": meta["true_config"]})
@@ -125,10 +133,8 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     entry, kwargs, side_a, side_b = check_measure(cfg)
     h = job_hash("measure", cfg, MEASURE_KEYS)
     tracker = Tracker(cfg)
-    if not cfg.rerun:
-        done = tracker.find_finished(h)
-        if done is not None:
-            return JobResult(done.info.run_id, True, dict(done.data.metrics), h)
+    if (done := _finished(cfg, tracker, h)) is not None:
+        return done
     a, b = cfg.pair.a, cfg.pair.b
     tags = {
         "kind": "measure", "pair": pair_label(cfg), "model_a": model_label(a), "model_b": model_label(b),
@@ -162,10 +168,8 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         models._hub_kwargs(ref)
     h = job_hash("quality", cfg, QUALITY_KEYS)
     tracker = Tracker(cfg)
-    if not cfg.rerun:
-        done = tracker.find_finished(h)
-        if done is not None:
-            return JobResult(done.info.run_id, True, dict(done.data.metrics), h)
+    if (done := _finished(cfg, tracker, h)) is not None:
+        return done
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "cfg_hash": h,
             "data": cfg.data.name, "split": cfg.data.split, "seed": cfg.seed}
     with tracker.start(cfg, f"quality:{model_label(entry)}", tags, overrides) as job:
@@ -190,10 +194,8 @@ def run_train(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     out = Path(str(entry.name_or_path)).expanduser().resolve()
     h = job_hash("train", cfg, TRAIN_KEYS)
     tracker = Tracker(cfg)
-    if not cfg.rerun:
-        done = tracker.find_finished(h)
-        if done is not None and (out / "main" / "config.json").is_file():
-            return JobResult(done.info.run_id, True, dict(done.data.metrics), h)
+    if (done := _finished(cfg, tracker, h)) is not None and (out / "main" / "config.json").is_file():
+        return done
     tags = {"kind": "train", "model": model_label(entry), "lang": entry.lang, "cfg_hash": h, "seed": cfg.train.seed}
     with tracker.start(cfg, f"train:{model_label(entry)}", tags, overrides) as job:
         summary = zoo.train_model(

@@ -1,0 +1,53 @@
+"""The default main job, end to end: a micro zoo (a few dozen training steps) through study=toy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import FLORES, SHARED
+from test_e2e import launch, runs
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba").is_dir() or not FLORES.is_dir(), reason="shared data not found")]
+
+MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160"]
+
+
+def test_default_study_on_micro_zoo(tmp_path: Path):
+    p = launch(MICRO, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rs = runs(tmp_path, "toy")
+    kinds = [r.data.tags["kind"] for r in rs]
+    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50
+    assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
+    # the section-3 matrix is printed and logged
+    assert "lower = matched" in p.stderr + p.stdout
+    analysis = next(r for r in rs if r.data.tags["kind"] == "analysis")
+    assert analysis.data.metrics["pairs_cka"] == 10
+    art = tmp_path / "mlruns" / "artifacts" / "toy" / analysis.info.run_id / "artifacts"
+    assert (art / "tables" / "cka_matrix.csv").is_file() and (art / "figures" / "cka_matched_vs_shuffled.png").is_file()
+    # checkpoints: at least 12 per model, addressed like hub revisions
+    for r in (r for r in rs if r.data.tags["kind"] == "train"):
+        folder = tmp_path / "zoo" / r.data.tags["model"]
+        steps = sorted(int(d.name[4:]) for d in folder.glob("step*") if (d / "config.json").is_file())
+        assert len(steps) >= 12 and steps[:4] == [0, 1, 2, 4] and steps[-1] == 40
+        assert (folder / "main" / "config.json").is_file()
+    # every measure has its control; quality runs carry a finite NLL
+    for r in rs:
+        if r.data.tags["kind"] == "measure":
+            key = {"retrieval": "retrieval_p1"}.get(r.data.tags["metric"], r.data.tags["metric"])
+            assert key in r.data.metrics and f"{key}_shuffled" in r.data.metrics
+        if r.data.tags["kind"] == "quality":
+            assert 0 < r.data.metrics["nll"] < 20
+
+    # a revision of the zoo is addressed exactly like a hub revision
+    q = launch(["task=quality", "model=zoo-neox-en", "model.revision=step8", *MICRO], tmp_path)
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert "zoo-neox-en@step8" in q.stdout + q.stderr or any(
+        r.data.tags.get("model") == "zoo-neox-en@step8" for r in runs(tmp_path, "toy"))
+
+    # second run: everything reused, only a new analysis run
+    p2 = launch(MICRO, tmp_path)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
+    assert kinds2.count("measure") == 50 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
