@@ -59,6 +59,7 @@ MICRO_TRAIN = {
     "eval_batches": 8,
     "log_every": 5,
     "device": "cpu",
+    "num_threads": 1,  # micro tensors: threads only add overhead (and contention on CI)
 }
 
 ZH_STRINGS = ["汤姆不在家。", "我们明天去北京吧？", "她说：“你好，世界！” 123", "龘靐齉"]

@@ -192,6 +192,10 @@ def run_train(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     if entry is None or entry.get("zoo") is None:
         raise MergescopeError("task=train needs a zoo model: add model=<zoo-*> (a conf/model/ entry with a zoo: section)")
     out = Path(str(entry.name_or_path)).expanduser().resolve()
+    zoo.check_train(OmegaConf.to_container(cfg.train, resolve=True))
+    text = Path(str(cfg.paths.mono)) / f"{entry.lang}.txt"
+    if not text.is_file():
+        raise MergescopeError(f"no training text {text}; run `make data` or set paths.mono=<folder with <lang>.txt>")
     h = job_hash("train", cfg, TRAIN_KEYS)
     tracker = Tracker(cfg)
     if (done := _finished(cfg, tracker, h)) is not None and (out / "main" / "config.json").is_file():

@@ -396,7 +396,7 @@ def _pick_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def _check_train(train: dict) -> None:
+def check_train(train: dict) -> None:
     missing = [k for k in TRAIN_KEYS if k not in train]
     if missing:
         raise MergescopeError(
@@ -457,7 +457,7 @@ def train_model(
     A finished run returns its saved summary without training.
     """
     entry, train = dict(_plain(entry)), dict(_plain(train))
-    _check_train(train)
+    check_train(train)
     threads = torch.get_num_threads()
     if train.get("num_threads"):
         torch.set_num_threads(int(train["num_threads"]))
@@ -632,8 +632,11 @@ def _train(entry: dict, train: dict, text_root: Path, out: Path, log, progress: 
         )
 
     # main/ = the last step; the summary is written last and marks the run as done.
-    shutil.copytree(out / f"step{steps}", out / ".main.tmp", dirs_exist_ok=True)
-    _replace_dir(out / ".main.tmp", out / "main")
+    tmp_main = out / ".main.tmp"
+    if tmp_main.exists():
+        shutil.rmtree(tmp_main)
+    shutil.copytree(out / f"step{steps}", tmp_main)
+    _replace_dir(tmp_main, out / "main")
     seconds = seconds_before + (time.perf_counter() - t_start)
     summary = {
         "name": name,
