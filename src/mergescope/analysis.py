@@ -63,8 +63,11 @@ def _matrix_csv(M: np.ndarray, models: list[str]) -> str:
 
 
 def _matrix_figure(M: np.ndarray, models: list[str]):
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -411,24 +411,14 @@ def check_train(train: dict) -> None:
 
 
 def _progress(enabled: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import TextColumn
 
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        disable=not enabled,
-    )
+    from mergescope.progress import bar
+
+    p = bar(transient=False)
+    p.columns = (*p.columns[:3], TextColumn("{task.fields[info]}"), *p.columns[3:])
+    p.disable = not enabled
+    return p
 
 
 # --------------------------------------------------------------------------------------------

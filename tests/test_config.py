@@ -1,0 +1,73 @@
+"""Config groups compose, studies expand to their jobs, plug-in YAMLs match their functions."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+from omegaconf import OmegaConf
+
+from mergescope.cli import check_argv, options
+from mergescope.errors import MergescopeError
+from mergescope.registry import metrics
+from mergescope.study import sweep_jobs
+
+REAL = {"pythia-1.4b": ("EleutherAI/pythia-1.4b", "eng_Latn"), "zh-pythia-1.4b": ("SJTU-CL/Zh-Pythia-1.4B", "zho_Hans"),
+        "tucano-1b1": ("TucanoBR/Tucano-1b1", "por_Latn"), "bielik-1.5b-v3": ("speakleash/Bielik-1.5B-v3", "pol_Latn"),
+        "minerva-1b": ("sapienzanlp/Minerva-1B-base-v1.0", "ita_Latn")}
+
+
+@pytest.mark.parametrize("study,n_models", [("toy", 5), ("crossarch_1b", 5)])
+def test_study_sweeps_ten_pairs_and_every_metric(compose_cfg, study, n_models):
+    from hydra import compose
+
+    cfg, ov = compose_cfg([f"study={study}"])
+    full = compose(config_name="config", overrides=ov, return_hydra_config=True)
+    jobs = sweep_jobs(OmegaConf.to_container(full.hydra.sweeper.params))
+    assert len(jobs) == 10 * 5 and all("task=measure" in j for j in jobs)
+    pairs = {o for j in jobs for o in j if o.startswith("pair=")}
+    assert len(pairs) == n_models * (n_models - 1) // 2
+    assert cfg.tracking.experiment == study
+    if study == "crossarch_1b":
+        for p in pairs:
+            c, _ = compose_cfg(["study=crossarch_1b", p, "task=measure"])
+            for side in (c.pair.a, c.pair.b):
+                assert (side.name_or_path, side.lang) == REAL[side.name]
+                assert side.revision is None and side.dtype == "float32"
+
+
+def test_model_and_metric_files_follow_their_contracts(compose_cfg):
+    for name in options("model"):
+        if name == "custom":
+            continue
+        c, _ = compose_cfg([f"model={name}", "task=quality"])
+        assert {"name_or_path", "revision", "lang", "dtype"} <= set(c.model) and c.model.name == name
+    for name in options("metric"):
+        c, _ = compose_cfg([f"metric={name}"])
+        entry = metrics.get(c.metric.name)
+        entry.check_kwargs({k: v for k, v in c.metric.items() if k != "name"})
+        # every keyword of the function (but device) is in the YAML, so the logged config is complete
+        assert set(entry.params) - {"device"} == set(c.metric) - {"name"}
+    assert set(options("metric")) == set(metrics.names())
+
+
+def test_paths_and_tracking_defaults(compose_cfg, tmp_path):
+    c, _ = compose_cfg([])
+    assert c.task.name == "study" and c.tracking.experiment == "toy"
+    assert c.paths.zoo == f"{tmp_path}/zoo" and c.pair.a.name_or_path == f"{tmp_path}/zoo/zoo-neox-en"
+    assert c.represent.pooling == "sgpt" and c.represent.layer == -1 and c.metric.n_blocks == 50
+    from mergescope.tracking import store_uri
+
+    uri, art = store_uri(c)
+    assert uri == f"sqlite:///{tmp_path}/mlruns/mlflow.db" and art.endswith("/mlruns/artifacts")
+
+
+def test_unknown_options_get_did_you_mean():
+    conf = REPO / "conf"
+    check_argv(["metric=cka,svcca", "pair=custom", "-m", "data.split=dev"], conf)
+    for args, msg in [(["metric=cka,svca"], "unknown metric 'svca': did you mean 'svcca'?"),
+                      (["model=pythia-1.4"], "did you mean 'pythia-1.4b'?"),
+                      (["study=toyy"], "did you mean 'toy'?"),
+                      (["data=choice(flores200,pudd)"], "did you mean 'pud'?")]:
+        with pytest.raises(MergescopeError) as e:
+            check_argv(args, conf)
+        assert msg in str(e.value) and "\n" not in str(e.value)
