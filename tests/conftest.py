@@ -85,7 +85,7 @@ def compose_cfg(tmp_path):
     GlobalHydra.instance().clear()
     ctx = initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3")
     ctx.__enter__()
-    base = [f"paths.root={tmp_path}", f"paths.data={SHARED}", "progress=false", "tracking.experiment=test"]
+    base = [f"paths.root={tmp_path}", f"paths.data={SHARED}", "progress=false"]
 
     def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=base + overrides), base + overrides
