@@ -38,3 +38,34 @@ def test_folder_layout_and_errors(tmp_path):
     (tmp_path / "pol_Latn.txt").write_text("raz\n\ntrzy\n", encoding="utf-8")
     with pytest.raises(MergescopeError, match="empty line at line 2"):
         load_side(cfg(tmp_path, "all"), "pol_Latn")
+
+
+def test_flores_plus_from_the_hub_maps_codes(monkeypatch):
+    """FLORES+ goes through `datasets` with FLORES+ codes (zho_Hans -> cmn_Hans); no network here."""
+    import datasets
+
+    import mergescope.hub as hub
+
+    calls = []
+
+    def fake_load(hub_id, code, split, revision=None):
+        calls.append((hub_id, code, split))
+        return {"text": [f"{code} sentence {i}" for i in range(4)]}
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    c = OmegaConf.create({"source": "hub", "hub_id": "openlanguagedata/flores_plus", "split": "devtest",
+                          "revision": None, "text_field": "text", "max_sentences": None})
+    a, b = load_parallel(c, "eng_Latn", "zho_Hans")
+    assert calls == [("openlanguagedata/flores_plus", "eng_Latn", "devtest"), ("openlanguagedata/flores_plus", "cmn_Hans", "devtest")]
+    assert b.sentences[0] == "cmn_Hans sentence 0" and b.source.startswith("hf://")
+
+
+def test_hub_unreachable_is_one_line(monkeypatch):
+    import mergescope.hub as hub
+
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
+    c = OmegaConf.create({"source": "hub", "hub_id": "openlanguagedata/flores_plus", "split": "devtest", "max_sentences": None})
+    with pytest.raises(MergescopeError, match="unreachable") as e:
+        load_side(c, "eng_Latn")
+    assert "\n" not in str(e.value)
