@@ -81,7 +81,7 @@ def representations(cfg: DictConfig, entry: Any, side: data_mod.Side) -> tuple[n
     tc = models.true_config(model)
     show_true_config(ref.label, tc)
     X, stats = embed(
-        model, tok, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=int(r.batch_tokens),
+        model, tok, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
         max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
     )
     meta = {"true_config": tc, **stats}
@@ -178,7 +178,7 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         tc = models.true_config(model)
         show_true_config(ref.label, tc)
         job.log_params({"model.true": tc})
-        res = token_nll(model, tok, side.sentences, batch_tokens=int(cfg.represent.batch_tokens) // 2,
+        res = token_nll(model, tok, side.sentences, batch_tokens=cfg.represent.batch_tokens,
                         max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
         values = {"nll": res["nll"], "n_tokens": float(res["n_tokens"]), "n_truncated": float(res["n_truncated"])}
         job.log_metrics(values)
