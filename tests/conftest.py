@@ -15,6 +15,10 @@ FLORES = SHARED / "flores200"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from mergescope.models import quiet_transformers  # noqa: E402
+
+quiet_transformers()
+
 
 def make_tokenizer(lines: list[str], vocab_size: int = 300):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -3,6 +3,7 @@ the reproduce path; every bad input gives one line, a non-zero exit and no RUNNI
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,9 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
         assert r.data.tags["kind"] == "measure" and r.data.tags["cfg_hash"]
         assert r.data.params["pair.a.lang"] == "eng_Latn" and r.data.params["model_a.true.model_type"] == "gpt_neox"
         assert r.data.params["model_b.true.model_type"] == "llama"
+    # one forward pass per side for the whole sweep: every later job read the representation cache
+    assert sorted(r.data.params["cache_a"] for r in rs) == ["hit"] * 4 + ["miss"]
+    assert sorted(r.data.params["cache_b"] for r in rs) == ["hit"] * 4 + ["miss"]
     X = outside_sgpt(tiny_models["neox_en"], "eng_Latn")
     Y = outside_sgpt(tiny_models["llama_pt"], "por_Latn")
     m = by["cka"].data.metrics
@@ -129,3 +133,20 @@ def test_bad_inputs_one_line_nonzero_no_run(tiny_models, tmp_path):
         assert p.returncode == 2, (name, p.returncode, p.stderr[-1500:])
         assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], (name, err)
     assert runs(tmp_path) == []  # nothing was started, so nothing RUNNING or half-written
+
+
+def test_exception_marks_the_run_failed(tiny_models, compose_cfg, monkeypatch):
+    from mergescope.jobs import run_measure
+    from mergescope.registry import metrics
+
+    entry = metrics.get("procrustes")
+
+    def broken(X, Y, device="auto"):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(metrics._entries, "procrustes", dataclasses.replace(entry, fn=broken))
+    cfg, ov = compose_cfg(["task=measure", "metric=procrustes", *pair_args(tiny_models)])
+    with pytest.raises(RuntimeError, match="boom"):
+        run_measure(cfg, ov)
+    rs = runs(Path(cfg.paths.root))
+    assert [r.info.status for r in rs] == ["FAILED"]
