@@ -21,36 +21,24 @@ quiet_transformers()
 
 
 def make_tokenizer(lines: list[str], vocab_size: int = 300):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The zoo's byte-level BPE tokenizer, trained on a few lines."""
+    from mergescope.zoo import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(lines, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+    return train_tokenizer(lines, vocab_size)
 
 
 ARCHS = {
     "gpt_neox": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
     "llama": dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96),
-    "mistral": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+    "mistral": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, sliding_window=None),
 }
 
 
 def make_model(family: str, vocab_size: int, seed: int = 0):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """A tiny randomly initialised model of one family, built by the zoo's builder."""
+    from mergescope.zoo import build_model
 
-    torch.manual_seed(seed)
-    kw = dict(ARCHS[family], vocab_size=vocab_size, max_position_embeddings=1024)
-    if family == "gpt_neox":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
-    if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
-    return MistralForCausalLM(MistralConfig(**kw, sliding_window=None)).eval()
+    return build_model({"family": family, **ARCHS[family], "max_position_embeddings": 1024}, vocab_size, seed).eval()
 
 
 def save_tiny(path: Path, family: str, lang: str, seed: int = 0, revisions: tuple[str, ...] = ()) -> Path:

@@ -128,7 +128,7 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
         buf = io.StringIO()
         csv.writer(buf).writerows([["pair"] + [k for _, k in REPR_METRICS]] + prows)
         job.log_text(buf.getvalue(), "tables/pairs_matched_shuffled.csv")
-        console_text = Console_to_text([_matrix_table(M, models), ptable, qt])
+        console_text = _tables_text([_matrix_table(M, models), ptable, qt])
         job.log_text(console_text, "tables/summary.txt")
         fig = _matrix_figure(M, models)
         job.log_figure(fig, "figures/cka_matched_vs_shuffled.png")
@@ -137,7 +137,7 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
     return {"cka_matrix": M, "models": models, "records": records, "pairs_above": n_above, "pairs": n_cka}
 
 
-def Console_to_text(tables: list[Table]) -> str:  # noqa: N802
+def _tables_text(tables: list[Table]) -> str:
     from rich.console import Console
 
     c = Console(record=True, width=160, file=io.StringIO())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,3 @@ def redact(d: Any) -> Any:
     if isinstance(d, list):
         return [redact(x) for x in d]
     return d
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -161,11 +161,6 @@ class Job:
         for i in range(0, len(ps), 100):
             self.client.log_batch(self.run_id, params=ps[i : i + 100])
 
-    def set_tags(self, values: dict[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in values.items()])
-
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
 
