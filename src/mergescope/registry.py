@@ -87,3 +87,4 @@ class Registry:
 
 
 metrics = Registry("metric", "mergescope.metrics")
+merges = Registry("merge", "mergescope.merge")

@@ -1,0 +1,1 @@
+"""Merge operators, registered with ``@merges.register(name, needs_base=...)``; modules discovered."""
