@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from mergescope.progress import console
+from mergescope.stats import correlation_table, power_statement  # noqa: F401  (the analysis API)
 from mergescope.tracking import Tracker
 
 REPR_METRICS = [("cka", "cka"), ("procrustes", "procrustes"), ("svcca", "svcca"), ("retrieval", "retrieval_p1"), ("mutual_knn", "mutual_knn")]
@@ -102,7 +103,34 @@ def pair_table(records: list[dict[str, Any]]) -> tuple[Table, list[list[str]]]:
     return t, rows
 
 
-def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_results, overrides: list[str]) -> dict[str, Any]:
+def coverage_table(rows) -> Table:
+    """Spec section 2: per pair, which routes are defined and which difference blocks the rest."""
+    t = Table(title="Coverage: which routes are defined for each pair")
+    for c in ("pair", "native", "transport", "adapt"):
+        t.add_column(c)
+    for pair, rt in rows:
+        cells = []
+        for route in ("native", "transport", "adapt"):
+            r = rt[route]
+            cells.append(f"yes ({r['scope']})" if r["defined"] and r.get("scope") else "yes" if r["defined"] else f"no: {r['blocked_by']}")
+        t.add_row(pair, *cells)
+    return t
+
+
+def native_table(records: list[dict[str, Any]]) -> Table:
+    cols = ["log10_step_ratio", "weight_cosine", "relative_l2", "norm_ratio", "tv_cosine", "ties_sign_agreement", "cka",
+            "lmc_barrier", "nll_a", "nll_t1", "best_merged_nll", "merge_gain"]
+    t = Table(title="Native weight-space arm (per pair)")
+    t.add_column("pair")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in records:
+        t.add_row(r["tag.pair"], *[f"{r[c]:.3f}" if c in r else "—" for c in cols])
+    return t
+
+
+def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_results, overrides: list[str],
+                    coverage_rows=(), native=()) -> dict[str, Any]:
     tracker = Tracker(cfg)
     records = fetch(tracker, [r.run_id for _, r in results])
     M = cka_matrix(records, models)
@@ -121,6 +149,15 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
         qt.add_row(m, fmt(qrec[m].get("nll")), fmt(tr.get("heldout_nll")), fmt(tr.get("unigram_nll")))
     console.print(qt)
 
+    extra_tables = []
+    if coverage_rows:
+        extra_tables.append(coverage_table(coverage_rows))
+    nrec = fetch(tracker, [r.run_id for _, r in native])
+    if nrec:
+        extra_tables.append(native_table(nrec))
+    for t in extra_tables:
+        console.print(t)
+
     n_above = int(sum(1 for r in records if r.get("tag.metric") == "cka" and r["cka"] > r["cka_shuffled"]))
     n_cka = int(sum(1 for r in records if r.get("tag.metric") == "cka"))
     with tracker.start(cfg, "analysis:study", {"kind": "analysis", "study": cfg.tracking.experiment}, overrides) as job:
@@ -128,12 +165,12 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
         buf = io.StringIO()
         csv.writer(buf).writerows([["pair"] + [k for _, k in REPR_METRICS]] + prows)
         job.log_text(buf.getvalue(), "tables/pairs_matched_shuffled.csv")
-        console_text = _tables_text([_matrix_table(M, models), ptable, qt])
+        console_text = _tables_text([_matrix_table(M, models), ptable, qt, *extra_tables])
         job.log_text(console_text, "tables/summary.txt")
         fig = _matrix_figure(M, models)
         job.log_figure(fig, "figures/cka_matched_vs_shuffled.png")
         job.log_metrics({"pairs_cka_above_shuffled": n_above, "pairs_cka": n_cka})
-        job.log_params({"runs": [r.run_id for _, r in results]})
+        job.log_params({"runs": [r.run_id for _, r in results], "native_runs": [r.run_id for _, r in native]})
     return {"cka_matrix": M, "models": models, "records": records, "pairs_above": n_above, "pairs": n_cka}
 
 
