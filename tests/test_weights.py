@@ -1,0 +1,303 @@
+"""Coverage, routes and the native weight-space diagnostics, checked against numpy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mergescope import weights
+from mergescope.errors import MergescopeError
+
+NEOX = {
+    "family": "gpt_neox",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+}
+LLAMA = {
+    "family": "llama",
+    "hidden_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "max_position_embeddings": 128,
+}
+
+
+def _model(arch, vocab, seed=0):
+    from mergescope.zoo import build_model
+
+    return build_model(arch, vocab_size=vocab, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def neox_pair():
+    return _model(NEOX, 300, seed=0), _model(NEOX, 400, seed=1)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _model(LLAMA, 300, seed=2)
+
+
+def _true(model):
+    from mergescope.models import true_config
+
+    return true_config(model)
+
+
+# ------------------------------------------------------------------------------------------
+# coverage and routes
+# ------------------------------------------------------------------------------------------
+
+
+def test_neox_pair_shares_every_block_and_excludes_vocab_tensors(neox_pair):
+    a, b = neox_pair
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    cov = weights.coverage(sd_a, sd_b)
+    # the output head is embed_out (older transformers, hub checkpoints) or lm_head (newer)
+    head = next(n for n in sd_a if n in ("embed_out.weight", "lm_head.weight"))
+    vocab_names = {"gpt_neox.embed_in.weight", head}
+    assert dict(cov.excluded) == {n: "vocabulary rows differ (300 vs 400)" for n in vocab_names}
+    assert set(cov.shared) == set(sd_a) - vocab_names
+    assert all(n.startswith("gpt_neox.layers.") or "final_layer_norm" in n for n in cov.shared)
+    assert cov.shared_params == sum(sd_a[n].numel() for n in cov.shared)
+    s = cov.summary()
+    assert s["n_shared"] == len(cov.shared) and s["n_excluded"] == 2
+    assert set(s["excluded_names"]) == vocab_names and s["shared_params"] == cov.shared_params
+
+
+def test_coverage_never_pads_shape_and_membership_reasons():
+    sd_a = {"x": torch.zeros(64, 256), "only_a": torch.zeros(3), "same": torch.ones(2, 2)}
+    sd_b = {"x": torch.zeros(48, 256), "only_b": torch.zeros(3), "same": torch.ones(2, 2)}
+    cov = weights.coverage(sd_a, sd_b)
+    assert cov.shared == ["same"] and cov.shared_params == 4
+    assert cov.excluded == [
+        ("x", "shape differs (64, 256) vs (48, 256)"),
+        ("only_a", "only in model a"),
+        ("only_b", "only in model b"),
+    ]
+    ints = weights.coverage({"i": torch.zeros(2, dtype=torch.long)}, {"i": torch.zeros(2, dtype=torch.long)})
+    assert ints.shared == [] and ints.excluded == [("i", "not a floating-point tensor (int64)")]
+
+
+def test_neox_vs_llama_routes_and_coverage(neox_pair, llama):
+    a = neox_pair[0]
+    r = weights.routes(_true(a), _true(llama))
+    assert r["native"]["defined"] is False and r["native"]["scope"] is None
+    assert r["native"]["blocked_by"] == (
+        "architecture family differs (gpt_neox vs llama); hidden size differs (32 vs 48); "
+        "depth differs (2 vs 3); heads differ (4 vs 6); KV heads differ (4 vs 2); FFN width differs (64 vs 96)"
+    )
+    assert r["transport"] == {**r["transport"], "defined": True, "blocked_by": None}
+    assert r["adapt"]["defined"] is False
+    assert r["adapt"]["blocked_by"] == "architecture family differs (gpt_neox vs llama)"
+    cov = weights.coverage(a.state_dict(), llama.state_dict())
+    assert cov.shared == [] and cov.shared_params == 0
+
+
+def test_routes_same_family(neox_pair):
+    ta, tb = (_true(m) for m in neox_pair)
+    r = weights.routes(ta, tb)
+    assert r["native"]["defined"] and r["native"]["scope"] == "transformer blocks (embeddings excluded)"
+    assert r["native"]["blocked_by"] is None and "vocabulary rows differ (300 vs 400)" in r["native"]["note"]
+    assert r["adapt"]["defined"] and r["adapt"]["scope"] == "transformer blocks (embeddings excluded)"
+    same = weights.routes(ta, ta)
+    assert same["native"] == {**same["native"], "defined": True, "scope": "all tensors", "blocked_by": None}
+    assert same["adapt"]["defined"] and same["adapt"]["scope"] == "all tensors"
+    # a different scale in the same family: native blocked, adapt defined (direction noted)
+    bigger = {**ta, "hidden": 64, "ffn": 128, "layers": 4}
+    r = weights.routes(ta, bigger)
+    assert not r["native"]["defined"]
+    assert r["native"]["blocked_by"] == "hidden size differs (32 vs 64); depth differs (2 vs 4); FFN width differs (64 vs 128)"
+    assert r["adapt"]["defined"] and r["adapt"]["blocked_by"] is None
+    assert "Expand a->b" in r["adapt"]["note"]
+    mixed = {**ta, "hidden": 16, "heads": 2, "layers": 4}
+    assert "axes disagree" in weights.routes(ta, mixed)["adapt"]["note"]
+
+
+# ------------------------------------------------------------------------------------------
+# weight diagnostics
+# ------------------------------------------------------------------------------------------
+
+
+def _rand_sd(seed, shapes=((7, 5), (11,), (3, 4, 2))):
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(*s, generator=g, dtype=torch.float32) for i, s in enumerate(shapes)}
+
+
+def _np_flat(sd, names):
+    return np.concatenate([sd[n].double().numpy().ravel() for n in names])
+
+
+def test_identical_negated_and_doubled(neox_pair):
+    sd = neox_pair[0].state_dict()
+    names = weights.coverage(sd, sd).shared
+    d = weights.weight_diagnostics(sd, sd, names, device="cpu")
+    assert d["weight_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert d["relative_l2"] == 0.0 and d["norm_ratio"] == 1.0
+    assert d["n_params"] == sum(sd[n].numel() for n in names)
+    neg = {n: -t for n, t in sd.items()}
+    assert weights.weight_diagnostics(sd, neg, names, device="cpu")["weight_cosine"] == pytest.approx(-1.0, abs=1e-12)
+    dbl = {n: 2 * t for n, t in sd.items()}
+    d2 = weights.weight_diagnostics(sd, dbl, names, device="cpu")
+    assert d2["weight_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert d2["norm_ratio"] == pytest.approx(0.5, abs=1e-12)
+    assert d2["relative_l2"] == pytest.approx(1 / 1.5, abs=1e-12)
+    assert d2["norm_b"] == pytest.approx(2 * d2["norm_a"], rel=1e-12)
+    # symmetric in a and b
+    d3 = weights.weight_diagnostics(dbl, sd, names, device="cpu")
+    assert d3["norm_ratio"] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_weight_diagnostics_match_numpy():
+    sd_a, sd_b = _rand_sd(0), _rand_sd(1)
+    sd_b = {n: 0.3 * t + 0.1 * sd_a[n] for n, t in sd_b.items()}
+    names = list(sd_a)
+    d = weights.weight_diagnostics(sd_a, sd_b, names, device="cpu")
+    a, b = _np_flat(sd_a, names), _np_flat(sd_b, names)
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    assert abs(d["weight_cosine"] - a @ b / (na * nb)) < 1e-12
+    assert abs(d["relative_l2"] - np.linalg.norm(a - b) / ((na + nb) / 2)) < 1e-12
+    assert abs(d["norm_ratio"] - min(na, nb) / max(na, nb)) < 1e-12
+    assert abs(d["norm_a"] - na) < 1e-12 and abs(d["norm_b"] - nb) < 1e-12
+    assert d["n_params"] == a.size
+
+
+def test_spec_figures_are_consistent():
+    # With |a| = 1, |b| = 0.328 and cosine 0.0163, relative L2 = 1.577 (spec section 6).
+    na, nb, cos = 1.0, 0.328, 0.0163
+    rel = math.sqrt(na**2 + nb**2 - 2 * cos * na * nb) / ((na + nb) / 2)
+    assert round(rel, 3) == 1.577
+
+
+def test_bad_names_are_refused():
+    sd_a, sd_b = _rand_sd(0), _rand_sd(1)
+    with pytest.raises(MergescopeError, match="coverage"):
+        weights.weight_diagnostics(sd_a, {"t0": sd_b["t0"]}, ["t0", "t1"], device="cpu")
+    with pytest.raises(MergescopeError, match="coverage"):
+        weights.weight_diagnostics(sd_a, sd_b, [], device="cpu")
+    with pytest.raises(MergescopeError, match="different shapes"):
+        weights.weight_diagnostics({"x": torch.zeros(2, 3)}, {"x": torch.zeros(3, 2)}, ["x"], device="cpu")
+
+
+# ------------------------------------------------------------------------------------------
+# task-vector diagnostics
+# ------------------------------------------------------------------------------------------
+
+
+def _np_keep(tau, density):
+    """Brute force TIES trim: stable sort by descending |value|, keep the first k."""
+    flat = np.abs(tau.ravel())
+    k = math.ceil(round(density * flat.size, 6))
+    order = sorted(range(flat.size), key=lambda i: (-flat[i], i))
+    keep = np.zeros(flat.size, dtype=bool)
+    keep[order[:k]] = True
+    return keep
+
+
+def _np_tv(sd_a, sd_b, sd_base, names, density):
+    agree = joint = 0
+    for n in names:
+        base = sd_base[n].double().numpy().ravel()
+        ta = sd_a[n].double().numpy().ravel() - base
+        tb = sd_b[n].double().numpy().ravel() - base
+        both = _np_keep(ta, density) & _np_keep(tb, density)
+        joint += int(both.sum())
+        agree += int((both & (np.sign(ta) == np.sign(tb))).sum())
+    ta = _np_flat(sd_a, names) - _np_flat(sd_base, names)
+    tb = _np_flat(sd_b, names) - _np_flat(sd_base, names)
+    cos = ta @ tb / (np.linalg.norm(ta) * np.linalg.norm(tb))
+    return cos, agree / joint, joint, np.linalg.norm(ta), np.linalg.norm(tb)
+
+
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
+def test_task_vectors_match_brute_force(density):
+    base = _rand_sd(10)
+    sd_a = {n: t + 0.1 * _rand_sd(11)[n] for n, t in base.items()}
+    sd_b = {n: t + 0.05 * _rand_sd(11)[n] + 0.1 * _rand_sd(12)[n] for n, t in base.items()}
+    # exact zeros and magnitude ties: t0 entries 0..3 unchanged in a, entries 0..1 unchanged in b
+    # (zero vs zero agrees, zero vs non-zero does not); t1 has tied magnitudes at the threshold
+    sd_a["t0"].view(-1)[:4] = base["t0"].view(-1)[:4]
+    sd_b["t0"].view(-1)[:2] = base["t0"].view(-1)[:2]
+    base["t1"] = torch.zeros(11, dtype=torch.float64)
+    sd_a["t1"] = torch.tensor([1.0, -1, 1, -1, 1, 0.5, 0.5, -2, 0, 0, 1], dtype=torch.float64)
+    sd_b["t1"] = torch.tensor([-1.0, -1, 1, 1, -1, 0.5, 3, 2, 0, 1, 1], dtype=torch.float64)
+    names = list(base)
+    d = weights.task_vector_diagnostics(sd_a, sd_b, base, names, density=density, device="cpu")
+    cos, agree, joint, na, nb = _np_tv(sd_a, sd_b, base, names, density)
+    assert abs(d["tv_cosine"] - cos) < 1e-12
+    assert d["ties_sign_agreement"] == pytest.approx(agree, abs=1e-15)
+    assert d["ties_jointly_kept"] == joint
+    assert abs(d["tv_norm_a"] - na) < 1e-12 and abs(d["tv_norm_b"] - nb) < 1e-12
+    if density == 1.0:
+        n = sum(t.numel() for t in base.values())
+        assert joint == n  # every entry kept
+        ta = _np_flat(sd_a, names) - _np_flat(base, names)
+        tb = _np_flat(sd_b, names) - _np_flat(base, names)
+        assert d["ties_sign_agreement"] == pytest.approx(np.mean(np.sign(ta) == np.sign(tb)), abs=1e-15)
+
+
+def test_ties_keep_mask_exact_k_and_deterministic_ties():
+    tau = torch.tensor([1.0, -3, 3, 2, -3, 0, 3], dtype=torch.float64)
+    # k = ceil(0.4 * 7) = 3: the three 3s... magnitudes 3 at indices 1, 2, 4, 6 -> lowest indices win
+    assert weights.ties_keep_mask(tau, 0.4).tolist() == [False, True, True, False, True, False, False]
+    assert int(weights.ties_keep_mask(tau, 0.01).sum()) == 1
+    assert bool(weights.ties_keep_mask(tau, 1.0).all())
+    assert int(weights.ties_keep_mask(torch.arange(10.0), 0.7).sum()) == 7  # not ceil(7.000000000000001)
+
+
+def test_tied_embeddings_counted_once():
+    arch = {**LLAMA, "tie_word_embeddings": True}
+    a, b = _model(arch, 300, seed=0), _model(arch, 300, seed=1)
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    assert sd_a["lm_head.weight"].data_ptr() == sd_a["model.embed_tokens.weight"].data_ptr()
+    cov = weights.coverage(sd_a, sd_b)
+    assert cov.excluded == [("lm_head.weight", "tied to model.embed_tokens.weight in both models (counted once)")]
+    assert cov.shared_params == sum(p.numel() for p in a.parameters())
+    # tied in one model only: two different tensors in the other, both stay shared
+    c = _model(LLAMA, 300, seed=1)
+    cov2 = weights.coverage(sd_a, c.state_dict())
+    assert cov2.excluded == [] and "lm_head.weight" in cov2.shared
+
+
+def test_identical_task_vectors_and_model_pair(neox_pair):
+    base, other = neox_pair
+    sd_base = base.state_dict()
+    g = torch.Generator().manual_seed(3)
+    names = weights.coverage(sd_base, other.state_dict()).shared
+    sd_a = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in sd_base.items()}
+    d = weights.task_vector_diagnostics(sd_a, sd_a, sd_base, names, device="cpu")
+    assert d["tv_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert d["ties_sign_agreement"] == 1.0
+    total = sum(sd_base[n].numel() for n in names)
+    assert d["ties_jointly_kept"] == sum(math.ceil(0.2 * sd_base[n].numel()) for n in names) < total
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.2", True, None])
+def test_density_is_validated(bad):
+    sd = _rand_sd(0)
+    with pytest.raises(MergescopeError, match=r"density must be a number in \(0, 1\]"):
+        weights.task_vector_diagnostics(sd, sd, sd, list(sd), density=bad, device="cpu")
+
+
+def test_describe_is_short_and_covers_every_key():
+    desc = weights.describe()
+    sd = _rand_sd(0)
+    keys = set(weights.weight_diagnostics(sd, sd, list(sd), device="cpu"))
+    keys |= set(weights.task_vector_diagnostics(sd, sd, sd, list(sd), device="cpu"))
+    assert keys <= set(desc)
+    assert all(0 < len(v) < 250 and "\n" not in v for v in desc.values())
+
+
+def test_auto_device_runs():
+    sd_a, sd_b = _rand_sd(0), _rand_sd(1)
+    d = weights.weight_diagnostics(sd_a, sd_b, list(sd_a), device="auto")
+    c = weights.weight_diagnostics(sd_a, sd_b, list(sd_a), device="cpu")
+    assert d["weight_cosine"] == pytest.approx(c["weight_cosine"], abs=1e-12)
