@@ -59,15 +59,17 @@ def task_overrides() -> list[str]:
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
     from mergescope.jobs import JOBS
+    from mergescope.native import run_merge, run_native
     from mergescope.study import run_study
 
+    jobs = {**JOBS, "native": run_native, "merge": run_merge}
     overrides = task_overrides() if overrides is None else overrides
     name = str(cfg.task.name)
     if name == "study":
         return run_study(cfg, overrides)
-    if name not in JOBS:
-        raise MergescopeError(f"unknown task '{name}': {did_you_mean(name, [*JOBS, 'study'])}")
-    return JOBS[name](cfg, overrides)
+    if name not in jobs:
+        raise MergescopeError(f"unknown task '{name}': {did_you_mean(name, [*jobs, 'study'])}")
+    return jobs[name](cfg, overrides)
 
 
 def run(cfg: DictConfig):

@@ -153,11 +153,9 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto
     return model.to(resolve_device(device)).eval()
 
 
-def true_config(model) -> dict[str, Any]:
-    """What the checkpoint really is (the spec found a model card that lied)."""
-    c = model.config
+def config_summary(c) -> dict[str, Any]:
+    """The architecture facts a transformers config states (no weights needed)."""
     heads = getattr(c, "num_attention_heads", None)
-    emb = model.get_input_embeddings().weight
     return {
         "model_type": c.model_type,
         "hidden": getattr(c, "hidden_size", None),
@@ -166,7 +164,21 @@ def true_config(model) -> dict[str, Any]:
         "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
         "ffn": getattr(c, "intermediate_size", None),
         "vocab": getattr(c, "vocab_size", None),
-        "embedding_rows": int(emb.shape[0]),
         "tied_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
-        "n_params": int(sum(p.numel() for p in model.parameters())),
     }
+
+
+def load_config(ref: ModelRef) -> dict[str, Any]:
+    """config_summary of a model without loading its weights."""
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    return config_summary(AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **_hub_kwargs(ref)))
+
+
+def true_config(model) -> dict[str, Any]:
+    """What the checkpoint really is (the spec found a model card that lied)."""
+    out = config_summary(model.config)
+    out["embedding_rows"] = int(model.get_input_embeddings().weight.shape[0])
+    out["n_params"] = int(sum(p.numel() for p in model.parameters()))
+    return out

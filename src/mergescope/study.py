@@ -76,7 +76,69 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         console.print(f"[{i}/{len(configs)}] {c.metric.name} {model_label(c.pair.a)} x {model_label(c.pair.b)}"
                       f"{' (done before)' if r.skipped else ''}")
         results.append((c, r))
-    return analysis.summarise_study(cfg, list(entries), results, quality, train_results, base)
+    coverage_rows, native = _native_arm(results, base)
+    native += _checkpoint_arm(cfg, base)
+    return analysis.summarise_study(cfg, list(entries), results, quality, train_results, base,
+                                    coverage_rows=coverage_rows, native=native)
+
+
+def _true_configs(tracker, run_id: str) -> tuple[dict, dict]:
+    params = tracker.client.get_run(run_id).data.params
+    out = []
+    for side in ("model_a", "model_b"):
+        prefix = f"{side}.true."
+        out.append({k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)})
+    return out[0], out[1]
+
+
+def _native_arm(results, base: list[str]):
+    """Routes for every cross-model pair (from the logged true configs), and the native job for
+    each pair that shares a parameter space."""
+    from mergescope.native import run_native
+    from mergescope.tracking import Tracker
+    from mergescope.weights import routes
+
+    rows, native = [], []
+    for c, r in results:
+        if c.metric.name != "cka":
+            continue
+        true_a, true_b = _true_configs(Tracker(c), r.run_id)
+        rt = routes(true_a, true_b)
+        rows.append((f"{model_label(c.pair.a)} x {model_label(c.pair.b)}", rt))
+        if rt["native"]["defined"]:
+            nc, nov = _pair_job(c, base + ["task=native"])
+            console.print(f"[bold]native pair[/] {model_label(c.pair.a)} x {model_label(c.pair.b)}")
+            native.append((nc, run_native(nc, nov)))
+    return rows, native
+
+
+def _pair_job(c: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    j = _compose(overrides)
+    with open_dict(j):
+        j.pair = OmegaConf.create(OmegaConf.to_container(c.pair, resolve=True))
+    return j, overrides + [f"pair.a.name_or_path={c.pair.a.name_or_path}", f"pair.b.name_or_path={c.pair.b.name_or_path}"]
+
+
+def _checkpoint_arm(cfg: DictConfig, base: list[str]):
+    """Every pair of the listed revisions of each listed model: a native job each."""
+    from mergescope.native import run_native
+
+    ck = cfg.get("checkpoints") or {}
+    revs = [str(r) for r in ck.get("revisions") or []]
+    out = []
+    for m in ck.get("models") or []:
+        entry = _compose(base + ["task=native", f"model={m}"]).model
+        pairs = list(itertools.combinations(revs, 2))
+        for i, (ra, rb) in enumerate(pairs, 1):
+            c = _compose(base + ["task=native"])
+            with open_dict(c):
+                c.pair = OmegaConf.create({"a": OmegaConf.to_container(entry, resolve=True), "b": OmegaConf.to_container(entry, resolve=True)})
+                c.pair.a.revision, c.pair.b.revision = ra, rb
+            r = run_native(c, base + ["task=native", f"pair.a={m}@{ra}", f"pair.b={m}@{rb}"])
+            console.print(f"[{i}/{len(pairs)}] checkpoint pair {m} {ra} x {rb}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}"
+                          f"{' (done before)' if r.skipped else ''}")
+            out.append((c, r))
+    return out
 
 
 def _job_cfg(overrides: list[str], entry: Any) -> tuple[DictConfig, list[str]]:

@@ -1,1 +1,138 @@
-"""Merge operators, registered with ``@merges.register(name, needs_base=...)``; modules discovered."""
+"""Merge operators, registered with ``@merges.register(name, needs_base=...)``; modules discovered.
+
+An operator merges ONE tensor position: ``fn(tensors, base, **kwargs) -> Tensor``. Its keyword
+arguments are its parameter schema; a preset (``conf/merge/<name>.yaml``) names the operator and
+sets those keywords. ``meta["check"]`` (optional) validates the keyword values before any model
+loads: ``check(kwargs, n_models=None)`` raises :class:`MergescopeError`.
+
+Public helpers: :func:`resolve_preset`, :func:`check_base`, :func:`merge_state_dicts`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mergescope.errors import MergescopeError
+from mergescope.registry import Entry, merges
+
+_PRESET_KEYS = ("name", "operator")
+
+
+def _plain(cfg: Mapping) -> dict[str, Any]:
+    try:  # a Hydra/OmegaConf node -> plain containers (lists stay lists)
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+def resolve_preset(cfg_merge: Mapping) -> tuple[Entry, dict[str, Any]]:
+    """A merge preset (``name``, ``operator``, keyword args) -> (registered entry, checked kwargs).
+
+    ``operator`` defaults to ``name``. Unknown operators fail with a did-you-mean; unknown or
+    missing keywords fail via ``Entry.check_kwargs``; values via the operator's ``check``.
+    """
+    if cfg_merge is None:
+        raise MergescopeError("no merge preset given: set merge=<preset> (e.g. merge=linear)")
+    cfg = _plain(cfg_merge)
+    op = cfg.get("operator", cfg.get("name"))
+    if not op:
+        raise MergescopeError("merge preset has neither 'operator' nor 'name': set merge.operator=<operator>")
+    entry = merges.get(str(op))
+    kwargs = entry.check_kwargs({k: v for k, v in cfg.items() if k not in _PRESET_KEYS})
+    check = entry.meta.get("check")
+    if check is not None:
+        check(kwargs, None)
+    return entry, kwargs
+
+
+def check_base(entry: Entry, has_base: bool, why_no_base: str = "") -> None:
+    """Refuse a base-requiring operator when the models share no common base."""
+    if entry.meta.get("needs_base", False) and not has_base:
+        why = why_no_base or "no common base model is available"
+        raise MergescopeError(
+            f"merge '{entry.name}' needs a common base model (task vectors theta - theta_base); "
+            f"{why}; use a base-free operator: linear or slerp"
+        )
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """Per-tensor seed: the configured seed mixed with the tensor name (stable across runs).
+
+    Without this every tensor of the same shape would get the same random (DARE) mask.
+    """
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def merge_state_dicts(
+    entry: Entry,
+    kwargs: Mapping[str, Any],
+    sds: list[Mapping[str, Tensor]],
+    base: Mapping[str, Tensor] | None,
+    names: Iterable[str],
+    device: str = "auto",
+) -> dict[str, Tensor]:
+    """Merge ``names`` of the state dicts ``sds`` tensor by tensor with a registered operator.
+
+    Each position is moved to ``device`` (``auto``: CUDA when present), computed in float32
+    (float64 when the inputs are float64) and returned on CPU in the input dtype. Only one
+    position's upcast copies exist at a time. Operators with a ``seed`` get a per-tensor seed
+    (:func:`tensor_seed`). Non-floating tensors must be equal across models and are copied.
+    """
+    if not sds:
+        raise MergescopeError("merge needs at least one model's state dict")
+    check_base(entry, base is not None)
+    check = entry.meta.get("check")
+    if check is not None:
+        check(dict(kwargs), len(sds))
+    dev = _device(device)
+    has_seed = "seed" in entry.params
+    out: dict[str, Tensor] = {}
+    for name in names:
+        missing = [i for i, sd in enumerate(sds) if name not in sd]
+        if missing or (base is not None and name not in base):
+            who = f"model {missing[0]}" if missing else "the base"
+            raise MergescopeError(f"tensor '{name}' is missing from {who}: merge only the shared tensors (coverage)")
+        src = [sd[name] for sd in sds]
+        b_src = base[name] if base is not None else None
+        shapes = {tuple(t.shape) for t in src + ([b_src] if b_src is not None else [])}
+        if len(shapes) > 1:
+            raise MergescopeError(
+                f"tensor '{name}' has different shapes {sorted(shapes)}: merge only tensors of equal shape (coverage)"
+            )
+        dtype = src[0].dtype
+        if not dtype.is_floating_point:
+            if any(not torch.equal(t, src[0]) for t in src[1:]):
+                raise MergescopeError(f"non-float tensor '{name}' differs between models: exclude it from the merge")
+            out[name] = src[0].clone()
+            continue
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        xs = [t.to(device=dev, dtype=work) for t in src]
+        b = b_src.to(device=dev, dtype=work) if b_src is not None else None
+        kw = dict(kwargs)
+        if has_seed:
+            kw["seed"] = tensor_seed(kw.get("seed", entry.params["seed"].default), name)
+        res = entry.fn(xs, b, **kw)
+        del xs, b
+        if any(res.data_ptr() == t.data_ptr() for t in src):
+            res = res.clone()  # never alias an input model's storage
+        out[name] = res.to(device="cpu", dtype=dtype)
+        del res
+    return out
+
+
+__all__ = ["check_base", "merge_state_dicts", "resolve_preset", "tensor_seed", "merges"]

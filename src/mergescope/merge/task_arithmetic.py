@@ -1,0 +1,199 @@
+"""Task arithmetic and its generalisation (TIES trim/elect, DARE drop/rescale): base-requiring.
+
+All work on task vectors delta_i = theta_i - theta_base of one tensor position. The
+generalised operator follows mergekit 0.1.5's ``GeneralizedTaskArithmeticMerge``:
+
+1. sparsify each delta_i (per tensor):
+   ``magnitude`` (TIES trim): keep the k = max(1, int(density * numel)) entries of largest |delta_i|
+   (all entries tied with the k-th largest are kept);
+   ``random`` (DARE): keep each entry with probability ``density`` (Bernoulli mask from a
+   ``torch.Generator`` seeded with ``seed``, drawn on CPU in float32, one mask per model in
+   model order -- reproducible, independent of the global RNG and of the compute device);
+2. rescale the kept entries: ``density`` (DARE paper: divide by density, so E[mask*delta/density]
+   = delta), ``l1`` (mergekit 0.1.5: scale so |sparse delta|_1 = |delta|_1), or ``none``;
+3. multiply by the model weight w_i;
+4. consensus ``sign`` (TIES elect, mergekit ``sum``): the elected sign per entry is
+   sign(sum_i w_i delta_i) (ties -> +); only entries whose sign equals it are kept (zeros never);
+   ``count``: the elected sign is the majority of the entries' signs; ``none``: keep all;
+5. merged = sum_i kept w_i delta_i, divided when ``normalize`` by the sum of the weights of the
+   kept entries (per entry: disjoint mean; with consensus none: sum_i w_i) -- a zero divisor is 1;
+6. result = base + lambda_ * merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from mergescope.errors import MergescopeError
+from mergescope.merge._common import check_tensors, check_weights, work_dtype
+from mergescope.registry import merges
+
+SPARSIFICATION = ("none", "magnitude", "random")
+CONSENSUS = ("none", "sign", "count")
+RESCALE = ("none", "density", "l1")
+
+
+def _choice(op: str, key: str, value, choices) -> None:
+    if value not in choices:
+        raise MergescopeError(f"merge '{op}' {key}={value!r} is not one of {', '.join(choices)}: set merge.{key}=<one of them>")
+
+
+def _check_number(op: str, key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MergescopeError(f"merge '{op}' {key}={value!r} is not a number: set merge.{key}=<number>")
+
+
+def _check_gta(kwargs: Mapping, n_models: int | None, op: str = "generalized_task_arithmetic") -> None:
+    check_weights(op, kwargs.get("weights"), n_models)
+    sp = kwargs.get("sparsification", "none")
+    _choice(op, "sparsification", sp, SPARSIFICATION)
+    _choice(op, "consensus", kwargs.get("consensus", "none"), CONSENSUS)
+    _choice(op, "rescale", kwargs.get("rescale", "none"), RESCALE)
+    density = kwargs.get("density", 1.0)
+    _check_number(op, "density", density)
+    if not 0.0 < float(density) <= 1.0:
+        raise MergescopeError(f"merge '{op}' density={density} is outside (0, 1]: set merge.density in (0, 1] (1 keeps everything)")
+    if sp == "none" and float(density) != 1.0:
+        raise MergescopeError(
+            f"merge '{op}' density={density} has no effect without sparsification: set merge.sparsification=magnitude|random or merge.density=1"
+        )
+    _check_number(op, "lambda_", kwargs.get("lambda_", 1.0))
+    seed = kwargs.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise MergescopeError(f"merge '{op}' seed={seed!r} is not an integer: set merge.seed=<int>")
+
+
+def _rescale(d: Tensor, before_l1: Tensor | None, density: float, rescale: str, eps: float = 1e-7) -> None:
+    if rescale == "density":
+        d.div_(density)
+    elif rescale == "l1":
+        after = d.abs().sum()
+        if before_l1 >= eps and after >= eps:
+            d.mul_(before_l1 / after)
+
+
+def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.Generator | None) -> None:
+    """Sparsify the task vector ``d`` in place (density >= 1 leaves it untouched, as mergekit does)."""
+    if method == "none" or density >= 1 or d.numel() == 0:
+        return
+    before = d.abs().sum() if rescale == "l1" else None
+    if method == "magnitude":
+        # threshold = the k-th largest |delta| (quickselect, ~10x faster than topk on CPU); entries
+        # tied with it are all kept, where mergekit's argsort keeps an arbitrary k of them
+        k = max(1, int(density * d.numel()))
+        a = d.abs()
+        thr = torch.kthvalue(a.reshape(-1).cpu() if a.device.type == "mps" else a.reshape(-1), d.numel() - k + 1).values
+        keep = a >= thr
+        del a
+        d.mul_(keep)
+    elif method == "random":
+        # float32 Bernoulli on CPU: the same draws as mergekit's torch.bernoulli(full_like(.., density))
+        # under torch.manual_seed(seed), whatever the device and input dtype
+        keep = torch.bernoulli(torch.full(d.shape, float(density), dtype=torch.float32), generator=gen)
+        d.mul_(keep.to(device=d.device, dtype=torch.bool))
+    del keep
+    _rescale(d, before, density, rescale)
+
+
+@merges.register("generalized_task_arithmetic", needs_base=True, check=_check_gta)
+def generalized_task_arithmetic(
+    tensors: list[Tensor],
+    base: Tensor | None,
+    weights: list[float] | None = None,
+    density: float = 1.0,
+    sparsification: str = "none",
+    consensus: str = "none",
+    rescale: str = "none",
+    normalize: bool = False,
+    lambda_: float = 1.0,
+    seed: int = 0,
+) -> Tensor:
+    """base + lambda_ * merge of the (sparsified, weighted, sign-elected) task vectors; see the module doc.
+
+    TIES = magnitude + sign (+ normalize); DARE-linear = random + rescale=density;
+    DARE-TIES = random + sign + rescale=density; task arithmetic = none + none.
+    """
+    op = "generalized_task_arithmetic"
+    if base is None:
+        raise MergescopeError(f"merge '{op}' needs a common base model (task vectors theta - theta_base): use linear or slerp")
+    check_tensors(op, tensors, base)
+    _check_gta(
+        dict(weights=weights, density=density, sparsification=sparsification, consensus=consensus,
+             rescale=rescale, lambda_=lambda_, seed=seed),
+        len(tensors),
+    )
+    dt = work_dtype(base)
+    b = base.to(dt)
+    w = [1.0] * len(tensors) if weights is None else [float(x) for x in weights]
+    gen = torch.Generator().manual_seed(int(seed)) if sparsification == "random" else None
+
+    deltas: list[Tensor | None] = []
+    for x, wi in zip(tensors, w):
+        d = torch.sub(x.to(dt), b)  # a fresh tensor: safe to edit in place
+        _sparsify_(d, float(density), sparsification, rescale, gen)
+        if wi != 1.0:
+            d.mul_(wi)
+        deltas.append(d)
+
+    if consensus == "none":
+        mixed = deltas[0]
+        for d in deltas[1:]:
+            mixed.add_(d)
+        deltas.clear()
+        divisor = sum(w)
+        if normalize and abs(divisor) >= 1e-8:
+            mixed.div_(divisor)
+    else:
+        if consensus == "sign":
+            total = torch.zeros_like(b)
+            for d in deltas:
+                total.add_(d)
+        else:  # count
+            total = torch.zeros_like(b)
+            for d in deltas:
+                total.add_(torch.sign(d))
+        positive = total >= 0
+        del total
+        mixed = torch.zeros_like(b)
+        divisor = torch.zeros_like(b) if normalize else None
+        for i in range(len(deltas)):
+            d = deltas[i]
+            keep = torch.where(positive, d > 0, d < 0)
+            d.mul_(keep)
+            mixed.add_(d)
+            deltas[i] = d = None
+            if divisor is not None:
+                divisor.add_(keep.to(dt), alpha=w[i])
+            del keep
+        if divisor is not None:
+            divisor[divisor == 0] = 1
+            mixed.div_(divisor)
+            del divisor
+    if lambda_ != 1:
+        mixed.mul_(lambda_)
+    mixed.add_(b)
+    return mixed.to(base.dtype)
+
+
+def _check_ta(kwargs: Mapping, n_models: int | None) -> None:
+    _check_gta(kwargs, n_models, op="task_arithmetic")
+
+
+@merges.register("task_arithmetic", needs_base=True, check=_check_ta)
+def task_arithmetic(
+    tensors: list[Tensor],
+    base: Tensor | None,
+    weights: list[float] | None = None,
+    lambda_: float = 1.0,
+    normalize: bool = False,
+) -> Tensor:
+    """base + lambda_ * sum_i w_i (theta_i - base) (divided by sum_i w_i when ``normalize``).
+
+    Equal weights 1 by default. mergekit's ``task_arithmetic`` (normalize defaults to false there too).
+    """
+    if base is None:
+        raise MergescopeError("merge 'task_arithmetic' needs a common base model (task vectors theta - theta_base): use linear or slerp")
+    return generalized_task_arithmetic(tensors, base, weights=weights, lambda_=lambda_, normalize=normalize)

@@ -1,0 +1,77 @@
+"""The native weight-space arm: LMC against an outside computation, merges, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import FLORES
+from test_e2e import runs
+
+from mergescope.errors import MergescopeError
+
+pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
+N = 40
+
+
+def ckpt_pair(models, ra="step2", rb=None, base="step1", merges="[]", points=3):
+    p = str(models["neox_en"])
+    return ["task=native", "pair=custom", f"pair.a.name_or_path={p}", f"pair.a.revision={ra}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={p}", f"pair.b.revision={rb or 'null'}", "pair.b.lang=eng_Latn",
+            f"native.base={base}", f"native.merges={merges}", f"native.lmc_points={points}", f"native.nll_sentences={N}"]
+
+
+def outside_nll(state: dict, path: Path, sentences: list[str]) -> float:
+    """Mean per-token NLL of a model with the given weights, one sentence at a time, plain transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in sentences:
+            ids = torch.tensor([tok(s)["input_ids"]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            total -= float(logp.gather(1, ids[0, 1:, None]).sum())
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def test_lmc_curve_and_barrier_match_an_outside_computation(tiny_models, compose_cfg):
+    from transformers import AutoModelForCausalLM
+
+    from mergescope.native import run_native
+
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models))
+    r = run_native(cfg, ov)
+    p = tiny_models["neox_en"]
+    sa = AutoModelForCausalLM.from_pretrained(p / "step2", dtype=torch.float32).state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).state_dict()
+    sents = (FLORES / "devtest" / "eng_Latn.devtest").read_text(encoding="utf-8").splitlines()[:N]
+    curve = [outside_nll({k: (1 - t) * sa[k] + t * sb[k] for k in sa}, p, sents) for t in (0.0, 0.5, 1.0)]
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    logged = [m.value for m in sorted(c.get_metric_history(r.run_id, "lmc_nll"), key=lambda m: m.step)]
+    assert np.allclose(logged, curve, atol=1e-4)
+    assert r.metrics["lmc_barrier"] == pytest.approx(curve[1] - (curve[0] + curve[2]) / 2, abs=1e-4)
+    # checkpoint pair: every tensor shared, task vectors against step1, CKA between the checkpoints
+    m = r.metrics
+    assert m["n_excluded_tensors"] == 0 and m["n_shared_tensors"] > 0
+    assert -1 <= m["tv_cosine"] <= 1 and 0 <= m["ties_sign_agreement"] <= 1 and 0 < m["cka"] <= 1
+    assert "log10_step_ratio" not in m  # revision None (main) has no step number
+    kinds = sorted(x.data.tags["kind"] for x in runs(Path(cfg.paths.root)))
+    assert kinds == ["measure", "measure"]  # the native run and the checkpoints' CKA run
+
+
+def test_native_refused_across_architectures_with_the_blocking_difference(tiny_models, compose_cfg):
+    from mergescope.native import run_native
+
+    cfg, ov = compose_cfg(["task=native", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+                           f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn"])
+    with pytest.raises(MergescopeError, match=r"native route is undefined.*architecture family differs \(gpt_neox vs llama\)"):
+        run_native(cfg, ov)
+    assert runs(Path(cfg.paths.root)) == []
