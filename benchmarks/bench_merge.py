@@ -10,10 +10,10 @@ in-process and saved as safetensors. Each merge then runs in a FRESH subprocess,
    memory for the inputs + output + merge scratch. A tiny warm-up merge runs before the baseline
    so that torch's lazily faulted-in code pages and thread pools are not counted as merge memory.
 
-Peak is printed as a multiple of one model's size, both with the inputs counted (the target's
+Peak is printed as a multiple of one model's size with the inputs counted (the target's
 definition: 2 inputs + output = 3.0x is the floor for a base-free merge; TIES also holds its base,
-so its floor is 4.0x) and as "merge overhead" (peak beyond the loaded inputs; floor 1.0x = the
-output). Throughput = merged-model MB / merge seconds (median of repeats, in-process, warm).
+so its floor is 4.0x). It is not split into inputs/merge: glibc keeps the freed load buffers in
+its heap and the merge reuses them, so only the total is meaningful. Throughput = merged-model MB / merge seconds (median of repeats, in-process, warm).
 
     python benchmarks/bench_merge.py [--hidden 256 --layers 8 --vocab 4096 --repeat 3]
 """
@@ -95,6 +95,14 @@ def build(d: Path, hidden: int, layers: int, vocab: int) -> int:
     return size
 
 
+def base_op(preset: str) -> bool:
+    from mergescope.merge import resolve_preset
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    return resolve_preset(yaml.safe_load(open(repo / "conf" / "merge" / f"{preset}.yaml")))[0].meta["needs_base"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=256)
@@ -113,11 +121,10 @@ def main() -> None:
                 capture_output=True, text=True, check=True,
             )
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            n_in = r["inputs"] / size
             t = sorted(r["times"])[len(r["times"]) // 2]
-            print(f"{name:8s} peak {r['peak_total'] / size:.2f}x one model (inputs {n_in:.2f}x + merge "
-                  f"{(r['peak_total'] - r['inputs']) / size:.2f}x)  target <= 3.5x with 2 inputs"
-                  f"{' (+1 for the base)' if name != 'linear' else ''}; "
+            print(f"{name:8s} peak {r['peak_total'] / size:.2f}x one model, inputs counted (floor "
+                  f"{'3.0x: 2 inputs + output' if not base_op(name) else '4.0x: 2 inputs + base + output'}; "
+                  f"target <= 3.5x with 2 inputs{', +1 for the base' if base_op(name) else ''}); "
                   f"throughput {size / 2**20 / t:.0f} MB/s ({t * 1000:.0f} ms per merge, {a.threads} threads)")
 
 

@@ -10,7 +10,8 @@ from test_e2e import launch, runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba").is_dir() or not FLORES.is_dir(), reason="shared data not found")]
 
-MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160"]
+MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
+         "checkpoints.revisions=[step4,step16,step40]", "native.nll_sentences=40", "native.lmc_points=5"]
 
 
 def test_default_study_on_micro_zoo(tmp_path: Path):
@@ -18,7 +19,18 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert p.returncode == 0, p.stderr[-3000:]
     rs = runs(tmp_path, "toy")
     kinds = [r.data.tags["kind"] for r in rs]
-    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50
+    # 50 representation runs, 3 checkpoint-pair CKA runs per NeoX run, 2x3 checkpoint native runs + 1 cross-model native pair
+    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50 + 6 + 7
+    native = [r for r in rs if r.data.tags.get("metric") == "native"]
+    assert len(native) == 7
+    cross = [r for r in native if r.data.tags["arm"] == "cross-model"]
+    assert len(cross) == 1 and cross[0].data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"
+    assert cross[0].data.metrics["n_excluded_tensors"] == 2  # embedding and unembedding: vocabulary rows differ
+    assert "tv_cosine" not in cross[0].data.metrics  # no common base across separately trained models
+    # merges: 6 operators per checkpoint pair, only the 2 base-free ones on the cross-model pair
+    merges = [r for r in rs if r.data.tags["kind"] == "merge"]
+    assert len(merges) == 6 * 6 + 2
+    assert {r.data.tags["merge"] for r in merges if r.data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"} == {"linear", "slerp"}
     assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
     # the section-3 matrix is printed and logged
     assert "lower = matched" in p.stderr + p.stdout
@@ -50,4 +62,5 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     p2 = launch(MICRO, tmp_path)
     assert p2.returncode == 0, p2.stderr[-3000:]
     kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
-    assert kinds2.count("measure") == 50 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
+    assert kinds2.count("measure") == 63 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
+    assert kinds2.count("merge") == 38
