@@ -63,6 +63,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "neox_en": save_tiny(root / "neox_en", "gpt_neox", "eng_Latn", seed=0, revisions=("step1", "step2")),
         "llama_pt": save_tiny(root / "llama_pt", "llama", "por_Latn", seed=1),
         "mistral_it": save_tiny(root / "mistral_it", "mistral", "ita_Latn", seed=2),
+        "neox_zh": save_tiny(root / "neox_zh", "gpt_neox", "zho_Hans", seed=3),
     }
 
 

@@ -75,3 +75,33 @@ def test_native_refused_across_architectures_with_the_blocking_difference(tiny_m
     with pytest.raises(MergescopeError, match=r"native route is undefined.*architecture family differs \(gpt_neox vs llama\)"):
         run_native(cfg, ov)
     assert runs(Path(cfg.paths.root)) == []
+
+
+def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, compose_cfg):
+    from mergescope.native import run_native
+
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models, merges="[linear,ties]"))
+    r = run_native(cfg, ov)
+    rs = runs(Path(cfg.paths.root))
+    merges = {x.data.tags["merge"]: x for x in rs if x.data.tags["kind"] == "merge"}
+    assert set(merges) == {"linear", "ties"}
+    lin = merges["linear"].data.metrics
+    assert lin["nll"] == pytest.approx(r.metrics["lmc_midpoint_nll"], abs=1e-9)  # (a+b)/2 both ways
+    assert merges["ties"].data.params["merge.operator"] == "generalized_task_arithmetic"
+    best = min(m.data.metrics["nll"] for m in merges.values())
+    assert r.metrics["merge_gain"] == pytest.approx(min(r.metrics["nll_a"], r.metrics["nll_t1"]) - best, abs=1e-12)
+
+
+def test_cross_model_native_pair_blocks_only_and_refuses_base_operators(tiny_models, compose_cfg):
+    from mergescope.native import run_merge, run_native
+
+    pair = ["pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={tiny_models['neox_zh']}", "pair.b.lang=zho_Hans", f"native.nll_sentences={N}"]
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", *pair])
+    with pytest.raises(MergescopeError, match="needs a common base model.*trained separately"):
+        run_merge(cfg, ov)
+    cfg, ov = compose_cfg(["task=native", "native.lmc_points=3", *pair])
+    r = run_native(cfg, ov)
+    assert r.metrics["n_excluded_tensors"] == 2 and "tv_cosine" not in r.metrics
+    merges = sorted(x.data.tags["merge"] for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge")
+    assert merges == ["linear", "slerp"]
