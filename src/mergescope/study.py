@@ -82,28 +82,18 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                                     coverage_rows=coverage_rows, native=native)
 
 
-def _true_configs(tracker, run_id: str) -> tuple[dict, dict]:
-    params = tracker.client.get_run(run_id).data.params
-    out = []
-    for side in ("model_a", "model_b"):
-        prefix = f"{side}.true."
-        out.append({k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)})
-    return out[0], out[1]
-
-
 def _native_arm(results, base: list[str]):
-    """Routes for every cross-model pair (from the logged true configs), and the native job for
+    """Routes for every cross-model pair (from each model's config.json), and the native job for
     each pair that shares a parameter space."""
+    from mergescope.models import load_config, resolve
     from mergescope.native import run_native
-    from mergescope.tracking import Tracker
     from mergescope.weights import routes
 
     rows, native = [], []
     for c, r in results:
         if c.metric.name != "cka":
             continue
-        true_a, true_b = _true_configs(Tracker(c), r.run_id)
-        rt = routes(true_a, true_b)
+        rt = routes(load_config(resolve(c.pair.a)), load_config(resolve(c.pair.b)))
         rows.append((f"{model_label(c.pair.a)} x {model_label(c.pair.b)}", rt))
         if rt["native"]["defined"]:
             nc, nov = _pair_job(c, base + ["task=native"])
