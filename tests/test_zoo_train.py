@@ -21,6 +21,7 @@ from mergescope.zoo import (
     EOS,
     build_model,
     checkpoint_steps,
+    init_seed,
     is_trained,
     load_training_text,
     train_model,
@@ -300,3 +301,9 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, corpus, tmp_p
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=f"{rev}:{k}")
     assert (out / "main" / "tokenizer.json").read_text() == (out_full / "main" / "tokenizer.json").read_text()
     assert summary["heldout_nll"] == pytest.approx(summary_full["heldout_nll"], abs=1e-5)
+
+
+def test_each_zoo_model_has_its_own_initialisation():
+    """The two NeoX models share every block shape but no ancestor: different init seeds."""
+    assert init_seed(0, "zoo-neox-en") != init_seed(0, "zoo-neox-zh")
+    assert init_seed(0, "zoo-neox-en") == init_seed(0, "zoo-neox-en")

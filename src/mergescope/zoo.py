@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ TRAIN_KEYS = (
 )
 # Keys that change nothing about the trained weights (excluded from the run fingerprint).
 _NON_TRAINING_KEYS = ("eval_batches", "log_every", "stop_after", "device", "num_threads")
+
+# Each model's initialisation seed is derived from train.seed AND its name, so that two zoo
+# models (e.g. the two NeoX ones, which share every block shape) are trained from independent
+# initialisations with no common ancestor, as Pythia-1.4B and Zh-Pythia-1.4B were.
+INIT_SCHEME = "per-model-seed-v1"
+
+
+def init_seed(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(str(name).encode())) % (2**31 - 1)
+
 
 SUMMARY_FILE = "summary.json"
 STATE_DIR = "train_state"
@@ -374,6 +385,8 @@ def _save_state(out_dir: Path, state: dict) -> None:
 def _fingerprint(entry: dict, train: dict) -> str:
     """Hash of everything that determines the trained weights (not paths, not logging)."""
     keyed = {
+        "init": INIT_SCHEME,
+        "name": entry.get("name"),
         "lang": entry.get("lang"),
         "zoo": entry.get("zoo"),
         "train": {k: v for k, v in sorted(train.items()) if k not in _NON_TRAINING_KEYS},
@@ -509,7 +522,7 @@ def _train(entry: dict, train: dict, text_root: Path, out: Path, log, progress: 
     if state is None:
         torch.manual_seed(seed)
         tokenizer = train_tokenizer(train_lines, int(zoo["vocab_size"]))
-        model = build_model(zoo, int(zoo["vocab_size"]), seed, tokenizer.eos_token_id)
+        model = build_model(zoo, int(zoo["vocab_size"]), init_seed(seed, name), tokenizer.eos_token_id)
         start, seconds_before = 0, 0.0
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
