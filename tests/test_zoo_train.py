@@ -246,7 +246,7 @@ def test_checkpoint_layout_loads_like_hub_revisions(trained):
 def test_step0_is_the_seeded_initialisation(trained):
     out, _, _ = trained
     z = MICRO_ENTRY["zoo"]
-    fresh = build_model(z, z["vocab_size"], seed=MICRO_TRAIN["seed"]).state_dict()
+    fresh = build_model(z, z["vocab_size"], seed=init_seed(MICRO_TRAIN["seed"], MICRO_ENTRY["name"])).state_dict()
     saved = _load(out / "step0").state_dict()
     assert all(torch.equal(fresh[k], saved[k]) for k in fresh)
 
