@@ -118,7 +118,7 @@ def coverage_table(rows) -> Table:
 
 
 def native_table(records: list[dict[str, Any]]) -> Table:
-    cols = ["log10_step_ratio", "weight_cosine", "relative_l2", "norm_ratio", "tv_cosine", "ties_sign_agreement", "cka",
+    cols = ["log10_step_ratio", "weight_cosine", "weight_cosine_matrices", "relative_l2", "norm_ratio", "tv_cosine", "ties_sign_agreement", "cka",
             "lmc_barrier", "nll_a", "nll_t1", "best_merged_nll", "merge_gain"]
     t = Table(title="Native weight-space arm (per pair)")
     t.add_column("pair")

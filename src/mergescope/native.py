@@ -266,6 +266,12 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         values: dict[str, float] = {"n_shared_tensors": float(len(cov.shared)), "shared_params": float(cov.shared_params),
                                     "n_excluded_tensors": float(len(cov.excluded))}
         values.update(weight_diagnostics(loaded.sd_a, loaded.sd_b, cov.shared, device=cfg.device))
+        # The same on weight matrices only: in small models the norm gains (initialised at 1) carry
+        # much of the total norm and make independently trained models look aligned.
+        mats = [n for n in cov.shared if loaded.sd_a[n].ndim >= 2]
+        if mats and len(mats) < len(cov.shared):
+            wm = weight_diagnostics(loaded.sd_a, loaded.sd_b, mats, device=cfg.device)
+            values.update({f"{k}_matrices": wm[k] for k in ("weight_cosine", "relative_l2", "norm_ratio")})
         if loaded.sd_base is not None:
             values.update(task_vector_diagnostics(loaded.sd_a, loaded.sd_b, loaded.sd_base, cov.shared,
                                                   density=float(cfg.native.density), device=cfg.device))
