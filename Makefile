@@ -30,7 +30,8 @@ test-fast: install
 
 # Copy the shared offline data into ./data (ignored by git), or say what to put where.
 data:
-	@if [ -d data/flores200 ]; then echo "data/ is present"; \
+	@if [ -n "$$MERGESCOPE_DATA" ] && [ -d "$$MERGESCOPE_DATA/flores200" ]; then echo "using MERGESCOPE_DATA=$$MERGESCOPE_DATA"; \
+	elif [ -d data/flores200 ]; then echo "data/ is present"; \
 	elif [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/"; \
 	else $(PY) -m mergescope.fetch_data data; fi
 
