@@ -129,6 +129,30 @@ def native_table(records: list[dict[str, Any]]) -> Table:
     return t
 
 
+CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
+                          "cka", "lmc_barrier", "merge_gain"]
+
+
+def checkpoint_correlations(records: list[dict[str, Any]], n_permutations: int = 20000) -> tuple[Table, str]:
+    """Spec section 8 (checkpoint arm): Spearman rho between diagnostics over checkpoint pairs,
+    permutation p-values and BH q-values across the table, with the power statement for this n."""
+    frame = {c: np.array([r.get(c, np.nan) for r in records], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+    table = correlation_table(frame, n_permutations=n_permutations, seed=0)
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+    power = power_statement(len(records), n_tests=len(rows))
+    t = Table(title=f"Checkpoint arm: diagnostic x diagnostic Spearman (n={len(records)} pairs, "
+                    f"{n_permutations} permutations, BH across the table)", caption=power["text"])
+    for c in ("a", "b", "n", "rho", "p_perm", "q_bh"):
+        t.add_column(c, justify="right")
+    for r in sorted(rows, key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0):
+        t.add_row(r["a"], r["b"], str(r["n"]), *[f"{r[k]:.3f}" if np.isfinite(r[k]) else "—" for k in ("rho", "p_perm", "q_bh")])
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["a", "b", "n", "rho", "p_perm", "q_bh"])
+    w.writerows([[r["a"], r["b"], r["n"], r["rho"], r["p_perm"], r["q_bh"]] for r in rows])
+    return t, buf.getvalue()
+
+
 def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_results, overrides: list[str],
                     coverage_rows=(), native=()) -> dict[str, Any]:
     tracker = Tracker(cfg)
@@ -153,8 +177,13 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
     if coverage_rows:
         extra_tables.append(coverage_table(coverage_rows))
     nrec = fetch(tracker, [r.run_id for _, r in native])
+    corr_csv = None
     if nrec:
         extra_tables.append(native_table(nrec))
+        ck = [r for r in nrec if r.get("tag.arm") == "checkpoint"]
+        if len(ck) >= 4:
+            corr, corr_csv = checkpoint_correlations(ck)
+            extra_tables.append(corr)
     for t in extra_tables:
         console.print(t)
 
@@ -167,6 +196,8 @@ def summarise_study(cfg: DictConfig, models: list[str], results, quality, train_
         job.log_text(buf.getvalue(), "tables/pairs_matched_shuffled.csv")
         console_text = _tables_text([_matrix_table(M, models), ptable, qt, *extra_tables])
         job.log_text(console_text, "tables/summary.txt")
+        if corr_csv is not None:
+            job.log_text(corr_csv, "tables/checkpoint_correlations.csv")
         fig = _matrix_figure(M, models)
         job.log_figure(fig, "figures/cka_matched_vs_shuffled.png")
         job.log_metrics({"pairs_cka_above_shuffled": n_above, "pairs_cka": n_cka})
