@@ -99,13 +99,19 @@ def _needs_model(cfg: DictConfig, entry: Any, side: data_mod.Side) -> None:
             models._hub_kwargs(ref)  # raises one line when the hub is unreachable and nothing is cached
 
 
-def check_measure(cfg: DictConfig) -> tuple[Any, dict[str, Any], data_mod.Side, data_mod.Side]:
-    a, b = cfg.pair.a, cfg.pair.b
-    ref_a, ref_b = models.resolve(a), models.resolve(b)
+def resolve_pair(cfg: DictConfig) -> tuple[models.ModelRef, models.ModelRef]:
+    """Both sides' ModelRefs; an error when they are the same model at the same revision."""
+    ref_a, ref_b = models.resolve(cfg.pair.a), models.resolve(cfg.pair.b)
     if (ref_a.location, ref_a.revision or "main") == (ref_b.location, ref_b.revision or "main"):
         raise MergescopeError(
             f"pair.a and pair.b are the same model ({ref_a.label}); a pair needs two different models or revisions"
         )
+    return ref_a, ref_b
+
+
+def check_measure(cfg: DictConfig) -> tuple[Any, dict[str, Any], data_mod.Side, data_mod.Side]:
+    a, b = cfg.pair.a, cfg.pair.b
+    resolve_pair(cfg)
     entry = metric_registry.get(str(cfg.metric.name))
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.metric, resolve=True).items() if k != "name"}
     kwargs = entry.check_kwargs(kwargs)

@@ -25,7 +25,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.config import job_hash
 from mergescope.errors import MergescopeError
-from mergescope.jobs import JobResult, _finished, model_label, pair_label
+from mergescope.jobs import JobResult, _finished, model_label, pair_label, resolve_pair
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.tracking import Tracker
@@ -211,9 +211,7 @@ def _check_pair(cfg: DictConfig) -> None:
     """Before any run exists: two different models, a shared parameter space, the host's language."""
     from mergescope.weights import routes
 
-    ra, rb = models.resolve(cfg.pair.a), models.resolve(cfg.pair.b)
-    if (ra.location, ra.revision or "main") == (rb.location, rb.revision or "main"):
-        raise MergescopeError(f"pair.a and pair.b are the same model ({ra.label}); a pair needs two different models or revisions")
+    ra, rb = resolve_pair(cfg)
     native = routes(models.load_config(ra), models.load_config(rb))["native"]
     if not native["defined"]:
         raise MergescopeError(

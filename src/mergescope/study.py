@@ -32,7 +32,8 @@ def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
 
 
 def _user_overrides(overrides: list[str]) -> list[str]:
-    return [o for o in overrides if not o.lstrip("+~").split("=")[0] in ("task",)]
+    """The user's overrides without ``task=``: each job sets its own task."""
+    return [o for o in overrides if o.lstrip("+~").split("=")[0] != "task"]
 
 
 def _compose(overrides: list[str]) -> DictConfig:
