@@ -61,9 +61,10 @@ def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     from mergescope.jobs import JOBS
     from mergescope.native import run_merge, run_native
     from mergescope.study import run_study
+    from mergescope.transport.job import run_transport
     from mergescope.typology import run_typology
 
-    jobs = {**JOBS, "native": run_native, "merge": run_merge, "typology": run_typology}
+    jobs = {**JOBS, "native": run_native, "merge": run_merge, "typology": run_typology, "transport": run_transport}
     overrides = task_overrides() if overrides is None else overrides
     name = str(cfg.task.name)
     if name == "study":

@@ -1,0 +1,1 @@
+"""Transport-based cross-architecture fusion (merge operator ``transport``, task=transport)."""

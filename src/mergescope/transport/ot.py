@@ -1,0 +1,128 @@
+"""Entropic optimal transport between neurons (and between layers), with every plan checked.
+
+Cost between a target neuron i and a donor neuron j is ``1 - pearson(a_i, b_j)`` over probe
+samples; a neuron that is constant on the probe set has no defined correlation and is given
+correlation 0 (cost 1) to everything. Plans have uniform marginals, 1/n_target per row and
+1/n_donor per column, so they are rectangular by construction: nothing is padded.
+
+``solve`` runs POT's Sinkhorn (``method="sinkhorn"``) and accepts the plan only if it is finite,
+non-negative and meets both marginals to ``tol`` (L1, out of a total mass of 1). Plain Sinkhorn
+at a small epsilon can underflow and hand back a garbage plan without raising; then the
+log-domain solver (``sinkhorn_log``) is tried, and the fallback is reported in the plan's info.
+If that fails too, the fusion stops with an error: no fusion ever runs through a bad plan.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mergescope.errors import MergescopeError
+
+
+@dataclass
+class PlanInfo:
+    solver: str                     # sinkhorn | sinkhorn_log
+    marginal_error: float           # max over the two marginals of the L1 violation
+    n_iter: int
+    fallback_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def pearson_cost(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """(n_x, n_y) cost 1 - Pearson correlation between columns of X (s, n_x) and Y (s, n_y), float64."""
+    X = X.to(torch.float64)
+    Y = Y.to(Y.device if X.device == Y.device else X.device, torch.float64)
+    if X.shape[0] != Y.shape[0]:
+        raise MergescopeError(f"the two sides have {X.shape[0]} and {Y.shape[0]} probe samples; they must share the sample index")
+    Xc = X - X.mean(0, keepdim=True)
+    Yc = Y - Y.mean(0, keepdim=True)
+    nx, ny = Xc.norm(dim=0), Yc.norm(dim=0)
+    # constant neurons: no correlation is defined; treat as uncorrelated with everything
+    tiny = torch.finfo(torch.float64).tiny ** 0.5
+    Xn = torch.where(nx > tiny, Xc / nx.clamp_min(tiny), torch.zeros_like(Xc))
+    Yn = torch.where(ny > tiny, Yc / ny.clamp_min(tiny), torch.zeros_like(Yc))
+    rho = (Xn.T @ Yn).clamp(-1.0, 1.0)
+    return 1.0 - rho
+
+
+def marginal_error(Q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(max((Q.sum(1) - a).abs().sum(), (Q.sum(0) - b).abs().sum()))
+
+
+def _valid(Q: torch.Tensor | None, a, b, tol: float) -> tuple[bool, float]:
+    if Q is None or not bool(torch.isfinite(Q).all()) or bool((Q < 0).any()):
+        return False, math.inf
+    err = marginal_error(Q, a, b)
+    return err <= tol, err
+
+
+def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-6,
+          what: str = "neuron plan") -> tuple[torch.Tensor, PlanInfo]:
+    """Entropic OT plan for cost ``C`` (n, m) with uniform marginals; float64 on C's device."""
+    import ot
+
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
+        raise MergescopeError(f"epsilon must be a positive number, got {epsilon!r}")
+    C = C.to(torch.float64)
+    n, m = C.shape
+    a = torch.full((n,), 1.0 / n, dtype=torch.float64, device=C.device)
+    b = torch.full((m,), 1.0 / m, dtype=torch.float64, device=C.device)
+    reasons = []
+    for method in ("sinkhorn", "sinkhorn_log"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                Q, log = ot.sinkhorn(a, b, C, float(epsilon), method=method, numItermax=int(max_iter),
+                                     stopThr=tol / (10 * math.sqrt(max(n, m))), log=True, warn=False)
+            except (FloatingPointError, ValueError, RuntimeError) as exc:  # solver blew up outright
+                Q, log = None, {"niter": -1}
+                reasons.append(f"{method} raised {type(exc).__name__}")
+                continue
+        ok, err = _valid(Q, a, b, tol)
+        if ok:
+            info = PlanInfo(method, err, int(log.get("niter", -1)),
+                            fallback_reason="; ".join(reasons) or None)
+            return Q, info
+        reasons.append(f"{method}: marginal error {err:.2e} after {log.get('niter', max_iter)} iterations"
+                       if math.isfinite(err) else f"{method}: non-finite plan")
+    raise MergescopeError(
+        f"entropic OT did not converge for a {n}x{m} {what} at epsilon={epsilon} ({'; '.join(reasons)}); "
+        f"raise merge.epsilon or merge.max_iter — fusing through this plan would be meaningless"
+    )
+
+
+def row_stochastic(Q: torch.Tensor) -> torch.Tensor:
+    """Phi = n * Q (rows sum to 1 under uniform marginals); exact row normalisation guards the last ulp."""
+    return Q / Q.sum(1, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
+
+
+def shuffle_rows(Q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The random-plan control: the plan's rows in a seeded random order. Under uniform marginals
+    every row sums to 1/n, so both marginals and the plan's scale are unchanged; only the learned
+    neuron correspondence is destroyed."""
+    perm = torch.randperm(Q.shape[0], generator=generator).to(Q.device)
+    return Q[perm]
+
+
+def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) -> dict[str, float]:
+    """Row max of Phi = n Q (1 = a hard assignment, 1/m = the uniform coupling), mean row entropy of
+    Phi in nats (0 = hard, log m = uniform), and the plan's transport cost over the unregularised
+    optimum (exact network-simplex OT) when both sides are at most ``exact_max``."""
+    import ot
+
+    n, m = Q.shape
+    phi = row_stochastic(Q)
+    ent = -(phi * torch.log(phi.clamp_min(1e-300))).sum(1)
+    out = {"row_max": float(phi.max(1).values.mean()), "row_entropy": float(ent.mean()),
+           "uniform_row_max": 1.0 / m, "uniform_entropy": math.log(m), "cost": float((Q * C).sum())}
+    if max(n, m) <= exact_max:
+        Cn = C.detach().cpu().numpy()
+        opt = float(ot.emd2(np.full(n, 1.0 / n), np.full(m, 1.0 / m), Cn, numItermax=10_000_000))
+        out["cost_opt"] = opt
+        out["cost_ratio"] = out["cost"] / opt if opt > 0 else math.nan
+    return out
