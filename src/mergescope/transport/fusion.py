@@ -58,14 +58,16 @@ def probe(model, tokenizer, sentences, adapter: itf.Adapter, qkv: bool = False, 
     def hook(iface: str, li: int, side: str):
         def fn(module, inputs, output):
             x = inputs[0] if side == "in" else output
-            x = x.to(torch.float64)
-            m = state["mask"]
-            s = (x * m).sum(1) / m.sum(1)
+            if x.dtype not in (torch.float32, torch.float64):
+                x = x.float()  # half-precision sums over a sentence would lose the small neurons
+            m = state["mask"].to(x.dtype)
+            # sums over one sentence's tokens in the activation's dtype, everything after in float64
+            s = (x * m).sum(1).to(torch.float64) / state["count"]
             if pooled[iface][li] is None:
                 pooled[iface][li] = torch.empty((n, x.shape[-1]), dtype=torch.float64, device=device)
                 mag[iface][li] = torch.zeros(x.shape[-1], dtype=torch.float64, device=device)
             pooled[iface][li][state["rows"]] = s
-            mag[iface][li] += (x.abs() * m).sum((0, 1))
+            mag[iface][li] += (x.abs() * m).sum((0, 1)).to(torch.float64)
         return fn
 
     for li, layer in enumerate(layer_mods):
@@ -76,7 +78,8 @@ def probe(model, tokenizer, sentences, adapter: itf.Adapter, qkv: bool = False, 
             task = pb.add_task(label, total=n, visible=progress)
             for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
                 x, m, p = pad_batch([ids[i] for i in b], _pad_id(tokenizer), "right", device)
-                state["mask"] = m.to(torch.float64).unsqueeze(-1)
+                state["mask"] = m.unsqueeze(-1).to(torch.float32)
+                state["count"] = m.sum(1, keepdim=True).to(torch.float64)
                 state["rows"] = torch.as_tensor(b, device=device)
                 model.base_model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False)
                 pb.advance(task, len(b))
@@ -170,7 +173,7 @@ def _top_k_mask(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
 def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
          align: LayerAlignment, epsilon: float, top_k: int, plan_scale: str = "row_stochastic", qkv: bool = False,
-         max_iter: int = 20000, tol: float = 1e-6, control_seed: int = 0, progress: bool = True) -> Fusion:
+         max_iter: int = 20000, tol: float = 1e-5, control_seed: int = 0, progress: bool = True) -> Fusion:
     """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control)."""
     if plan_scale not in ("row_stochastic", "raw"):
         raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{plan_scale}'")
@@ -216,7 +219,7 @@ def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adap
                     for plan_set, out in ((plans, T), (rplans, T_rand)):
                         t = plan_set[o] @ wb if i is None else plan_set[o] @ wb @ plan_set[i].T
                         out[full] += w_lm * t
-                del plans, rplans
+                plans = rplans = plan_set = t = None  # only one layer pair's plans are ever alive
             pb.advance(task)
     summary = {}
     for k, vals in diag.items():

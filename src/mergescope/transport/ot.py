@@ -61,7 +61,7 @@ def _valid(Q: torch.Tensor | None, a, b, tol: float) -> tuple[bool, float]:
     return err <= tol, err
 
 
-def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-6,
+def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-5,
           what: str = "neuron plan") -> tuple[torch.Tensor, PlanInfo]:
     """Entropic OT plan for cost ``C`` (n, m) with uniform marginals; float64 on C's device."""
     import ot
@@ -72,13 +72,17 @@ def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1
     n, m = C.shape
     a = torch.full((n,), 1.0 / n, dtype=torch.float64, device=C.device)
     b = torch.full((m,), 1.0 / m, dtype=torch.float64, device=C.device)
+    # on CPU POT's numpy backend is ~2.5x faster per iteration than its torch backend
+    on_cpu = C.device.type == "cpu"
+    args = (a.numpy(), b.numpy(), C.numpy()) if on_cpu else (a, b, C)
     reasons = []
     for method in ("sinkhorn", "sinkhorn_log"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                Q, log = ot.sinkhorn(a, b, C, float(epsilon), method=method, numItermax=int(max_iter),
-                                     stopThr=tol / (10 * math.sqrt(max(n, m))), log=True, warn=False)
+                Q, log = ot.sinkhorn(*args, float(epsilon), method=method, numItermax=int(max_iter),
+                                     stopThr=tol / math.sqrt(max(n, m)), log=True, warn=False)
+                Q = torch.from_numpy(np.asarray(Q)) if on_cpu else Q
             except (FloatingPointError, ValueError, RuntimeError) as exc:  # solver blew up outright
                 Q, log = None, {"niter": -1}
                 reasons.append(f"{method} raised {type(exc).__name__}")
