@@ -23,7 +23,7 @@ def launch(args: list[str], root: Path, module: str | None = None) -> subprocess
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGESCOPE_DATA": str(SHARED)}
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(REPO / "launch.py")]
     base = [] if module else [f"paths.root={root}", "progress=false", f"hydra.run.dir={root}/outputs/run", f"hydra.sweep.dir={root}/multirun"]
-    return subprocess.run(cmd + args + base, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd + args + base, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
 
 
 def pair_args(models, a="neox_en", b="llama_pt", la="eng_Latn", lb="por_Latn"):

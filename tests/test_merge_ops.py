@@ -19,7 +19,8 @@ from mergescope.merge import check_base, merge_state_dicts, resolve_preset, tens
 from mergescope.registry import merges
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = sorted(glob.glob(str(REPO / "conf" / "merge" / "*.yaml")))
+# every conf/merge/ file is a preset over a registered operator, except transport (its own task)
+PRESETS = sorted(p for p in glob.glob(str(REPO / "conf" / "merge" / "*.yaml")) if not p.endswith("/transport.yaml"))
 OPS = ["linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
 
 

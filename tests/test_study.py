@@ -11,7 +11,9 @@ from test_e2e import launch, runs
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba").is_dir() or not FLORES.is_dir(), reason="shared data not found")]
 
 MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
-         "checkpoints.revisions=[step4,step16,step40]", "native.nll_sentences=40", "native.lmc_points=5"]
+         "checkpoints.revisions=[step4,step16,step40]", "native.nll_sentences=40", "native.lmc_points=5",
+         "merge=transport", "merge.probe_sentences=48", "merge.alphas=[0.1]", "merge.epsilon=0.05", "merge.layer_topk=1",
+         "merge.adapt.steps=2", "merge.adapt.batch_size=4"]
 
 
 def test_default_study_on_micro_zoo(tmp_path: Path):
@@ -32,6 +34,15 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert len(merges) == 6 * 6 + 2
     assert {r.data.tags["merge"] for r in merges if r.data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"} == {"linear", "slerp"}
     assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
+    # the transport arm: all 20 directions with the control, the adaptation runs and their 5 baselines
+    tr = [r for r in rs if r.data.tags["kind"] == "transport"]
+    assert len({r.data.tags["direction"] for r in tr}) == 20 and len(tr) == 20
+    assert all("ot_minus_rand_target_lang" in r.data.metrics and "rand_nll_donor_lang" in r.data.metrics for r in tr)
+    ad = [r for r in rs if r.data.tags["kind"] == "transport_adapt"]
+    assert sorted(r.data.tags["stage"] for r in ad).count("baseline") == 5 and len(ad) == 25
+    assert kinds.count("typology") == 10
+    report = tmp_path / "reports" / "toy" / "report.md"
+    assert report.is_file() and "## 7" in report.read_text() and str(report) in p.stdout + p.stderr
     # the section-3 matrix is printed and logged
     assert "lower = matched" in p.stderr + p.stdout
     analysis = next(r for r in rs if r.data.tags["kind"] == "analysis")
@@ -65,4 +76,4 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert p2.returncode == 0, p2.stderr[-3000:]
     kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
     assert kinds2.count("measure") == 63 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
-    assert kinds2.count("merge") == 38
+    assert kinds2.count("merge") == 38 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25

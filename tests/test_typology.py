@@ -35,3 +35,46 @@ def test_distance_properties():
 def test_unknown_language_is_one_line():
     with pytest.raises(MergescopeError, match="no language 'qqq'"):
         distances("qqq_Latn", "eng_Latn")
+
+
+def test_vectors_cached_on_disk_by_version_set_and_code(tmp_path, monkeypatch):
+    from mergescope import typology as ty
+
+    ty._MEMO.clear()
+    first = distances("pol_Latn", "ita_Latn", tmp_path)
+    ver = ty.lang2vec_version()
+    for fs in FEATURE_SETS.values():
+        for code in ("pol", "ita"):
+            f = tmp_path / "typology" / f"lang2vec-{ver}" / fs / f"{code}.npy"
+            assert f.is_file()
+            np.testing.assert_array_equal(np.load(f), ty._read_vector(code, fs))
+    # a second process (fresh memo) reads the cache and never touches lang2vec's files
+    ty._MEMO.clear()
+    monkeypatch.setattr(ty, "_read_vector", lambda *a: (_ for _ in ()).throw(AssertionError("cache not used")))
+    assert distances("pol_Latn", "ita_Latn", tmp_path) == first
+    ty._MEMO.clear()
+
+
+def test_study_typology_logs_one_run_per_pair(compose_cfg):
+    from mergescope.tracking import Tracker
+    from mergescope.typology import study_typology
+
+    jobs = [compose_cfg(["task=measure", f"pair={p}", f"metric={m}"]) for p in ("zoo-neox-en__zoo-neox-zh", "zoo-llama-pt__zoo-mistral-it")
+            for m in ("cka", "svcca")]
+    cfg, base = compose_cfg([])
+    out = study_typology(cfg, base, jobs)
+    assert len(out) == 2 and not any(r.skipped for _, r in out)
+    runs = Tracker(cfg).runs("tags.kind = 'typology'")
+    assert sorted(r.data.tags["pair"] for r in runs) == ["zoo-llama-pt__zoo-mistral-it", "zoo-neox-en__zoo-neox-zh"]
+    for r in runs:
+        assert r.data.metrics == pytest.approx(distances(r.data.tags["lang_a"], r.data.tags["lang_b"]))
+        assert r.data.params["uriel.code_b"] in ("cmn", "ita")
+    again = study_typology(cfg, base, jobs)
+    assert all(r.skipped for _, r in again) and len(Tracker(cfg).runs("tags.kind = 'typology'")) == 2
+
+
+def test_unknown_feature_set_is_one_line():
+    from mergescope.typology import feature_vector
+
+    with pytest.raises(MergescopeError, match="unknown URIEL feature set 'syntax_wals'"):
+        feature_vector("eng", "syntax_wals")

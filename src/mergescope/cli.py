@@ -58,14 +58,20 @@ def task_overrides() -> list[str]:
 
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
+    from mergescope.analysis import run_analyze
     from mergescope.jobs import JOBS
     from mergescope.native import run_merge, run_native
     from mergescope.study import run_study
     from mergescope.transport.job import run_transport
     from mergescope.typology import run_typology
 
-    jobs = {**JOBS, "native": run_native, "merge": run_merge, "typology": run_typology, "transport": run_transport}
+    jobs = {**JOBS, "native": run_native, "merge": run_merge, "typology": run_typology, "transport": run_transport,
+            "analyze": run_analyze}
     overrides = task_overrides() if overrides is None else overrides
+    if cfg.get("num_threads"):
+        import torch
+
+        torch.set_num_threads(int(cfg.num_threads))
     name = str(cfg.task.name)
     if name == "study":
         return run_study(cfg, overrides)

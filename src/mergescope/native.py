@@ -135,7 +135,13 @@ def lmc_curve(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[np.ndarray, n
 # ----------------------------------------------------------------------------- merge runs
 
 
+TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
+                  "run it with task=transport (the study runs it for every pair)")
+
+
 def preset_config(name: str) -> DictConfig:
+    if name == "transport":
+        raise MergescopeError(f"native.merges cannot list transport: {TRANSPORT_HINT}")
     path = CONF_DIR / "merge" / f"{name}.yaml"
     if not path.is_file():
         from mergescope.errors import did_you_mean
@@ -163,6 +169,8 @@ def check_merge(cfg: DictConfig):
 
     if cfg.get("merge") is None:
         raise MergescopeError("task=merge needs an operator: add merge=<name> (see conf/merge/)")
+    if cfg.merge.get("name") == "transport":
+        raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
     entry, kwargs = resolve_preset(OmegaConf.to_container(cfg.merge, resolve=True))
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     return entry, kwargs

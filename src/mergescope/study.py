@@ -77,10 +77,18 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         console.print(f"[{i}/{len(configs)}] {c.metric.name} {model_label(c.pair.a)} x {model_label(c.pair.b)}"
                       f"{' (done before)' if r.skipped else ''}")
         results.append((c, r))
+    _typology_arm(cfg, base, configs)
     coverage_rows, native = _native_arm(results, base)
     native += _checkpoint_arm(cfg, base)
-    return analysis.summarise_study(cfg, list(entries), results, quality, train_results, base,
-                                    coverage_rows=coverage_rows, native=native)
+    _transport_arm(results, base)
+    return analysis.run_analyze(cfg, base)  # tables, figures and the report, from MLflow
+
+
+def _typology_arm(cfg: DictConfig, base: list[str], configs):
+    """One kind=typology run per cross-model pair (URIEL distances; cached, seconds)."""
+    from mergescope.typology import study_typology
+
+    return study_typology(cfg, base, configs)
 
 
 def _native_arm(results, base: list[str]):
@@ -101,6 +109,27 @@ def _native_arm(results, base: list[str]):
             console.print(f"[bold]native pair[/] {model_label(c.pair.a)} x {model_label(c.pair.b)}")
             native.append((nc, run_native(nc, nov)))
     return rows, native
+
+
+def _transport_arm(results, base: list[str]):
+    """Both directions (target <- donor) of every cross-model pair in the study: transport fusion with its
+    random-plan control and, when merge.adapt.enabled, the adaptation runs."""
+    from mergescope.transport.job import run_transport
+
+    user_merge = any(o.lstrip("+~").split("=")[0] == "merge" for o in base)
+    pairs = [c for c, _ in results if c.metric.name == "cka"]
+    out = []
+    for i, c in enumerate(pairs, 1):
+        for target in ("a", "b"):
+            ov = base + ["task=transport"] + ([] if user_merge else ["merge=transport"]) + [f"merge.target={target}"]
+            tc, tov = _pair_job(c, ov)
+            r = run_transport(tc, tov)
+            t, d = (c.pair.a, c.pair.b) if target == "a" else (c.pair.b, c.pair.a)
+            deltas = ", ".join(f"a={k.split('@')[1]}: {v:+.4f}" for k, v in r.metrics.items() if k.startswith("delta_target_lang@"))
+            console.print(f"[{2 * i - (target == 'a')}/{2 * len(pairs)}] transport {model_label(t)} <- {model_label(d)}: "
+                          f"delta target {deltas}{' (done before)' if r.skipped else ''}")
+            out.append((tc, r))
+    return out
 
 
 def _pair_job(c: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:

@@ -1,8 +1,10 @@
 """Typological distances between the two languages of a pair, from URIEL via lang2vec (offline).
 
-``python launch.py task=typology pair=<pair>`` logs one run (kind=typology). Not part of the
-default study yet: lang2vec reads its feature files entry by entry (about 10 s per feature set
-here), which would break the default job's cached-run budget.
+``python launch.py task=typology pair=<pair>`` logs one run (kind=typology); the study runs one per
+cross-model pair (:func:`study_typology`). ``lang2vec.get_features`` re-reads its npz files once per
+feature name (about 10 s per feature set here), so the vectors are read from lang2vec's own data files
+once per process, with lang2vec's selection rules (tested against ``get_features``), and cached on
+disk under ``<paths.cache>/typology/lang2vec-<version>/<feature set>/<code>.npy``.
 
 Cosine distance (1 - cosine similarity) on three URIEL feature sets, as in the spec:
 syntactic = ``syntax_knn``, genetic = ``fam``, featural = ``syntax_knn+phonology_knn+inventory_knn``.
@@ -11,11 +13,14 @@ The ``_knn`` sets are URIEL's kNN-imputed vectors, so no value is missing.
 
 from __future__ import annotations
 
-import warnings
+import importlib.util
+import os
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope.config import job_hash
 from mergescope.errors import MergescopeError
@@ -37,28 +42,82 @@ def uriel_code(flores: str) -> str:
     return URIEL_CODES.get(iso, iso)
 
 
-@lru_cache(maxsize=64)
-def _feature_vector(code: str, feature_set: str) -> np.ndarray:
-    return _features([code], feature_set)[code]
+def lang2vec_version() -> str:
+    try:
+        return version("lang2vec")
+    except PackageNotFoundError as exc:  # pragma: no cover - lang2vec is a dependency
+        raise MergescopeError("typology needs the lang2vec package: pip install lang2vec") from exc
 
 
-def _features(codes: list[str], feature_set: str) -> dict[str, np.ndarray]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # lang2vec imports pkg_resources
-        import lang2vec.lang2vec as l2v
+def _data_dir() -> Path:
+    """lang2vec's data folder, found without importing lang2vec (its import scans the database, ~seconds)."""
+    spec = importlib.util.find_spec("lang2vec")
+    if spec is None or not spec.submodule_search_locations:
+        raise MergescopeError("typology needs the lang2vec package: pip install lang2vec")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
-    known = set(l2v.available_languages())
-    missing = [c for c in codes if c not in known]
-    if missing:
-        raise MergescopeError(f"URIEL (lang2vec) has no language '{missing[0]}'; typology needs ISO 639-3 codes it knows")
-    feats = l2v.get_features(codes, feature_set)
-    out = {}
-    for c in codes:
-        v = feats[c]
-        if any(x == "--" for x in v):
-            raise MergescopeError(f"URIEL feature set {feature_set} has missing values for '{c}'; use a _knn feature set")
-        out[c] = np.asarray(v, dtype=np.float64)
-    return out
+
+@lru_cache(maxsize=None)
+def _database(filename: str) -> dict[str, np.ndarray]:
+    """One of lang2vec's npz files, read into memory once (lang2vec re-reads it per feature name)."""
+    with np.load(_data_dir() / filename, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _read_vector(code: str, feature_set: str) -> np.ndarray:
+    """The URIEL vector of one language for a feature set, exactly as ``lang2vec.get_features`` builds
+    it: the parts of a ``+`` concatenation in order; per part the features whose name starts with the
+    set's prefix, from the set's source; -1 marks a missing value."""
+    parts = []
+    for part in feature_set.split("+"):
+        if part not in _LANG2VEC_SETS:
+            raise MergescopeError(f"unknown URIEL feature set '{part}': choose from {', '.join(sorted(_LANG2VEC_SETS))}")
+        filename, source, prefix = _LANG2VEC_SETS[part]
+        db = _database(filename)
+        hits = np.flatnonzero(db["langs"] == code)
+        if hits.size == 0:
+            raise MergescopeError(f"URIEL (lang2vec) has no language '{code}'; typology needs ISO 639-3 codes it knows")
+        feats = np.array([i for i, f in enumerate(db["feats"]) if str(f).startswith(prefix)])
+        src = np.flatnonzero(db["sources"] == source)
+        parts.append(db["data"][hits[0]][feats][:, src].reshape(len(feats), -1)[:, 0])
+    v = np.concatenate(parts).astype(np.float64)
+    if np.any(v == -1):
+        raise MergescopeError(f"URIEL feature set {feature_set} has missing values for '{code}'; use a _knn feature set")
+    return v
+
+
+# lang2vec's FEATURE_SETS_DICT entries for the sets used here: (file, source, feature-name prefix).
+_LANG2VEC_SETS = {
+    "syntax_knn": ("feature_predictions.npz", "predicted", "S_"),
+    "phonology_knn": ("feature_predictions.npz", "predicted", "P_"),
+    "inventory_knn": ("feature_predictions.npz", "predicted", "INV_"),
+    "fam": ("family_features.npz", "FAM", ""),
+}
+
+
+def feature_vector(code: str, feature_set: str, cache_dir: str | Path | None = None) -> np.ndarray:
+    """A language's URIEL vector, from the on-disk cache when given (keyed by lang2vec version, feature
+    set and code) or from lang2vec's data files (read once per process)."""
+    key = (lang2vec_version(), feature_set, code)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / "typology" / f"lang2vec-{key[0]}" / feature_set / f"{code}.npy"
+        if path.is_file():
+            _MEMO[key] = np.load(path)
+            return _MEMO[key]
+    v = _read_vector(code, feature_set)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, v)
+        os.replace(tmp, path)
+    _MEMO[key] = v
+    return v
+
+
+_MEMO: dict[tuple[str, str, str], np.ndarray] = {}
 
 
 def cosine_distance(u: np.ndarray, v: np.ndarray) -> float:
@@ -68,18 +127,19 @@ def cosine_distance(u: np.ndarray, v: np.ndarray) -> float:
     return float(1.0 - (u @ v) / (nu * nv))
 
 
-def distances(lang_a: str, lang_b: str) -> dict[str, float]:
+def distances(lang_a: str, lang_b: str, cache_dir: str | Path | None = None) -> dict[str, float]:
+    """``typology_syntactic``, ``typology_genetic``, ``typology_featural``: URIEL cosine distances."""
     a, b = uriel_code(lang_a), uriel_code(lang_b)
     out = {}
     for name, fs in FEATURE_SETS.items():
-        out[f"typology_{name}"] = cosine_distance(_feature_vector(a, fs), _feature_vector(b, fs))
+        out[f"typology_{name}"] = cosine_distance(feature_vector(a, fs, cache_dir), feature_vector(b, fs, cache_dir))
     return out
 
 
 def run_typology(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     """One run (kind=typology) per pair: the three URIEL distances between the pair's languages."""
     la, lb = str(cfg.pair.a.lang), str(cfg.pair.b.lang)
-    values = distances(la, lb)  # also validates the codes before any run exists
+    values = distances(la, lb, cfg.paths.get("cache"))  # also validates the codes before any run exists
     h = job_hash("typology", cfg, TYPOLOGY_KEYS)
     tracker = Tracker(cfg)
     if (done := _finished(cfg, tracker, h)) is not None:
@@ -87,6 +147,30 @@ def run_typology(cfg: DictConfig, overrides: list[str] | None = None) -> JobResu
     tags = {"kind": "typology", "pair": pair_label(cfg), "model_a": model_label(cfg.pair.a), "model_b": model_label(cfg.pair.b),
             "lang_a": la, "lang_b": lb, "cfg_hash": h}
     with tracker.start(cfg, f"typology:{la}-{lb}", tags, overrides) as job:
-        job.log_params({"uriel": {"code_a": uriel_code(la), "code_b": uriel_code(lb), **FEATURE_SETS}})
+        job.log_params({"uriel": {"code_a": uriel_code(la), "code_b": uriel_code(lb), "lang2vec": lang2vec_version(), **FEATURE_SETS}})
         job.log_metrics(values)
     return JobResult(job.run_id, False, values, h)
+
+
+def study_typology(cfg: DictConfig, overrides: list[str], pairs) -> list[tuple[DictConfig, JobResult]]:
+    """The study's typology arm: one kind=typology run per distinct pair (skipped when done before).
+
+    ``pairs`` are the study's measure jobs, as composed configs or ``(config, overrides)`` tuples;
+    each distinct pair (by label) becomes a ``task=typology`` job with that pair, logged to the
+    study's experiment. Returns ``[(job config, JobResult), ...]`` in first-seen order.
+    """
+    out: list[tuple[DictConfig, JobResult]] = []
+    seen: set[str] = set()
+    for item in pairs:
+        c, job_ov = item if isinstance(item, tuple) else (item, [])
+        label = pair_label(c)
+        if label in seen:
+            continue
+        seen.add(label)
+        tc = OmegaConf.create(OmegaConf.to_container(c, resolve=True))
+        with open_dict(tc):
+            tc.task = {"name": "typology"}
+        keep = [o for o in job_ov if o.lstrip("+~").split("=")[0] not in ("task", "metric")]
+        ov = [*(o for o in overrides if o.lstrip("+~").split("=")[0] != "task"), *(o for o in keep if o not in overrides), "task=typology"]
+        out.append((tc, run_typology(tc, ov)))
+    return out

@@ -114,7 +114,8 @@ def _probe_cached(cfg: DictConfig, model, tok, ref, sentences: tuple[str, ...], 
                      sort_keys=True)
     path = Path(cfg.paths.cache) / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
     if path.is_file():
-        d = torch.load(path, map_location="cpu", weights_only=True)
+        # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there
+        d = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
         return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
     p = fus.probe(model, tok, sentences, adapter, qkv=qkv, batch_tokens=cfg.represent.batch_tokens,
                   max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {ref.label}")

@@ -1,0 +1,336 @@
+"""The study report, built from an MLflow store written here: every section present, numbers as logged."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import re
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from mergescope import analysis
+from mergescope.report import markdown_to_html
+from mergescope.tracking import Tracker
+
+MODELS = {  # label -> (lang, true config)
+    "m-en": ("eng_Latn", dict(model_type="gpt_neox", hidden=64, layers=3, heads=4, kv_heads=4, ffn=256, vocab=2048,
+                              tied_embeddings=False, embedding_rows=2048, n_params=400000)),
+    "m-zh": ("zho_Hans", dict(model_type="gpt_neox", hidden=64, layers=3, heads=4, kv_heads=4, ffn=256, vocab=2560,
+                              tied_embeddings=False, embedding_rows=2560, n_params=470000)),
+    "m-pt": ("por_Latn", dict(model_type="llama", hidden=48, layers=4, heads=6, kv_heads=2, ffn=192, vocab=1792,
+                              tied_embeddings=True, embedding_rows=1792, n_params=300000)),
+    "m-it": ("ita_Latn", dict(model_type="mistral", hidden=64, layers=2, heads=4, kv_heads=2, ffn=224, vocab=1280,
+                              tied_embeddings=False, embedding_rows=1280, n_params=310000)),
+}
+METRICS = {"cka": "cka", "procrustes": "procrustes", "svcca": "svcca", "retrieval": "retrieval_p1", "mutual_knn": "mutual_knn"}
+NLL = {"m-en": 5.47, "m-zh": 6.28, "m-pt": 5.03, "m-it": 4.80}
+CK_STEPS = ["step4", "step16", "step64", "step256", "step600"]
+
+
+def _log(tracker, cfg, name, tags, metrics=None, params=None, steps=None):
+    """One FINISHED run with the harness's layout (tags, metrics, params, metric steps), written straight
+    through the MLflow client (Tracker.start would also log the whole config and pip freeze: slower)."""
+    from mergescope.tracking import Job
+
+    run = tracker.client.create_run(tracker.experiment_id, run_name=name, tags={k: str(v) for k, v in tags.items()})
+    job = Job(tracker.client, run.info.run_id)
+    if params:
+        job.log_params(params)
+    if metrics:
+        job.log_metrics(metrics)
+    for i, row in enumerate(steps or []):
+        job.log_metrics(row, step=i)
+    tracker.client.set_terminated(job.run_id, status="FINISHED")
+    return job.run_id
+
+
+def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoints: bool = True) -> dict:
+    """A small study: 4 models, 6 cross-model pairs x 5 metrics, quality, typology, one native cross-model pair
+    with merges, 10 checkpoint pairs, transport both ways on 2 pairs x 2 alphas, and adaptation."""
+    tracker = Tracker(cfg)
+    rng = np.random.default_rng(0)
+    ids: dict = {"measure": {}, "quality": {}, "typology": {}, "checkpoint": {}, "transport": {}, "adapt": {}}
+    truth: dict = {"measure": {}, "checkpoint": {}, "transport": {}}
+    for m, (lang, tc) in MODELS.items():
+        ids["quality"][m] = _log(tracker, cfg, f"quality:{m}", {"kind": "quality", "model": m, "lang": lang, "cfg_hash": f"q-{m}"},
+                                 {"nll": NLL[m], "n_tokens": 1000.0}, {"model.true": tc})
+    pairs = list(itertools.combinations(MODELS, 2))
+    for a, b in pairs:
+        pair = f"{a}__{b}"
+        for metric, key in METRICS.items():
+            v = float(rng.uniform(0.1, 0.6))
+            vals = {key: v, f"{key}_shuffled": v / 20}
+            if metric == "cka":
+                vals.update({"cka_ci_low": v - 0.03, "cka_ci_high": v + 0.03})
+            if metric == "retrieval":
+                vals["retrieval_chance"] = 0.002
+            truth["measure"][(pair, metric)] = vals
+            tags = {"kind": "measure", "metric": metric, "pair": pair, "model_a": a, "model_b": b, "lang_a": MODELS[a][0],
+                    "lang_b": MODELS[b][0], "route": "representation", "cfg_hash": f"{pair}-{metric}"}
+            ids["measure"][(pair, metric)] = _log(tracker, cfg, f"{metric}:{pair}", tags, vals,
+                                                  {"model_a.true": MODELS[a][1], "model_b.true": MODELS[b][1]})
+        if typology:
+            from mergescope.typology import distances
+
+            la, lb = MODELS[a][0], MODELS[b][0]
+            ids["typology"][pair] = _log(tracker, cfg, "typology", {"kind": "typology", "pair": pair, "model_a": a, "model_b": b,
+                                                                    "lang_a": la, "lang_b": lb, "cfg_hash": f"t-{pair}"}, distances(la, lb))
+    # the native cross-model pair (same family, vocabulary differs)
+    pair = "m-en__m-zh"
+    curve = [5.5, 5.6, 6.1, 7.0, 7.6]
+    nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.0163,
+           "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
+           "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "best_merged_nll": 5.7, "merge_beats_better_endpoint": 0.0}
+    from mergescope.weights import routes
+
+    rt = routes(MODELS["m-en"][1], MODELS["m-zh"][1])
+    merge_ids = {}
+    for op, nll in (("linear", 5.8), ("slerp", 5.7)):
+        merge_ids[op] = _log(tracker, cfg, f"merge:{op}", {"kind": "merge", "route": "native", "merge": op, "pair": pair,
+                                                          "model_a": "m-en", "model_b": "m-zh", "cfg_hash": f"mg-{op}"},
+                             {"nll": nll, "merge_gain": 5.5 - nll}, {"merge": {"name": op, "operator": op, "t": 0.5}})
+    ids["native"] = _log(tracker, cfg, f"native:{pair}",
+                         {"kind": "measure", "metric": "native", "route": "native", "arm": "cross-model", "pair": pair,
+                          "model_a": "m-en", "model_b": "m-zh", "lang_a": "eng_Latn", "lang_b": "zho_Hans", "cfg_hash": "nat"},
+                         nat, {"coverage": {"n_shared": 38, "excluded_names": ["gpt_neox.embed_in.weight", "embed_out.weight"]},
+                               "routes": rt, "excluded_reasons": {"gpt_neox.embed_in.weight": "vocabulary rows differ (2048 vs 2560)",
+                                                                  "embed_out.weight": "vocabulary rows differ (2048 vs 2560)"},
+                               "task_vectors": "not measured: trained separately", "merge_runs": merge_ids},
+                         steps=[{"lmc_nll": v, "lmc_t": t} for v, t in zip(curve, np.linspace(0, 1, 5))])
+    ids["merge"] = merge_ids
+    if checkpoints:
+        for fam in ("m-en", "m-zh"):
+            for ra, rb in itertools.combinations(CK_STEPS, 2):
+                ratio = float(np.log10(int(rb[4:]) / int(ra[4:])))
+                vals = {"log10_step_ratio": ratio, "weight_cosine": 1 - 0.2 * ratio + rng.normal(0, 0.02),
+                        "relative_l2": 0.3 * ratio + rng.normal(0, 0.02), "tv_cosine": 1 - 0.25 * ratio + rng.normal(0, 0.03),
+                        "ties_sign_agreement": 1 - 0.05 * ratio + rng.normal(0, 0.005), "cka": 1 - 0.3 * ratio + rng.normal(0, 0.05),
+                        "lmc_barrier": 0.2 * ratio - 0.1 + rng.normal(0, 0.03), "merge_gain": -0.1 * ratio + rng.normal(0, 0.03)}
+                vals["merge_beats_better_endpoint"] = float(vals["merge_gain"] > 0)
+                pair = f"{fam}@{ra}__{fam}@{rb}"
+                truth["checkpoint"][pair] = vals
+                ids["checkpoint"][pair] = _log(tracker, cfg, f"native:{pair}", {
+                    "kind": "measure", "metric": "native", "route": "native", "arm": "checkpoint", "pair": pair,
+                    "model_a": f"{fam}@{ra}", "model_b": f"{fam}@{rb}", "cfg_hash": f"ck-{pair}"}, vals)
+    if transport:
+        for target, donor in (("m-pt", "m-it"), ("m-it", "m-pt"), ("m-en", "m-pt"), ("m-pt", "m-en")):
+            direction = f"{target} <- {donor}"
+            for alpha in (0.01, 0.1):
+                d = float(rng.normal(0.01, 0.02))
+                c = float(rng.normal(0, 0.01))
+                vals = {"nll_target_lang": NLL[target] + d, "base_nll_target_lang": NLL[target], "delta_target_lang": d,
+                        "delta_donor_lang": d / 2, "ot_minus_rand_target_lang": c, "ot_minus_rand_donor_lang": c / 2,
+                        "rand_nll_target_lang": NLL[target] + d - c, "plan_row_max": 0.3, "plan_entropy": 2.0,
+                        "plan_cost_ratio": 1.01, "alpha": alpha}
+                truth["transport"][(direction, alpha)] = vals
+                ids["transport"][(direction, alpha)] = _log(tracker, cfg, f"transport:{direction}", {
+                    "kind": "transport", "route": "transport", "target": target, "donor": donor, "direction": direction,
+                    "alpha": str(alpha), "lang_target": MODELS[target][0], "lang_donor": MODELS[donor][0],
+                    "pair": "__".join(sorted((target, donor))), "cfg_hash": f"tr-{direction}-{alpha}"}, vals)
+            if target not in ids["adapt"]:  # the no-fusion reference (one per target, shared by its donors): not a direction
+                ids["adapt"][target] = _log(tracker, cfg, f"adapt-baseline:{target}", {
+                    "kind": "transport_adapt", "stage": "baseline", "target": target, "donor": "none",
+                    "direction": f"{target} (no fusion)", "cfg_hash": f"adb-{target}"}, {"nll_baseline_after": NLL[target] - 0.3})
+            ids["adapt"][direction] = _log(tracker, cfg, f"adapt:{direction}", {
+                "kind": "transport_adapt", "stage": "fused", "target": target, "donor": donor, "direction": direction,
+                "alpha": "0.1", "cfg_hash": f"ad-{direction}"}, {"nll_base_before": NLL[target], "nll_fused_before": NLL[target] + 0.01,
+                                                  "nll_baseline_after": NLL[target] - 0.3, "nll_fused_after": NLL[target] - 0.35,
+                                                  "fusion_effect_after_adapt": -0.05})
+    return {"ids": ids, "truth": truth}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One store and one analysis shared by the tests that read them (the config composed as in conftest)."""
+    from conftest import REPO, SHARED
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import mergescope.config  # noqa: F401
+
+    root = tmp_path_factory.mktemp("report")
+    ov = [f"paths.root={root}", f"paths.data={SHARED}", "progress=false", "task=analyze", "tracking.experiment=synth"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=ov)
+    GlobalHydra.instance().clear()
+    store = write_store(cfg)
+    out = analysis.run_analyze(cfg, ov)
+    return cfg, store, out, root
+
+
+SECTIONS = ["## Summary", "## 1. Config check", "## 2. Coverage", "## 3. Last-layer CKA", "## 4. The cross-model diagnostic matrix",
+            "## 4a. Per-model quality", "## 5. Checkpoint merging", "## 6. Natively weight-mergeable", "## 7. Transport",
+            "## 8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
+            "## 8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", "## 9. Figures",
+            "## Not measured (why)", "## Run index"]
+
+
+def _md_table(md: str, title: str) -> list[list[str]]:
+    """The rows (header first) of the Markdown table under **title**."""
+    lines = md.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(f"**{title}"))
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
+    return [rows[0], *rows[2:]]
+
+
+def test_report_sections_and_numbers(built):
+    _, store, out, root = built
+    md_path, html_path = out["report_md"], out["report_html"]
+    assert md_path == root / "reports" / "synth" / "report.md" and html_path.is_file()
+    md = md_path.read_text()
+    pos = [md.index(s) for s in SECTIONS]
+    assert pos == sorted(pos)  # every section, in the spec's order
+    ids, truth = store["ids"], store["truth"]
+
+    # config check: the true configs as logged, traceable to the quality runs
+    cc = {r[0]: r for r in _md_table(md, "True configs")[1:]}
+    assert cc["m-pt"][1:4] == ["llama", "48", "4"] and cc["m-pt"][-1] == ids["quality"]["m-pt"][:8]
+
+    # coverage: the native run's logged routes for m-en x m-zh, weights.routes on logged configs elsewhere
+    cov = {r[0]: r for r in _md_table(md, "Coverage")[1:]}
+    assert cov["m-en__m-zh"][1].startswith("yes (transformer blocks") and "measured" in cov["m-en__m-zh"][1]
+    assert cov["m-en__m-pt"][1].startswith("no: architecture family differs (gpt_neox vs llama)")
+    assert "measured (2 runs)" not in cov["m-en__m-it"][2] and "not measured (no transport runs)" in cov["m-en__m-it"][2]
+    assert "measured (4 runs)" in cov["m-pt__m-it"][2]
+
+    # CKA matrix: lower matched, upper shuffled, as logged
+    M = out["cka_matrix"]
+    order = out["models"]
+    assert order == list(MODELS)
+    for (pair, metric), vals in truth["measure"].items():
+        if metric != "cka":
+            continue
+        a, b = pair.split("__")
+        i, j = order.index(a), order.index(b)
+        assert M[max(i, j), min(i, j)] == vals["cka"] and M[min(i, j), max(i, j)] == vals["cka_shuffled"]
+        assert ids["measure"][(pair, "cka")][:8] in md
+    cka_rows = {r[0]: r for r in _md_table(md, "CKA matrix")[1:]}
+    v = truth["measure"][("m-en__m-it", "cka")]
+    assert cka_rows["m-it"][1] == f"{v['cka']:.3f}" and cka_rows["m-en"][4] == f"*{v['cka_shuffled']:.3f}*"
+
+    # pair matrix: matched / shuffled for every metric, with the run ids
+    rep = {r[0]: r for r in _md_table(md, "Representation metrics")[1:]}
+    v = truth["measure"][("m-zh__m-pt", "retrieval")]
+    assert rep["m-zh__m-pt"][4] == f"{v['retrieval_p1']:.3f} / {v['retrieval_p1_shuffled']:.3f}"
+    assert ids["measure"][("m-zh__m-pt", "retrieval")][:8] in rep["m-zh__m-pt"][-1]
+    q = {r[0]: r for r in _md_table(md, "Quality, typology")[1:]}
+    from mergescope.typology import distances
+
+    d = distances("por_Latn", "ita_Latn")
+    assert q["m-pt__m-it"][1:3] == [f"{NLL['m-pt']:.3f}", f"{NLL['m-it']:.3f}"]
+    assert q["m-pt__m-it"][3:6] == [f"{d[k]:.3f}" for k in analysis.TYPOLOGY]
+    assert q["m-en__m-zh"][6] == "0.016" and q["m-en__m-pt"][6] == "—"  # weight cosine only where native exists
+    best = min((truth["transport"][("m-pt <- m-it", a)] for a in (0.01, 0.1)), key=lambda x: x["delta_target_lang"])
+    assert q["m-pt__m-it"][10] == f"{best['delta_target_lang']:.4f}" or q["m-pt__m-it"][10] == analysis.f3(best["delta_target_lang"], 4)
+
+    # per-model NLL with run ids
+    nll = {r[0]: r for r in _md_table(md, "Per-model quality")[1:]}
+    assert nll["m-zh"][2] == "6.280" and nll["m-zh"][3] == ids["quality"]["m-zh"][:8] and nll["m-zh"][4] == "—"
+
+    # checkpoint arm: bin medians and shares recomputed from what was logged
+    ck = truth["checkpoint"]
+    bins = {(r[0], r[1]): r for r in _md_table(md, "By trajectory distance")[1:]}
+    near = [v for v in ck.values() if v["log10_step_ratio"] <= 0.5]
+    far = [v for v in ck.values() if v["log10_step_ratio"] > 1.5]
+    row = bins[("all runs", "within half a decade (log10 ratio <= 0.5)")]
+    assert row[2] == str(len(near)) and row[3] == analysis.f3(np.median([v["lmc_barrier"] for v in near]))
+    row = bins[("all runs", "beyond 1.5 decades (log10 ratio > 1.5)")]
+    assert row[2] == str(len(far)) and row[4] == analysis.f3(np.median([v["merge_gain"] for v in far]))
+    beats = sum(v["merge_beats_better_endpoint"] for v in ck.values())
+    assert bins[("all runs", "all")][5].startswith(f"{int(beats)}/{len(ck)}")
+
+    # native pair: coverage, diagnostics, the LMC curve and the merges
+    assert "shared parameter space covers 38 tensors / 150,080 parameters" in md
+    assert "vocabulary rows differ (2048 vs 2560)" in md and "Task vectors: not measured: trained separately." in md
+    curve = _md_table(md, "m-en__m-zh: linear interpolation")
+    assert curve[0][1:] == ["0.00", "0.25", "0.50", "0.75", "1.00"] and curve[1][1:] == ["5.500", "5.600", "6.100", "7.000", "7.600"]
+    merges = {r[0]: r for r in _md_table(md, "m-en__m-zh: merged models")[1:]}
+    assert merges["slerp"][2] == "5.7000" and merges["slerp"][-1] == ids["merge"]["slerp"][:8]
+
+    # transport: every direction x alpha with its control and run id; adaptation
+    tr = _md_table(md, "Fusion without adaptation")
+    assert len(tr) == 1 + 8
+    for r in tr[1:]:
+        vals = truth["transport"][(r[0], float(r[1]))]
+        assert r[3] == analysis.f3(vals["delta_target_lang"], 4) and r[5] == analysis.f3(vals["ot_minus_rand_target_lang"], 4)
+        assert r[-1] == ids["transport"][(r[0], float(r[1]))][:8]
+    per_dir = {}
+    for (direction, _), vals in truth["transport"].items():
+        per_dir.setdefault(direction, []).append(vals)
+    bests = [min(v, key=lambda x: x["delta_target_lang"]) for v in per_dir.values()]
+    helped = sum(b["delta_target_lang"] < 0 for b in bests)
+    assert f"in {helped}/4 directions (median delta {analysis.f3(np.median([b['delta_target_lang'] for b in bests]), 4)}" in md
+    ad = _md_table(md, "Post-fusion adaptation")
+    assert len(ad) == 1 + 4 and all(r[6] == "-0.0500" for r in ad[1:])
+
+    # correlation tables: rho as scipy on the logged diagnostics; power statement present
+    corr = {(r[0], r[1]): r for r in _md_table(md, "8a.")[1:]}
+    xs = [ck[p]["log10_step_ratio"] for p in ck]
+    ys = [ck[p]["tv_cosine"] for p in ck]
+    assert corr[("log10_step_ratio", "tv_cosine")][3] == f"{stats.spearmanr(xs, ys).statistic:.3f}"
+    assert corr[("log10_step_ratio", "tv_cosine")][2] == str(len(ck))
+    assert "n=20. Spearman rho on 20 points has a 95% CI" in md and "n=6. Spearman rho on 6 points" in md
+    assert re.search(r"Here (nothing survives BH|\d+ of \d+ cells survive BH)", md)
+
+    # figures beside the report, linked relatively
+    for name in ("cka_matched_vs_shuffled", "correlations_checkpoint", "correlations_cross_model", "checkpoint_vs_distance",
+                 "transport_deltas"):
+        assert (root / "reports" / "synth" / "figures" / f"{name}.png").stat().st_size > 1000
+        assert f"(figures/{name}.png)" in md
+    # every input run is in the run index
+    for rid in [*ids["quality"].values(), *ids["measure"].values(), *ids["transport"].values(), ids["native"]]:
+        assert f"`{rid}`" in md
+
+    html = html_path.read_text()
+    assert html.startswith("<!DOCTYPE html>") and html.count("<table>") == md.count("\n|---") and '<img src="figures/transport_deltas.png"' in html
+    assert "<h2>7. Transport-based cross-architecture merging</h2>" in html
+
+
+def test_analysis_run_logged_with_inputs(built):
+    cfg, _, out, root = built
+    tracker = Tracker(cfg)
+    runs = tracker.runs("tags.kind = 'analysis'")
+    assert [r.info.run_id for r in runs] == [out["run_id"]]
+    run = runs[0]
+    arts = root / "mlruns" / "artifacts" / "synth" / out["run_id"] / "artifacts"
+    for rel in ("report.md", "report.html", "figures/transport_deltas.png", "tables/cka_matrix.csv", "tables/pair_matrix.csv",
+                "tables/checkpoint_correlations.csv", "tables/cross_model_correlations.csv", "tables/transport.csv", "inputs/runs.csv"):
+        assert (arts / rel).is_file(), rel
+    logged = {r["run_id"] for r in csv.DictReader(io.StringIO((arts / "inputs/runs.csv").read_text()))}
+    all_inputs = {r.info.run_id for r in tracker.runs("") if r.data.tags["kind"] != "analysis"}
+    assert logged == all_inputs
+    assert run.data.metrics["input_runs"] == len(all_inputs) and run.data.metrics["pairs_cka"] == 6
+    assert run.data.metrics["transport_directions"] == 4
+    corr = (arts / "tables/checkpoint_correlations.csv").read_text().splitlines()
+    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28
+
+
+def test_missing_pieces_say_not_measured(compose_cfg, tmp_path):
+    cfg, ov = compose_cfg(["task=analyze", "tracking.experiment=bare"])
+    write_store(cfg, transport=False, typology=False, checkpoints=False)
+    out = analysis.run_analyze(cfg, ov)
+    md = out["report_md"].read_text()
+    assert all(s in md for s in SECTIONS)
+    tail = md[md.index("## Not measured (why)"):md.index("## Run index")]
+    for what in ("transport fusion: not measured (no kind=transport runs", "post-fusion adaptation: not measured",
+                 "typology: not measured", "checkpoint arm: not measured",
+                 "8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm: not measured", "figure 'transport fusion deltas with the control': not drawn"):
+        assert what in tail, what
+    assert not (tmp_path / "reports" / "bare" / "figures" / "transport_deltas.png").exists()
+
+
+def test_markdown_to_html_subset():
+    md = "# T\n\nA *b* **c** `d` <x>\nmore\n\n| a | b |\n|---|---:|\n| 1 \\| 2 | 3 |\n\n- i\n- j\n\n> q\n\n![cap](figures/f.png)\n"
+    html = markdown_to_html(md, title="t")
+    assert "<h1>T</h1>" in html and "<p>A <em>b</em> <strong>c</strong> <code>d</code> &lt;x&gt; more</p>" in html
+    assert '<td class="">1 | 2</td><td class="r">3</td>' in html
+    assert "<ul><li>i</li>" in html.replace("\n", "") and "<blockquote>q</blockquote>" in html
+    assert '<figure><img src="figures/f.png" alt="cap"></figure>' in html
