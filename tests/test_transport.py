@@ -330,3 +330,21 @@ def test_transport_refuses_the_same_model(tiny_models, compose_cfg):
     cfg, ov = compose_cfg(transport_job(tiny_models, extra=[f"pair.b.name_or_path={tiny_models['neox_en']}", "pair.b.lang=eng_Latn"]))
     with pytest.raises(MergescopeError, match="the same model"):
         run_transport(cfg, ov)
+
+
+def test_qkv_transport_where_the_attention_is_commensurable():
+    sents = lines("eng_Latn", n=60)
+    tok = make_tokenizer(sents, 300)
+    geo = dict(num_attention_heads=4, num_key_value_heads=2)
+    target = _outside_model("llama", len(tok), 4, hidden_size=32, num_hidden_layers=2, intermediate_size=48, **geo)
+    donor = _outside_model("llama", len(tok), 5, hidden_size=32, num_hidden_layers=3, intermediate_size=64, **geo)
+    ad = itf.adapter_for("llama")
+    tp = fus.probe(target, tok, sents, ad, qkv=True, progress=False)
+    dp = fus.probe(donor, tok, sents, ad, qkv=True, progress=False)
+    assert tp.pooled["k"][0].shape[1] == 16 and tp.pooled["attn_in"][0].shape[1] == 32  # 2 KV heads x head_dim 8
+    align = fus.align_layers(tp, dp, 0.05, 0.05, 1, 2048, 20000, 1e-5, 0, progress=False)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, 0.05, top_k=8, qkv=True, progress=False)
+    names = {k.split(".", 3)[3] for k in fusion.original}
+    assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight"} <= names
+    w = fusion.weights(1.0)["model.layers.0.self_attn.k_proj.weight"]
+    assert w.shape == (16, 32) and int(fusion.masks["model.layers.0.self_attn.k_proj.weight"].sum()) == 8
