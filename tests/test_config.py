@@ -71,3 +71,16 @@ def test_unknown_options_get_did_you_mean():
         with pytest.raises(MergescopeError) as e:
             check_argv(args, conf)
         assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_secrets_are_redacted_but_settings_that_mention_tokens_are_not():
+    from mergescope.config import flatten, redact
+
+    cfg = {"hub": {"hf_token": "hf_abc", "api_key": "k", "password": "p"}, "represent": {"batch_tokens": 2048},
+           "gen": {"max_tokens": 12}, "auth": {"token": None}}
+    flat = flatten(cfg)
+    assert flat["hub.hf_token"] == flat["hub.api_key"] == flat["hub.password"] == "<redacted>"
+    assert flat["represent.batch_tokens"] == "2048" and flat["gen.max_tokens"] == "12"
+    assert flat["auth.token"] == "null"  # nothing to hide
+    r = redact(cfg)
+    assert r["hub"]["hf_token"] == "<redacted>" and r["represent"]["batch_tokens"] == 2048

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
+SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials", "auth"}
+
+
+def is_secret(key: str) -> bool:
+    """A key that names a secret (``hf_token``, ``api_key``, ``password``), by whole words of its last
+    component: ``batch_tokens`` or ``max_tokens`` are settings, not secrets."""
+    last = str(key).lower().rsplit(".", 1)[-1]
+    words = set(re.split(r"[^a-z0-9]+", last))
+    return bool(words & SECRET_WORDS) or "api_key" in last
 
 
 def _first_dir(*candidates: str) -> str:
@@ -58,7 +67,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     else:
         key = prefix[:-1]
         val = "null" if d is None else json.dumps(d) if isinstance(d, list) else str(d)
-        if any(w in key.lower() for w in SECRET_WORDS) and d not in (None, ""):
+        if is_secret(key) and d not in (None, ""):
             val = "<redacted>"
         out[key] = val[:6000]
     return out
@@ -68,7 +77,7 @@ def redact(d: Any) -> Any:
     """A copy of a plain config with secret-looking values replaced (for logged YAML)."""
     if isinstance(d, dict):
         return {
-            k: ("<redacted>" if any(w in str(k).lower() for w in SECRET_WORDS) and v not in (None, "") and not isinstance(v, dict) else redact(v))
+            k: ("<redacted>" if is_secret(k) and v not in (None, "") and not isinstance(v, dict) else redact(v))
             for k, v in d.items()
         }
     if isinstance(d, list):

@@ -27,8 +27,8 @@ def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e
     except Exception as exc:
         raise MergescopeError(f"no run '{run_id}' in {uri}; copy a run id from the MLflow UI (make ui)") from exc
     kind = original.data.tags.get("kind")
-    if kind not in ("measure", "quality", "train", "merge"):
-        raise MergescopeError(f"run {run_id} is a '{kind}' run; reproduce takes a measure, quality, merge or train run")
+    if kind not in ("measure", "quality", "train", "merge", "transport"):
+        raise MergescopeError(f"run {run_id} is a '{kind}' run; reproduce takes a measure, quality, merge, transport or train run")
     cfg = resolved_config_of(client, run_id)
     with open_dict(cfg):
         cfg.rerun = True

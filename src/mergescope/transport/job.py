@@ -259,7 +259,8 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
 
 
 def _summary(results: dict[float, JobResult], adapt: JobResult | None, skipped: bool) -> JobResult:
-    values = {}
+    """Per-alpha headline deltas; with a single alpha, that run's every metric (what reproduce compares)."""
+    values = dict(next(iter(results.values())).metrics) if len(results) == 1 else {}
     for a, r in sorted(results.items()):
         for k in ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang"):
             if k in r.metrics:
