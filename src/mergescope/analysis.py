@@ -709,6 +709,14 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
         sec.missing.append("post-fusion adaptation: not measured (no kind=transport_adapt runs in this experiment)")
     sections.append(sec)
 
+    def _corr_csv(table) -> str:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        cols = ["a", "b", "n", "rho", "p_perm", "q_bh"]
+        w.writerow(cols)
+        w.writerows(table[cols].itertuples(index=False, name=None))
+        return buf.getvalue()
+
     # 8. correlations ----------------------------------------------------------------------------------
     frames = {"checkpoint": {c: np.array([r.m(c) for r in ck], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS},
               "cross": {c: np.array([p["values"].get(c, np.nan) for p in pairs], dtype=np.float64) for c in CROSS_DIAGNOSTICS}}
@@ -718,11 +726,7 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
                                    "One row per checkpoint pair (native weight merging).")
     if t8a is not None:
         s8a.figures.append(("correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm"))
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(["a", "b", "n", "rho", "p_perm", "q_bh"])
-        w.writerows(t8a[["a", "b", "n", "rho", "p_perm", "q_bh"]].itertuples(index=False, name=None))
-        csvs["tables/checkpoint_correlations.csv"] = buf.getvalue()
+        csvs["tables/checkpoint_correlations.csv"] = _corr_csv(t8a)
         console_tables.append(s8a.tables[0])
     s8b, t8b, pw8b = _corr_section("corr_cross", "8b. Diagnostic x diagnostic Spearman correlations: cross-model arm",
                                    frames["cross"], len(pairs), n_permutations,
@@ -730,11 +734,7 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
                                    "the two directions at each direction's best alpha.")
     if t8b is not None:
         s8b.figures.append(("correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={len(pairs)})"))
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(["a", "b", "n", "rho", "p_perm", "q_bh"])
-        w.writerows(t8b[["a", "b", "n", "rho", "p_perm", "q_bh"]].itertuples(index=False, name=None))
-        csvs["tables/cross_model_correlations.csv"] = buf.getvalue()
+        csvs["tables/cross_model_correlations.csv"] = _corr_csv(t8b)
         console_tables.append(s8b.tables[0])
     correlations.update({"checkpoint": t8a, "checkpoint_power": pw8a, "cross": t8b, "cross_power": pw8b})
     sections += [s8a, s8b]
