@@ -254,7 +254,9 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
                       f"(control {values['rand_delta_target_lang']:+.4f}), donor lang {values['delta_donor_lang']:+.4f}")
         results[a] = JobResult(job.run_id, False, values, hashes[a])
     if ad.enabled and adapt_done is None:
-        adapt_done = _adapt(cfg, overrides, host, fusion, eval_t, adapt_hash, label, base_t)
+        known = results.get(float(ad.alpha))  # the fused model's NLL, when adapt.alpha is on the grid
+        adapt_done = _adapt(cfg, overrides, host, fusion, eval_t, adapt_hash, label, base_t,
+                            known.metrics.get("nll_target_lang") if known is not None else None)
     return _summary(results, adapt_done, skipped=False)
 
 
@@ -310,7 +312,8 @@ def _baseline(cfg: DictConfig, overrides, host: _Host, eval_t, base_t: float) ->
     return JobResult(job.run_id, False, values, h)
 
 
-def _adapt(cfg: DictConfig, overrides, host: _Host, fusion: fus.Fusion, eval_t, h: str, label: str, base_t: float) -> JobResult:
+def _adapt(cfg: DictConfig, overrides, host: _Host, fusion: fus.Fusion, eval_t, h: str, label: str, base_t: float,
+           fused_nll: float | None = None) -> JobResult:
     ad = cfg.merge.adapt
     a = float(ad.alpha)
     host.snapshot = {k: v.detach().clone() for k, v in host.model.state_dict().items()}
@@ -321,7 +324,7 @@ def _adapt(cfg: DictConfig, overrides, host: _Host, fusion: fus.Fusion, eval_t, 
         fused = fusion.weights(a)
         residual = {n: (fused[n] - fusion.original[n]) for n in fused}
         host.set(fused)
-        before = host.nll(eval_t, "nll fused")
+        before = fused_nll if fused_nll is not None else host.nll(eval_t, "nll fused")
         target, _ = sides(cfg)
         losses = _finetune(cfg, host, residual, _adapt_sentences(cfg, str(target.lang)), f"adapt fused {label}")
         after = host.nll(eval_t, "nll fused adapted")
