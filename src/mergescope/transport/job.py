@@ -134,11 +134,17 @@ def _eval_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
     return side.sentences[: int(k)] if k else side.sentences
 
 
-def _probe_sides(cfg: DictConfig, lang_t: str, lang_d: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _probe_data(cfg: DictConfig) -> DictConfig:
+    """The data config of the probe split (also the adaptation text): every sentence of merge.probe_split."""
     pdata = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
     with open_dict(pdata):
         pdata.split = str(cfg.merge.probe_split)
         pdata.max_sentences = None
+    return pdata
+
+
+def _probe_sides(cfg: DictConfig, lang_t: str, lang_d: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    pdata = _probe_data(cfg)
     st, sd = data_mod.load_parallel(pdata, lang_t, lang_d)
     k = int(cfg.merge.probe_sentences)
     if len(st.sentences) < k:
@@ -274,11 +280,7 @@ def _summary(results: dict[float, JobResult], adapt: JobResult | None, skipped: 
 
 
 def _adapt_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
-    pdata = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
-    with open_dict(pdata):
-        pdata.split = str(cfg.merge.probe_split)
-        pdata.max_sentences = None
-    return data_mod.load_side(pdata, lang).sentences
+    return data_mod.load_side(_probe_data(cfg), lang).sentences
 
 
 def _finetune(cfg: DictConfig, host: _Host, residual, sentences, label: str) -> list[float]:
