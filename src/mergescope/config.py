@@ -10,6 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The project's Hydra config folder (``conf/``): the one place that knows where it is."""
+
 SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials", "auth"}
 
 
@@ -47,12 +50,29 @@ def to_plain(cfg: Any) -> Any:
 
 def job_hash(task: str, cfg: DictConfig, keys: list[str]) -> str:
     """Hash of what determines a job's result: the task and the resolved config sections it reads."""
-    body = {"task": task}
-    for k in keys:
-        node = OmegaConf.select(cfg, k)
-        body[k] = to_plain(node)
+    return hash_parts(task, {k: OmegaConf.select(cfg, k) for k in keys})
+
+
+def hash_parts(task: str, parts: dict[str, Any]) -> str:
+    """The job hash of named parts (config nodes or plain values): ``job_hash`` without a config."""
+    body = {"task": task, **{k: to_plain(v) for k, v in parts.items()}}
     blob = json.dumps(body, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_conf(group: str, name: str) -> DictConfig:
+    """One option of a config group, as its YAML file says (``load_conf("merge", "ties")``)."""
+    return OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
+
+
+def conf_options(group: str) -> list[str]:
+    """The option names of a config group (file stems under ``conf/<group>/``)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def plain_copy(node: Any) -> DictConfig:
+    """A resolved, detached copy of a config node (editable without touching the original)."""
+    return OmegaConf.create(to_plain(node))
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
+
 
 def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
@@ -20,14 +22,6 @@ def quiet_transformers() -> None:
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise MergescopeError(f"device={device} was asked for but CUDA is not available; use device=auto or device=cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -40,18 +34,31 @@ def _looks_local(name_or_path: str) -> bool:
     return name_or_path.startswith(("/", "./", "../", "~")) or Path(name_or_path).expanduser().exists()
 
 
+def label(entry: Any) -> str:
+    """The one label rule: ``name`` (or the folder's name), plus ``@revision`` when one is set."""
+    name = entry.get("name") or Path(str(entry.name_or_path)).name
+    rev = entry.get("revision")
+    return f"{name}@{rev}" if rev else str(name)
+
+
 @dataclass(frozen=True)
 class ModelRef:
-    """Where a model entry's weights live: a local folder, or a hub id at a revision."""
+    """Where a model entry's weights live: a local folder, or a hub id at a revision.
+
+    For a local folder ``location`` is the resolved sub-folder and ``revision`` only names it."""
 
     name: str
     location: str  # local folder, or hub id
-    revision: str | None  # hub revision (None for local)
+    revision: str | None  # hub revision, or the local sub-folder's name
     local: bool
 
     @property
     def label(self) -> str:
         return self.name if not self.revision else f"{self.name}@{self.revision}"
+
+    @property
+    def hub_revision(self) -> str | None:
+        return None if self.local else self.revision
 
 
 def resolve(entry: Any) -> ModelRef:
@@ -80,12 +87,22 @@ def resolve(entry: Any) -> ModelRef:
             folder = root / "main"
         else:
             raise MergescopeError(f"{root} holds no config.json (nor main/config.json); point name_or_path at a saved model")
-        return ModelRef(name=name, location=str(folder), revision=None, local=True)
+        return ModelRef(name=name, location=str(folder), revision=str(rev) if rev else None, local=True)
     if path.count("/") != 1:
         raise MergescopeError(
             f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; fix name_or_path="
         )
     return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
+
+
+def resolve_pair(pair: Any) -> tuple[ModelRef, ModelRef]:
+    """Both sides' ModelRefs of a pair node; an error when they are the same model at the same revision."""
+    ref_a, ref_b = resolve(pair.a), resolve(pair.b)
+    if (ref_a.location, ref_a.revision or "main") == (ref_b.location, ref_b.revision or "main"):
+        raise MergescopeError(
+            f"pair.a and pair.b are the same model ({ref_a.label}); a pair needs two different models or revisions"
+        )
+    return ref_a, ref_b
 
 
 def fingerprint(ref: ModelRef) -> str:
@@ -100,18 +117,20 @@ def fingerprint(ref: ModelRef) -> str:
     return f"hub:{ref.location}@{ref.revision or 'main'}"
 
 
-def _hub_kwargs(ref: ModelRef) -> dict[str, Any]:
+def hub_kwargs(ref: ModelRef) -> dict[str, Any]:
+    """from_pretrained keyword arguments for a hub model; one line when the hub is unreachable and the
+    model is not in the local cache (call it before a run starts to fail early)."""
     from mergescope.hub import hub_reachable
 
     if ref.local:
         return {}
-    kwargs: dict[str, Any] = {"revision": ref.revision}
+    kwargs: dict[str, Any] = {"revision": ref.hub_revision}
     if not hub_reachable():
         # Only the local HF cache can serve it; fail with one line if it is not there.
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            cached = try_to_load_from_cache(ref.location, "config.json", revision=ref.revision)
+            cached = try_to_load_from_cache(ref.location, "config.json", revision=ref.hub_revision)
         except Exception:
             cached = None
         if not isinstance(cached, str):
@@ -129,7 +148,7 @@ def _hub_kwargs(ref: ModelRef) -> dict[str, Any]:
 def load_tokenizer(ref: ModelRef):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ref.location, trust_remote_code=False, **_hub_kwargs(ref))
+    tok = AutoTokenizer.from_pretrained(ref.location, trust_remote_code=False, **hub_kwargs(ref))
     return tok
 
 
@@ -144,7 +163,7 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto
             dtype=resolve_dtype(dtype),
             trust_remote_code=False,
             use_safetensors=True,
-            **_hub_kwargs(ref),
+            **hub_kwargs(ref),
         )
     except OSError as exc:
         raise MergescopeError(
@@ -173,7 +192,7 @@ def load_config(ref: ModelRef) -> dict[str, Any]:
     from transformers import AutoConfig
 
     quiet_transformers()
-    return config_summary(AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **_hub_kwargs(ref)))
+    return config_summary(AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **hub_kwargs(ref)))
 
 
 def true_config(model) -> dict[str, Any]:
@@ -182,3 +201,30 @@ def true_config(model) -> dict[str, Any]:
     out["embedding_rows"] = int(model.get_input_embeddings().weight.shape[0])
     out["n_params"] = int(sum(p.numel() for p in model.parameters()))
     return out
+
+
+def show_true_config(name: str, tc: dict[str, Any]) -> None:
+    """One line per loaded model: what its config really says (cards can lie)."""
+    from mergescope.progress import console
+
+    console.print(f"[bold]{name}[/] true config: " + ", ".join(f"{k}={v}" for k, v in tc.items()))
+
+
+@dataclass
+class LoadedModel:
+    """A model entry loaded once: where it came from, the model, its tokenizer and its true config."""
+
+    ref: ModelRef
+    model: Any
+    tokenizer: Any
+    true_config: dict[str, Any]
+
+
+def load(entry: Any, device: str | None = "auto", ref: ModelRef | None = None, quiet: bool = False) -> LoadedModel:
+    """Load a model entry (``name_or_path``, ``revision``, ``dtype``) with its tokenizer, on ``device``."""
+    ref = ref or resolve(entry)
+    model = load_model(ref, str(entry.get("dtype") or "float32"), device)
+    tc = true_config(model)
+    if not quiet:
+        show_true_config(ref.label, tc)
+    return LoadedModel(ref, model, load_tokenizer(ref), tc)

@@ -36,7 +36,8 @@ def store_uri(cfg: DictConfig) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _client(uri: str):
+def client_for(uri: str):
+    """The MLflow client of a store (one per URI per process)."""
     from mlflow.tracking import MlflowClient
 
     for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
@@ -66,7 +67,7 @@ class Tracker:
     def __init__(self, cfg: DictConfig):
         self.uri, self.artifacts = store_uri(cfg)
         self.experiment = str(cfg.tracking.experiment)
-        self.client = _client(self.uri)
+        self.client = client_for(self.uri)
         self._exp_id: str | None = None
 
     @property
@@ -163,6 +164,12 @@ class Job:
 
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+
+    def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 
     def log_figure(self, fig, path: str) -> None:
         buf = io.BytesIO()

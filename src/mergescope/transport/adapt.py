@@ -16,7 +16,7 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.represent import _pad_id, pad_batch, tokenize
+from mergescope.represent import pad_id, pad_batch, tokenize
 
 
 def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, steps: int, batch_size: int,
@@ -37,7 +37,7 @@ def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | No
     res = {n: r.to(device, named[n].dtype) for n, r in (residual or {}).items() if n in named}
     rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    pad = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     losses = []
     model.train()
     try:

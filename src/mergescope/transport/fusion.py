@@ -26,7 +26,7 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.represent import _pad_id, batch_token_budget, length_batches, pad_batch, tokenize
+from mergescope.represent import pad_id, batch_token_budget, length_batches, pad_batch, tokenize
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
 
@@ -77,7 +77,7 @@ def probe(model, tokenizer, sentences, adapter: itf.Adapter, qkv: bool = False, 
         with bar() as pb:
             task = pb.add_task(label, total=n, visible=progress)
             for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
-                x, m, p = pad_batch([ids[i] for i in b], _pad_id(tokenizer), "right", device)
+                x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
                 state["mask"] = m.unsqueeze(-1).to(torch.float32)
                 state["count"] = m.sum(1, keepdim=True).to(torch.float64)
                 state["rows"] = torch.as_tensor(b, device=device)

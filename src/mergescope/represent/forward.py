@@ -1,4 +1,4 @@
-"""Sentence representations and per-token NLL: batched, length-sorted forward passes, cached on disk.
+"""Sentence representations and per-token NLL: batched, length-sorted forward passes.
 
 Pooling over non-pad tokens of a chosen hidden state:
 - ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th real token = i;
@@ -10,12 +10,6 @@ Position ids are computed from the attention mask, so left and right padding giv
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +19,6 @@ from mergescope.errors import MergescopeError
 from mergescope.progress import bar
 
 POOLINGS = ("sgpt", "mean", "last")
-CACHE_VERSION = 1
 
 
 def batch_token_budget(value: int | str, device: torch.device) -> int:
@@ -97,7 +90,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     return torch.einsum("bt,btd->bd", w, h)
 
 
-def _pad_id(tokenizer) -> int:
+def pad_id(tokenizer) -> int:
     for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
         v = getattr(tokenizer, attr, None)
         if v is not None:
@@ -137,7 +130,7 @@ def embed(
     ids, n_trunc = tokenize(tokenizer, sentences, max_length)
     lengths = np.array([len(s) for s in ids])
     out: np.ndarray | None = None
-    pad = _pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     batches = length_batches(lengths, batch_token_budget(batch_tokens, device))
     with bar() as pb:
         task = pb.add_task(label, total=len(sentences), visible=progress)
@@ -164,7 +157,7 @@ def token_nll(
     with bar() as pb:
         task = pb.add_task(label, total=len(sentences), visible=progress)
         for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
-            x, m, p = pad_batch([ids[i] for i in b], _pad_id(tokenizer), "right", device)
+            x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
             logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
             valid = m[:, 1:].bool()
             lp = torch.nn.functional.cross_entropy(
@@ -176,49 +169,3 @@ def token_nll(
     if count == 0:
         raise MergescopeError("no token to predict: every sentence is a single token")
     return {"nll": total / count, "n_tokens": count, "n_truncated": n_trunc}
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-@dataclass(frozen=True)
-class ReprKey:
-    model: str  # fingerprint (local content or hub id@revision)
-    data: str  # digest of the sentences
-    lang: str
-    split: str
-    pooling: str
-    layer: int
-    dtype: str
-    max_length: int
-
-    @property
-    def digest(self) -> str:
-        blob = json.dumps({**self.__dict__, "v": CACHE_VERSION}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-class ReprCache:
-    """Pooled representations on disk by content key: <dir>/<digest>.npy and .json (metadata)."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def _paths(self, key: ReprKey) -> tuple[Path, Path]:
-        return self.root / f"{key.digest}.npy", self.root / f"{key.digest}.json"
-
-    def get(self, key: ReprKey) -> tuple[np.ndarray, dict[str, Any]] | None:
-        npy, meta = self._paths(key)
-        if npy.is_file() and meta.is_file():
-            return np.load(npy), json.loads(meta.read_text())
-        return None
-
-    def put(self, key: ReprKey, value: np.ndarray, meta: dict[str, Any]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        npy, mpath = self._paths(key)
-        tmp = npy.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, value)
-        os.replace(tmp, npy)
-        mtmp = mpath.with_suffix(f".tmp{os.getpid()}")
-        mtmp.write_text(json.dumps({**meta, "key": key.__dict__, "created": time.time()}, indent=1))
-        os.replace(mtmp, mpath)

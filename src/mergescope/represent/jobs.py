@@ -1,0 +1,134 @@
+"""The representation arm's jobs: measure (one metric on one pair, with its shuffled control) and
+quality (one model's mean per-token NLL on its own side of the data).
+
+Each validates its inputs before an MLflow run exists, then runs through :func:`runs.run_once`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from mergescope import data as data_mod
+from mergescope import models
+from mergescope.errors import MergescopeError
+from mergescope.registry import metrics as metric_registry
+from mergescope.represent.cache import ReprCache, ReprKey
+from mergescope.represent.forward import POOLINGS, embed, token_nll
+from mergescope.runs import JobResult, model_label, pair_label, pair_tags, run_once
+
+MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length", "control"]
+QUALITY_KEYS = ["model", "data", "represent.max_length"]
+
+
+def control_permutation(n: int, seed: int) -> np.ndarray:
+    """The shuffled control's reordering of side B: one fixed-seed permutation, shared by every metric."""
+    return np.random.default_rng(seed).permutation(n)
+
+
+def check_represent(cfg: DictConfig) -> None:
+    r = cfg.represent
+    if r.pooling not in POOLINGS:
+        raise MergescopeError(f"unknown represent.pooling '{r.pooling}': choose one of {', '.join(POOLINGS)}")
+    if r.padding_side not in ("left", "right"):
+        raise MergescopeError(f"represent.padding_side must be left or right, got '{r.padding_side}'")
+    if int(r.max_length) < 512:
+        raise MergescopeError(f"represent.max_length={r.max_length} would truncate below 512 tokens; use 512 or more")
+
+
+def repr_key(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> ReprKey:
+    r = cfg.represent
+    return ReprKey(model=models.fingerprint(ref), data=side.digest, lang=side.lang, split=str(cfg.data.split),
+                   pooling=str(r.pooling), layer=int(r.layer), dtype=str(entry.dtype), max_length=int(r.max_length))
+
+
+def repr_cache(cfg: DictConfig) -> ReprCache:
+    return ReprCache(Path(cfg.paths.cache) / "reprs")
+
+
+def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> tuple[np.ndarray, dict[str, Any]]:
+    """Pooled representations of one side by one model, from the on-disk cache or a forward pass."""
+    key, cache = repr_key(cfg, entry, ref, side), repr_cache(cfg)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit[0], {**hit[1], "cache": "hit"}
+    lm = models.load(entry, cfg.device, ref=ref)
+    r = cfg.represent
+    X, stats = embed(
+        lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
+        max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
+    )
+    meta = {"true_config": lm.true_config, **stats}
+    cache.put(key, X, meta)
+    return X, {**meta, "cache": "miss"}
+
+
+def needs_model(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> None:
+    """Fail before a run starts if a hub model would be needed and cannot be had."""
+    if not ref.local and repr_cache(cfg).get(repr_key(cfg, entry, ref, side)) is None:
+        models.hub_kwargs(ref)  # raises one line when the hub is unreachable and nothing is cached
+
+
+def check_measure(cfg: DictConfig):
+    """Everything a measure job needs, validated before any run: (metric entry, kwargs, refs, sides)."""
+    a, b = cfg.pair.a, cfg.pair.b
+    refs = models.resolve_pair(cfg.pair)
+    entry = metric_registry.get(str(cfg.metric.name))
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.metric, resolve=True).items() if k != "name"}
+    kwargs = entry.check_kwargs(kwargs)
+    check_represent(cfg)
+    sides = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
+    needs_model(cfg, a, refs[0], sides[0])
+    needs_model(cfg, b, refs[1], sides[1])
+    return entry, kwargs, refs, sides
+
+
+def _log_true_config(job, prefix: str, meta: dict[str, Any]) -> None:
+    if "true_config" in meta:
+        job.log_params({f"{prefix}.true": meta["true_config"]})
+
+
+def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    entry, kwargs, (ref_a, ref_b), (side_a, side_b) = check_measure(cfg)
+
+    def body(job) -> dict[str, float]:
+        Xa, meta_a = representations(cfg, cfg.pair.a, ref_a, side_a)
+        Xb, meta_b = representations(cfg, cfg.pair.b, ref_b, side_b)
+        _log_true_config(job, "model_a", meta_a)
+        _log_true_config(job, "model_b", meta_b)
+        perm = control_permutation(Xa.shape[0], int(cfg.control.seed))
+        matched = entry.fn(Xa, Xb, device=cfg.device, **kwargs)
+        shuffled = entry.fn(Xa, Xb[perm], device=cfg.device, **kwargs)
+        values = dict(matched)
+        values.update({f"{k}_shuffled": v for k, v in shuffled.items() if not k.endswith("_chance")})
+        values.update({"n_sentences": float(Xa.shape[0]), "dim_a": float(Xa.shape[1]), "dim_b": float(Xb.shape[1])})
+        job.log_params({"control.permutation_head": perm[:8].tolist(), "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
+        return values
+
+    tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
+            "seed": cfg.control.seed, "data": cfg.data.name, "split": cfg.data.split}
+    return run_once(cfg, f"{cfg.metric.name}:{pair_label(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS)
+
+
+def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    entry = cfg.get("model")
+    if entry is None:
+        raise MergescopeError("task=quality needs a model: add model=<name> (see conf/model/) or model=custom model.name_or_path=...")
+    ref = models.resolve(entry)
+    check_represent(cfg)
+    side = data_mod.load_side(cfg.data, str(entry.lang))
+    models.hub_kwargs(ref)
+
+    def body(job) -> dict[str, float]:
+        lm = models.load(entry, cfg.device, ref=ref)
+        job.log_params({"model.true": lm.true_config})
+        res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
+                        max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
+        return {"nll": res["nll"], "n_tokens": float(res["n_tokens"]), "n_truncated": float(res["n_truncated"])}
+
+    tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
+            "split": cfg.data.split, "seed": cfg.seed}
+    return run_once(cfg, f"quality:{model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS)

@@ -1,0 +1,71 @@
+"""The job shell, written once: hash -> skip-if-done -> one MLflow run -> JobResult.
+
+Every task validates its inputs first (before any run exists), then calls :func:`run_once` with
+the keys that determine its numbers, its tags and a body that computes and returns its metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope.config import job_hash
+from mergescope.models import label
+from mergescope.tracking import Job, Tracker
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    skipped: bool
+    metrics: dict[str, float]
+    cfg_hash: str
+
+
+def model_label(entry: Any) -> str:
+    """A model entry's display name: ``name`` (or the folder's name), ``@revision`` when one is set."""
+    return label(entry)
+
+
+def pair_label(cfg: DictConfig) -> str:
+    return f"{model_label(cfg.pair.a)}__{model_label(cfg.pair.b)}"
+
+
+def pair_tags(cfg: DictConfig) -> dict[str, Any]:
+    """The join keys of a pair job: ``pair``, ``model_a``, ``model_b``, ``lang_a``, ``lang_b``."""
+    a, b = cfg.pair.a, cfg.pair.b
+    return {"pair": pair_label(cfg), "model_a": model_label(a), "model_b": model_label(b),
+            "lang_a": a.lang, "lang_b": b.lang}
+
+
+def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | None:
+    """The FINISHED run with this cfg_hash, as a skipped result (None when there is none, or rerun=true)."""
+    if cfg.get("rerun"):
+        return None
+    done = tracker.find_finished(cfg_hash)
+    return None if done is None else JobResult(done.info.run_id, True, dict(done.data.metrics), cfg_hash)
+
+
+def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,
+             body: Callable[[Job], dict[str, float]], *, task: str | None = None, keys: list[str] | None = None,
+             cfg_hash: str | None = None, tracker: Tracker | None = None,
+             reuse: Callable[[], bool] | None = None) -> JobResult:
+    """Run ``body`` in one MLflow run unless a FINISHED run with the same hash exists.
+
+    The hash is ``cfg_hash`` or ``job_hash(task, cfg, keys)``; ``tags`` get ``cfg_hash`` added.
+    ``body(job)`` logs what it likes through ``job`` and returns the headline metrics, which are
+    logged and returned. ``reuse`` (optional) must also say yes for a finished run to be reused
+    (the train job: the model folder must still exist).
+    """
+    h = cfg_hash or job_hash(str(task), cfg, list(keys or []))
+    tracker = tracker or Tracker(cfg)
+    done = finished(cfg, tracker, h)
+    if done is not None and (reuse is None or reuse()):
+        return done
+    with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
+        values = body(job)
+        job.log_metrics(values)
+    return JobResult(job.run_id, False, values, h)
