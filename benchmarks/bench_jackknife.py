@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mergescope.metrics import cka_jackknife, linear_cka
-from mergescope.metrics._common import resolve_device
+from mergescope.device import resolve_device
 from mergescope.metrics.cka import Z95, block_slices
 
 TARGET = 3.0

@@ -174,15 +174,15 @@ class PlanTally:
 def child(a, step: str, hidden: int, ffn: int) -> dict:
     """One step, measured; its inputs (probes, alignment) come from the earlier steps' files in --cache."""
     import torch
-    import yaml
 
     from mergescope.transport import fusion as fus
     from mergescope.transport import interfaces as itf
     from mergescope.transport import ot as tot
+    from mergescope.transport.settings import TransportSettings
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    m = yaml.safe_load((REPO / "conf" / "merge" / "transport.yaml").read_text())
+    s = TransportSettings.defaults()  # conf/merge/transport.yaml, validated
     target, donor = _models(a, hidden, ffn, device)
     t_ad, d_ad = itf.adapter_for(target.config.model_type), itf.adapter_for(donor.config.model_type)
     tok = FakeTokenizer()
@@ -205,9 +205,7 @@ def child(a, step: str, hidden: int, ffn: int) -> dict:
     if step == "align":
         tot.solve(torch.rand(8, 8, dtype=torch.float64, device=device), 0.1)  # POT's backend, warm
         meter.start()
-        align = fus.align_layers(tp, dp, float(m["epsilon"]), float(m["layer_epsilon"]), int(m["layer_topk"]),
-                                 int(m["layer_subsample"]), int(m["max_iter"]), float(m["marginal_tol"]),
-                                 int(m["control_seed"]), progress=False)
+        align = fus.align_layers(tp, dp, s, progress=False)
         res["align"] = meter.read()
         res["align_plans"] = len(align.infos)
         res["align_fallbacks"] = sum(1 for i in align.infos if i.solver != "sinkhorn")
@@ -215,15 +213,13 @@ def child(a, step: str, hidden: int, ffn: int) -> dict:
         return res
     align = torch.load(cache / "align.pt", weights_only=False)
     donor_sd = {k: v.detach() for k, v in donor.state_dict().items()}
-    alphas = [float(x) for x in m["alphas"]]
-    tally = PlanTally(tot) if str(m["plan_scale"]) == "row_stochastic" else None
+    alphas = list(s.alphas)
+    tally = PlanTally(tot) if s.plan_scale == "row_stochastic" else None
     tot.solve(torch.rand(8, 8, dtype=torch.float64, device=device), 0.1)
     # fuse, then every alpha x (OT, control) built and written, all from one start: the reading after the
     # first write is ONE fusion (fuse + one alpha's weights), the last one the whole grid + control
     meter.start()
-    fusion = fus.fuse(target, donor_sd, tp, dp, t_ad, d_ad, align, float(m["epsilon"]), int(m["top_k"]),
-                      str(m["plan_scale"]), False, int(m["max_iter"]), float(m["marginal_tol"]),
-                      int(m["control_seed"]), progress=False)
+    fusion = fus.fuse(target, donor_sd, tp, dp, t_ad, d_ad, align, s, progress=False)
     res["fuse"] = meter.read()
     writes = []
     for alpha in alphas:

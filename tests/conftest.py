@@ -42,8 +42,9 @@ def make_model(family: str, vocab_size: int, seed: int = 0):
 
 
 def save_tiny(path: Path, family: str, lang: str, seed: int = 0, revisions: tuple[str, ...] = ()) -> Path:
-    lines = (FLORES / "dev" / f"{lang}.dev").read_text(encoding="utf-8").splitlines()
-    tok = make_tokenizer(lines, vocab_size=300 + 17 * seed)
+    from mergescope.zoo import sample_lines  # built-in text: tiny models build without the FLORES data
+
+    tok = make_tokenizer(sample_lines(lang), vocab_size=300 + 17 * seed)
     model = make_model(family, len(tok), seed)
     for folder in [path, *(path / r for r in revisions)]:
         folder.mkdir(parents=True, exist_ok=True)

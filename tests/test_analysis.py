@@ -99,13 +99,13 @@ def test_nan_handling():
 
 def test_analyze_unknown_experiment_is_one_line_and_creates_nothing(compose_cfg):
     from mergescope.cli import dispatch
-    from mergescope.tracking import Tracker, _client, store_uri
+    from mergescope.tracking import Tracker, client_for, store_uri
 
     cfg, ov = compose_cfg(["task=analyze", "tracking.experiment=never_run"])
     with pytest.raises(MergescopeError, match="no MLflow experiment 'never_run'.*run the study first") as exc:
         dispatch(cfg, ov)
     assert "\n" not in str(exc.value)
-    client = _client(store_uri(cfg)[0])
+    client = client_for(store_uri(cfg)[0])
     assert client.get_experiment_by_name("never_run") is None  # nothing was created
     # an experiment that exists but holds no runs (or only analysis runs)
     tracker = Tracker(cfg)

@@ -136,7 +136,7 @@ def test_bad_inputs_one_line_nonzero_no_run(tiny_models, tmp_path):
 
 
 def test_exception_marks_the_run_failed(tiny_models, compose_cfg, monkeypatch):
-    from mergescope.jobs import run_measure
+    from mergescope.represent.jobs import run_measure
     from mergescope.registry import metrics
 
     entry = metrics.get("procrustes")

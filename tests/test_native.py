@@ -43,7 +43,7 @@ def outside_nll(state: dict, path: Path, sentences: list[str]) -> float:
 def test_lmc_curve_and_barrier_match_an_outside_computation(tiny_models, compose_cfg):
     from transformers import AutoModelForCausalLM
 
-    from mergescope.native import run_native
+    from mergescope.native.job import run_native
 
     cfg, ov = compose_cfg(ckpt_pair(tiny_models))
     r = run_native(cfg, ov)
@@ -68,7 +68,7 @@ def test_lmc_curve_and_barrier_match_an_outside_computation(tiny_models, compose
 
 
 def test_native_refused_across_architectures_with_the_blocking_difference(tiny_models, compose_cfg):
-    from mergescope.native import run_native
+    from mergescope.native.job import run_native
 
     cfg, ov = compose_cfg(["task=native", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
                            f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn"])
@@ -78,7 +78,7 @@ def test_native_refused_across_architectures_with_the_blocking_difference(tiny_m
 
 
 def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, compose_cfg):
-    from mergescope.native import run_native
+    from mergescope.native.job import run_native
 
     cfg, ov = compose_cfg(ckpt_pair(tiny_models, merges="[linear,ties]"))
     r = run_native(cfg, ov)
@@ -93,7 +93,8 @@ def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, co
 
 
 def test_cross_model_native_pair_blocks_only_and_refuses_base_operators(tiny_models, compose_cfg):
-    from mergescope.native import run_merge, run_native
+    from mergescope.native.job import run_native
+    from mergescope.native.merges import run_merge
 
     pair = ["pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
             f"pair.b.name_or_path={tiny_models['neox_zh']}", "pair.b.lang=zho_Hans", f"native.nll_sentences={N}"]

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from mergescope import analysis
-from mergescope.report import markdown_to_html
+from mergescope.analysis import markdown_to_html
 from mergescope.tracking import Tracker
 
 MODELS = {  # label -> (lang, true config)
@@ -84,7 +84,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.0163,
            "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
            "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "best_merged_nll": 5.7, "merge_beats_better_endpoint": 0.0}
-    from mergescope.weights import routes
+    from mergescope.native.weights import routes
 
     rt = routes(MODELS["m-en"][1], MODELS["m-zh"][1])
     merge_ids = {}
@@ -327,10 +327,14 @@ def test_missing_pieces_say_not_measured(compose_cfg, tmp_path):
     assert not (tmp_path / "reports" / "bare" / "figures" / "transport_deltas.png").exists()
 
 
-def test_markdown_to_html_subset():
+def test_markdown_to_html_renders_what_the_report_uses():
+    """markdown-it-py with pipe tables: headings, inline marks, escaped raw HTML, aligned tables, lists, quotes, images."""
     md = "# T\n\nA *b* **c** `d` <x>\nmore\n\n| a | b |\n|---|---:|\n| 1 \\| 2 | 3 |\n\n- i\n- j\n\n> q\n\n![cap](figures/f.png)\n"
     html = markdown_to_html(md, title="t")
-    assert "<h1>T</h1>" in html and "<p>A <em>b</em> <strong>c</strong> <code>d</code> &lt;x&gt; more</p>" in html
-    assert '<td class="">1 | 2</td><td class="r">3</td>' in html
-    assert "<ul><li>i</li>" in html.replace("\n", "") and "<blockquote>q</blockquote>" in html
-    assert '<figure><img src="figures/f.png" alt="cap"></figure>' in html
+    flat = html.replace("\n", "")
+    assert html.startswith("<!DOCTYPE html>") and "<title>t</title>" in html and "<style>" in html and html.rstrip().endswith("</html>")
+    assert "<h1>T</h1>" in html and "<p>A <em>b</em> <strong>c</strong> <code>d</code> &lt;x&gt;more</p>" in flat
+    assert '<table><thead><tr><th>a</th><th style="text-align:right">b</th></tr></thead>' in flat
+    assert '<td>1 | 2</td><td style="text-align:right">3</td>' in flat
+    assert "<ul><li>i</li><li>j</li></ul>" in flat and "<blockquote><p>q</p></blockquote>" in flat
+    assert '<img src="figures/f.png" alt="cap" />' in html

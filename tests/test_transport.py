@@ -16,6 +16,7 @@ from mergescope.errors import MergescopeError
 from mergescope.transport import fusion as fus
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
+from mergescope.transport.settings import AdaptSettings, TransportSettings
 
 pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
 
@@ -155,11 +156,13 @@ def test_planted_permutation_is_recovered_and_fusion_reproduces_the_donor(family
         assert torch.equal(Q.argmax(1), torch.argsort(p))
         assert float(tot.row_stochastic(Q).max(1).values.min()) > 0.99
 
-    align = fus.align_layers(tp, dp, eps, 0.01, 3, 2048, 20000, 1e-5, 0, progress=False)
+    s = TransportSettings.defaults(epsilon=eps, layer_epsilon=0.01, layer_topk=3, layer_subsample=2048, max_iter=20000,
+                                   marginal_tol=1e-5, control_seed=0, top_k=10_000)
+    align = fus.align_layers(tp, dp, s, progress=False)
     assert np.array_equal(align.kept.argmax(1), np.arange(arch["num_hidden_layers"]))
     assert np.all(np.diag(align.kept) > 0.99)
     align.kept = (align.kept == align.kept.max(1, keepdims=True)).astype(float)  # the top-1 donor layer only
-    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, eps, top_k=10_000, progress=False)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, s, progress=False)
     # alpha = 1 through the plans: the donor's MLP weights carried back into the target's basis (the
     # attention output's input can hold exact duplicates at random init, e.g. heads sharing a KV head,
     # which no plan can tell apart; there the function, checked next, is what is preserved)
@@ -187,10 +190,11 @@ def test_rectangular_widths_and_depths_fuse_without_padding():
                            num_key_value_heads=2, intermediate_size=96)
     ta, da = itf.adapter_for("gpt_neox"), itf.adapter_for("llama")
     tp, dp = fus.probe(target, tok_t, sents_t, ta, progress=False), fus.probe(donor, tok_d, sents_d, da, progress=False)
-    align = fus.align_layers(tp, dp, 0.01, 0.01, 2, 2048, 20000, 1e-5, 0, progress=False)
+    s = TransportSettings.defaults(epsilon=0.01, layer_epsilon=0.01, layer_topk=2, top_k=40)
+    align = fus.align_layers(tp, dp, s, progress=False)
     assert align.cost_pre.shape == (2, 3) and np.allclose(align.kept.sum(1), 1) and np.all((align.kept > 0).sum(1) == 2)
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, 0.01, top_k=40, progress=False)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s, progress=False)
     # NeoX target vs Llama donor: h_to_4h <- gate_proj, 4h_to_h <- down_proj, attention.dense <- o_proj; the
     # biases have no donor counterpart (Llama has none) and keep the target's values
     assert sorted({k.split(".", 3)[3] for k in fusion.original}) == ["attention.dense.weight", "mlp.dense_4h_to_h.weight", "mlp.dense_h_to_4h.weight"]
@@ -231,7 +235,8 @@ def test_residual_frozen_adaptation_equals_training_theta_with_r_frozen():
     fused = copy.deepcopy(model)
     with torch.no_grad():
         dict(fused.named_parameters())[name].add_(R[name])
-    finetune(fused, tok, sents, R, steps=steps, batch_size=8, lr=lr, weight_decay=wd, seed=7, grad_clip=0.0, progress=False)
+    finetune(fused, tok, sents, R, AdaptSettings(alpha=0.1, steps=steps, batch_size=8, lr=lr, weight_decay=wd, grad_clip=0.0, seed=7),
+             progress=False)
 
     # reference: explicit theta + frozen R, the same batches
     theta = {k: torch.nn.Parameter(v.clone()) for k, v in theta0.items()}
@@ -313,6 +318,10 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     (["merge.qkv=true"], "merge.qkv=true is undefined for this pair: gpt_neox fuses q/k/v"),
     (["merge.plan_scale=unit"], "merge.plan_scale must be row_stochastic or raw"),
     (["merge.target=c"], "merge.target must be a or b"),
+    (["merge.layer_epsilon=0"], "merge.layer_epsilon must be a positive number"),
+    (["merge.top_k=0"], "merge.top_k must be at least 1"),
+    (["merge.probe_sentences=2"], "merge.probe_sentences must be at least 3"),
+    (["merge.adapt.steps=0"], "merge.adapt needs steps >= 1, batch_size >= 1 and lr > 0"),
 ])
 def test_transport_bad_input_is_one_clear_error_and_no_run(tiny_models, compose_cfg, extra, match):
     from test_e2e import runs
@@ -334,6 +343,57 @@ def test_transport_refuses_the_same_model(tiny_models, compose_cfg):
         run_transport(cfg, ov)
 
 
+def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cfg):
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from mergescope.config import load_conf
+    from mergescope.transport.job import _alpha_cfg, check
+    from mergescope.transport.settings import merge_node
+
+    cfg, _ = compose_cfg(transport_job(tiny_models, target="b"))
+    job, s = check(cfg)
+    assert s.target == "b" and s.alphas == (0.1, 0.5) and s.epsilon == 0.05 and s.layer_topk == 2 and s.probe_sentences == 40
+    assert s.top_k == 128 and s.plan_scale == "row_stochastic" and s.qkv is False and s.control_seed == 0
+    assert s.adapt == AdaptSettings(alpha=0.1, steps=3, batch_size=4, lr=1e-3, weight_decay=0.0, grad_clip=1.0, seed=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.epsilon = 0.1
+    # the job config hashes the settings node as configured (not the dataclass)
+    assert OmegaConf.to_container(job.merge) == OmegaConf.to_container(cfg.merge, resolve=True)
+    # an alpha run's logged config (what reproduce replays): that alpha alone, adaptation off
+    one = TransportSettings.from_cfg(_alpha_cfg(job, 0.5))
+    assert one.alphas == (0.5,) and one.adapt is None and dataclasses.replace(one, alphas=s.alphas, adapt=s.adapt) == s
+    assert TransportSettings.defaults() == TransportSettings.from_node(load_conf("merge", "transport"))
+    with pytest.raises(MergescopeError, match="merge.epsilon must be a positive number"):
+        TransportSettings.defaults(epsilon=True)
+    wrong, _ = compose_cfg(["task=transport", "merge=ties"])
+    with pytest.raises(MergescopeError, match="task=transport runs the transport operator, but merge=ties"):
+        merge_node(wrong)
+
+
+@pytest.mark.parametrize("target", ["a", "b"])
+def test_baseline_hash_is_the_one_before_the_settings_object(tiny_models, compose_cfg, target):
+    """The no-fusion baseline once hashed a config with an invented top-level ``target`` key; its hash is
+    now built from parts, and must not change (a store made before would otherwise rerun every baseline)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from mergescope.config import job_hash
+    from mergescope.transport.job import baseline_hash, check
+
+    extra = ["merge.adapt.lr=0.002", "data.max_sentences=50"]
+    job, _ = check(compose_cfg(transport_job(tiny_models, target=target, extra=extra))[0])
+    old = OmegaConf.create(OmegaConf.to_container(job, resolve=True))
+    with open_dict(old):
+        old.target = OmegaConf.create(OmegaConf.to_container(job.pair[target], resolve=True))
+    keys = ["target", "merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
+    assert baseline_hash(job) == job_hash("transport_adapt_baseline", old, keys)
+    other = "b" if target == "a" else "a"
+    donor_changed, _ = check(compose_cfg(transport_job(tiny_models, target=target, extra=[
+        *extra, f"pair.{other}.name_or_path={tiny_models['mistral_it']}", f"pair.{other}.lang=ita_Latn"]))[0])
+    assert baseline_hash(donor_changed) == baseline_hash(job)  # one baseline per target, shared by every donor
+
+
 def test_qkv_transport_where_the_attention_is_commensurable():
     sents = lines("eng_Latn", n=60)
     tok = make_tokenizer(sents, 300)
@@ -344,8 +404,9 @@ def test_qkv_transport_where_the_attention_is_commensurable():
     tp = fus.probe(target, tok, sents, ad, qkv=True, progress=False)
     dp = fus.probe(donor, tok, sents, ad, qkv=True, progress=False)
     assert tp.pooled["k"][0].shape[1] == 16 and tp.pooled["attn_in"][0].shape[1] == 32  # 2 KV heads x head_dim 8
-    align = fus.align_layers(tp, dp, 0.05, 0.05, 1, 2048, 20000, 1e-5, 0, progress=False)
-    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, 0.05, top_k=8, qkv=True, progress=False)
+    s = TransportSettings.defaults(epsilon=0.05, layer_epsilon=0.05, layer_topk=1, top_k=8, qkv=True)
+    align = fus.align_layers(tp, dp, s, progress=False)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, s, progress=False)
     names = {k.split(".", 3)[3] for k in fusion.original}
     assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight"} <= names
     w = fusion.weights(1.0)["model.layers.0.self_attn.k_proj.weight"]

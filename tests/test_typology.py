@@ -56,21 +56,20 @@ def test_vectors_cached_on_disk_by_version_set_and_code(tmp_path, monkeypatch):
 
 
 def test_study_typology_logs_one_run_per_pair(compose_cfg):
+    from mergescope.study import job
     from mergescope.tracking import Tracker
-    from mergescope.typology import study_typology
 
-    jobs = [compose_cfg(["task=measure", f"pair={p}", f"metric={m}"]) for p in ("zoo-neox-en__zoo-neox-zh", "zoo-llama-pt__zoo-mistral-it")
-            for m in ("cka", "svcca")]
     cfg, base = compose_cfg([])
-    out = study_typology(cfg, base, jobs)
-    assert len(out) == 2 and not any(r.skipped for _, r in out)
+    jobs = [job("typology", [*base, f"pair={p}"]) for p in ("zoo-neox-en__zoo-neox-zh", "zoo-llama-pt__zoo-mistral-it")]
+    out = [j.run() for j in jobs]
+    assert len(out) == 2 and not any(r.skipped for r in out)
     runs = Tracker(cfg).runs("tags.kind = 'typology'")
     assert sorted(r.data.tags["pair"] for r in runs) == ["zoo-llama-pt__zoo-mistral-it", "zoo-neox-en__zoo-neox-zh"]
     for r in runs:
         assert r.data.metrics == pytest.approx(distances(r.data.tags["lang_a"], r.data.tags["lang_b"]))
         assert r.data.params["uriel.code_b"] in ("cmn", "ita")
-    again = study_typology(cfg, base, jobs)
-    assert all(r.skipped for _, r in again) and len(Tracker(cfg).runs("tags.kind = 'typology'")) == 2
+    again = [j.run() for j in jobs]
+    assert all(r.skipped for r in again) and len(Tracker(cfg).runs("tags.kind = 'typology'")) == 2
 
 
 def test_unknown_feature_set_is_one_line():

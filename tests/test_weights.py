@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergescope import weights
+from mergescope.native import weights
 from mergescope.errors import MergescopeError
 
 NEOX = {

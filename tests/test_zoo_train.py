@@ -307,3 +307,28 @@ def test_each_zoo_model_has_its_own_initialisation():
     """The two NeoX models share every block shape but no ancestor: different init seeds."""
     assert init_seed(0, "zoo-neox-en") != init_seed(0, "zoo-neox-zh")
     assert init_seed(0, "zoo-neox-en") == init_seed(0, "zoo-neox-en")
+
+
+def test_train_job_logs_one_run_and_reuses_it_while_the_model_exists(corpus, compose_cfg, tmp_path):
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from mergescope.config import job_hash
+    from mergescope.zoo.job import run_train
+
+    cfg, ov = compose_cfg(["task=train", "model=zoo-neox-en", f"paths.mono={corpus}", "train.steps=3", "train.batch_size=2",
+                           "train.seq_len=32", "train.eval_batches=1", "train.max_lines=300"])
+    first = run_train(cfg, ov)
+    assert not first.skipped and first.cfg_hash == job_hash("train", cfg, ["model", "train", "paths.mono"])
+    assert {"heldout_nll", "unigram_nll", "unigram_entropy", "n_params", "train_tokens", "seconds", "tokens_per_s"} == set(first.metrics)
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(first.run_id)
+    assert run.info.run_name == "train:zoo-neox-en"
+    assert {k: run.data.tags[k] for k in ("kind", "model", "lang", "seed", "cfg_hash")} == {
+        "kind": "train", "model": "zoo-neox-en", "lang": "eng_Latn", "seed": "0", "cfg_hash": first.cfg_hash}
+    assert json.loads(run.data.params["checkpoints"]) == checkpoint_steps(3)
+    again = run_train(cfg, ov)
+    assert again.skipped and again.run_id == first.run_id and again.metrics["heldout_nll"] == first.metrics["heldout_nll"]
+    shutil.rmtree(Path(cfg.model.name_or_path) / "main")  # the model is gone: a finished run is not enough
+    third = run_train(cfg, ov)
+    assert not third.skipped and third.run_id != first.run_id and is_trained(cfg.model.name_or_path)

@@ -1,17 +1,40 @@
-"""Entry-point glue: one-line errors for unknown config options, and the task dispatcher."""
+"""Entry-point glue: the one TASKS table, one-line errors for unknown config options, the dispatcher."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-import mergescope.config  # noqa: F401  (registers the config resolvers)
+from mergescope.config import CONF_DIR
 from mergescope.errors import MergescopeError, did_you_mean
 
 GROUPS = ("model", "pair", "metric", "merge", "data", "task", "study", "tracking")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+# task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on
+# use, so a bad command line fails before torch or MLflow are imported.
+TASKS: dict[str, str] = {
+    "study": "mergescope.study:run_study",
+    "measure": "mergescope.represent.jobs:run_measure",
+    "quality": "mergescope.represent.jobs:run_quality",
+    "train": "mergescope.zoo.job:run_train",
+    "native": "mergescope.native.job:run_native",
+    "merge": "mergescope.native.merges:run_merge",
+    "transport": "mergescope.transport.job:run_transport",
+    "typology": "mergescope.typology:run_typology",
+    "analyze": "mergescope.analysis:run_analyze",
+}
+
+
+def handler(task: str) -> Callable:
+    """The function that runs ``task``; a did-you-mean error for an unknown task."""
+    if task not in TASKS:
+        raise MergescopeError(f"unknown task '{task}': {did_you_mean(task, TASKS)}")
+    module, name = TASKS[task].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
@@ -58,31 +81,18 @@ def task_overrides() -> list[str]:
 
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
-    from mergescope.analysis import run_analyze
-    from mergescope.jobs import JOBS
-    from mergescope.native import run_merge, run_native
-    from mergescope.study import run_study
-    from mergescope.transport.job import run_transport
-    from mergescope.typology import run_typology
-
-    jobs = {**JOBS, "native": run_native, "merge": run_merge, "typology": run_typology, "transport": run_transport,
-            "analyze": run_analyze}
+    fn = handler(str(cfg.task.name))
     overrides = task_overrides() if overrides is None else overrides
     if cfg.get("num_threads"):
         import torch
 
         torch.set_num_threads(int(cfg.num_threads))
-    name = str(cfg.task.name)
-    if name == "study":
-        return run_study(cfg, overrides)
-    if name not in jobs:
-        raise MergescopeError(f"unknown task '{name}': {did_you_mean(name, [*jobs, 'study'])}")
-    return jobs[name](cfg, overrides)
+    return fn(cfg, overrides)
 
 
 def run(cfg: DictConfig):
     """The Hydra app body: one-line error and exit 2 on bad input."""
-    from mergescope.jobs import JobResult
+    from mergescope.runs import JobResult
 
     try:
         result = dispatch(cfg)

@@ -1,23 +1,47 @@
-"""task=study: run a study's sweep in-process (same jobs, same configs as ``-m``), then summarise.
+"""task=study: a study's jobs, listed explicitly and run in-process, then the analysis.
 
-The study overlay's ``hydra.sweeper.params`` is the list of jobs; each job is composed exactly
-as the multirun would compose it (user overrides + the job's sweep values), so its cfg_hash,
-logged config and skip-if-done behaviour are identical to a ``python launch.py -m`` job.
+The study overlay's ``hydra.sweeper.params`` is the representation sweep (pairs x metrics); each
+of its jobs is composed exactly as ``python launch.py -m`` would compose it. From it the study
+lists its other jobs by what they are about, never by filtering another job list:
+
+- models: every distinct model of the study's pairs (train when it is a missing zoo model, quality);
+- pairs: every distinct pair (typology; the native job when the pair shares a parameter space;
+  transport in both directions);
+- checkpoint pairs: all pairs of ``checkpoints.revisions`` of each of ``checkpoints.models``.
+
+Every job is composed from its own override list, and that list is what its run logs, so
+``compose(logged overrides)`` gives back the job's config and ``cfg_hash``.
 """
 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
+from mergescope.cli import handler
+from mergescope.config import conf_options, to_plain
 from mergescope.errors import MergescopeError
-from mergescope.jobs import JobResult, model_label, run_measure, run_quality, run_train
+from mergescope.models import load_config, resolve
+from mergescope.native.weights import routes
 from mergescope.progress import console
+from mergescope.runs import JobResult, model_label
+
+
+@dataclass
+class StudyJob:
+    """One job of a study: its config, composed from ``overrides`` (which replay it)."""
+
+    task: str
+    overrides: list[str]
+    cfg: DictConfig
+
+    def run(self) -> JobResult:
+        return handler(self.task)(self.cfg, self.overrides)
 
 
 def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
@@ -31,139 +55,149 @@ def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
-def _user_overrides(overrides: list[str]) -> list[str]:
-    """The user's overrides without ``task=``: each job sets its own task."""
-    return [o for o in overrides if o.lstrip("+~").split("=")[0] != "task"]
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
 
 
-def _compose(overrides: list[str]) -> DictConfig:
-    return compose(config_name="config", overrides=overrides, return_hydra_config=False)
+def _without(overrides: list[str], *keys: str) -> list[str]:
+    return [o for o in overrides if _key(o) not in keys]
+
+
+def hydra_value(v: Any) -> str:
+    """A plain value in Hydra's override grammar (strings quoted, dicts and lists nested)."""
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def job(task: str, overrides: list[str]) -> StudyJob:
+    ov = [*_without(overrides, "task"), f"task={task}"]
+    return StudyJob(task, ov, compose(config_name="config", overrides=ov, return_hydra_config=False))
+
+
+def pair_override(a: DictConfig, b: DictConfig) -> list[str]:
+    """Overrides that set a pair to two model entries exactly; interpolations such as ``${paths.zoo}`` are
+    kept, so the overrides replay on another machine's paths."""
+    def value(e: DictConfig) -> str:
+        return hydra_value(OmegaConf.to_container(e, resolve=False))
+
+    return ["pair=custom", f"++pair.a={value(a)}", f"++pair.b={value(b)}"]
+
+
+def model_override(base: list[str], entry: DictConfig) -> list[str]:
+    """``model=<name>`` when that config option is this entry, else the entry's values over ``model=custom``."""
+    name = str(entry.get("name") or "")
+    if name and not entry.get("revision"):
+        trial = compose(config_name="config", overrides=[*base, f"model={name}"]) if name in conf_options("model") else None
+        if trial is not None and to_plain(trial.model) == to_plain(entry):
+            return [f"model={name}"]
+    custom = to_plain(compose(config_name="config", overrides=[*base, "model=custom"]).model)
+    return ["model=custom", *(f"{'' if k in custom else '+'}model.{k}={hydra_value(v)}" for k, v in to_plain(entry).items())]
+
+
+class Plan:
+    """A study's jobs, by what they are about."""
+
+    def __init__(self, overrides: list[str]):
+        study_cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        params = OmegaConf.to_container(study_cfg.hydra.sweeper.params, resolve=False) or {}
+        if not params:
+            raise MergescopeError("this study defines no sweep (hydra.sweeper.params); pick one with study=<name>")
+        self.cfg = compose(config_name="config", overrides=overrides)
+        self.base = _without(overrides, "task")
+        self.measures = [StudyJob("measure", ov, compose(config_name="config", overrides=ov))
+                         for ov in (self.base + combo for combo in sweep_jobs(params))]
+        self.pairs: dict[str, list[str]] = {}  # pair label -> the overrides that select the pair
+        self.entries: dict[str, DictConfig] = {}  # model label -> entry, first-seen order
+        for m in self.measures:
+            c = m.cfg
+            label = f"{model_label(c.pair.a)}__{model_label(c.pair.b)}"
+            self.pairs.setdefault(label, [o for o in _without(m.overrides, "task", "metric") if o not in self.base])
+            for side in ("a", "b"):
+                self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
+
+    def pair_jobs(self, task: str, extra: list[str] = ()) -> list[StudyJob]:
+        return [job(task, [*self.base, *sel, *extra]) for sel in self.pairs.values()]
+
+    def model_jobs(self, task: str) -> list[StudyJob]:
+        return [job(task, [*self.base, *model_override(self.base, e)]) for e in self.entries.values()]
+
+    def native_pairs(self) -> list[StudyJob]:
+        """The study's pairs that share a parameter space (decided from each model's config.json)."""
+        out = []
+        for j in self.pair_jobs("native"):
+            if routes(load_config(resolve(j.cfg.pair.a)), load_config(resolve(j.cfg.pair.b)))["native"]["defined"]:
+                out.append(j)
+        return out
+
+    def checkpoint_pairs(self) -> list[StudyJob]:
+        """Every pair of the listed revisions of each listed model."""
+        ck = self.cfg.get("checkpoints") or {}
+        revs = [str(r) for r in ck.get("revisions") or []]
+        out = []
+        for m in ck.get("models") or []:
+            entry = OmegaConf.to_container(compose(config_name="config", overrides=[*self.base, f"model={m}"]).model)
+            for ra, rb in itertools.combinations(revs, 2):
+                a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
+                out.append(job("native", [*self.base, *pair_override(a, b)]))
+        return out
+
+    def transport_directions(self) -> list[StudyJob]:
+        """Both directions (target <- donor) of every pair: merge.target=a, then b."""
+        user_merge = any(_key(o) == "merge" for o in self.base)
+        out = []
+        for sel in self.pairs.values():
+            for target in ("a", "b"):
+                extra = [*([] if user_merge else ["merge=transport"]), f"merge.target={target}"]
+                out.append(job("transport", [*self.base, *sel, *extra]))
+        return out
+
+
+def _done(r: JobResult) -> str:
+    return " (done before)" if r.skipped else ""
+
+
+def _run_all(jobs: list[StudyJob], describe) -> list[tuple[StudyJob, JobResult]]:
+    out = []
+    for i, j in enumerate(jobs, 1):
+        r = j.run()
+        console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
+        out.append((j, r))
+    return out
+
+
+def _pair_text(j: StudyJob) -> str:
+    return f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}"
+
+
+def _transport_text(j: StudyJob, r: JobResult) -> str:
+    t, d = (j.cfg.pair.a, j.cfg.pair.b) if str(j.cfg.merge.target) == "a" else (j.cfg.pair.b, j.cfg.pair.a)
+    deltas = ", ".join(f"a={k.split('@')[1]}: {v:+.4f}" for k, v in r.metrics.items() if k.startswith("delta_target_lang@"))
+    return f"transport {model_label(t)} <- {model_label(d)}: delta target {deltas}"
 
 
 def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    from mergescope import analysis
+    from mergescope.analysis import run_analyze
+    from mergescope.zoo import is_trained
 
-    study_cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    params = OmegaConf.to_container(study_cfg.hydra.sweeper.params, resolve=False) or {}
-    if not params:
-        raise MergescopeError("this study defines no sweep (hydra.sweeper.params); pick one with study=<name>")
-    base = _user_overrides(overrides)
-    measure_jobs = [base + job for job in sweep_jobs(params)]
-    configs = [(_compose(o), o) for o in measure_jobs]
-
-    # Distinct models in the study, in first-seen order.
-    entries: dict[str, Any] = {}
-    for c, _ in configs:
-        for side in ("a", "b"):
-            entries.setdefault(model_label(c.pair[side]), c.pair[side])
-
-    # 1. train zoo models that are missing (reused afterwards)
-    train_results = {}
-    for label, entry in entries.items():
-        if entry.get("zoo") is not None:
-            tcfg, tov = _job_cfg(base + ["task=train"], entry)
-            if not (Path(str(entry.name_or_path)) / "main" / "config.json").is_file():
-                console.print(f"[bold]training zoo model[/] {label}")
-            train_results[label] = run_train(tcfg, tov)  # returns at once when already trained
-
-    # 2. quality per model, 3. every measure job
-    quality: dict[str, JobResult] = {}
-    for label, entry in entries.items():
-        qcfg, qov = _job_cfg(base + ["task=quality"], entry)
-        quality[label] = run_quality(qcfg, qov)
-    results: list[tuple[DictConfig, JobResult]] = []
-    for i, (c, o) in enumerate(configs, 1):
-        r = run_measure(c, o)
-        console.print(f"[{i}/{len(configs)}] {c.metric.name} {model_label(c.pair.a)} x {model_label(c.pair.b)}"
-                      f"{' (done before)' if r.skipped else ''}")
-        results.append((c, r))
-    _typology_arm(cfg, base, configs)
-    coverage_rows, native = _native_arm(results, base)
-    native += _checkpoint_arm(cfg, base)
-    _transport_arm(results, base)
-    return analysis.run_analyze(cfg, base)  # tables, figures and the report, from MLflow
-
-
-def _typology_arm(cfg: DictConfig, base: list[str], configs):
-    """One kind=typology run per cross-model pair (URIEL distances; cached, seconds)."""
-    from mergescope.typology import study_typology
-
-    return study_typology(cfg, base, configs)
-
-
-def _native_arm(results, base: list[str]):
-    """Routes for every cross-model pair (from each model's config.json), and the native job for
-    each pair that shares a parameter space."""
-    from mergescope.models import load_config, resolve
-    from mergescope.native import run_native
-    from mergescope.weights import routes
-
-    rows, native = [], []
-    for c, r in results:
-        if c.metric.name != "cka":
-            continue
-        rt = routes(load_config(resolve(c.pair.a)), load_config(resolve(c.pair.b)))
-        rows.append((f"{model_label(c.pair.a)} x {model_label(c.pair.b)}", rt))
-        if rt["native"]["defined"]:
-            nc, nov = _pair_job(c, base + ["task=native"])
-            console.print(f"[bold]native pair[/] {model_label(c.pair.a)} x {model_label(c.pair.b)}")
-            native.append((nc, run_native(nc, nov)))
-    return rows, native
-
-
-def _transport_arm(results, base: list[str]):
-    """Both directions (target <- donor) of every cross-model pair in the study: transport fusion with its
-    random-plan control and, when merge.adapt.enabled, the adaptation runs."""
-    from mergescope.transport.job import run_transport
-
-    user_merge = any(o.lstrip("+~").split("=")[0] == "merge" for o in base)
-    pairs = [c for c, _ in results if c.metric.name == "cka"]
-    out = []
-    for i, c in enumerate(pairs, 1):
-        for target in ("a", "b"):
-            ov = base + ["task=transport"] + ([] if user_merge else ["merge=transport"]) + [f"merge.target={target}"]
-            tc, tov = _pair_job(c, ov)
-            r = run_transport(tc, tov)
-            t, d = (c.pair.a, c.pair.b) if target == "a" else (c.pair.b, c.pair.a)
-            deltas = ", ".join(f"a={k.split('@')[1]}: {v:+.4f}" for k, v in r.metrics.items() if k.startswith("delta_target_lang@"))
-            console.print(f"[{2 * i - (target == 'a')}/{2 * len(pairs)}] transport {model_label(t)} <- {model_label(d)}: "
-                          f"delta target {deltas}{' (done before)' if r.skipped else ''}")
-            out.append((tc, r))
-    return out
-
-
-def _pair_job(c: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:
-    j = _compose(overrides)
-    with open_dict(j):
-        j.pair = OmegaConf.create(OmegaConf.to_container(c.pair, resolve=True))
-    return j, overrides + [f"pair.a.name_or_path={c.pair.a.name_or_path}", f"pair.b.name_or_path={c.pair.b.name_or_path}"]
-
-
-def _checkpoint_arm(cfg: DictConfig, base: list[str]):
-    """Every pair of the listed revisions of each listed model: a native job each."""
-    from mergescope.native import run_native
-
-    ck = cfg.get("checkpoints") or {}
-    revs = [str(r) for r in ck.get("revisions") or []]
-    out = []
-    for m in ck.get("models") or []:
-        entry = _compose(base + ["task=native", f"model={m}"]).model
-        pairs = list(itertools.combinations(revs, 2))
-        for i, (ra, rb) in enumerate(pairs, 1):
-            c = _compose(base + ["task=native"])
-            with open_dict(c):
-                c.pair = OmegaConf.create({"a": OmegaConf.to_container(entry, resolve=True), "b": OmegaConf.to_container(entry, resolve=True)})
-                c.pair.a.revision, c.pair.b.revision = ra, rb
-            r = run_native(c, base + ["task=native", f"pair.a={m}@{ra}", f"pair.b={m}@{rb}"])
-            console.print(f"[{i}/{len(pairs)}] checkpoint pair {m} {ra} x {rb}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}"
-                          f"{' (done before)' if r.skipped else ''}")
-            out.append((c, r))
-    return out
-
-
-def _job_cfg(overrides: list[str], entry: Any) -> tuple[DictConfig, list[str]]:
-    """A single-model job's config: composed from the overrides, with ``model`` set to the entry."""
-    c = _compose(overrides)
-    with open_dict(c):
-        c.model = OmegaConf.create(OmegaConf.to_container(entry, resolve=True))
-    return c, overrides + [f"model={model_label(entry)}"]
+    plan = Plan(overrides)
+    for j in plan.model_jobs("train"):
+        if j.cfg.model.get("zoo") is not None:
+            if not is_trained(j.cfg.model.name_or_path):
+                console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
+            j.run()  # returns at once when the model is trained
+    _run_all(plan.model_jobs("quality"), lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
+    _run_all(plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
+    _run_all(plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")
+    _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
+    _run_all(plan.checkpoint_pairs(), lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}")
+    _run_all(plan.transport_directions(), _transport_text)
+    return run_analyze(cfg, plan.base)  # tables, figures and the report, from MLflow

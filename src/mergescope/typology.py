@@ -20,12 +20,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
-from mergescope.config import job_hash
 from mergescope.errors import MergescopeError
-from mergescope.jobs import JobResult, _finished, model_label, pair_label
-from mergescope.tracking import Tracker
+from mergescope.runs import JobResult, pair_tags, run_once
 
 FEATURE_SETS = {
     "syntactic": "syntax_knn",
@@ -140,37 +138,9 @@ def run_typology(cfg: DictConfig, overrides: list[str] | None = None) -> JobResu
     """One run (kind=typology) per pair: the three URIEL distances between the pair's languages."""
     la, lb = str(cfg.pair.a.lang), str(cfg.pair.b.lang)
     values = distances(la, lb, cfg.paths.get("cache"))  # also validates the codes before any run exists
-    h = job_hash("typology", cfg, TYPOLOGY_KEYS)
-    tracker = Tracker(cfg)
-    if (done := _finished(cfg, tracker, h)) is not None:
-        return done
-    tags = {"kind": "typology", "pair": pair_label(cfg), "model_a": model_label(cfg.pair.a), "model_b": model_label(cfg.pair.b),
-            "lang_a": la, "lang_b": lb, "cfg_hash": h}
-    with tracker.start(cfg, f"typology:{la}-{lb}", tags, overrides) as job:
+
+    def body(job) -> dict[str, float]:
         job.log_params({"uriel": {"code_a": uriel_code(la), "code_b": uriel_code(lb), "lang2vec": lang2vec_version(), **FEATURE_SETS}})
-        job.log_metrics(values)
-    return JobResult(job.run_id, False, values, h)
+        return values
 
-
-def study_typology(cfg: DictConfig, overrides: list[str], pairs) -> list[tuple[DictConfig, JobResult]]:
-    """The study's typology arm: one kind=typology run per distinct pair (skipped when done before).
-
-    ``pairs`` are the study's measure jobs, as composed configs or ``(config, overrides)`` tuples;
-    each distinct pair (by label) becomes a ``task=typology`` job with that pair, logged to the
-    study's experiment. Returns ``[(job config, JobResult), ...]`` in first-seen order.
-    """
-    out: list[tuple[DictConfig, JobResult]] = []
-    seen: set[str] = set()
-    for item in pairs:
-        c, job_ov = item if isinstance(item, tuple) else (item, [])
-        label = pair_label(c)
-        if label in seen:
-            continue
-        seen.add(label)
-        tc = OmegaConf.create(OmegaConf.to_container(c, resolve=True))
-        with open_dict(tc):
-            tc.task = {"name": "typology"}
-        keep = [o for o in job_ov if o.lstrip("+~").split("=")[0] not in ("task", "metric")]
-        ov = [*(o for o in overrides if o.lstrip("+~").split("=")[0] != "task"), *(o for o in keep if o not in overrides), "task=typology"]
-        out.append((tc, run_typology(tc, ov)))
-    return out
+    return run_once(cfg, f"typology:{la}-{lb}", {"kind": "typology", **pair_tags(cfg)}, overrides, body, task="typology", keys=TYPOLOGY_KEYS)

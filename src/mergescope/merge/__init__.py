@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, merges
 
@@ -64,12 +65,6 @@ def check_base(entry: Entry, has_base: bool, why_no_base: str = "") -> None:
         )
 
 
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def tensor_seed(seed: int, name: str) -> int:
     """Per-tensor seed: the configured seed mixed with the tensor name (stable across runs).
 
@@ -99,7 +94,7 @@ def merge_state_dicts(
     check = entry.meta.get("check")
     if check is not None:
         check(dict(kwargs), len(sds))
-    dev = _device(device)
+    dev = resolve_device(device)
     has_seed = "seed" in entry.params
     out: dict[str, Tensor] = {}
     for name in names:

@@ -7,13 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
-
-
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def as_f64(X: Any, device: str | torch.device | None = "auto") -> torch.Tensor:

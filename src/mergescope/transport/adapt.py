@@ -16,18 +16,19 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.represent import pad_id, pad_batch, tokenize
+from mergescope.represent import pad_batch, pad_id, tokenize
+from mergescope.transport.settings import AdaptSettings
 
 
-def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, steps: int, batch_size: int,
-             lr: float, weight_decay: float = 0.0, seed: int = 0, max_length: int = 512, grad_clip: float = 1.0,
-             progress: bool = True, label: str = "adapt") -> list[float]:
+def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, settings: AdaptSettings,
+             max_length: int = 512, progress: bool = True, label: str = "adapt") -> list[float]:
     """Fine-tune ``model`` in place (every parameter) on ``sentences``; returns the per-step training loss.
 
-    ``residual`` maps parameter names to the frozen residual R (None = the baseline, R = 0).
+    ``residual`` maps parameter names to the frozen residual R (None = the baseline, R = 0);
+    ``settings`` (validated) gives steps, batch size, lr, weight decay, gradient clipping and the data seed.
     """
-    if steps < 1 or batch_size < 1 or not lr > 0:
-        raise MergescopeError(f"merge.adapt needs steps >= 1, batch_size >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})")
+    steps, batch_size, lr, weight_decay = settings.steps, settings.batch_size, settings.lr, settings.weight_decay
+    grad_clip, seed = settings.grad_clip, settings.seed
     device = next(model.parameters()).device
     ids, _ = tokenize(tokenizer, sentences, max_length)
     ids = [s for s in ids if len(s) >= 2]

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mergescope.errors import MergescopeError
 from mergescope.progress import bar
 from mergescope.represent import pad_id, batch_token_budget, length_batches, pad_batch, tokenize
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
+from mergescope.transport.settings import TransportSettings
 
 
 @dataclass
@@ -113,31 +113,34 @@ class LayerAlignment:
     infos: list[tot.PlanInfo] = field(default_factory=list)
 
 
-def align_layers(tp: Probe, dp: Probe, epsilon: float, layer_epsilon: float, layer_topk: int, subsample: int,
-                 max_iter: int, tol: float, seed: int, progress: bool = True) -> LayerAlignment:
-    gen = torch.Generator().manual_seed(seed)
+def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bool = True) -> LayerAlignment:
+    """P_eff from the neuron-OT transport costs of every (target layer, donor layer) pair (``epsilon``,
+    ``layer_subsample``), the layer-level plans (``layer_epsilon``) and the ``layer_topk`` cut."""
+    s = settings
+    epsilon, max_iter, tol = s.epsilon, s.max_iter, s.marginal_tol
+    gen = torch.Generator().manual_seed(s.control_seed)
     d_t, d_d = tp.pooled["mlp_pre"][0].shape[1], dp.pooled["mlp_pre"][0].shape[1]
-    idx_t, idx_d = _subsample(d_t, subsample, gen), _subsample(d_d, subsample, gen)
-    costs = {s: np.zeros((tp.n_layers, dp.n_layers)) for s in itf.HIDDEN_SOURCES}
+    idx_t, idx_d = _subsample(d_t, s.layer_subsample, gen), _subsample(d_d, s.layer_subsample, gen)
+    costs = {src: np.zeros((tp.n_layers, dp.n_layers)) for src in itf.HIDDEN_SOURCES}
     infos = []
     with bar() as pb:
         task = pb.add_task("layer costs", total=tp.n_layers * dp.n_layers, visible=progress)
         for l in range(tp.n_layers):
             for m in range(dp.n_layers):
-                for s in itf.HIDDEN_SOURCES:
-                    C = _cost(tp, dp, s, l, m, idx_t, idx_d)
-                    Q, info = tot.solve(C, epsilon, max_iter, tol, what=f"{s} neuron plan (layer cost {l},{m})")
-                    costs[s][l, m] = float((Q * C).sum())
+                for src in itf.HIDDEN_SOURCES:
+                    C = _cost(tp, dp, src, l, m, idx_t, idx_d)
+                    Q, info = tot.solve(C, epsilon, max_iter, tol, what=f"{src} neuron plan (layer cost {l},{m})")
+                    costs[src][l, m] = float((Q * C).sum())
                     infos.append(info)
                 pb.advance(task)
     plans = []
-    for s in itf.HIDDEN_SOURCES:
-        P, info = tot.solve(torch.from_numpy(costs[s]), layer_epsilon, max_iter, tol, what=f"{s} layer plan")
+    for src in itf.HIDDEN_SOURCES:
+        P, info = tot.solve(torch.from_numpy(costs[src]), s.layer_epsilon, max_iter, tol, what=f"{src} layer plan")
         plans.append(P.cpu().numpy())
         infos.append(info)
     P = (plans[0] + plans[1]) / 2
     P = P / P.sum(1, keepdims=True)
-    k = max(1, min(int(layer_topk), dp.n_layers))
+    k = max(1, min(s.layer_topk, dp.n_layers))
     kept = np.zeros_like(P)
     top = np.argsort(-P, axis=1, kind="stable")[:, :k]
     rows = np.arange(P.shape[0])[:, None]
@@ -172,14 +175,15 @@ def _top_k_mask(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
-         align: LayerAlignment, epsilon: float, top_k: int, plan_scale: str = "row_stochastic", qkv: bool = False,
-         max_iter: int = 20000, tol: float = 1e-5, control_seed: int = 0, progress: bool = True) -> Fusion:
-    """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control)."""
-    if plan_scale not in ("row_stochastic", "raw"):
-        raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{plan_scale}'")
+         align: LayerAlignment, settings: TransportSettings, progress: bool = True) -> Fusion:
+    """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control).
+
+    From ``settings``: ``epsilon``, ``max_iter``, ``marginal_tol`` (the plans), ``top_k`` (the masks),
+    ``plan_scale``, ``qkv`` and ``control_seed`` (the control's row shuffles)."""
+    epsilon, top_k, qkv, max_iter, tol = settings.epsilon, settings.top_k, settings.qkv, settings.max_iter, settings.marginal_tol
     device = next(target.parameters()).device
-    scale = tot.row_stochastic if plan_scale == "row_stochastic" else (lambda q: q)
-    gen = torch.Generator().manual_seed(int(control_seed))
+    scale = tot.row_stochastic if settings.plan_scale == "row_stochastic" else (lambda q: q)
+    gen = torch.Generator().manual_seed(settings.control_seed)
     t_prefix, d_prefix = t_adapter.layers_attr, d_adapter.layers_attr
     t_sd = target.state_dict()
     d_role = {role: name for name, role, _, _ in itf.transported_weights(d_adapter, qkv)}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
 
 # Tensors whose first axis is the vocabulary (input embeddings and output heads) in the
@@ -261,14 +262,6 @@ def _gt(x, y) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _device(device: str | torch.device | None) -> torch.device:
-    from mergescope.models import resolve_device
-
-    if isinstance(device, torch.device):
-        return device
-    return resolve_device(device)
-
-
 def _check_names(names: Iterable[str], sds: dict[str, Mapping[str, torch.Tensor]]) -> list[str]:
     names = list(names)
     if not names:
@@ -317,7 +310,7 @@ def weight_diagnostics(
     A quantity whose denominator is zero (an all-zero model) is NaN.
     """
     names = _check_names(names, {"a": sd_a, "b": sd_b})
-    dev = _device(device)
+    dev = resolve_device(device)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     dot, aa, bb, dd = zero.clone(), zero.clone(), zero.clone(), zero.clone()
     n = 0
@@ -396,7 +389,7 @@ def task_vector_diagnostics(
     """
     density = _check_density(density)
     names = _check_names(names, {"a": sd_a, "b": sd_b, "base": sd_base})
-    dev = _device(device)
+    dev = resolve_device(device)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     dot, aa, bb = zero.clone(), zero.clone(), zero.clone()
     izero = torch.zeros((), dtype=torch.int64, device=dev)

@@ -1,0 +1,157 @@
+"""The report's sections on the merging arms (spec sections 5 to 7): checkpoint merging by trajectory
+distance, the natively weight-mergeable cross-model pairs, and transport-based fusion with adaptation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergescope.analysis.records import Rec, base_name, direction, is_checkpoint_pair, transport_best
+from mergescope.analysis.sections import Build
+from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
+
+__all__ = ["checkpoint_arm", "native_pair", "transport", "BINS"]
+
+BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
+        ("0.5 to 1.5 decades", lambda x: 0.5 < x <= 1.5),
+        ("beyond 1.5 decades (log10 ratio > 1.5)", lambda x: x > 1.5)]
+
+
+def _bin_row(run_label: str, name: str, rs: list[Rec]) -> list[str]:
+    if not rs:
+        return [run_label, name, "0", "—", "—", "—", ""]
+    beats = [r.m("merge_beats_better_endpoint") for r in rs if np.isfinite(r.m("merge_beats_better_endpoint"))]
+    share = f"{int(sum(beats))}/{len(beats)} ({100 * sum(beats) / len(beats):.0f}%)" if beats else "—"
+    return [run_label, name, str(len(rs)), f3(median(r.m("lmc_barrier") for r in rs)), f3(median(r.m("merge_gain") for r in rs)),
+            share, ", ".join(short(r.run_id) for r in rs) if len(rs) <= 8 else f"{len(rs)} runs (see per-pair table)"]
+
+
+def _bin_rows(ck: list[Rec]) -> list[list[str]]:
+    """Per training run (and pooled when there are several): all pairs, then each trajectory-distance bin."""
+    rows = []
+    fams = sorted({base_name(r.tags["model_a"]) for r in ck})
+    for fam in [None, *fams] if len(fams) > 1 else [None]:
+        sub = [r for r in ck if fam is None or base_name(r.tags["model_a"]) == fam]
+        run_label = fam or ("all runs" if len(fams) > 1 else fams[0])
+        rows.append(_bin_row(run_label, "all", sub))
+        for name, pred in BINS:
+            rows.append(_bin_row(run_label, name, [r for r in sub if np.isfinite(r.m("log10_step_ratio")) and pred(r.m("log10_step_ratio"))]))
+    return rows
+
+
+def checkpoint_arm(b: Build) -> Section:
+    """5. Checkpoint merging by trajectory distance (per run and pooled) and per checkpoint pair."""
+    sec = Section("checkpoint", "5. Checkpoint merging: the native weight-space arm")
+    ck = b.checkpoint
+    if not ck:
+        sec.missing.append("checkpoint arm: not measured (no kind=measure metric=native runs with arm=checkpoint; "
+                           "set checkpoints.models and checkpoints.revisions in the study)")
+        return sec
+    sec.text.append("Pairs of checkpoints of one training run: same architecture, vocabulary and parameter space, so "
+                    "every weight-space quantity is defined. Trajectory distance = log10(step_b / step_a).")
+    sec.tables.append(RTable("By trajectory distance", ["run", "bin", "n", "median lmc_barrier", "median merge_gain",
+                                                          "merge beats better endpoint", "runs"], _bin_rows(ck),
+                             note="lmc_barrier in nats/token (negative: the straight path is better than its chord); "
+                                  "merge_gain = better endpoint's NLL - best merged NLL (positive: merging beats the better endpoint)."))
+    per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], f3(r.m("best_merged_nll")),
+            "yes" if r.m("merge_beats_better_endpoint") == 1 else "no" if np.isfinite(r.m("merge_beats_better_endpoint")) else "—",
+            short(r.run_id)] for r in ck]
+    sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "best_merged_nll", "beats", "run"], per))
+    sec.figures.append(("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance"))
+    b.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
+    b.metrics["checkpoint_pairs"] = float(len(ck))
+    b.console_tables.append(sec.tables[0])
+    return sec
+
+
+NATIVE_QUANTITIES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
+                     "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "best_merged_nll", "merge_gain")
+
+
+def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tuple[float, float]]) -> None:
+    """One cross-model native run: its coverage, weight diagnostics, merged models and interpolation curve."""
+    pair = n.tags["pair"]
+    excluded = n.group("coverage").get("excluded_names") or []
+    reasons = n.group("excluded_reasons")
+    sec.text.append(f"**{pair}** (run {short(n.run_id)}): shared parameter space covers "
+                    f"{int(n.m('n_shared_tensors'))} tensors / {int(n.m('shared_params')):,} parameters; "
+                    "excluded: " + (", ".join(f"{e} ({reasons.get(e, 'shape differs')})" for e in excluded) or "nothing") + ".")
+    tv = n.params.get("task_vectors")
+    if tv:
+        sec.text.append(f"Task vectors: {tv}.")
+    sec.tables.append(RTable(f"{pair}: weight diagnostics and interpolation (run {short(n.run_id)})", ["quantity", "value"],
+                             [[k, f3(n.m(k), 4)] for k in NATIVE_QUANTITIES if k in n.metrics],
+                             note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's."))
+    mrows = []
+    for r in sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", "")):
+        prm = {k: v for k, v in r.group("merge").items() if k not in ("name", "operator")}
+        mrows.append([r.tags.get("merge", ""), ", ".join(f"{k}={v}" for k, v in prm.items()), f3(r.m("nll"), 4),
+                      f3(r.m("merge_gain"), 4), short(r.run_id)])
+    if mrows:
+        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run"], mrows))
+    if curve:
+        sec.tables.append(RTable(f"{pair}: linear interpolation NLL((1-t) a + t b) (metric steps lmc_t / lmc_nll of run {short(n.run_id)})",
+                                 ["t", *[f3(t, 2) for t, _ in curve]], [["nll", *[f3(v) for _, v in curve]]]))
+
+
+def native_pair(b: Build) -> Section:
+    """6. The natively weight-mergeable cross-model pairs: coverage, weight diagnostics, interpolation, merges."""
+    sec = Section("native_pair", "6. Natively weight-mergeable cross-model pairs")
+    cross_native = [r for r in b.study.native if not is_checkpoint_pair(r)]
+    if not cross_native:
+        sec.missing.append("native pair: not measured (no cross-model pair shares a parameter space, or its native run is missing)")
+    for n in cross_native:
+        _native_pair_tables(sec, n, b.study.kind("merge"), b.study.curves.get(n.run_id) or [])
+    return sec
+
+
+def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
+    cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
+            "ot_minus_rand_donor_lang", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+    rows = [[direction(r), r.tags.get("alpha", f3(r.m("alpha"))), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=lambda r: (direction(r), r.m("alpha")))]
+    sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *cols, "run"], rows,
+                             note="Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
+                                  "shuffled-plan control (same fusion, plan rows shuffled)."))
+    by_dir: dict[str, list[Rec]] = {}
+    for r in runs:
+        by_dir.setdefault(direction(r), []).append(r)
+    best = [x for x in (transport_best(v) for v in by_dir.values()) if x is not None]
+    helped = sum(1 for x in best if x.m("delta_target_lang") < 0)
+    beats = sum(1 for x in best if x.m("ot_minus_rand_target_lang") < 0)
+    med = median(x.m("delta_target_lang") for x in best)
+    top = min(best, key=lambda x: x.m("delta_target_lang")) if best else None
+    sec.text.append(f"{len(by_dir)} directions fused. At each direction's best alpha, fusion improves the target on its own "
+                    f"language in {helped}/{len(best)} directions (median delta {f3(med, 4)} nats/token) and the OT plan beats "
+                    f"its shuffled-plan control on the target's language in {beats}/{len(best)}."
+                    + (f" Best: {direction(top)} at alpha {top.tags.get('alpha')}, delta {f3(top.m('delta_target_lang'), 4)} "
+                       f"(run {short(top.run_id)})." if top else ""))
+    b.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})
+    sec.figures.append(("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control"))
+    b.csv["tables/transport.csv"] = sec.tables[0].csv()
+    b.console_tables.append(sec.tables[0])
+
+
+def _adapt_table(sec: Section, runs: list[Rec]) -> None:
+    cols = ["nll_base_before", "nll_fused_before", "nll_baseline_after", "nll_fused_after", "fusion_effect_after_adapt"]
+    rows = [[direction(r), r.tags.get("alpha", ""), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=direction)]
+    sec.tables.append(RTable("Post-fusion adaptation (residual-frozen)", ["direction", "alpha", *cols, "run"], rows,
+                             note="fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
+                                  "(negative = fusion helped)."))
+    helped = sum(1 for r in runs if r.m("fusion_effect_after_adapt") < 0)
+    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions.")
+
+
+def transport(b: Build) -> Section:
+    """7. Transport fusion for every direction and alpha (with the shuffled-plan control), then adaptation."""
+    sec = Section("transport", "7. Transport-based cross-architecture merging")
+    runs, adapt_runs = b.study.kind("transport"), b.study.adapt
+    if runs:
+        _fusion_table(b, sec, runs)
+    else:
+        sec.missing.append("transport fusion: not measured (no kind=transport runs in this experiment)")
+    if adapt_runs:
+        _adapt_table(sec, adapt_runs)
+    else:
+        sec.missing.append("post-fusion adaptation: not measured (no kind=transport_adapt runs in this experiment)")
+    return sec

@@ -1,0 +1,94 @@
+"""The diagnostic x diagnostic Spearman tables (spec section 8): 8a the checkpoint arm, 8b the cross-model arm,
+each with its power statement (:func:`mergescope.stats.power_statement`) and what survives BH."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mergescope.analysis.sections import Build
+from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, CROSS_DIAGNOSTICS, RTable, Section, csv_text, f3
+from mergescope.stats import correlation_table, power_statement
+
+__all__ = ["correlation_section", "correlation_sections", "N_PERMUTATIONS"]
+
+N_PERMUTATIONS = 20000
+COLUMNS = ["a", "b", "n", "rho", "p_perm", "q_bh"]
+
+
+def _usable(frame: dict[str, np.ndarray], n_rows: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The columns defined for at least 3 rows and not constant; the others, each with why it was left out."""
+    usable, dropped = {}, []
+    for c, col in frame.items():
+        fin = col[np.isfinite(col)]
+        if fin.size < 3:
+            dropped.append(f"{c} (defined for {fin.size} of {n_rows} rows)")
+        elif np.ptp(fin) == 0:
+            dropped.append(f"{c} (constant)")
+        else:
+            usable[c] = col
+    return usable, dropped
+
+
+def _power(table, n_rows: int) -> tuple[Any, dict[str, Any]]:
+    """The tested cells and the power statement at n_rows, with what survives BH at q < 0.05."""
+    tested = table.dropna(subset=["p_perm"])
+    power = power_statement(n_rows, n_tests=max(1, len(tested)))
+    survivors = tested[tested["q_bh"] < 0.05]
+    surv = ("nothing survives BH at q<0.05" if survivors.empty else
+            f"{len(survivors)} of {len(tested)} cells survive BH at q<0.05 (" +
+            ", ".join(f"{a} x {b}" for a, b in zip(survivors["a"][:6], survivors["b"][:6])) +
+            (", ..." if len(survivors) > 6 else "") + ")")
+    power["survivors"] = int(len(survivors))
+    power["text_full"] = f"{power['text']} Here {surv}."
+    return tested, power
+
+
+def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_rows: int, n_permutations: int,
+                        intro: str) -> tuple[Section, Any, dict[str, Any]]:
+    """One correlation section: (the section, the correlation table or None when too small, the power statement)."""
+    sec = Section(key, title)
+    usable, dropped = _usable(frame, n_rows)
+    if n_rows < 4 or len(usable) < 2:
+        sec.missing.append(f"{title}: not measured ({n_rows} rows and {len(usable)} usable diagnostics; "
+                           "a correlation table needs at least 4 rows and 2 diagnostics)")
+        return sec, None, {}
+    table = correlation_table(usable, n_permutations=n_permutations, seed=0)
+    tested, power = _power(table, n_rows)
+    sec.text.append(intro)
+    sec.text.append(f"Power: {power['text_full']} Permutation null: {n_permutations} label shuffles per cell; "
+                    "q_bh is Benjamini-Hochberg across the whole table.")
+    if dropped:
+        sec.missing.append(f"{title}: left out of the table, not measured or not varying: {', '.join(dropped)}")
+    rows = sorted(table.to_dict("records"), key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0)
+    sec.tables.append(RTable(f"{title} (n={n_rows}, {len(tested)} cells)", COLUMNS,
+                             [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4)] for r in rows],
+                             note=power["text_full"]))
+    return sec, table, power
+
+
+def correlation_sections(b: Build, n_permutations: int = N_PERMUTATIONS) -> list[Section]:
+    """8a (one row per checkpoint pair) and 8b (one row per cross-model pair), with their heatmaps and CSV tables."""
+    b.frames.update({
+        "checkpoint": {c: np.array([r.m(c) for r in b.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS},
+        "cross": {c: np.array([p["values"].get(c, np.nan) for p in b.pairs], dtype=np.float64) for c in CROSS_DIAGNOSTICS}})
+    n_pairs = len(b.pairs)
+    specs = [("checkpoint", "corr_checkpoint", "8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm", len(b.checkpoint),
+              "One row per checkpoint pair (native weight merging).",
+              "correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "tables/checkpoint_correlations.csv"),
+             ("cross", "corr_cross", "8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
+              "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
+              "the two directions at each direction's best alpha.",
+              "correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
+              "tables/cross_model_correlations.csv")]
+    sections = []
+    for arm, key, title, n_rows, intro, figure, caption, csv_path in specs:
+        sec, table, power = correlation_section(key, title, b.frames[arm], n_rows, n_permutations, intro)
+        if table is not None:
+            sec.figures.append((figure, caption))
+            b.csv[csv_path] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
+            b.console_tables.append(sec.tables[0])
+        b.correlations.update({arm: table, f"{arm}_power": power})
+        sections.append(sec)
+    return sections

@@ -1,0 +1,173 @@
+"""Reading the study from MLflow: one :class:`Rec` per run, deduplicated into a :class:`Study`.
+
+Only the public read API of :mod:`mergescope.tracking` is used (``store_uri``, ``client_for``); nothing here
+writes to MLflow. The study keeps every FINISHED run except analysis runs, the latest per ``cfg_hash`` and
+then the latest per logical job (:func:`logical_key`), oldest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import yaml
+from omegaconf import DictConfig
+
+from mergescope.errors import MergescopeError
+from mergescope.tracking import client_for, store_uri
+
+__all__ = ["Rec", "Study", "load_study", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_best"]
+
+
+@dataclass
+class Rec:
+    """One MLflow run: id, start time, tags, metrics (latest values), params (strings)."""
+
+    run_id: str
+    start: int
+    tags: dict[str, str]
+    metrics: dict[str, float]
+    params: dict[str, str]
+
+    @property
+    def kind(self) -> str:
+        return self.tags.get("kind", "")
+
+    def m(self, key: str) -> float:
+        v = self.metrics.get(key)
+        return float("nan") if v is None else float(v)
+
+    def param(self, key: str) -> Any:
+        """A logged param parsed back to a value (``"64"`` -> 64, ``"True"`` -> True, ``"null"`` -> None)."""
+        raw = self.params.get(key)
+        if raw is None:
+            return None
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+
+    def group(self, prefix: str) -> dict[str, Any]:
+        p = prefix + "."
+        return {k[len(p):]: self.param(k) for k in self.params if k.startswith(p)}
+
+
+def base_name(label: str) -> str:
+    return str(label).split("@", 1)[0]
+
+
+def is_checkpoint_pair(r: Rec) -> bool:
+    if r.tags.get("arm"):
+        return r.tags["arm"] == "checkpoint"
+    return base_name(r.tags.get("model_a", "")) == base_name(r.tags.get("model_b", "?"))
+
+
+def direction(r: Rec) -> str:
+    """A transport run's direction, ``"target <- donor"``."""
+    return r.tags.get("direction") or f"{r.tags.get('target')} <- {r.tags.get('donor')}"
+
+
+def transport_best(runs: list[Rec]) -> Rec | None:
+    """The alpha with the lowest delta on the target's language (the grid's best)."""
+    ok = [r for r in runs if np.isfinite(r.m("delta_target_lang"))]
+    return min(ok, key=lambda r: r.m("delta_target_lang")) if ok else None
+
+
+def logical_key(r: Rec) -> tuple | None:
+    """The job a run belongs to (one per pair and metric, per model, ...); None: one per cfg_hash."""
+    t = r.tags
+    k = r.kind
+    if k == "measure":
+        return (k, t.get("pair"), t.get("metric"))
+    if k in ("quality", "train"):
+        return (k, t.get("model"))
+    if k == "typology":
+        return (k, frozenset((t.get("lang_a"), t.get("lang_b"))))
+    if k == "transport":
+        return (k, t.get("direction") or (t.get("target"), t.get("donor")), t.get("alpha"))
+    if k == "transport_adapt":
+        return (k, t.get("direction") or (t.get("target"), t.get("donor")))
+    return None  # merge and others: one per cfg_hash
+
+
+@dataclass
+class Study:
+    """The experiment's runs, deduplicated: latest FINISHED per cfg_hash, then per logical job."""
+
+    experiment: str
+    uri: str
+    records: list[Rec]
+    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # native run id -> LMC curve (t, nll)
+
+    def kind(self, *kinds: str) -> list[Rec]:
+        return [r for r in self.records if r.kind in kinds]
+
+    @property
+    def measures(self) -> list[Rec]:
+        return [r for r in self.kind("measure") if r.tags.get("metric") != "native"]
+
+    @property
+    def adapt(self) -> list[Rec]:
+        """Fused-then-adapted runs (kind=transport_adapt); the no-fusion baselines (stage=baseline) are their references."""
+        return [r for r in self.kind("transport_adapt")
+                if r.tags.get("stage") != "baseline" and r.tags.get("donor") not in (None, "none")]
+
+    @property
+    def native(self) -> list[Rec]:
+        return [r for r in self.kind("measure") if r.tags.get("metric") == "native"]
+
+
+def latest_per_job(recs: list[Rec]) -> list[Rec]:
+    """The latest run per cfg_hash, then per logical job; oldest first (the study's own order)."""
+    seen_hash: set[str] = set()
+    seen_key: set[tuple] = set()
+    out = []
+    for r in sorted(recs, key=lambda r: -r.start):
+        h = r.tags.get("cfg_hash")
+        if h is not None:
+            if h in seen_hash:
+                continue
+            seen_hash.add(h)
+        key = logical_key(r)
+        if key is not None:
+            if key in seen_key:
+                continue
+            seen_key.add(key)
+        out.append(r)
+    out.sort(key=lambda r: r.start)
+    return out
+
+
+def _finished_runs(client, uri: str, experiment: str) -> list[Rec]:
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise MergescopeError(f"no MLflow experiment '{experiment}' in {uri}; run the study first "
+                              f"(python launch.py study={experiment}) or pick another with study=<name>")
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                              max_results=50000, order_by=["attributes.start_time DESC"])
+    return [Rec(r.info.run_id, int(r.info.start_time or 0), dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
+            for r in runs if r.data.tags.get("kind") not in (None, "analysis")]
+
+
+def _lmc_curves(client, recs: list[Rec]) -> dict[str, list[tuple[float, float]]]:
+    """The interpolation curve (metric steps lmc_t / lmc_nll) of every cross-model native run."""
+    curves = {}
+    for r in recs:
+        if r.kind == "measure" and r.tags.get("metric") == "native" and not is_checkpoint_pair(r):
+            ts = {m.step: m.value for m in client.get_metric_history(r.run_id, "lmc_t")}
+            nll = {m.step: m.value for m in client.get_metric_history(r.run_id, "lmc_nll")}
+            curves[r.run_id] = [(ts[k], nll[k]) for k in sorted(nll) if k in ts]
+    return curves
+
+
+def load_study(cfg: DictConfig) -> Study:
+    """Read the study's experiment from MLflow; a one-line MergescopeError when there is nothing to analyse."""
+    uri, _ = store_uri(cfg)
+    experiment = str(cfg.tracking.experiment)
+    client = client_for(uri)
+    out = latest_per_job(_finished_runs(client, uri, experiment))
+    if not out:
+        raise MergescopeError(f"experiment '{experiment}' has no FINISHED runs to analyse; run the study first "
+                              f"(python launch.py study={experiment})")
+    return Study(experiment, uri, out, _lmc_curves(client, out))

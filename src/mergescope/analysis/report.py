@@ -1,0 +1,160 @@
+"""The study report: one Markdown file and its HTML rendering per study, from an :class:`~mergescope.analysis.tables.Analysis`.
+
+``write_report(analysis, out_dir, run_id)`` writes ``<out_dir>/report.md``, ``report.html`` and the
+figures as ``<out_dir>/figures/<name>.png`` (linked relatively, so the folder can be moved or opened
+from the MLflow artifact tree, where the analysis run logs the same layout). Sections follow the
+spec: summary, config check, coverage, CKA matrix, the pair matrix, per-model NLL, checkpoint arm, native
+pair, transport, correlation tables, figures, then every "not measured (why)" line and the run index that
+maps each short run id in the tables to its full MLflow run id.
+
+The HTML is the Markdown rendered by markdown-it-py (CommonMark plus pipe tables, raw HTML off) inside one
+self-contained page (:func:`markdown_to_html`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+from functools import lru_cache
+from pathlib import Path
+
+from mergescope.analysis.tables import Analysis, RTable
+
+__all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown", "summary_lines", "not_measured_lines"]
+
+CSS = """body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}th,td{border:1px solid #ccc;padding:.25em .5em}
+th{background:#f3f3f3}td.r,th.r{text-align:right}img{max-width:100%}blockquote{color:#8a4b00;border-left:3px solid #e0a040;
+margin:.5em 0;padding:.2em .8em;background:#fff8ec}code{font-size:.9em}figure{margin:1em 0}figcaption{font-style:italic;color:#555}"""
+
+
+def _cell(x: str) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def table_markdown(t: RTable) -> list[str]:
+    """A table as Markdown lines: bold title, pipe table (first column left, the rest right-aligned), italic note."""
+    out = [f"**{t.title}**", ""]
+    out.append("| " + " | ".join(_cell(c) for c in t.columns) + " |")
+    out.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(t.columns))) + "|")
+    for r in t.rows:
+        out.append("| " + " | ".join(_cell(c) for c in r) + " |")
+    out.append("")
+    if t.note:
+        out += [f"*{t.note}*", ""]
+    return out
+
+
+def _kind_counts(an: Analysis) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for r in an.inputs:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    return kinds
+
+
+def _header(an: Analysis, run_id: str | None, tracking_uri: str | None) -> list[str]:
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"# mergescope study report: `{an.experiment}`", "",
+            f"Built {when} by analysis run `{run_id or '(not logged)'}` from MLflow alone: {len(an.inputs)} FINISHED runs of "
+            f"experiment `{an.experiment}`" + (f" ({tracking_uri})" if tracking_uri else "") + " -- the latest per `cfg_hash`, then the "
+            "latest per job (" + ", ".join(f"{v} {k}" for k, v in sorted(_kind_counts(an).items())) + "). Run ids in the tables are their "
+            "first 8 characters; the run index at the end gives the full ids (also the artifact `inputs/runs.csv`).", ""]
+
+
+def summary_lines(an: Analysis) -> list[str]:
+    """The summary: one line each for the CKA matrix, the checkpoint arm, transport and both correlation tables."""
+    summary = []
+    for key in ("cka", "checkpoint", "transport", "corr_checkpoint", "corr_cross"):
+        s = next((s for s in an.sections if s.key == key), None)
+        if s is None:
+            continue
+        if key == "checkpoint" and s.tables:
+            rows = [r for r in s.tables[0].rows if r[0] == s.tables[0].rows[0][0]]
+            parts = [f"{r[1]}: n={r[2]}, median barrier {r[3]}, median merge gain {r[4]}, merging beats the better endpoint in {r[5]}"
+                     for r in rows if r[2] != "0"]
+            summary.append("Checkpoint arm -- " + "; ".join(parts) + ".")
+        elif key.startswith("corr") and s.text:
+            summary.append(s.title.split(": ", 1)[-1].capitalize() + ": " + s.text[-1].split(" Permutation null")[0].replace("Power: ", ""))
+        elif s.text:
+            summary.append(s.text[0] if key != "checkpoint" else "")
+        elif s.missing:
+            summary.append(s.missing[0])
+    return [x for x in summary if x]
+
+
+def not_measured_lines(an: Analysis) -> list[str]:
+    """Every "not measured (why)" line of every section, in section order."""
+    return [m for s in an.sections for m in s.missing]
+
+
+def _section_markdown(an: Analysis, s) -> list[str]:
+    lines = [f"## {s.title}", ""]
+    if s.key == "figures":
+        for name, cap in s.figures:
+            lines += [f"![{cap}](figures/{name}.png)", "", f"*{cap}*", ""]
+    else:
+        for p in s.text:
+            lines += [p, ""]
+        for t in s.tables:
+            lines += table_markdown(t)
+        for name, cap in s.figures:
+            if name in an.figures:
+                lines += [f"![{cap}](figures/{name}.png)", ""]
+    for m in s.missing:
+        lines += [f"> {m}", ""]
+    return lines
+
+
+def _run_index(an: Analysis) -> list[str]:
+    lines = ["## Run index", "", "Every run the report reads, with the key it is joined on.", ""]
+    lines += ["| run | full run id | kind | what |", "|---|---|---|---|"]
+    for r in an.inputs:
+        t = r.tags
+        what = " ".join(x for x in (t.get("metric") or t.get("merge") or "", t.get("pair") or t.get("model") or "",
+                                    t.get("direction") or "", f"alpha={t['alpha']}" if t.get("alpha") else "") if x)
+        lines.append(f"| {r.run_id[:8]} | `{r.run_id}` | {r.kind} | {_cell(what)} |")
+    return lines + [""]
+
+
+def build_markdown(an: Analysis, run_id: str | None = None, tracking_uri: str | None = None) -> str:
+    """The report as Markdown. Figures are referenced as ``figures/<name>.png``."""
+    lines = _header(an, run_id, tracking_uri)
+    lines += ["## Summary", ""] + [f"- {x}" for x in summary_lines(an)] + [""]
+    for s in an.sections:
+        lines += _section_markdown(an, s)
+    missing = not_measured_lines(an)
+    lines += ["## Not measured (why)", ""]
+    lines += [f"- {m}" for m in missing] if missing else ["Every section of the report was measured."]
+    lines.append("")
+    lines += _run_index(an)
+    return "\n".join(lines)
+
+
+@lru_cache(maxsize=1)
+def _markdown():
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": False}).enable("table")
+
+
+def markdown_to_html(md: str, title: str = "report") -> str:
+    """The Markdown rendered (CommonMark + pipe tables, raw HTML escaped) as one standalone HTML page."""
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body>\n" + _markdown().render(md) + "</body></html>\n")
+
+
+def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, tracking_uri: str | None = None) -> tuple[Path, Path]:
+    """Write ``report.md``, ``report.html`` and ``figures/*.png`` under ``out_dir``; returns the two paths."""
+    out = Path(out_dir)
+    figdir = out / "figures"
+    figdir.mkdir(parents=True, exist_ok=True)
+    for old in figdir.glob("*.png"):
+        if old.stem not in an.figures:
+            old.unlink()
+    for name, fig in an.figures.items():
+        fig.savefig(figdir / f"{name}.png", format="png", dpi=130, bbox_inches="tight")
+    md = build_markdown(an, run_id, tracking_uri)
+    md_path, html_path = out / "report.md", out / "report.html"
+    md_path.write_text(md, encoding="utf-8")
+    html_path.write_text(markdown_to_html(md, title=f"mergescope report: {an.experiment}"), encoding="utf-8")
+    return md_path, html_path

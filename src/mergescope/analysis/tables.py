@@ -1,0 +1,122 @@
+"""The report's building blocks: tables, sections, the analysis, number formatting and the one CSV writer.
+
+Every CSV the analysis logs (``tables/*.csv``, ``inputs/runs.csv``) goes through :func:`csv_text`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from mergescope.analysis.records import Rec
+
+__all__ = ["RTable", "Section", "Analysis", "csv_text", "f3", "short", "median", "tables_text", "REPR_METRICS",
+           "CHECKPOINT_DIAGNOSTICS", "CROSS_DIAGNOSTICS", "TYPOLOGY", "NATIVE_PAIR"]
+
+REPR_METRICS = [("cka", "cka"), ("procrustes", "procrustes"), ("svcca", "svcca"), ("retrieval", "retrieval_p1"), ("mutual_knn", "mutual_knn")]
+CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
+                          "cka", "lmc_barrier", "merge_gain"]
+CROSS_DIAGNOSTICS = ["cka", "procrustes", "svcca", "retrieval_p1", "mutual_knn", "nll_mean", "typology_syntactic",
+                     "typology_genetic", "typology_featural", "transport_delta", "transport_ot_minus_rand"]
+TYPOLOGY = ["typology_syntactic", "typology_genetic", "typology_featural"]
+NATIVE_PAIR = ["weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "lmc_barrier", "merge_gain"]
+
+
+def csv_text(header: list[Any], rows: Iterable[Iterable[Any]]) -> str:
+    """A CSV file's text: the header row, then the rows (the csv module's default dialect)."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+@dataclass
+class RTable:
+    """A table for the console and the report: formatted cells, a title, an optional note."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+    def rich(self) -> Table:
+        t = Table(title=self.title, caption=self.note or None)
+        for i, c in enumerate(self.columns):
+            t.add_column(c, justify="left" if i == 0 else "right")
+        for r in self.rows:
+            t.add_row(*r)
+        return t
+
+    def csv(self) -> str:
+        return csv_text(self.columns, self.rows)
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    text: list[str] = field(default_factory=list)
+    tables: list[RTable] = field(default_factory=list)
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (figure name, caption)
+    missing: list[str] = field(default_factory=list)  # "not measured (why)" lines
+
+
+@dataclass
+class Analysis:
+    experiment: str
+    models: list[str]
+    cka_matrix: np.ndarray
+    sections: list[Section]
+    inputs: list[Rec]
+    frames: dict[str, dict[str, np.ndarray]]
+    correlations: dict[str, Any]
+    metrics: dict[str, float]
+    csv: dict[str, str]
+    figures: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure
+    console_tables: list[RTable] = field(default_factory=list)
+    pairs: list[dict[str, Any]] = field(default_factory=list)  # the cross-model pair rows (mergescope.analysis.pairs)
+
+    def section(self, key: str) -> Section:
+        return next(s for s in self.sections if s.key == key)
+
+
+def f3(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if math.isnan(x):
+        return "—"
+    if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** -digits):
+        return f"{x:.{digits}g}"
+    return f"{x:.{digits}f}"
+
+
+def short(run_id: str | None) -> str:
+    return "" if not run_id else run_id[:8]
+
+
+def median(xs) -> float:
+    """The median of the finite values; NaN when there are none."""
+    a = np.asarray([x for x in xs if np.isfinite(x)], dtype=float)
+    return float(np.median(a)) if a.size else float("nan")
+
+
+def tables_text(tables: list[RTable]) -> str:
+    """The tables as the console prints them, as plain text (artifact ``tables/summary.txt``)."""
+    from rich.console import Console
+
+    c = Console(record=True, width=200, file=io.StringIO())
+    for t in tables:
+        c.print(t.rich())
+    return c.export_text()

@@ -1,0 +1,90 @@
+"""The analyze task: ``python launch.py task=analyze study=<name>`` (:func:`run_analyze`) and
+``python -m mergescope.analysis --experiment <name> --root <dir>`` (:func:`main`).
+
+Reads the study (:mod:`~mergescope.analysis.records`), builds the sections (:mod:`~mergescope.analysis.build`)
+and figures, prints the console tables, writes the report (:mod:`~mergescope.analysis.report`) and logs one
+kind=analysis run through :mod:`mergescope.tracking` (CSV tables, figures, the report, ``inputs/runs.csv``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope.analysis.build import build_analysis
+from mergescope.analysis.correlations import N_PERMUTATIONS
+from mergescope.analysis.figures import close_figures, make_figures
+from mergescope.analysis.records import Study, load_study
+from mergescope.analysis.report import write_report
+from mergescope.analysis.tables import Analysis, tables_text
+from mergescope.errors import MergescopeError
+from mergescope.progress import console
+from mergescope.tracking import Job, Tracker
+
+__all__ = ["run_analyze", "main"]
+
+
+def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: Path, html_path: Path) -> None:
+    """The analysis run's artifacts, metrics and params."""
+    for path, text in an.csv.items():
+        job.log_text(text, path)
+    job.log_text(tables_text(an.console_tables), "tables/summary.txt")
+    for name in an.figures:
+        job.log_artifact(out_dir / "figures" / f"{name}.png", "figures")
+    job.log_artifact(md_path)
+    job.log_artifact(html_path)
+    kinds: dict[str, int] = {}
+    for r in study.records:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    job.log_metrics({**an.metrics, "input_runs": float(len(study.records))})
+    job.log_params({"input_runs": f"{len(study.records)} runs, ids in artifact inputs/runs.csv",
+                    "input_kinds": kinds, "report": str(md_path)})
+
+
+def run_analyze(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:
+    """task=analyze: read the study's runs, build tables, figures and the report, log one kind=analysis run.
+
+    Returns ``{"run_id", "report_md", "report_html", "cka_matrix", "models", "pairs", "pairs_above",
+    "analysis"}``. Raises MergescopeError (before any run exists) when the experiment has nothing to analyse.
+    """
+    study = load_study(cfg)
+    n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
+    an = build_analysis(study, n_permutations=n_perm)
+    make_figures(an, study)
+    for t in an.console_tables:
+        console.print(t.rich())
+    out_dir = Path(str(cfg.paths.root)) / "reports" / study.experiment
+    tags = {"kind": "analysis", "study": study.experiment}
+    with Tracker(cfg).start(cfg, f"analysis:{study.experiment}", tags, overrides) as job:
+        md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri)
+        _log_analysis(job, an, study, out_dir, md_path, html_path)
+    close_figures(an)
+    print(f"report: {md_path}")
+    print(f"        {html_path}")
+    return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
+            "models": an.models, "pairs": int(an.metrics.get("pairs_cka", 0)),
+            "pairs_above": int(an.metrics.get("pairs_cka_above_shuffled", 0)), "analysis": an}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Analyse an experiment from MLflow alone (same as task=analyze).
+
+    python -m mergescope.analysis [--experiment toy] [--root .]
+    """
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    p = argparse.ArgumentParser(description="The study's tables, figures and report, read from MLflow.")
+    p.add_argument("--experiment", default="toy")
+    p.add_argument("--root", default=".")
+    a = p.parse_args(argv)
+    cfg = OmegaConf.create({"paths": {"root": str(Path(a.root).resolve())}, "tracking": {"experiment": a.experiment}, "tags": {}})
+    try:
+        run_analyze(cfg, [])
+    except MergescopeError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0

@@ -1,0 +1,100 @@
+"""``task=native``: one pair with a shared parameter space (one run, kind=measure, metric=native,
+route=native): coverage (which tensors share name and shape, which are excluded and why), weight
+diagnostics on the shared tensors, task-vector diagnostics against a base (checkpoint pairs: the
+run's ``step0``), the linear mode-connectivity curve NLL((1-t)a + t b) with its barrier, and the
+merge gain over the operators in ``native.merges`` (each merged model its own run, ``merges.py``).
+Nothing is padded or truncated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from omegaconf import DictConfig, open_dict
+
+from mergescope.config import load_conf, plain_copy
+from mergescope.native.merges import merge_configs, run_merge
+from mergescope.native.pair import Loaded, check_lmc_points, check_pair, lmc_curve, nll_sentences, no_base_reason, same_run, step_of
+from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
+from mergescope.progress import console
+from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+
+NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
+
+
+def _weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
+    cov = loaded.coverage
+    values = {"n_shared_tensors": float(len(cov.shared)), "shared_params": float(cov.shared_params),
+              "n_excluded_tensors": float(len(cov.excluded))}
+    values.update(weight_diagnostics(loaded.sd_a, loaded.sd_b, cov.shared, device=cfg.device))
+    # The same on weight matrices only: in small models the norm gains (initialised at 1) carry
+    # much of the total norm and make independently trained models look aligned.
+    mats = [n for n in cov.shared if loaded.sd_a[n].ndim >= 2]
+    if mats and len(mats) < len(cov.shared):
+        wm = weight_diagnostics(loaded.sd_a, loaded.sd_b, mats, device=cfg.device)
+        values.update({f"{k}_matrices": wm[k] for k in ("weight_cosine", "relative_l2", "norm_ratio")})
+    if loaded.sd_base is not None:
+        values.update(task_vector_diagnostics(loaded.sd_a, loaded.sd_b, loaded.sd_base, cov.shared,
+                                              density=float(cfg.native.density), device=cfg.device))
+    sa, sb = step_of(cfg.pair.a.revision), step_of(cfg.pair.b.revision)
+    if sa is not None and sb is not None and min(sa, sb) > 0:
+        values["log10_step_ratio"] = math.log10(max(sa, sb) / min(sa, sb))
+    return values
+
+
+def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences) -> dict[str, float]:
+    ts, curve, barrier = lmc_curve(cfg, loaded, sentences)
+    for i, (t, v) in enumerate(zip(ts, curve)):
+        job.log_metrics({"lmc_nll": float(v), "lmc_t": float(t)}, step=i)
+    return {"lmc_barrier": barrier, "nll_a": float(curve[0]), "nll_t1": float(curve[-1]),
+            "lmc_midpoint_nll": float(np.interp(0.5, ts, curve)), "n_sentences": float(len(sentences))}
+
+
+def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple[float, float]) -> dict[str, float]:
+    merges = []
+    for mc in merge_configs(cfg):
+        r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints)
+        merges.append((mc.merge.name, r))
+        console.print(f"  merge {mc.merge.name} {pair_label(cfg)}: nll={r.metrics['nll']:.4f}{' (done before)' if r.skipped else ''}")
+    if not merges:
+        return {}
+    best = min(r.metrics["nll"] for _, r in merges)
+    gain = min(endpoints) - best
+    job.log_params({"merge_runs": {name: r.run_id for name, r in merges}})
+    return {"merge_gain": gain, "best_merged_nll": best, "merge_beats_better_endpoint": float(gain > 0)}
+
+
+def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    check_pair(cfg)
+    check_lmc_points(cfg)
+
+    def body(job) -> dict[str, float]:
+        loaded = Loaded(cfg, need_base=True)
+        cov = loaded.coverage
+        job.log_params({"coverage": cov.summary(), "routes": routes(loaded.true_a, loaded.true_b), "definitions": describe(),
+                        "model_a.true": loaded.true_a, "model_b.true": loaded.true_b,
+                        "excluded_reasons": dict(cov.excluded[:50])})
+        values = _weight_values(cfg, loaded)
+        if loaded.sd_base is None:
+            job.log_params({"task_vectors": f"not measured: {no_base_reason(cfg)}"})
+        values.update(_lmc_values(cfg, loaded, job, nll_sentences(cfg)))
+        values.update(_merge_values(cfg, loaded, job, overrides, (values["nll_a"], values["nll_t1"])))
+        if same_run(cfg):
+            values["cka"] = checkpoint_cka(cfg, overrides)
+        return values
+
+    tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
+            "arm": "checkpoint" if same_run(cfg) else "cross-model"}
+    return run_once(cfg, f"native:{pair_label(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS)
+
+
+def checkpoint_cka(cfg: DictConfig, overrides) -> float:
+    """CKA between the two checkpoints (the representation arm's own measure run, cached)."""
+    from mergescope.represent.jobs import run_measure
+
+    c = plain_copy(cfg)
+    with open_dict(c):
+        c.metric = load_conf("metric", "cka")
+        c.task = {"name": "measure"}
+    return float(run_measure(c, overrides).metrics["cka"])

@@ -1,0 +1,95 @@
+"""Merged models of a native pair: one run per merged model (``task=merge``, kind=merge, route=native),
+with its NLL on the host's language and its gain over the better endpoint."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, open_dict
+
+from mergescope.config import conf_options, load_conf, plain_copy
+from mergescope.errors import MergescopeError, did_you_mean
+from mergescope.merge import check_base, merge_state_dicts, resolve_preset
+from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
+from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+
+MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "represent.max_length"]
+TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
+                  "run it with task=transport (the study runs it for every pair)")
+
+
+def preset_config(name: str) -> DictConfig:
+    if name == "transport":
+        raise MergescopeError(f"native.merges cannot list transport: {TRANSPORT_HINT}")
+    if name not in conf_options("merge"):
+        raise MergescopeError(f"unknown merge '{name}': {did_you_mean(name, conf_options('merge'))}")
+    return load_conf("merge", name)
+
+
+def with_mix(merge_cfg: DictConfig, mix: float) -> DictConfig:
+    """Set the weight of model b: ``t`` for interpolating operators, ``weights`` = [1-w, w] otherwise."""
+    m = plain_copy(merge_cfg)
+    entry, _ = resolve_preset(m)
+    if "t" in entry.params:
+        m.t = float(mix)
+    elif "weights" in entry.params:
+        m.weights = [1.0 - float(mix), float(mix)]
+    return m
+
+
+def check_merge(cfg: DictConfig):
+    if cfg.get("merge") is None:
+        raise MergescopeError("task=merge needs an operator: add merge=<name> (see conf/merge/)")
+    if cfg.merge.get("name") == "transport":
+        raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
+    entry, kwargs = resolve_preset(cfg.merge)
+    check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
+    return entry, kwargs
+
+
+def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:
+    nll0 = host_nll(cfg, loaded, sentences, "nll a")
+    loaded.interpolate(1.0)
+    nll1 = host_nll(cfg, loaded, sentences, "nll t=1")
+    loaded.restore()
+    return nll0, nll1
+
+
+def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
+              endpoints: tuple[float, float] | None = None) -> JobResult:
+    """One merged model's NLL on the host's language: its own run (kind=merge, route=native)."""
+    check_pair(cfg)
+    entry, kwargs = check_merge(cfg)
+
+    def body(job) -> dict[str, float]:
+        pair = loaded or Loaded(cfg, need_base=entry.meta.get("needs_base", False))
+        sentences = nll_sentences(cfg)
+        nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
+        merged = merge_state_dicts(entry, kwargs, [pair.sd_a, pair.sd_b], pair.sd_base, pair.coverage.shared, cfg.device)
+        pair.set_shared(merged)
+        del merged
+        nll = host_nll(cfg, pair, sentences, f"nll {cfg.merge.name}")
+        pair.restore()
+        return {"nll": nll, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - nll,
+                "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
+                "n_sentences": float(len(sentences))}
+
+    tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
+            "seed": kwargs.get("seed", cfg.seed)}
+    return run_once(cfg, f"merge:{cfg.merge.name}:{pair_label(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS)
+
+
+def merge_configs(cfg: DictConfig) -> list[DictConfig]:
+    """The merge jobs of a native pair: every preset in native.merges at every mix weight; base-requiring
+    presets are left out (with the reason logged) when the pair has no common base."""
+    out = []
+    for name in cfg.native.merges:
+        preset = preset_config(str(name))
+        entry, _ = resolve_preset(preset)
+        if entry.meta.get("needs_base") and base_entry(cfg) is None:
+            continue
+        for mix in cfg.native.mix:
+            c = plain_copy(cfg)
+            with open_dict(c):
+                c.merge = with_mix(preset, float(mix))
+                c.task = {"name": "merge"}
+            out.append(c)
+    return out

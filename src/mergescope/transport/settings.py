@@ -1,0 +1,129 @@
+"""The transport operator's settings (``conf/merge/transport.yaml``): built and validated once, passed down.
+
+:meth:`TransportSettings.from_cfg` takes a job config, reads ``cfg.merge`` (it must be the transport
+operator; unset means its defaults), checks every setting and the pair, and returns one frozen
+object. Everything below the job (layer alignment, fusion, adaptation) takes that object instead
+of loose numbers, and trusts it. The job's ``cfg_hash`` still hashes the config node itself
+(:func:`merge_node`), so the hashes do not depend on this class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mergescope import models
+from mergescope.config import load_conf, to_plain
+from mergescope.errors import MergescopeError
+from mergescope.transport import interfaces as itf
+
+PLAN_SCALES = ("row_stochastic", "raw")
+AT_LEAST_ONE = ("top_k", "layer_topk", "layer_subsample", "probe_sentences", "max_iter")
+
+
+def merge_node(cfg: DictConfig) -> DictConfig:
+    """The operator's settings as configured: ``cfg.merge`` when it is the transport operator, else its defaults."""
+    m = cfg.get("merge")
+    if m is None:
+        return load_conf("merge", "transport")
+    if str(m.get("name")) != "transport":
+        raise MergescopeError(f"task=transport runs the transport operator, but merge={m.get('name')}; "
+                              "use merge=transport (or leave merge unset)")
+    return m
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """``merge.adapt``: the post-fusion residual-frozen adaptation (and its no-fusion baseline)."""
+
+    alpha: float         # the fused model that is adapted
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float  # decoupled, on theta = W - R
+    grad_clip: float     # 0 = no clipping
+    seed: int            # data order (identical for the fused model and its baseline)
+
+    @classmethod
+    def from_node(cls, ad: Any) -> AdaptSettings:
+        steps, batch_size, lr = int(ad.steps), int(ad.batch_size), float(ad.lr)
+        if steps < 1 or batch_size < 1 or not lr > 0:
+            raise MergescopeError(f"merge.adapt needs steps >= 1, batch_size >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})")
+        return cls(float(ad.alpha), steps, batch_size, lr, float(ad.weight_decay), float(ad.grad_clip), int(ad.seed))
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """``merge=transport``, validated. Build it with :meth:`from_cfg` (a job), :meth:`from_node` or :meth:`defaults`."""
+
+    target: str              # "a" | "b": the side of the pair that receives the donor's weights
+    probe_split: str
+    probe_sentences: int
+    epsilon: float           # entropic regularisation of the neuron plans
+    layer_epsilon: float     # ... and of the layer-level plans
+    max_iter: int
+    marginal_tol: float
+    layer_subsample: int
+    layer_topk: int
+    top_k: int
+    plan_scale: str          # "row_stochastic" | "raw"
+    qkv: bool
+    alphas: tuple[float, ...]
+    control_seed: int        # the random-plan control's row shuffles and the layer-cost subsample
+    adapt: AdaptSettings | None  # None when merge.adapt.enabled is false
+
+    @classmethod
+    def from_node(cls, node: Any) -> TransportSettings:
+        """From a transport settings node (a config node or a dict): every setting checked, one line per error."""
+        m = node if isinstance(node, DictConfig) else OmegaConf.create(to_plain(node))
+        for key in ("epsilon", "layer_epsilon"):
+            v = m.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise MergescopeError(f"merge.{key} must be a positive number (the spec uses 0.01), got {v!r}")
+        alphas = list(m.alphas)
+        if not alphas or any(not (isinstance(a, (int, float)) and 0 < a <= 1) for a in alphas):
+            raise MergescopeError(f"merge.alphas must be a non-empty list of numbers in (0, 1], got {alphas}")
+        if str(m.target) not in ("a", "b"):
+            raise MergescopeError(f"merge.target must be a or b (the side of the pair that receives the donor's weights), got '{m.target}'")
+        for key in AT_LEAST_ONE:
+            if int(m[key]) < 1:
+                raise MergescopeError(f"merge.{key} must be at least 1, got {m[key]}")
+        if int(m.probe_sentences) < 3:
+            raise MergescopeError("merge.probe_sentences must be at least 3: correlations need samples")
+        if str(m.plan_scale) not in PLAN_SCALES:
+            raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{m.plan_scale}'")
+        ad = m.get("adapt")
+        return cls(
+            target=str(m.target), probe_split=str(m.probe_split), probe_sentences=int(m.probe_sentences),
+            epsilon=float(m.epsilon), layer_epsilon=float(m.layer_epsilon), max_iter=int(m.max_iter),
+            marginal_tol=float(m.marginal_tol), layer_subsample=int(m.layer_subsample), layer_topk=int(m.layer_topk),
+            top_k=int(m.top_k), plan_scale=str(m.plan_scale), qkv=bool(m.qkv), alphas=tuple(float(a) for a in alphas),
+            control_seed=int(m.control_seed),
+            adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
+        )
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> TransportSettings:
+        """``conf/merge/transport.yaml`` with ``changes`` applied, validated (tests, benchmarks)."""
+        return cls.from_node({**to_plain(load_conf("merge", "transport")), **changes})
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> TransportSettings:
+        """A job's settings: every setting, the probe split against the evaluation split, and the pair
+        (two different models, both with transport interfaces, q/k/v only where commensurable),
+        all checked before any run exists."""
+        s = cls.from_node(merge_node(cfg))
+        if s.probe_split == str(cfg.data.split):
+            raise MergescopeError(f"merge.probe_split={s.probe_split} is the evaluation split (data.split); probes must never "
+                                  "be the sentences the fused model is evaluated on: use merge.probe_split=dev")
+        ref_a, ref_b = models.resolve_pair(cfg.pair)
+        ca, cb = models.load_config(ref_a), models.load_config(ref_b)
+        itf.adapter_for(ca["model_type"]), itf.adapter_for(cb["model_type"])
+        if s.qkv:
+            why = itf.qkv_blocker(ca["model_type"], cb["model_type"], ca, cb)
+            if why:
+                raise MergescopeError(f"merge.qkv=true is undefined for this pair: {why}; leave merge.qkv=false")
+        return s
