@@ -18,10 +18,10 @@ from mergescope.errors import MergescopeError
 
 def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e-9) -> tuple[bool, list[tuple[str, float, float, bool]]]:
     from mergescope.cli import dispatch
-    from mergescope.tracking import _client, resolved_config_of, store_uri
+    from mergescope.tracking import client_for, resolved_config_of, store_uri
 
     uri, _ = store_uri(OmegaConf.create({"paths": {"root": str(Path(root).resolve())}, "tracking": {}}))
-    client = _client(uri)
+    client = client_for(uri)
     try:
         original = client.get_run(run_id)
     except Exception as exc:

@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from omegaconf import OmegaConf
 
-    p = argparse.ArgumentParser(description="The study's tables, figures and report, read from MLflow.")
+    p = argparse.ArgumentParser(prog="python -m mergescope.analysis",
+                                description="The study's tables, figures and report, read from MLflow.")
     p.add_argument("--experiment", default="toy")
     p.add_argument("--root", default=".")
     a = p.parse_args(argv)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mergescope.progress import bar
-from mergescope.represent import pad_id, batch_token_budget, length_batches, pad_batch, tokenize
+from mergescope.represent import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
 from mergescope.transport.settings import TransportSettings

@@ -35,31 +35,35 @@ class Adapter:
     fused_qkv: bool = False
 
 
+def _sites(mlp_act: str, mlp_down: str, attn_o: str) -> dict[str, tuple[str, str]]:
+    """The six shared interfaces, from the modules around them: the projection that feeds the nonlinearity,
+    the down projection and the attention output projection."""
+    return {"mlp_in": (mlp_act, "in"), "mlp_pre": (mlp_act, "out"), "mlp_post": (mlp_down, "in"), "mlp_out": (mlp_down, "out"),
+            "attn_o_in": (attn_o, "in"), "attn_out": (attn_o, "out")}
+
+
+def _with_bias(*linears: tuple[str, str, str, str]) -> tuple[tuple[str, str, str, str | None], ...]:
+    """(module, role, out iface, in iface) -> its weight, then its bias (which maps the output interface only)."""
+    return tuple(w for mod, role, o, i in linears for w in ((f"{mod}.weight", role, o, i), (f"{mod}.bias", f"{role}.bias", o, None)))
+
+
 _NEOX = Adapter(
     family="gpt_neox",
     layers_attr="gpt_neox.layers",
-    sites={"mlp_in": ("mlp.dense_h_to_4h", "in"), "mlp_pre": ("mlp.dense_h_to_4h", "out"),
-           "mlp_post": ("mlp.dense_4h_to_h", "in"), "mlp_out": ("mlp.dense_4h_to_h", "out"),
-           "attn_o_in": ("attention.dense", "in"), "attn_out": ("attention.dense", "out")},
-    weights=(("mlp.dense_h_to_4h.weight", "mlp_act", HIDDEN, "mlp_in"), ("mlp.dense_h_to_4h.bias", "mlp_act.bias", HIDDEN, None),
-             ("mlp.dense_4h_to_h.weight", "mlp_down", "mlp_out", HIDDEN), ("mlp.dense_4h_to_h.bias", "mlp_down.bias", "mlp_out", None),
-             ("attention.dense.weight", "attn_o", "attn_out", "attn_o_in"), ("attention.dense.bias", "attn_o.bias", "attn_out", None)),
+    sites=_sites("mlp.dense_h_to_4h", "mlp.dense_4h_to_h", "attention.dense"),
+    weights=_with_bias(("mlp.dense_h_to_4h", "mlp_act", HIDDEN, "mlp_in"), ("mlp.dense_4h_to_h", "mlp_down", "mlp_out", HIDDEN),
+                       ("attention.dense", "attn_o", "attn_out", "attn_o_in")),
     fused_qkv=True,
 )
 
 _LLAMA = Adapter(
     family="llama",
     layers_attr="model.layers",
-    sites={"mlp_in": ("mlp.gate_proj", "in"), "mlp_pre": ("mlp.gate_proj", "out"),
-           "mlp_post": ("mlp.down_proj", "in"), "mlp_out": ("mlp.down_proj", "out"),
-           "attn_o_in": ("self_attn.o_proj", "in"), "attn_out": ("self_attn.o_proj", "out")},
-    weights=(("mlp.gate_proj.weight", "mlp_act", HIDDEN, "mlp_in"), ("mlp.gate_proj.bias", "mlp_act.bias", HIDDEN, None),
-             ("mlp.up_proj.weight", "mlp_up", HIDDEN, "mlp_in"), ("mlp.up_proj.bias", "mlp_up.bias", HIDDEN, None),
-             ("mlp.down_proj.weight", "mlp_down", "mlp_out", HIDDEN), ("mlp.down_proj.bias", "mlp_down.bias", "mlp_out", None),
-             ("self_attn.o_proj.weight", "attn_o", "attn_out", "attn_o_in"), ("self_attn.o_proj.bias", "attn_o.bias", "attn_out", None)),
-    qkv_weights=(("self_attn.q_proj.weight", "q", "q", "attn_in"), ("self_attn.q_proj.bias", "q.bias", "q", None),
-                 ("self_attn.k_proj.weight", "k", "k", "attn_in"), ("self_attn.k_proj.bias", "k.bias", "k", None),
-                 ("self_attn.v_proj.weight", "v", "v", "attn_in"), ("self_attn.v_proj.bias", "v.bias", "v", None)),
+    sites=_sites("mlp.gate_proj", "mlp.down_proj", "self_attn.o_proj"),
+    weights=_with_bias(("mlp.gate_proj", "mlp_act", HIDDEN, "mlp_in"), ("mlp.up_proj", "mlp_up", HIDDEN, "mlp_in"),
+                       ("mlp.down_proj", "mlp_down", "mlp_out", HIDDEN), ("self_attn.o_proj", "attn_o", "attn_out", "attn_o_in")),
+    qkv_weights=_with_bias(("self_attn.q_proj", "q", "q", "attn_in"), ("self_attn.k_proj", "k", "k", "attn_in"),
+                           ("self_attn.v_proj", "v", "v", "attn_in")),
     qkv_sites=(("attn_in", ("self_attn.q_proj", "in")), ("q", ("self_attn.q_proj", "out")),
                ("k", ("self_attn.k_proj", "out")), ("v", ("self_attn.v_proj", "out"))),
 )

@@ -1,0 +1,111 @@
+"""The house's shape: one TASKS table matching conf/task, no import cycle, no private names across
+modules, short functions, and study jobs whose logged overrides replay them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from mergescope.cli import TASKS, handler
+from mergescope.config import CONF_DIR, conf_options, job_hash
+from mergescope.errors import MergescopeError
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mergescope"
+
+
+def test_every_task_config_has_a_handler_and_every_handler_a_config():
+    assert sorted(TASKS) == conf_options("task")
+    for name in TASKS:
+        assert callable(handler(name))
+        assert (CONF_DIR / "task" / f"{name}.yaml").read_text().startswith(f"name: {name}")
+    with pytest.raises(MergescopeError, match="unknown task 'mesure'.*measure"):
+        handler("mesure")
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+        out[".".join(parts)] = ast.parse(p.read_text())
+    return out
+
+
+def _imports(tree: ast.Module, top_level_only: bool) -> list[ast.ImportFrom | ast.Import]:
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    return [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _targets(node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return [node.module or ""]
+
+
+def test_no_import_cycle_at_module_level():
+    mods = _modules()
+    graph = {m: {t for n in _imports(tree, True) for t in _targets(n) if t in mods and t != m} for m, tree in mods.items()}
+    # a package's __init__ importing its own submodules is how a package exports; not a cycle
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in graph[m]:
+            if state.get(t) == 1:
+                pytest.fail("import cycle: " + " -> ".join([*path[path.index(t):], t]) if t in path else t)
+            if t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = []
+    for m, tree in _modules().items():
+        for n in _imports(tree, False):
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("mergescope"):
+                bad += [f"{m}: from {n.module} import {a.name}" for a in n.names if a.name.startswith("_") and a.name != "__version__"]
+    assert not bad, bad
+
+
+def test_no_function_longer_than_80_lines():
+    long = []
+    for m, tree in _modules().items():
+        for f in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            first = f.body[0]
+            doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) and isinstance(first.value.value, str)
+            start = first.end_lineno + 1 if doc and len(f.body) > 1 else f.lineno
+            if f.end_lineno - start + 1 > 80:
+                long.append(f"{m}.{f.name}: {f.end_lineno - start + 1} lines")
+    assert not long, long
+
+
+def test_study_jobs_replay_from_their_overrides(compose_cfg):
+    """Each job's override list composes back to a config with the same cfg_hash (what reproduce and
+    `python launch.py <logged overrides>` rely on), checkpoint pairs included."""
+    from hydra import compose
+
+    from mergescope.study import Plan
+
+    _, base = compose_cfg([])
+    plan = Plan([*base, "study=toy"])
+    assert len(plan.measures) == 50 and len(plan.pairs) == 10 and len(plan.entries) == 5
+    ck = plan.checkpoint_pairs()
+    assert len(ck) == 12 and {(str(j.cfg.pair.a.revision), str(j.cfg.pair.b.revision)) for j in ck} >= {("step16", "step600")}
+    jobs = [*plan.measures[:3], *plan.pair_jobs("typology")[:2], *plan.model_jobs("quality"), *ck[:2],
+            *plan.transport_directions()[:2]]
+    keys = {"measure": ["pair", "metric", "data"], "typology": ["pair"], "quality": ["model", "data"],
+            "native": ["pair", "data", "native"], "transport": ["pair", "merge", "data"]}
+    for j in jobs:
+        again = compose(config_name="config", overrides=j.overrides)
+        assert job_hash(j.task, again, keys[j.task]) == job_hash(j.task, j.cfg, keys[j.task]), j.overrides
+        assert str(again.task.name) == j.task
+    assert [str(j.cfg.merge.target) for j in plan.transport_directions()[:2]] == ["a", "b"]
+    assert all(o.startswith(("pair=", "++pair.")) for o in ck[0].overrides if o not in plan.base and not o.startswith("task="))
