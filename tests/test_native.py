@@ -80,8 +80,13 @@ def test_native_refused_across_architectures_with_the_blocking_difference(tiny_m
 def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, compose_cfg):
     from mergescope.native.job import run_native
 
-    cfg, ov = compose_cfg(ckpt_pair(tiny_models, merges="[linear,ties]"))
+    # an even number of points: t=0.5 is added to the grid and measured, never interpolated
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models, merges="[linear,ties]", points=4))
     r = run_native(cfg, ov)
+    from mlflow.tracking import MlflowClient
+
+    hist = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db").get_metric_history(r.run_id, "lmc_t")
+    assert sorted(m.value for m in hist) == pytest.approx([0, 1 / 3, 0.5, 2 / 3, 1])
     rs = runs(Path(cfg.paths.root))
     merges = {x.data.tags["merge"]: x for x in rs if x.data.tags["kind"] == "merge"}
     assert set(merges) == {"linear", "ties"}

@@ -48,7 +48,7 @@ def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences) -> dict[str, fl
     for i, (t, v) in enumerate(zip(ts, curve)):
         job.log_metrics({"lmc_nll": float(v), "lmc_t": float(t)}, step=i)
     return {"lmc_barrier": barrier, "nll_a": float(curve[0]), "nll_t1": float(curve[-1]),
-            "lmc_midpoint_nll": float(np.interp(0.5, ts, curve)), "n_sentences": float(len(sentences))}
+            "lmc_midpoint_nll": float(curve[np.flatnonzero(ts == 0.5)[0]]), "n_sentences": float(len(sentences))}
 
 
 def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple[float, float]) -> dict[str, float]:

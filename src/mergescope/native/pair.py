@@ -121,13 +121,18 @@ def check_lmc_points(cfg: DictConfig) -> int:
     return n
 
 
+def lmc_grid(n: int) -> np.ndarray:
+    """``n`` evenly spaced t in [0, 1], plus t = 0.5 when ``n`` is even: the midpoint is always measured."""
+    return np.union1d(np.linspace(0.0, 1.0, n), [0.5])
+
+
 def lmc_curve(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[np.ndarray, np.ndarray, float]:
     """(t grid, NLL(t), barrier); barrier = max over interior t of NLL(t) - [(1-t) NLL(0) + t NLL(1)].
 
     Interior points only (0 < t < 1): at the endpoints the difference is 0 by construction, and
     including them would floor the barrier at 0, hiding the negative barriers of near checkpoints
     (the spec's median for pairs within half a decade is -0.033)."""
-    ts = np.linspace(0.0, 1.0, check_lmc_points(cfg))
+    ts = lmc_grid(check_lmc_points(cfg))
     nll = []
     for t in ts:
         loaded.interpolate(float(t))
