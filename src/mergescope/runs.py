@@ -6,7 +6,8 @@ the keys that determine its numbers, its tags and a body that computes and retur
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +42,33 @@ def pair_tags(cfg: DictConfig) -> dict[str, Any]:
             "lang_a": a.lang, "lang_b": b.lang}
 
 
+_LEDGERS: list[list[JobResult]] = []
+
+
+@contextmanager
+def recording() -> Iterator[list[JobResult]]:
+    """Collect every job result (run or reused) produced inside the block, nested runs included: a study
+    knows exactly which runs are its own, and the analysis reads those and no others."""
+    ledger: list[JobResult] = []
+    _LEDGERS.append(ledger)
+    try:
+        yield ledger
+    finally:
+        _LEDGERS.remove(ledger)
+
+
+def _record(result: JobResult) -> JobResult:
+    for ledger in _LEDGERS:
+        ledger.append(result)
+    return result
+
+
 def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | None:
     """The FINISHED run with this cfg_hash, as a skipped result (None when there is none, or rerun=true)."""
     if cfg.get("rerun"):
         return None
     done = tracker.find_finished(cfg_hash)
-    return None if done is None else JobResult(done.info.run_id, True, dict(done.data.metrics), cfg_hash)
+    return None if done is None else _record(JobResult(done.info.run_id, True, dict(done.data.metrics), cfg_hash))
 
 
 def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,
@@ -68,4 +90,4 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
     with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
         values = body(job)
         job.log_metrics(values)
-    return JobResult(job.run_id, False, values, h)
+    return _record(JobResult(job.run_id, False, values, h))

@@ -7,15 +7,20 @@ permutation p-value ``p_perm`` and Benjamini-Hochberg ``q_bh`` across the whole 
 
 ``power_statement(n)`` says what a table at sample size ``n`` can and cannot show: the 95% CI width
 of rho around 0, the smallest |rho| that clears an uncorrected test, and the smallest |rho| that
-survives BH as the only discovery among ``n_tests``.
+survives BH as the only discovery among ``n_tests``. Both thresholds come from the permutation null of
+the test the tables run (``spearman_null``: exact enumeration of all n! orderings up to n = 10, seeded
+Monte Carlo with stated standard errors above), with p defined as ``correlation_table`` defines it.
 
 Only numpy and scipy are required; pandas is used for input/output when it is installed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -26,7 +31,8 @@ try:  # pandas is optional
 except ImportError:  # pragma: no cover - exercised only without pandas
     _pd = None
 
-__all__ = ["COLUMNS", "correlation_table", "power_statement"]
+__all__ = ["COLUMNS", "EXACT_MAX_N", "NULL_PERMUTATIONS", "SpearmanNull", "correlation_table", "power_statement",
+           "spearman_null"]
 
 COLUMNS = ("a", "b", "n", "rho", "p_perm", "q_bh")
 
@@ -177,25 +183,208 @@ def correlation_table(frame: Any, n_permutations: int = 20000, seed: int = 0):
     return rows
 
 
-def power_statement(n: int, alpha: float = 0.05, n_tests: int = 1) -> dict:
+# Permutation counts up to this n are enumerated exactly (10! = 3,628,800 orderings, about 0.2 s); above
+# it the null is sampled.
+EXACT_MAX_N = 10
+# Seeded shuffles for the Monte Carlo null above EXACT_MAX_N.
+NULL_PERMUTATIONS = 200_000
+# Exact enumeration walks all orderings of the last _BLOCK positions as one (8! x 8) block per prefix.
+_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class SpearmanNull:
+    """The permutation null of Spearman's rho on ``n`` untied points, as a tail-count table.
+
+    Spearman's rho on untied ranks lies on the lattice ``c / (n (n^2 - 1))`` with ``c`` an integer,
+    ``c = 12 T - 3 n (n - 1)^2`` and ``T = sum_i i * pi(i)`` over 0-based ranks, so every comparison below
+    is exact integer arithmetic. ``abs_c`` holds the distinct values of ``|c|`` (ascending) and ``tail[i]``
+    the number of permutations with ``|c| >= abs_c[i]``. The attainable ``|c|`` run in steps of 12 from
+    ``abs_c[0]`` to ``n (n^2 - 1)`` (checked for n = 4..10); a Monte Carlo table holds only the values its
+    draws hit, and a lattice value between two of them has the tail count of the next one above.
+
+    The two-sided p of an observed |rho| is the one ``correlation_table`` computes:
+
+    - ``method == "exact"``: ``#{pi : |rho_pi| >= |rho|} / n!`` over all ``n!`` orderings. The identity is
+      one of them, so the observed arrangement counts itself: this is the exact counterpart of the table's
+      ``+1``, and the limit of ``(count + 1) / (N + 1)`` as N grows.
+    - ``method == "monte_carlo"``: ``(#{|rho_perm| >= |rho|} + 1) / (N + 1)`` over ``N = n_draws`` seeded
+      shuffles, exactly the table's formula.
+
+    ``>=`` counts ties with the observed value, as the table does (it compares with a 1e-12 slack that
+    the integer lattice makes unnecessary here).
+    """
+
+    n: int
+    method: str
+    n_draws: int
+    abs_c: np.ndarray
+    tail: np.ndarray
+
+    @property
+    def scale(self) -> int:
+        """``n (n^2 - 1)``: |rho| = |c| / scale."""
+        return self.n * (self.n * self.n - 1)
+
+    def _p(self, tail_count: np.ndarray | int) -> np.ndarray | float:
+        if self.method == "exact":
+            return tail_count / self.n_draws
+        return (tail_count + 1) / (self.n_draws + 1)
+
+    def p_value(self, rho: float) -> float:
+        """Two-sided permutation p of an observed Spearman ``rho`` on ``n`` untied points."""
+        c = abs(float(rho)) * self.scale - 1.0  # ``>=`` on the lattice (step 12), robust to float rounding
+        i = int(np.searchsorted(self.abs_c, c, side="left"))
+        return float(self._p(int(self.tail[i]) if i < self.tail.size else 0))
+
+    def critical_rho(self, level: float) -> float:
+        """The smallest attainable |rho| whose two-sided permutation p is ``<= level`` (NaN when none is).
+
+        p falls only at a lattice value just above one the null hits, so the answer is the first
+        ``abs_c[i]`` whose tail clears ``level``, read as the lattice value just above ``abs_c[i - 1]``
+        (the same value when the table is exact, since its support is contiguous).
+        """
+        ok = np.nonzero(self._p(self.tail) <= level)[0]
+        if ok.size:
+            i = int(ok[0])
+            c = int(self.abs_c[0]) if i == 0 else int(self.abs_c[i - 1]) + 12
+        elif self._p(0) <= level:  # beyond every value drawn (Monte Carlo only)
+            c = int(self.abs_c[-1]) + 12
+        else:
+            return math.nan
+        return c / self.scale if c <= self.scale else math.nan
+
+    def mc_se_p(self, level: float) -> float:
+        """Binomial Monte Carlo standard error of a tail probability near ``level`` (0 when exact)."""
+        if self.method == "exact":
+            return 0.0
+        return math.sqrt(level * (1.0 - level) / self.n_draws)
+
+    def mc_se_rho(self, level: float) -> float:
+        """Monte Carlo standard error of ``critical_rho(level)``, 0 when exact.
+
+        Delta method on the empirical null: half the spread of the critical values at ``level +/- se``,
+        with ``se = mc_se_p(level)`` (one lattice step wide or more when the lattice is coarse).
+        """
+        if self.method == "exact":
+            return 0.0
+        se = self.mc_se_p(level)
+        return (self.critical_rho(max(level - se, 0.0)) - self.critical_rho(level + se)) / 2.0
+
+
+def _abs_c_table(n: int, t_values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct |c| (ascending) and the count of |c| >= each, from values of T and their counts."""
+    abs_c = np.abs(12 * t_values.astype(np.int64) - 3 * n * (n - 1) ** 2)
+    values, inverse = np.unique(abs_c, return_inverse=True)
+    per_value = np.bincount(inverse.ravel(), weights=counts, minlength=values.size).astype(np.int64)
+    tail = np.cumsum(per_value[::-1])[::-1]
+    return values, tail
+
+
+def _exact_t_counts(n: int) -> np.ndarray:
+    """Counts of ``T = sum_i i * pi(i)`` over all n! permutations, indexed by T.
+
+    Every ordered prefix of the first ``n - k`` positions (``k = min(n, 8)``) is completed by all ``k!``
+    orderings of the remaining values at once: one ``(k!, k)`` integer block per prefix (2.6 MiB), so
+    the memory stays bounded whatever n is; the time is that of n! rows.
+    """
+    k = min(n, _BLOCK)
+    block = np.array(list(itertools.permutations(range(k))), dtype=np.int64).reshape(-1, k)
+    weights = np.arange(n - k, n, dtype=np.int64)
+    t_max = sum(i * i for i in range(n))
+    counts = np.zeros(t_max + 1, dtype=np.int64)
+    for prefix in itertools.permutations(range(n), n - k):
+        rest = np.array(sorted(set(range(n)).difference(prefix)), dtype=np.int64)
+        t = rest[block] @ weights + sum(i * v for i, v in enumerate(prefix))
+        counts += np.bincount(t, minlength=t_max + 1)
+    return counts
+
+
+def _sampled_t(n: int, n_draws: int, seed: int) -> np.ndarray:
+    """``T`` of ``n_draws`` independent uniform shuffles from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    chunk = max(1, min(n_draws, _CHUNK_ELEMENTS // n))
+    base = np.broadcast_to(np.arange(n, dtype=np.int64), (chunk, n))
+    weights = np.arange(n, dtype=np.int64)
+    out = []
+    done = 0
+    while done < n_draws:
+        c = min(chunk, n_draws - done)
+        out.append(rng.permuted(base[:c], axis=1) @ weights)
+        done += c
+    return np.concatenate(out)
+
+
+@lru_cache(maxsize=64)
+def spearman_null(n: int, exact_max_n: int = EXACT_MAX_N, n_permutations: int = NULL_PERMUTATIONS,
+                  seed: int = 0) -> SpearmanNull:
+    """The permutation null of Spearman's rho on ``n >= 2`` untied points (cached per argument tuple).
+
+    Exact enumeration of all n! orderings when ``n <= exact_max_n``; otherwise ``n_permutations``
+    shuffles drawn from ``numpy.random.default_rng(seed)``. Ties in the data change the null; this is
+    the null for distinct values, which is what continuous diagnostics have.
+    """
+    n = int(n)
+    if n < 2:
+        raise ValueError("spearman_null: n must be >= 2")
+    if n <= exact_max_n:
+        counts = _exact_t_counts(n)
+        t_values = np.nonzero(counts)[0]
+        abs_c, tail = _abs_c_table(n, t_values, counts[t_values])
+        method, n_draws = "exact", math.factorial(n)
+    else:
+        if n_permutations < 1:
+            raise ValueError("spearman_null: n_permutations must be >= 1")
+        t_values, counts = np.unique(_sampled_t(n, n_permutations, seed), return_counts=True)
+        abs_c, tail = _abs_c_table(n, t_values, counts)
+        method, n_draws = "monte_carlo", int(n_permutations)
+    abs_c.setflags(write=False)
+    tail.setflags(write=False)
+    return SpearmanNull(n, method, n_draws, abs_c, tail)
+
+
+def _null_sentence(null: SpearmanNull | None, alpha: float, bh_level: float, n_tests: int) -> str:
+    """How the thresholds were obtained, for the power statement's text."""
+    if null is None:
+        return ""
+    if null.method == "exact":
+        return f" (exact permutation null: all {null.n}! = {null.n_draws} orderings)"
+    levels = [alpha] + ([bh_level] if n_tests > 1 else [])
+    se_p = ", ".join(f"{null.mc_se_p(lv):.2g}" for lv in levels)
+    se_r = ", ".join(f"{null.mc_se_rho(lv):.2g}" for lv in levels)
+    return (f" (Monte Carlo permutation null: {null.n_draws} seeded shuffles; Monte Carlo s.e. of the tail "
+            f"probabilit{'ies' if n_tests > 1 else 'y'} {se_p} and of the threshold{'s' if n_tests > 1 else ''} "
+            f"{se_r})")
+
+
+def power_statement(n: int, alpha: float = 0.05, n_tests: int = 1, *, exact_max_n: int = EXACT_MAX_N,
+                    n_null_permutations: int = NULL_PERMUTATIONS, seed: int = 0) -> dict:
     """What a Spearman correlation on ``n`` points can resolve, as numbers and one sentence.
 
-    Returns a dict with
+    Both thresholds come from the permutation null the tables use (:func:`spearman_null`: exact over all
+    n! orderings for ``n <= exact_max_n``, else ``n_null_permutations`` shuffles seeded with ``seed``),
+    with p computed as ``correlation_table`` computes it (see :class:`SpearmanNull`). Returns a dict with
 
     - ``ci_half_width_at_zero`` and ``ci_width_at_zero``: the 95% confidence interval of rho around
       rho = 0 via Fisher's z with the Spearman variance correction of Fieller, Hartley & Pearson (1957):
-      ``z = atanh(rho)``, ``Var(z) ~= 1.06 / (n - 3)``, so the interval is
-      ``tanh(+/- 1.959964 * sqrt(1.06 / (n - 3)))``; half-width ``tanh(1.959964 * sqrt(1.06/(n-3)))``,
-      width twice that (NaN for n <= 3).
-    - ``min_significant_rho``: the smallest |rho| that clears an uncorrected two-sided test at
-      ``alpha``. The exact permutation distribution is too costly to enumerate, so this uses the
-      t-approximation ``t = r * sqrt((n - 2) / (1 - r^2))`` with n - 2 degrees of freedom, i.e.
-      ``r = t_c / sqrt(n - 2 + t_c^2)`` with ``t_c = t.ppf(1 - alpha/2, n - 2)`` (NaN for n <= 2).
+      ``tanh(+/- 1.959964 * sqrt(1.06 / (n - 3)))``; half-width and width (NaN for n <= 3).
+    - ``min_significant_rho``: the smallest attainable |rho| whose two-sided permutation p is <= ``alpha``
+      (an uncorrected test). At n = 10 that is 642/990 = 0.648 (exact p = 0.0490); the t approximation's
+      0.632 is not significant under the permutation test (the attainable 630/990 = 0.636 has p = 0.0544).
+      NaN when no |rho| reaches ``alpha`` (n <= 4 at alpha = 0.05).
     - ``min_rho_bh_single``: the same at ``alpha / n_tests`` -- the smallest |rho| that survives
       Benjamini-Hochberg when it is the only discovery among ``n_tests`` comparisons (BH's threshold for
-      the smallest of m p-values is alpha/m). A permutation p with N shuffles cannot go below
-      1/(N + 1); with N = 20000 that binds only once n_tests > 1000 at alpha = 0.05.
-    - ``n``, ``alpha``, ``n_tests`` as given, and ``text``: one sentence in the spec's style.
+      the smallest of m p-values is alpha/m).
+    - ``p_at_min_significant_rho``, ``p_at_min_rho_bh_single``: the null's p at those thresholds.
+    - ``null_method`` (``"exact"`` or ``"monte_carlo"``), ``null_permutations`` (n! or the draws), and
+      ``mc_se_p_alpha``, ``mc_se_p_bh``, ``mc_se_min_significant_rho``, ``mc_se_min_rho_bh_single``: the
+      Monte Carlo standard errors of the tail probability at each level and of each threshold
+      (:meth:`SpearmanNull.mc_se_rho`), all 0 for the exact null.
+    - ``n``, ``alpha``, ``n_tests`` as given, and ``text``: one sentence in the spec's style, naming the
+      null (and, for Monte Carlo, the thresholds' standard errors).
+
+    A table computed with N shuffles cannot report p below 1/(N + 1); with the tables' N = 20000 that
+    binds only once n_tests > 1000 at alpha = 0.05.
     """
     n = int(n)
     if n_tests < 1:
@@ -204,39 +393,34 @@ def power_statement(n: int, alpha: float = 0.05, n_tests: int = 1) -> dict:
         raise ValueError("power_statement: alpha must lie in (0, 1)")
     z95 = float(_sps.norm.ppf(0.975))
     half = math.tanh(z95 * math.sqrt(1.06 / (n - 3))) if n > 3 else math.nan
+    bh_level = alpha / n_tests
+    null = spearman_null(n, exact_max_n, n_null_permutations, seed) if n > 2 else None
+    out = {"n": n, "alpha": float(alpha), "n_tests": int(n_tests), "ci_half_width_at_zero": half,
+           "ci_width_at_zero": 2.0 * half, "null_method": null.method if null else "none",
+           "null_permutations": null.n_draws if null else 0}
+    for key, level, se_key in (("min_significant_rho", alpha, "mc_se_p_alpha"),
+                               ("min_rho_bh_single", bh_level, "mc_se_p_bh")):
+        r = null.critical_rho(level) if null else math.nan
+        out[key] = r
+        out[f"p_at_{key}"] = null.p_value(r) if null and not math.isnan(r) else math.nan
+        out[f"mc_se_{key}"] = null.mc_se_rho(level) if null else math.nan
+        out[se_key] = null.mc_se_p(level) if null else math.nan
+    out["text"] = _power_text(out, _null_sentence(null, alpha, bh_level, n_tests))
+    return out
 
-    def min_rho(level: float) -> float:
-        if n <= 2:
-            return math.nan
-        df = n - 2
-        tc = float(_sps.t.ppf(1.0 - level / 2.0, df))
-        return tc / math.sqrt(df + tc * tc)
 
-    r_unc = min_rho(alpha)
-    r_bh = min_rho(alpha / n_tests)
+def _power_text(ps: dict, how: str) -> str:
+    """The power statement's sentence from its numbers."""
+    n, alpha, n_tests = ps["n"], ps["alpha"], ps["n_tests"]
+    half = ps["ci_half_width_at_zero"]
+    ci = "n/a" if math.isnan(half) else f"{half:.2f}"
 
-    def fmt(x: float) -> str:
-        return "n/a" if math.isnan(x) else f"{x:.2f}"
+    def needs(r: float) -> str:
+        return "no |rho| at all" if math.isnan(r) else f"|rho|>={r:.3f}"
 
-    if n_tests > 1:
-        bh = (
-            f", and with {n_tests} comparisons a single discovery needs |rho|>{fmt(r_bh)} to survive "
-            f"Benjamini-Hochberg at q={alpha:g}"
-        )
-    else:
-        bh = ""
-    text = (
-        f"n={n}. Spearman rho on {n} points has a 95% CI roughly +/-{fmt(half)} wide around 0; "
-        f"nothing short of |rho|>{fmt(r_unc)} clears an uncorrected two-sided test at alpha={alpha:g}"
-        f"{bh}."
-    )
-    return {
-        "n": n,
-        "alpha": float(alpha),
-        "n_tests": int(n_tests),
-        "ci_half_width_at_zero": half,
-        "ci_width_at_zero": 2.0 * half,
-        "min_significant_rho": r_unc,
-        "min_rho_bh_single": r_bh,
-        "text": text,
-    }
+    bh = (f", and with {n_tests} comparisons a single discovery needs {needs(ps['min_rho_bh_single'])} to "
+          f"survive Benjamini-Hochberg at q={alpha:g}" if n_tests > 1 else "")
+    unc = ("no |rho| can clear" if math.isnan(ps["min_significant_rho"]) else
+           f"nothing short of {needs(ps['min_significant_rho'])} clears")
+    return (f"n={n}. Spearman rho on {n} points has a 95% CI roughly +/-{ci} wide around 0; "
+            f"{unc} an uncorrected two-sided permutation test at alpha={alpha:g}{bh}{how}.")

@@ -29,7 +29,7 @@ from mergescope.errors import MergescopeError
 from mergescope.models import load_config, resolve
 from mergescope.native.weights import routes
 from mergescope.progress import console
-from mergescope.runs import JobResult, model_label
+from mergescope.runs import JobResult, model_label, recording
 
 
 @dataclass
@@ -186,9 +186,16 @@ def _transport_text(j: StudyJob, r: JobResult) -> str:
 
 def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from mergescope.analysis import run_analyze
-    from mergescope.zoo import is_trained
 
     plan = Plan(overrides)
+    with recording() as ledger:
+        _run_jobs(plan)
+    return run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger])  # tables, figures and the report, from MLflow
+
+
+def _run_jobs(plan: Plan) -> None:
+    from mergescope.zoo import is_trained
+
     for j in plan.model_jobs("train"):
         if j.cfg.model.get("zoo") is not None:
             if not is_trained(j.cfg.model.name_or_path):
@@ -200,4 +207,3 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
     _run_all(plan.checkpoint_pairs(), lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}")
     _run_all(plan.transport_directions(), _transport_text)
-    return run_analyze(cfg, plan.base)  # tables, figures and the report, from MLflow

@@ -180,6 +180,12 @@ class Job:
             self.client.log_artifact(self.run_id, str(p), str(Path(path).parent) if Path(path).parent != Path(".") else None)
 
 
+def read_artifact_text(client, run_id: str, path: str) -> str:
+    """The text of one artifact of a run."""
+    with tempfile.TemporaryDirectory() as d:
+        return Path(client.download_artifacts(run_id, path, d)).read_text()
+
+
 def resolved_config_of(client, run_id: str) -> DictConfig:
     text = client.download_artifacts(run_id, "config/resolved.yaml")
     return OmegaConf.create(yaml.safe_load(Path(text).read_text()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mergescope.analysis.arms import checkpoint_arm, native_pair, transport
 from mergescope.analysis.correlations import N_PERMUTATIONS, correlation_sections
+from mergescope.analysis.others import other_settings
 from mergescope.analysis.records import Rec, Study
 from mergescope.analysis.sections import Build, cka_section, config_check, coverage, pair_matrix, per_model_quality
 from mergescope.analysis.tables import Analysis, Section, csv_text
@@ -27,6 +28,7 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
     sections = [make(b) for make in SECTION_BUILDERS]
     sections += correlation_sections(b, n_permutations)
     sections.append(Section("figures", "9. Figures"))
+    sections.append(other_settings(study))
     b.csv["inputs/runs.csv"] = inputs_csv(study.records)
     return Analysis(study.experiment, b.models, b.cka, sections, study.records, b.frames, b.correlations, b.metrics, b.csv,
                     console_tables=b.console_tables, pairs=b.pairs)

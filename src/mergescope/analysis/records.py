@@ -15,9 +15,9 @@ import yaml
 from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
-from mergescope.tracking import client_for, store_uri
+from mergescope.tracking import client_for, read_artifact_text, store_uri
 
-__all__ = ["Rec", "Study", "load_study", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_best"]
+__all__ = ["Rec", "Study", "load_study", "logged_study_jobs", "STUDY_JOBS", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_best"]
 
 
 @dataclass
@@ -93,12 +93,17 @@ def logical_key(r: Rec) -> tuple | None:
 
 @dataclass
 class Study:
-    """The experiment's runs, deduplicated: latest FINISHED per cfg_hash, then per logical job."""
+    """The study's own runs (``records``), and the experiment's other FINISHED runs (``others``: other settings).
+
+    ``source`` says how the study's runs were chosen: the study's job list (every run its jobs produced or
+    reused), or, when no study has logged one, the latest FINISHED run per cfg_hash and per logical job."""
 
     experiment: str
     uri: str
     records: list[Rec]
     curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # native run id -> LMC curve (t, nll)
+    others: list[Rec] = field(default_factory=list)
+    source: str = "latest FINISHED run per job (no study job list was logged)"
 
     def kind(self, *kinds: str) -> list[Rec]:
         return [r for r in self.records if r.kind in kinds]
@@ -161,13 +166,42 @@ def _lmc_curves(client, recs: list[Rec]) -> dict[str, list[tuple[float, float]]]
     return curves
 
 
-def load_study(cfg: DictConfig) -> Study:
-    """Read the study's experiment from MLflow; a one-line MergescopeError when there is nothing to analyse."""
+STUDY_JOBS = "inputs/study_jobs.csv"  # the analysis run's artifact: every run of the study's jobs
+
+
+def logged_study_jobs(client, experiment_id: str) -> tuple[list[str], str] | None:
+    """The study job list logged by the latest analysis run that has one: (run ids, that analysis run's id)."""
+    runs = client.search_runs([experiment_id], filter_string="tags.kind = 'analysis' and attributes.status = 'FINISHED'",
+                              max_results=200, order_by=["attributes.start_time DESC"])
+    for r in runs:
+        if "study_jobs" in r.data.tags:
+            text = read_artifact_text(client, r.info.run_id, STUDY_JOBS)
+            return [line.split(",")[1] for line in text.splitlines()[1:] if line], r.info.run_id
+    return None
+
+
+def load_study(cfg: DictConfig, job_runs: list[str] | None = None) -> Study:
+    """Read the study's experiment from MLflow; a one-line MergescopeError when there is nothing to analyse.
+
+    ``job_runs``: the run ids of the study's jobs (the study passes them; otherwise the job list that the
+    latest analysis run logged is used). Runs of the experiment outside it are ``others``."""
     uri, _ = store_uri(cfg)
     experiment = str(cfg.tracking.experiment)
     client = client_for(uri)
-    out = latest_per_job(_finished_runs(client, uri, experiment))
+    finished = _finished_runs(client, uri, experiment)
+    source = "the study's job list (every run its jobs produced or reused)"
+    if job_runs is None and finished:
+        logged = logged_study_jobs(client, client.get_experiment_by_name(experiment).experiment_id)
+        if logged is not None:
+            job_runs, source = logged[0], f"the study's job list, as logged by analysis run {logged[1]}"
+    if job_runs is None:
+        out, others = latest_per_job(finished), []
+        source = Study.source
+    else:
+        wanted = set(job_runs)
+        out = [r for r in sorted(finished, key=lambda r: r.start) if r.run_id in wanted]
+        others = latest_per_job([r for r in finished if r.run_id not in wanted])
     if not out:
         raise MergescopeError(f"experiment '{experiment}' has no FINISHED runs to analyse; run the study first "
                               f"(python launch.py study={experiment})")
-    return Study(experiment, uri, out, _lmc_curves(client, out))
+    return Study(experiment, uri, out, _lmc_curves(client, out), others, source)

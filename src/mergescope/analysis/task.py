@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 from mergescope.analysis.build import build_analysis
 from mergescope.analysis.correlations import N_PERMUTATIONS
 from mergescope.analysis.figures import close_figures, make_figures
-from mergescope.analysis.records import Study, load_study
+from mergescope.analysis.records import STUDY_JOBS, Study, load_study
 from mergescope.analysis.report import write_report
-from mergescope.analysis.tables import Analysis, tables_text
+from mergescope.analysis.tables import Analysis, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console
 from mergescope.tracking import Job, Tracker
@@ -33,6 +33,8 @@ def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: 
     job.log_text(tables_text(an.console_tables), "tables/summary.txt")
     for name in an.figures:
         job.log_artifact(out_dir / "figures" / f"{name}.png", "figures")
+    job.log_text(csv_text(["cfg_hash", "run_id", "kind"], [[r.tags.get("cfg_hash", ""), r.run_id, r.kind] for r in study.records]),
+                 STUDY_JOBS)
     job.log_artifact(md_path)
     job.log_artifact(html_path)
     kinds: dict[str, int] = {}
@@ -43,20 +45,23 @@ def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: 
                     "input_kinds": kinds, "report": str(md_path)})
 
 
-def run_analyze(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:
+def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: list[str] | None = None) -> dict[str, Any]:
     """task=analyze: read the study's runs, build tables, figures and the report, log one kind=analysis run.
+
+    ``job_runs``: the run ids of the study's jobs (the study passes them). Without them, the job list
+    logged by the latest analysis run is used; the runs outside it go to the "Other settings" section.
 
     Returns ``{"run_id", "report_md", "report_html", "cka_matrix", "models", "pairs", "pairs_above",
     "analysis"}``. Raises MergescopeError (before any run exists) when the experiment has nothing to analyse.
     """
-    study = load_study(cfg)
+    study = load_study(cfg, job_runs)
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
     an = build_analysis(study, n_permutations=n_perm)
     make_figures(an, study)
     for t in an.console_tables:
         console.print(t.rich())
     out_dir = Path(str(cfg.paths.root)) / "reports" / study.experiment
-    tags = {"kind": "analysis", "study": study.experiment}
+    tags = {"kind": "analysis", "study": study.experiment, "study_jobs": len(study.records)}
     with Tracker(cfg).start(cfg, f"analysis:{study.experiment}", tags, overrides) as job:
         md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri)
         _log_analysis(job, an, study, out_dir, md_path, html_path)
