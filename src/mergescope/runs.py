@@ -6,7 +6,7 @@ the keys that determine its numbers, its tags and a body that computes and retur
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mergescope.config import job_hash
-from mergescope.models import label
+from mergescope.models import ModelRef, fingerprint, label
 from mergescope.tracking import Job, Tracker
 
 
@@ -71,18 +71,30 @@ def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | No
     return None if done is None else _record(JobResult(done.info.run_id, True, dict(done.data.metrics), cfg_hash))
 
 
+def identity(task: str, cfg: DictConfig, keys: list[str], reads: Sequence[ModelRef] = (),
+             extra: dict[str, Any] | None = None) -> str:
+    """A job's cfg_hash: the config sections that change its numbers, plus the fingerprint of every model
+    it reads (so a model retrained in place makes its jobs run again), plus ``extra`` parts."""
+    parts = dict(extra or {})
+    if reads:
+        parts["weights"] = [fingerprint(r) for r in reads]
+    return job_hash(task, cfg, keys, parts)
+
+
 def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,
              body: Callable[[Job], dict[str, float]], *, task: str | None = None, keys: list[str] | None = None,
              cfg_hash: str | None = None, tracker: Tracker | None = None,
-             reuse: Callable[[], bool] | None = None) -> JobResult:
+             reuse: Callable[[], bool] | None = None, reads: Sequence[ModelRef] = (),
+             extra: dict[str, Any] | None = None) -> JobResult:
     """Run ``body`` in one MLflow run unless a FINISHED run with the same hash exists.
 
-    The hash is ``cfg_hash`` or ``job_hash(task, cfg, keys)``; ``tags`` get ``cfg_hash`` added.
+    The hash is ``cfg_hash`` or :func:`identity` of ``task``, ``keys``, the models it ``reads`` and
+    ``extra``; ``tags`` get ``cfg_hash`` added.
     ``body(job)`` logs what it likes through ``job`` and returns the headline metrics, which are
     logged and returned. ``reuse`` (optional) must also say yes for a finished run to be reused
     (the train job: the model folder must still exist).
     """
-    h = cfg_hash or job_hash(str(task), cfg, list(keys or []))
+    h = cfg_hash or identity(str(task), cfg, list(keys or []), reads, extra)
     tracker = tracker or Tracker(cfg)
     done = finished(cfg, tracker, h)
     if done is not None and (reuse is None or reuse()):

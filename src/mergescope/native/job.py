@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from mergescope.config import load_conf, plain_copy
-from mergescope.native.merges import merge_configs, run_merge
+from mergescope.config import load_conf, plain_copy, to_plain
+from mergescope.native.merges import merge_configs, preset_config, run_merge
 from mergescope.native.pair import Loaded, check_lmc_points, check_pair, lmc_curve, nll_sentences, no_base_reason, same_run, step_of
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
@@ -65,8 +65,18 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
     return {"merge_gain": gain, "best_merged_nll": best, "merge_beats_better_endpoint": float(gain > 0)}
 
 
+def hash_extra(cfg: DictConfig) -> dict:
+    """What the native job's numbers depend on beyond NATIVE_KEYS: the contents of its merge presets, and for
+    checkpoint pairs the settings of the CKA between the checkpoints."""
+    extra = {"merge_presets": {str(n): to_plain(preset_config(str(n))) for n in cfg.native.merges}}
+    if same_run(cfg):
+        extra["checkpoint_cka"] = {"metric": to_plain(load_conf("metric", "cka")),
+                                   **{k: OmegaConf.select(cfg, k) for k in ("represent.pooling", "represent.layer", "represent.padding_side")}}
+    return extra
+
+
 def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
-    check_pair(cfg)
+    refs = check_pair(cfg)
     check_lmc_points(cfg)
 
     def body(job) -> dict[str, float]:
@@ -86,7 +96,8 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
-    return run_once(cfg, f"native:{pair_label(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS)
+    return run_once(cfg, f"native:{pair_label(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS,
+                    reads=refs, extra=hash_extra(cfg))
 
 
 def checkpoint_cka(cfg: DictConfig, overrides) -> float:

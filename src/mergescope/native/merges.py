@@ -56,7 +56,7 @@ def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
               endpoints: tuple[float, float] | None = None) -> JobResult:
     """One merged model's NLL on the host's language: its own run (kind=merge, route=native)."""
-    check_pair(cfg)
+    refs = check_pair(cfg)
     entry, kwargs = check_merge(cfg)
 
     def body(job) -> dict[str, float]:
@@ -74,7 +74,8 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
 
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed)}
-    return run_once(cfg, f"merge:{cfg.merge.name}:{pair_label(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS)
+    return run_once(cfg, f"merge:{cfg.merge.name}:{pair_label(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
+                    reads=refs)
 
 
 def merge_configs(cfg: DictConfig) -> list[DictConfig]:

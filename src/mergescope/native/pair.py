@@ -51,8 +51,9 @@ def no_base_reason(cfg: DictConfig) -> str:
             "pre-trained ancestor, so theta - theta_base is meaningless across them")
 
 
-def check_pair(cfg: DictConfig) -> None:
-    """Before any run exists: two different models, a shared parameter space, the host's language."""
+def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
+    """Before any run exists: two different models, a shared parameter space, the host's language.
+    Returns the refs of every model the pair's jobs read (a, b, and the task-vector base when there is one)."""
     ra, rb = models.resolve_pair(cfg.pair)
     native = routes(models.load_config(ra), models.load_config(rb))["native"]
     if not native["defined"]:
@@ -61,6 +62,8 @@ def check_pair(cfg: DictConfig) -> None:
             "weight-space operators need a shared parameter space (use the transport or adapt route)"
         )
     data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
+    be = base_entry(cfg)
+    return (ra, rb) if be is None else (ra, rb, models.resolve(be))
 
 
 def _state(model) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from mergescope.represent.cache import ReprCache, ReprKey
 from mergescope.represent.forward import POOLINGS, embed, token_nll
 from mergescope.runs import JobResult, model_label, pair_label, pair_tags, run_once
 
-MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length", "control"]
+MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length",
+                "represent.padding_side", "control"]
 QUALITY_KEYS = ["model", "data", "represent.max_length"]
 
 
@@ -110,7 +111,8 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
             "seed": cfg.control.seed, "data": cfg.data.name, "split": cfg.data.split}
-    return run_once(cfg, f"{cfg.metric.name}:{pair_label(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS)
+    return run_once(cfg, f"{cfg.metric.name}:{pair_label(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS,
+                    reads=(ref_a, ref_b))
 
 
 def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -131,4 +133,5 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
             "split": cfg.data.split, "seed": cfg.seed}
-    return run_once(cfg, f"quality:{model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS)
+    return run_once(cfg, f"quality:{model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS,
+                    reads=(ref,))
