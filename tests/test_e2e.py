@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 import sys
 from pathlib import Path
@@ -85,8 +86,10 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
     m = by["cka"].data.metrics
     assert m["cka"] == pytest.approx(np_cka(X, Y), abs=1e-5)
     assert m["cka_ci_low"] < m["cka"] < m["cka_ci_high"]
-    perm = np.random.default_rng(0).permutation(N)
-    assert m["cka_shuffled"] == pytest.approx(np_cka(X, Y[perm]), abs=1e-5)
+    # the control's permutation is drawn from (control.seed, the pair), the same for every metric of the pair
+    perm = np.random.default_rng([0, zlib.crc32(b"neox_en__llama_pt")]).permutation(N)
+    assert m["cka_shuffled"] == pytest.approx(np_cka(X, Y[perm]), abs=1e-5) and m["cka_shuffled_sd"] == 0
+    assert {r.data.params["control.permutation_head"] for r in rs} == {str(perm[:8].tolist())}
     assert by["procrustes"].data.metrics["procrustes"] == pytest.approx(np_procrustes(X, Y), abs=1e-5)
     assert set(by["retrieval"].data.metrics) >= {"retrieval_p1", "retrieval_p1_shuffled", "retrieval_chance", "retrieval_p1_ab", "retrieval_p1_ba"}
     assert by["retrieval"].data.metrics["retrieval_chance"] == pytest.approx(1 / 75)

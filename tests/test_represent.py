@@ -82,3 +82,30 @@ def test_cache_roundtrip(tmp_path):
     assert np.array_equal(got, X) and meta["n_tokens"] == 9
     other = ReprKey("m", "d", "eng_Latn", "devtest", "mean", -1, "float32", 512)
     assert other.digest != key.digest and cache.get(other) is None
+
+
+def test_control_permutations_are_per_pair_shared_by_metrics_and_replicated():
+    from mergescope.metrics import linear_cka
+    from mergescope.represent.jobs import control_permutations, shuffled_values
+
+    p1 = control_permutations(50, 0, "a__b", seeds=3)
+    assert all(np.array_equal(x, y) for x, y in zip(p1, control_permutations(50, 0, "a__b", seeds=3)))  # every metric
+    assert not np.array_equal(p1[0], control_permutations(50, 0, "a__c")[0])  # another pair, another permutation
+    assert not np.array_equal(p1[0], p1[1]) and all(sorted(p) == list(range(50)) for p in p1)
+
+    class Job:
+        steps: list = []
+
+        def log_metrics(self, values, step=None):
+            self.steps.append((step, values))
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(50, 6))
+    Y = X @ rng.normal(size=(6, 5)) + 0.1 * rng.normal(size=(50, 5))
+    job = Job()
+    out = shuffled_values(lambda A, B, device=None: {"cka": linear_cka(A, B)}, X, Y, p1, job, device="cpu")
+    each = [linear_cka(X, Y[p]) for p in p1]
+    assert out["cka_shuffled"] == pytest.approx(np.mean(each), abs=1e-12)
+    assert out["cka_shuffled_sd"] == pytest.approx(np.std(each, ddof=1), abs=1e-12)
+    assert [s for s, _ in job.steps] == [0, 1, 2] and job.steps[1][1]["cka_shuffled_by_seed"] == pytest.approx(each[1])
+    assert out["cka_shuffled"] < 0.5 < linear_cka(X, Y)  # the control sits near chance, the matched value does not

@@ -171,17 +171,23 @@ def cka_section(b: Build) -> Section:
     return sec
 
 
+def _with_sd(v: dict[str, Any], key: str) -> str:
+    """A replicated value as ``mean ± sd`` (the sd over the control's seeds), a single one as it is."""
+    sd = v.get(key + "_sd")
+    return f"{f3(v.get(key))} ± {f3(sd)}" if sd is not None and np.isfinite(sd) and sd > 0 else f3(v.get(key))
+
+
 def _representation_table(pairs: list[dict[str, Any]]) -> RTable:
     metric_cols = [k for _, k in REPR_METRICS]
     rows = []
     for p in pairs:
         v = p["values"]
-        cells = [f"{f3(v.get(c))} / {f3(v.get(c + '_shuffled'))}" if c in v else "—" for c in metric_cols]
+        cells = [f"{f3(v.get(c))} / {_with_sd(v, c + '_shuffled')}" if c in v else "—" for c in metric_cols]
         ci = f"[{f3(v.get('cka_ci_low'))}, {f3(v.get('cka_ci_high'))}]" if "cka_ci_low" in v else "—"
         chance = f3(v.get("retrieval_chance"), 4) if "retrieval_chance" in v else "—"
         ids = ", ".join(f"{k} {short(r.run_id)}" for k, r in p["recs"].items())
         rows.append([p["pair"], *cells, ci, chance, ids])
-    return RTable("Representation metrics, matched / shuffled control",
+    return RTable("Representation metrics, matched / shuffled control (mean ± sd over the control's seeds)",
                   ["pair", *metric_cols, "cka 95% CI", "retrieval chance", "runs"], rows)
 
 

@@ -6,6 +6,7 @@ Each validates its inputs before an MLflow run exists, then runs through :func:`
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,34 @@ MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer"
 QUALITY_KEYS = ["model", "data", "represent.max_length"]
 
 
-def control_permutation(n: int, seed: int) -> np.ndarray:
-    """The shuffled control's reordering of side B: one fixed-seed permutation, shared by every metric."""
-    return np.random.default_rng(seed).permutation(n)
+def control_permutations(n: int, seed: int, pair: str, seeds: int = 1) -> list[np.ndarray]:
+    """The shuffled control's reorderings of side B: one per replication seed ``seed + i``, drawn from that
+    seed and the pair (a stable CRC of its label), so every metric of a pair sees the same permutations
+    and different pairs see different ones."""
+    key = zlib.crc32(pair.encode("utf-8"))
+    return [np.random.default_rng([seed + i, key]).permutation(n) for i in range(seeds)]
+
+
+def shuffled_values(fn, Xa: np.ndarray, Xb: np.ndarray, perms: list[np.ndarray], job, **kwargs) -> dict[str, float]:
+    """The metric on side B reordered by each permutation: ``<key>_shuffled`` is the mean over the seeds,
+    ``<key>_shuffled_sd`` their standard deviation (ddof=1; 0 with one seed); each seed's value is a metric step."""
+    per_seed: dict[str, list[float]] = {}
+    for i, perm in enumerate(perms):
+        vals = {f"{k}_shuffled": float(v) for k, v in fn(Xa, Xb[perm], **kwargs).items() if not k.endswith("_chance")}
+        job.log_metrics({f"{k}_by_seed": v for k, v in vals.items()}, step=i)
+        for k, v in vals.items():
+            per_seed.setdefault(k, []).append(v)
+    out = {}
+    for k, vs in per_seed.items():
+        a = np.asarray(vs, dtype=np.float64)
+        out[k] = float(a.mean())
+        out[f"{k}_sd"] = float(a.std(ddof=1)) if a.size > 1 else 0.0
+    return out
 
 
 def check_represent(cfg: DictConfig) -> None:
+    if int(cfg.control.get("seeds", 1)) < 1:
+        raise MergescopeError(f"control.seeds must be at least 1 (replications of the shuffled control), got {cfg.control.seeds}")
     r = cfg.represent
     if r.pooling not in POOLINGS:
         raise MergescopeError(f"unknown represent.pooling '{r.pooling}': choose one of {', '.join(POOLINGS)}")
@@ -100,13 +123,12 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         Xb, meta_b = representations(cfg, cfg.pair.b, ref_b, side_b)
         _log_true_config(job, "model_a", meta_a)
         _log_true_config(job, "model_b", meta_b)
-        perm = control_permutation(Xa.shape[0], int(cfg.control.seed))
-        matched = entry.fn(Xa, Xb, device=cfg.device, **kwargs)
-        shuffled = entry.fn(Xa, Xb[perm], device=cfg.device, **kwargs)
-        values = dict(matched)
-        values.update({f"{k}_shuffled": v for k, v in shuffled.items() if not k.endswith("_chance")})
-        values.update({"n_sentences": float(Xa.shape[0]), "dim_a": float(Xa.shape[1]), "dim_b": float(Xb.shape[1])})
-        job.log_params({"control.permutation_head": perm[:8].tolist(), "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
+        perms = control_permutations(Xa.shape[0], int(cfg.control.seed), pair_label(cfg), int(cfg.control.seeds))
+        values = dict(entry.fn(Xa, Xb, device=cfg.device, **kwargs))
+        values.update(shuffled_values(entry.fn, Xa, Xb, perms, job, device=cfg.device, **kwargs))
+        values.update({"n_sentences": float(Xa.shape[0]), "dim_a": float(Xa.shape[1]), "dim_b": float(Xb.shape[1]),
+                       "control_seeds": float(len(perms))})
+        job.log_params({"control.permutation_head": perms[0][:8].tolist(), "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
         return values
 
     tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
