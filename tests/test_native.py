@@ -97,6 +97,26 @@ def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, co
     assert r.metrics["merge_gain"] == pytest.approx(min(r.metrics["nll_a"], r.metrics["nll_t1"]) - best, abs=1e-12)
 
 
+def test_dare_is_replicated_over_seeds_and_task_arithmetic_at_half_is_the_linear_model(tiny_models, compose_cfg):
+    from mergescope.native.job import run_native
+
+    cfg, ov = compose_cfg([*ckpt_pair(tiny_models, merges="[linear,task_arithmetic,dare_linear]"), "native.merge_seeds=3"])
+    r = run_native(cfg, ov)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    merges = {x.data.tags["merge"]: x for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge"}
+    dare = merges["dare_linear"]
+    per_seed = [m.value for m in sorted(client.get_metric_history(dare.info.run_id, "nll_by_seed"), key=lambda m: m.step)]
+    assert len(per_seed) == 3 and len(set(per_seed)) == 3  # three different random drops
+    assert dare.data.metrics["nll"] == pytest.approx(np.mean(per_seed), abs=1e-12)
+    assert dare.data.metrics["nll_sd"] == pytest.approx(np.std(per_seed, ddof=1), abs=1e-12) and dare.data.metrics["n_seeds"] == 3
+    ta, lin = merges["task_arithmetic"], merges["linear"]
+    assert ta.data.tags["same_as"] == "linear" and "same_as" not in lin.data.tags
+    assert ta.data.metrics["nll"] == pytest.approx(lin.data.metrics["nll"], abs=1e-6)  # base + (a-base)/2 + (b-base)/2
+    assert r.metrics["best_merged_nll"] == pytest.approx(min(lin.data.metrics["nll"], dare.data.metrics["nll"]), abs=1e-12)
+
+
 def test_cross_model_native_pair_blocks_only_and_refuses_base_operators(tiny_models, compose_cfg):
     from mergescope.native.job import run_native
     from mergescope.native.merges import run_merge

@@ -84,7 +84,9 @@ def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tup
     mrows = []
     for r in sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", "")):
         prm = {k: v for k, v in r.group("merge").items() if k not in ("name", "operator")}
-        mrows.append([r.tags.get("merge", ""), ", ".join(f"{k}={v}" for k, v in prm.items()), f3(r.m("nll"), 4),
+        nll = f3(r.m("nll"), 4) + (f" ± {f3(r.m('nll_sd'), 4)} ({int(r.m('n_seeds'))} seeds)" if r.m("n_seeds") > 1 else "")
+        same = " (the linear model: weights sum to 1, lambda 1)" if r.tags.get("same_as") == "linear" else ""
+        mrows.append([r.tags.get("merge", "") + same, ", ".join(f"{k}={v}" for k, v in prm.items()), nll,
                       f3(r.m("merge_gain"), 4), short(r.run_id)])
     if mrows:
         sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run"], mrows))

@@ -57,9 +57,10 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
         r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints)
         merges.append((mc.merge.name, r))
         console.print(f"  merge {mc.merge.name} {pair_label(cfg)}: nll={r.metrics['nll']:.4f}{' (done before)' if r.skipped else ''}")
-    if not merges:
+    independent = [(n, r) for n, r in merges if not r.metrics.get("same_as_linear")]
+    if not independent:
         return {}
-    best = min(r.metrics["nll"] for _, r in merges)
+    best = min(r.metrics["nll"] for _, r in independent)
     gain = min(endpoints) - best
     job.log_params({"merge_runs": {name: r.run_id for name, r in merges}})
     return {"merge_gain": gain, "best_merged_nll": best, "merge_beats_better_endpoint": float(gain > 0)}

@@ -3,6 +3,7 @@ with its NLL on the host's language and its gain over the better endpoint."""
 
 from __future__ import annotations
 
+import numpy as np
 from omegaconf import DictConfig, open_dict
 
 from mergescope.config import conf_options, load_conf, plain_copy
@@ -11,7 +12,7 @@ from mergescope.merge import check_base, merge_state_dicts, resolve_preset
 from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
 from mergescope.runs import JobResult, pair_label, pair_tags, run_once
 
-MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "represent.max_length"]
+MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
 TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
                   "run it with task=transport (the study runs it for every pair)")
 
@@ -45,6 +46,40 @@ def check_merge(cfg: DictConfig):
     return entry, kwargs
 
 
+def stochastic(kwargs: dict) -> bool:
+    """A seeded random operator (DARE's random drop): its merged NLL is replicated over seeds."""
+    return "seed" in kwargs and kwargs.get("sparsification") == "random"
+
+
+def same_as_linear(entry, kwargs: dict) -> bool:
+    """Task arithmetic with lambda 1 and weights summing to 1 is exactly the linear average:
+    base + sum_i w_i (theta_i - base) = sum_i w_i theta_i. It is the same model, not another operator."""
+    if entry.name not in ("task_arithmetic", "generalized_task_arithmetic") or kwargs.get("normalize"):
+        return False
+    if kwargs.get("sparsification", "none") != "none" or kwargs.get("consensus", "none") != "none":
+        return False
+    w = kwargs.get("weights")
+    return float(kwargs.get("lambda_", 1.0)) == 1.0 and w is not None and abs(sum(w) - 1.0) < 1e-12
+
+
+def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job) -> dict[str, float]:
+    """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
+    (seed, seed+1, ...), each seed's NLL a metric step."""
+    n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
+    nlls = []
+    for i in range(n):
+        kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs
+        merged = merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, pair.coverage.shared, cfg.device)
+        pair.set_shared(merged)
+        del merged
+        nlls.append(host_nll(cfg, pair, sentences, f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")))
+        pair.restore()
+        if n > 1:
+            job.log_metrics({"nll_by_seed": nlls[-1]}, step=i)
+    a = np.asarray(nlls, dtype=np.float64)
+    return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n)}
+
+
 def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:
     nll0 = host_nll(cfg, loaded, sentences, "nll a")
     loaded.interpolate(1.0)
@@ -63,17 +98,14 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         pair = loaded or Loaded(cfg, need_base=entry.meta.get("needs_base", False))
         sentences = nll_sentences(cfg)
         nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
-        merged = merge_state_dicts(entry, kwargs, [pair.sd_a, pair.sd_b], pair.sd_base, pair.coverage.shared, cfg.device)
-        pair.set_shared(merged)
-        del merged
-        nll = host_nll(cfg, pair, sentences, f"nll {cfg.merge.name}")
-        pair.restore()
-        return {"nll": nll, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - nll,
+        res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
+        return {**res, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
+                "same_as_linear": float(same_as_linear(entry, kwargs)),
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
                 "n_sentences": float(len(sentences))}
 
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
-            "seed": kwargs.get("seed", cfg.seed)}
+            "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
     return run_once(cfg, f"merge:{cfg.merge.name}:{pair_label(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
                     reads=refs)
 

@@ -22,6 +22,7 @@ import torch
 
 from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
+from mergescope.merge.trim import magnitude_keep_mask
 
 # Tensors whose first axis is the vocabulary (input embeddings and output heads) in the
 # families we load (GPT-NeoX, Llama, Mistral, Qwen2, GPT-2 style).
@@ -346,19 +347,12 @@ def _check_density(density) -> float:
 
 
 def ties_keep_mask(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """TIES trim of one tensor: a boolean mask (flat) of its top ``k = ceil(density * numel)``
-    entries by |value| (at least 1). Ties at the threshold are broken deterministically: among entries equal
-    to the k-th largest magnitude, those with the lowest flat index are kept, so exactly k are."""
-    flat = tau.reshape(-1).abs()
-    n = flat.numel()
-    k = min(n, math.ceil(round(density * n, 6)))  # round: 0.7 * 10 is 7, not 7.000000000000001
-    if k >= n:
-        return torch.ones(n, dtype=torch.bool, device=flat.device)
-    thr = torch.kthvalue(flat, n - k + 1).values  # the k-th largest magnitude
-    above = flat > thr
-    at = flat == thr
-    need = k - int(above.sum())
-    return above | (at & (torch.cumsum(at, 0) <= need))
+    """TIES trim of one tensor as a flat boolean mask: the TIES merge's own rule,
+    :func:`mergescope.merge.trim.magnitude_keep_mask` -- the top ``k = max(1, floor(density * numel))``
+    entries by |value|, every entry tied with the k-th largest |value| kept too (so more than k when
+    there are ties at the threshold; all of them when that value is 0); a density so small that k would
+    round to 0 keeps the largest entry."""
+    return magnitude_keep_mask(tau.reshape(-1), density)
 
 
 def task_vector_diagnostics(
@@ -374,9 +368,10 @@ def task_vector_diagnostics(
     Per tensor, tau_a = a - base and tau_b = b - base (float64).
 
     - ``tv_cosine``: cosine of the concatenated task vectors (accumulated tensor by tensor).
-    - ``ties_sign_agreement``: per tensor, each task vector is trimmed to its top-``density``
-      fraction of entries by |value| (k = ceil(density * numel), ties broken by lowest flat
-      index; see :func:`ties_keep_mask`); over the entries kept in BOTH, the share whose signs
+    - ``ties_sign_agreement``: per tensor, each task vector is trimmed by the TIES merge's own rule
+      to its top-``density`` fraction of entries by |value| (k = max(1, floor(density * numel)), all
+      entries tied at the threshold kept; see :func:`ties_keep_mask`); over the entries kept in BOTH,
+      the share whose signs
       agree, aggregated over all tensors as sum(agreeing) / sum(jointly kept). Signs are compared
       as sign(x) in {-1, 0, +1}: a zero entry agrees with a zero entry (neither model moved that
       parameter, so they do not conflict) and disagrees with any non-zero entry (no sign to
@@ -434,8 +429,9 @@ def describe() -> dict[str, str]:
         "n_params": "number of parameters (entries) in the compared tensors",
         "tv_cosine": "cosine of task vectors a-base and b-base over the shared tensors, flattened and concatenated; "
         "float64",
-        "ties_sign_agreement": "per tensor keep each task vector's top ceil(density*numel) entries by |value| "
-        "(ties: lowest index); share of entries kept in both whose signs agree (0 agrees only with 0), "
+        "ties_sign_agreement": "per tensor keep each task vector's top max(1,floor(density*numel)) entries by "
+        "|value| (ties at the threshold kept, as the TIES merge); share of entries kept in both whose signs "
+        "agree (0 agrees only with 0), "
         "summed over tensors",
         "ties_jointly_kept": "number of entries kept by the TIES trim in both task vectors (the sign-agreement "
         "denominator)",
