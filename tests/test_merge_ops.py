@@ -152,6 +152,49 @@ def test_ties_trim_of_identical_models_falls_back_to_base():
     torch.testing.assert_close(out[~kept], base[~kept])
 
 
+def _merge_keep(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """The entries the TIES merge keeps, read off its output: one model, weight 1, lambda 1, base 0, so
+    merged = kept delta (sign election keeps every non-zero entry of a single model)."""
+    base = torch.zeros_like(delta)
+    out = run("ties", [delta], base, density=density, weights=[1.0], lambda_=1.0, normalize=False)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], delta[kept], rtol=0, atol=0)
+    return kept
+
+
+@pytest.mark.parametrize("density", [0.05, 0.2, 0.3, 0.5, 0.9, 1e-4])
+def test_ties_merge_and_sign_agreement_diagnostic_trim_by_one_rule(density):
+    """The merge's trim and the diagnostic's (native.weights.ties_keep_mask) keep the same entries, on
+    integer-valued tensors with many ties at the threshold (no zeros, so the merge's mask is visible)."""
+    from mergescope.native.weights import ties_keep_mask
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(7, 9), (40,), (3, 5, 4)]:
+        mag = torch.randint(1, 4, shape, generator=g).to(torch.float32)
+        delta = mag * torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+        kept = _merge_keep(delta, density)
+        diag = ties_keep_mask(delta.double(), density).view(shape)
+        assert torch.equal(kept, diag), (shape, density)
+        n = delta.numel()
+        k = max(1, int(round(density * n, 6)))
+        kth = delta.abs().reshape(-1).sort(descending=True).values[k - 1]
+        assert torch.equal(kept, delta.abs() >= kth)  # top k, every tie at the threshold kept
+        assert int(kept.sum()) >= k
+
+
+def test_ties_density_rounding_to_zero_keeps_the_largest_entry():
+    delta = torch.tensor([[0.5, -2.0, 1.0], [-0.1, 0.3, 1.9]])
+    # 0.1 * 6 = 0.6 rounds down to k = 0: the largest |delta| (-2.0) is kept, alone
+    assert _merge_keep(delta, 0.1).tolist() == [[False, True, False], [False, False, False]]
+    xs, base = [rand(1, seed=1), rand(1, seed=2)], rand(1, seed=9)  # a one-entry tensor at density 0.2
+    out = run("ties", xs, base, density=0.2, weights=[1.0, 1.0], normalize=False)
+    d = [x - base for x in xs]
+    elected = torch.sign(d[0] + d[1])  # each model keeps its single entry; sign election as usual
+    want = base + sum(di * (torch.sign(di) == elected) for di in d)
+    assert not torch.equal(want, base)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 def test_linear_endpoints():
     a, b = rand(8, 8, seed=1), rand(8, 8, seed=2)
     torch.testing.assert_close(run("linear", [a, b], None, weights=[1, 0]), a)

@@ -192,24 +192,114 @@ def test_power_statement_n10():
     ps = power_statement(10, n_tests=55)
     assert ps["ci_half_width_at_zero"] == pytest.approx(0.6, abs=0.06)
     assert ps["ci_width_at_zero"] == pytest.approx(2 * ps["ci_half_width_at_zero"])
-    assert 0.62 <= ps["min_significant_rho"] <= 0.66
-    assert ps["min_rho_bh_single"] > ps["min_significant_rho"]
-    # the threshold really is the t-test boundary at alpha
-    r = ps["min_significant_rho"]
-    assert stats.pearsonr(*_two_with_r(10, r)).pvalue == pytest.approx(0.05, abs=1e-6)
+    # the permutation test's critical value (the spec's 0.65), not the t approximation's 0.632
+    assert 0.64 <= ps["min_significant_rho"] <= 0.66
+    assert ps["min_significant_rho"] == pytest.approx(642 / 990, abs=1e-12)
+    assert ps["p_at_min_significant_rho"] <= 0.05
+    assert ps["null_method"] == "exact" and ps["null_permutations"] == math.factorial(10)
+    assert ps["mc_se_min_significant_rho"] == 0.0 and ps["mc_se_p_alpha"] == 0.0
     assert ps["text"].startswith(
         "n=10. Spearman rho on 10 points has a 95% CI roughly +/-0.64"
     )
-    assert "|rho|>0.63" in ps["text"] and "55 comparisons" in ps["text"]
+    assert "|rho|>=0.648" in ps["text"] and "55 comparisons" in ps["text"]
+    assert "exact permutation null" in ps["text"]
     big = power_statement(106)
     assert big["min_significant_rho"] < 0.2 and big["ci_half_width_at_zero"] < 0.2
+    assert big["min_significant_rho"] == pytest.approx(0.1916, abs=0.003)
     assert math.isnan(power_statement(3)["ci_width_at_zero"])
+    four = power_statement(4)  # the smallest permutation p at n=4 is 2/24 > 0.05
+    assert math.isnan(four["min_significant_rho"]) and "no |rho| can clear" in four["text"]
 
 
-def _two_with_r(n: int, r: float) -> tuple[np.ndarray, np.ndarray]:
-    """Two length-n vectors with Pearson correlation exactly r."""
-    u = np.arange(n, dtype=float) - (n - 1) / 2
-    v = np.resize([1.0, -1.0], n)
-    v = v - v.mean() - (v @ u) / (u @ u) * u
-    u, v = u / np.linalg.norm(u), v / np.linalg.norm(v)
-    return u, r * u + math.sqrt(1 - r * r) * v
+def test_power_statement_bh_threshold_is_the_permutation_quantile():
+    for m in (28, 55):
+        ps = power_statement(10, n_tests=m)
+        r_bh, r_unc = ps["min_rho_bh_single"], ps["min_significant_rho"]
+        assert r_bh > r_unc + 0.1
+        assert ps["p_at_min_rho_bh_single"] <= 0.05 / m
+        # one lattice step (12 / (n (n^2 - 1))) below, the permutation p is above alpha / m
+        null = ms.spearman_null(10)
+        assert null.p_value(r_bh - 12 / 990) > 0.05 / m
+        assert f"|rho|>={r_bh:.3f}" in ps["text"] and f"{m} comparisons" in ps["text"]
+    assert power_statement(10, n_tests=55)["min_rho_bh_single"] == pytest.approx(894 / 990, abs=1e-12)
+    assert power_statement(10, n_tests=28)["min_rho_bh_single"] == pytest.approx(870 / 990, abs=1e-12)
+    single = power_statement(10, n_tests=1)
+    assert single["min_rho_bh_single"] == single["min_significant_rho"]
+
+
+def _brute_force_p(n: int) -> dict[float, float]:
+    """Exact two-sided p of every attainable |rho| at n, from scipy's spearmanr over all n! orderings."""
+    x = np.arange(n)
+    rhos = np.array([stats.spearmanr(x, p).statistic for p in itertools.permutations(range(n))])
+    return {r: float(np.mean(np.abs(rhos) >= r - 1e-12)) for r in np.unique(np.round(np.abs(rhos), 12))}
+
+
+def test_exact_null_n5_against_brute_force():
+    brute = _brute_force_p(5)
+    null = ms.spearman_null(5)
+    assert null.method == "exact" and null.n_draws == 120
+    assert len(brute) == null.abs_c.size
+    for r, p in brute.items():
+        assert null.p_value(r) == pytest.approx(p, abs=1e-15), r
+    for level in (0.02, 0.05, 0.1, 0.2, 0.5):
+        want = min(r for r, p in brute.items() if p <= level)
+        assert null.critical_rho(level) == pytest.approx(want, abs=1e-12), level
+    assert math.isnan(null.critical_rho(0.01))  # below 2/120 nothing is significant
+    for n in range(4, 11):  # the support is the whole lattice: |c| in steps of 12 up to n (n^2 - 1)
+        table = ms.spearman_null(n)
+        assert np.all(np.diff(table.abs_c) == 12) and table.abs_c[-1] == table.scale
+        assert table.tail[0] == math.factorial(n)
+
+
+def test_exact_null_matches_correlation_table_p():
+    # an arrangement at the n=10 critical value: correlation_table's p_perm estimates the null's p
+    r = np.random.default_rng(0)
+    x = np.arange(10.0)
+    y = next(p for p in (r.permutation(10) for _ in range(200000)) if np.sum((p - x) ** 2) == 58)
+    out = correlation_table({"x": x, "y": y}, n_permutations=20000, seed=1)
+    assert out["rho"][0] == pytest.approx(642 / 990, abs=1e-12)
+    p_exact = ms.spearman_null(10).p_value(out["rho"][0])
+    assert p_exact == pytest.approx(0.04898, abs=1e-5)
+    assert abs(out["p_perm"][0] - p_exact) <= _tolerance(p_exact, 20000, 1)
+
+
+def test_monte_carlo_null_agrees_with_exact_n8():
+    exact = ms.spearman_null(8)
+    mc = ms.spearman_null(8, exact_max_n=0, n_permutations=200_000, seed=4)
+    assert exact.method == "exact" and mc.method == "monte_carlo" and mc.n_draws == 200_000
+    for c in exact.abs_c:
+        r = c / exact.scale
+        p_ex = exact.p_value(r)
+        se = math.sqrt(max(p_ex * (1 - p_ex), 1e-6) / mc.n_draws)
+        assert abs(mc.p_value(r) - p_ex) <= 4 * se + 1 / mc.n_draws, r
+    ps_mc = power_statement(8, n_tests=28, exact_max_n=0, seed=4)
+    ps_ex = power_statement(8, n_tests=28)
+    assert ps_mc["null_method"] == "monte_carlo" and ps_mc["mc_se_p_alpha"] == pytest.approx(
+        math.sqrt(0.05 * 0.95 / 200_000))
+    for key in ("min_significant_rho", "min_rho_bh_single"):
+        assert abs(ps_mc[key] - ps_ex[key]) <= 3 * ps_mc[f"mc_se_{key}"] + 1e-12, key
+    assert "Monte Carlo permutation null: 200000 seeded shuffles" in ps_mc["text"]
+    assert "s.e. of the tail probabilities 0.00049" in ps_mc["text"]
+
+
+def test_null_p_convention_is_the_tables():
+    # exact: the identity is one of the n! orderings; Monte Carlo: correlation_table's (count + 1) / (N + 1)
+    assert ms.spearman_null(9).p_value(1.0) == pytest.approx(2 / math.factorial(9), rel=1e-12)
+    small = ms.spearman_null(12, n_permutations=10, seed=0)
+    assert small.method == "monte_carlo" and small.p_value(1.0) == pytest.approx(1 / 11, rel=1e-12)
+    table = correlation_table({"x": np.arange(12.0), "y": np.arange(12.0)}, n_permutations=10, seed=0)
+    assert table["p_perm"][0] == pytest.approx(small.p_value(1.0), rel=1e-12)
+    # beyond every drawn value p is 1 / (N + 1): the threshold at that level is just above the largest draw
+    assert small.critical_rho(1 / 11) == pytest.approx((small.abs_c[-1] + 12) / small.scale, abs=1e-12)
+    assert math.isnan(small.critical_rho(0.05))
+
+
+def test_monte_carlo_threshold_se_at_large_n():
+    ps = power_statement(106, n_tests=10)
+    # the two-sided normal density of |rho| at the threshold turns the tail's s.e. into the threshold's
+    sd = 1 / math.sqrt(105)
+    dens = 2 * stats.norm.pdf(ps["min_significant_rho"] / sd) / sd
+    assert ps["mc_se_min_significant_rho"] == pytest.approx(ps["mc_se_p_alpha"] / dens, rel=0.5)
+    assert ps["mc_se_min_significant_rho"] > 0 and ps["mc_se_min_rho_bh_single"] > 0
+    assert 0.05 - 3 * ps["mc_se_p_alpha"] <= ps["p_at_min_significant_rho"] <= 0.05
+    assert ms.spearman_null(106) is ms.spearman_null(106)  # cached per n

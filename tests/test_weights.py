@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -193,13 +194,12 @@ def test_bad_names_are_refused():
 
 
 def _np_keep(tau, density):
-    """Brute force TIES trim: stable sort by descending |value|, keep the first k."""
+    """Brute force TIES trim: k = max(1, floor(density * n)) by exact fractions; keep every entry whose
+    |value| is at least the k-th largest |value| (ties at the threshold all kept)."""
     flat = np.abs(tau.ravel())
-    k = math.ceil(round(density * flat.size, 6))
-    order = sorted(range(flat.size), key=lambda i: (-flat[i], i))
-    keep = np.zeros(flat.size, dtype=bool)
-    keep[order[:k]] = True
-    return keep
+    k = max(1, math.floor(Fraction(str(density)) * flat.size))
+    kth = sorted(flat.tolist(), reverse=True)[k - 1]
+    return np.array([v >= kth for v in flat.tolist()], dtype=bool)
 
 
 def _np_tv(sd_a, sd_b, sd_base, names, density):
@@ -244,13 +244,43 @@ def test_task_vectors_match_brute_force(density):
         assert d["ties_sign_agreement"] == pytest.approx(np.mean(np.sign(ta) == np.sign(tb)), abs=1e-15)
 
 
-def test_ties_keep_mask_exact_k_and_deterministic_ties():
+def test_ties_keep_mask_floor_k_and_ties_at_the_threshold_kept():
     tau = torch.tensor([1.0, -3, 3, 2, -3, 0, 3], dtype=torch.float64)
-    # k = ceil(0.4 * 7) = 3: the three 3s... magnitudes 3 at indices 1, 2, 4, 6 -> lowest indices win
-    assert weights.ties_keep_mask(tau, 0.4).tolist() == [False, True, True, False, True, False, False]
-    assert int(weights.ties_keep_mask(tau, 0.01).sum()) == 1
+    # k = floor(0.6 * 7) = 4 (not ceil: 5): the four |3|s, and nothing else
+    assert weights.ties_keep_mask(tau, 0.6).tolist() == [False, True, True, False, True, False, True]
+    # k = floor(0.4 * 7) = 2, but the 2nd largest |value| is tied with two more: all four are kept
+    assert weights.ties_keep_mask(tau, 0.4).tolist() == [False, True, True, False, True, False, True]
+    # the same mask whatever the entries' order (no index tie-break)
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(weights.ties_keep_mask(tau[perm], 0.4), weights.ties_keep_mask(tau, 0.4)[perm])
+    assert weights.ties_keep_mask(tau, 5 / 7).tolist() == [False, True, True, True, True, False, True]
     assert bool(weights.ties_keep_mask(tau, 1.0).all())
-    assert int(weights.ties_keep_mask(torch.arange(10.0), 0.7).sum()) == 7  # not ceil(7.000000000000001)
+    assert int(weights.ties_keep_mask(torch.arange(10.0), 0.7).sum()) == 7  # floor(7.000000000000001)
+    assert int(weights.ties_keep_mask(torch.arange(100.0), 0.29).sum()) == 29  # not int(28.999999999999996)
+    # the k-th largest |value| is 0: every entry is kept
+    assert bool(weights.ties_keep_mask(torch.tensor([0.0, 0, 0, 1, 0]), 0.4).all())
+
+
+def test_ties_keep_mask_density_rounding_to_zero_keeps_the_largest():
+    tau = torch.tensor([0.5, -2.0, 1.0, -0.1], dtype=torch.float64)
+    # 0.2 * 4 = 0.8 rounds down to 0: the largest |value| is kept, alone
+    assert weights.ties_keep_mask(tau, 0.2).tolist() == [False, True, False, False]
+    assert weights.ties_keep_mask(tau, 1e-9).tolist() == [False, True, False, False]
+    assert weights.ties_keep_mask(torch.tensor([2.0, -2, 1]), 0.1).tolist() == [True, True, False]  # with its ties
+    assert weights.ties_keep_mask(torch.tensor([-7.0]), 0.5).tolist() == [True]
+
+
+def test_task_vector_diagnostics_when_k_rounds_to_zero():
+    base = {"s": torch.zeros(3, dtype=torch.float64), "v": torch.zeros(4, dtype=torch.float64)}
+    sd_a = {"s": torch.tensor([0.1, -5.0, 0.2]), "v": torch.tensor([1.0, 2.0, -3.0, 0.5])}
+    sd_b = {"s": torch.tensor([-0.1, -4.0, 0.3]), "v": torch.tensor([1.0, -2.0, 3.0, 0.5])}
+    sd_a = {n: t.double() for n, t in sd_a.items()}
+    sd_b = {n: t.double() for n, t in sd_b.items()}
+    d = weights.task_vector_diagnostics(sd_a, sd_b, base, ["s", "v"], density=0.1, device="cpu")
+    # one entry per tensor per model: s keeps index 1 in both (signs agree), v keeps index 2 in both
+    # (signs differ)
+    assert d["ties_jointly_kept"] == 2
+    assert d["ties_sign_agreement"] == 0.5
 
 
 def test_tied_embeddings_counted_once():
@@ -277,7 +307,7 @@ def test_identical_task_vectors_and_model_pair(neox_pair):
     assert d["tv_cosine"] == pytest.approx(1.0, abs=1e-12)
     assert d["ties_sign_agreement"] == 1.0
     total = sum(sd_base[n].numel() for n in names)
-    assert d["ties_jointly_kept"] == sum(math.ceil(0.2 * sd_base[n].numel()) for n in names) < total
+    assert d["ties_jointly_kept"] == sum(max(1, math.floor(0.2 * sd_base[n].numel())) for n in names) < total
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.2", True, None])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -74,6 +74,76 @@ def _unit_ranks(x: np.ndarray) -> np.ndarray:
     return r / math.sqrt(float(r @ r))
 
 
+def _shuffles(n: int, n_draws: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """``n_draws`` independent uniform shuffles of ``arange(n)`` as (chunk, n) int64 blocks of at most
+    ``_CHUNK_ELEMENTS`` entries (the one way both the tables and the Monte Carlo null draw them)."""
+    chunk = max(1, min(n_draws, _CHUNK_ELEMENTS // n))
+    base = np.broadcast_to(np.arange(n, dtype=np.int64), (chunk, n))
+    done = 0
+    while done < n_draws:
+        c = min(chunk, n_draws - done)
+        yield rng.permuted(base[:c], axis=1)  # each row an independent shuffle
+        done += c
+
+
+def _group_rho_p(ra: np.ndarray, rb: np.ndarray, n_permutations: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """rho of the unit ranks ``ra`` (n,) against each column of ``rb`` (n, m), and each one's two-sided
+    permutation p, ``(#{|rho_perm| >= |rho|} + 1) / (n_permutations + 1)``, from one batch of shuffles."""
+    n = ra.shape[0]
+    rho = np.clip(ra @ rb, -1.0, 1.0)  # (m,)
+    thresh = np.abs(rho) - _TIE_TOL
+    count = np.zeros(rb.shape[1], dtype=np.int64)
+    for perm in _shuffles(n, n_permutations, rng):
+        perm_rho = ra[perm] @ rb  # (c, m)
+        count += (np.abs(perm_rho) >= thresh).sum(axis=0)
+    return rho, (count + 1) / (n_permutations + 1)
+
+
+def _fill_bh(rows: list[dict]) -> None:
+    """Benjamini-Hochberg q across every row with a p-value (in place)."""
+    tested = [idx for idx, r in enumerate(rows) if not math.isnan(r["p_perm"])]
+    if tested:
+        q = _sps.false_discovery_control(
+            np.array([rows[idx]["p_perm"] for idx in tested]), method="bh"
+        )
+        for idx, qv in zip(tested, np.atleast_1d(q)):
+            rows[idx]["q_bh"] = float(qv)
+
+
+def _cells(names: list[str], mat: np.ndarray, finite: np.ndarray
+           ) -> tuple[list[dict], dict[tuple[int, bytes], list[tuple[int, int]]]]:
+    """One row per column pair (rho, p, q NaN for now) and the testable cells grouped by
+    (column a, complete-row mask) -> [(row index in ``rows``, column b)]."""
+    k = len(names)
+    rows: list[dict] = []
+    # group key (column a, complete-row mask) -> list of (row index in `rows`, column b)
+    groups: dict[tuple[int, bytes], list[tuple[int, int]]] = {}
+    for i in range(k):
+        for j in range(i + 1, k):
+            mask = finite[:, i] & finite[:, j]
+            n = int(mask.sum())
+            rows.append(
+                {
+                    "a": names[i],
+                    "b": names[j],
+                    "n": n,
+                    "rho": math.nan,
+                    "p_perm": math.nan,
+                    "q_bh": math.nan,
+                }
+            )
+            if n < 3:
+                continue
+            xi, xj = mat[mask, i], mat[mask, j]
+            if np.ptp(xi) == 0 or np.ptp(xj) == 0:
+                continue
+            groups.setdefault((i, np.packbits(mask).tobytes()), []).append(
+                (len(rows) - 1, j)
+            )
+    return rows, groups
+
+
 def correlation_table(frame: Any, n_permutations: int = 20000, seed: int = 0):
     """Spearman correlation for every unordered column pair, with a permutation p-value and BH q-value.
 
@@ -113,68 +183,18 @@ def correlation_table(frame: Any, n_permutations: int = 20000, seed: int = 0):
     if n_permutations < 1:
         raise ValueError("correlation_table: n_permutations must be >= 1")
     names, mat = _columns(frame)
-    k = len(names)
     finite = np.isfinite(mat)
-
-    rows: list[dict] = []
-    # group key (column a, complete-row mask) -> list of (row index in `rows`, column b)
-    groups: dict[tuple[int, bytes], list[tuple[int, int]]] = {}
-    for i in range(k):
-        for j in range(i + 1, k):
-            mask = finite[:, i] & finite[:, j]
-            n = int(mask.sum())
-            rows.append(
-                {
-                    "a": names[i],
-                    "b": names[j],
-                    "n": n,
-                    "rho": math.nan,
-                    "p_perm": math.nan,
-                    "q_bh": math.nan,
-                }
-            )
-            if n < 3:
-                continue
-            xi, xj = mat[mask, i], mat[mask, j]
-            if np.ptp(xi) == 0 or np.ptp(xj) == 0:
-                continue
-            groups.setdefault((i, np.packbits(mask).tobytes()), []).append(
-                (len(rows) - 1, j)
-            )
-
+    rows, groups = _cells(names, mat, finite)
     rng = np.random.default_rng(seed)
     for (i, _), cells in groups.items():
         mask = finite[:, i] & finite[:, cells[0][1]]
-        n = int(mask.sum())
         ra = _unit_ranks(mat[mask, i])
         rb = np.column_stack([_unit_ranks(mat[mask, j]) for _, j in cells])  # (n, m)
-        rho = ra @ rb  # (m,)
-        rho = np.clip(rho, -1.0, 1.0)
-        thresh = np.abs(rho) - _TIE_TOL
-        count = np.zeros(len(cells), dtype=np.int64)
-        chunk = max(1, min(n_permutations, _CHUNK_ELEMENTS // n))
-        base = np.broadcast_to(np.arange(n), (chunk, n))
-        done = 0
-        while done < n_permutations:
-            c = min(chunk, n_permutations - done)
-            perm = rng.permuted(
-                base[:c], axis=1
-            )  # (c, n): each row an independent shuffle
-            perm_rho = ra[perm] @ rb  # (c, m)
-            count += (np.abs(perm_rho) >= thresh).sum(axis=0)
-            done += c
-        p = (count + 1) / (n_permutations + 1)
+        rho, p = _group_rho_p(ra, rb, n_permutations, rng)
         for (row, _), r, pv in zip(cells, rho, p):
             rows[row]["rho"] = float(r)
             rows[row]["p_perm"] = float(pv)
-
-    tested = [idx for idx, r in enumerate(rows) if not math.isnan(r["p_perm"])]
-    if tested:
-        q = _sps.false_discovery_control(
-            np.array([rows[idx]["p_perm"] for idx in tested]), method="bh"
-        )
-        for idx, qv in zip(tested, np.atleast_1d(q)):
-            rows[idx]["q_bh"] = float(qv)
+    _fill_bh(rows)
 
     if _pd is not None:
         out = _pd.DataFrame(rows, columns=list(COLUMNS))
@@ -302,17 +322,8 @@ def _exact_t_counts(n: int) -> np.ndarray:
 
 def _sampled_t(n: int, n_draws: int, seed: int) -> np.ndarray:
     """``T`` of ``n_draws`` independent uniform shuffles from ``numpy.random.default_rng(seed)``."""
-    rng = np.random.default_rng(seed)
-    chunk = max(1, min(n_draws, _CHUNK_ELEMENTS // n))
-    base = np.broadcast_to(np.arange(n, dtype=np.int64), (chunk, n))
     weights = np.arange(n, dtype=np.int64)
-    out = []
-    done = 0
-    while done < n_draws:
-        c = min(chunk, n_draws - done)
-        out.append(rng.permuted(base[:c], axis=1) @ weights)
-        done += c
-    return np.concatenate(out)
+    return np.concatenate([perm @ weights for perm in _shuffles(n, n_draws, np.random.default_rng(seed))])
 
 
 @lru_cache(maxsize=64)

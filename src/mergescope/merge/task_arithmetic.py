@@ -4,8 +4,10 @@ All work on task vectors delta_i = theta_i - theta_base of one tensor position. 
 generalised operator follows mergekit 0.1.5's ``GeneralizedTaskArithmeticMerge``:
 
 1. sparsify each delta_i (per tensor):
-   ``magnitude`` (TIES trim): keep the k = max(1, int(density * numel)) entries of largest |delta_i|
-   (all entries tied with the k-th largest are kept);
+   ``magnitude`` (TIES trim, :func:`mergescope.merge.trim.magnitude_keep_mask`, the same rule as the
+   TIES sign-agreement diagnostic): keep the k = max(1, floor(density * numel)) entries of largest
+   |delta_i| (all entries tied with the k-th largest are kept; a density so small that k would round
+   to 0 keeps the largest entry);
    ``random`` (DARE): keep each entry with probability ``density`` (Bernoulli mask from a
    ``torch.Generator`` seeded with ``seed``, drawn on CPU in float32, one mask per model in
    model order -- reproducible, independent of the global RNG and of the compute device);
@@ -29,6 +31,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_tensors, check_weights, work_dtype
+from mergescope.merge.trim import magnitude_keep_mask
 from mergescope.registry import merges
 
 SPARSIFICATION = ("none", "magnitude", "random")
@@ -81,13 +84,9 @@ def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.
         return
     before = d.abs().sum() if rescale == "l1" else None
     if method == "magnitude":
-        # threshold = the k-th largest |delta| (quickselect, ~10x faster than topk on CPU); entries
-        # tied with it are all kept, where mergekit's argsort keeps an arbitrary k of them
-        k = max(1, int(density * d.numel()))
-        a = d.abs()
-        thr = torch.kthvalue(a.reshape(-1).cpu() if a.device.type == "mps" else a.reshape(-1), d.numel() - k + 1).values
-        keep = a >= thr
-        del a
+        # the one TIES trim rule (mergescope.merge.trim): k = max(1, floor(density * numel)), all entries
+        # tied with the k-th largest |delta| kept, where mergekit's argsort keeps an arbitrary k of them
+        keep = magnitude_keep_mask(d, density)
         d.mul_(keep)
     elif method == "random":
         # float32 Bernoulli on CPU: the same draws as mergekit's torch.bernoulli(full_like(.., density))
