@@ -98,7 +98,9 @@ def test_study_jobs_replay_from_their_overrides(compose_cfg):
     plan = Plan([*base, "study=toy"])
     assert len(plan.measures) == 50 and len(plan.pairs) == 10 and len(plan.entries) == 5
     ck = plan.checkpoint_pairs()
-    assert len(ck) == 12 and {(str(j.cfg.pair.a.revision), str(j.cfg.pair.b.revision)) for j in ck} >= {("step16", "step600")}
+    assert len(ck) == 6 + 6 + 3 + 3 + 3  # every zoo family: 4 revisions per NeoX run, 3 for the others
+    assert {(str(j.cfg.pair.a.revision), str(j.cfg.pair.b.revision)) for j in ck} >= {("step16", "step600"), ("step64", "step256")}
+    assert {str(j.cfg.pair.a.name) for j in ck} == set(plan.entries)
     jobs = [*plan.measures[:3], *plan.pair_jobs("typology")[:2], *plan.model_jobs("quality"), *ck[:2],
             *plan.transport_directions()[:2]]
     keys = {"measure": ["pair", "metric", "data"], "typology": ["pair"], "quality": ["model", "data"],
@@ -109,3 +111,18 @@ def test_study_jobs_replay_from_their_overrides(compose_cfg):
         assert str(again.task.name) == j.task
     assert [str(j.cfg.merge.target) for j in plan.transport_directions()[:2]] == ["a", "b"]
     assert all(o.startswith(("pair=", "++pair.")) for o in ck[0].overrides if o not in plan.base and not o.startswith("task="))
+
+
+def test_all_step_revisions_of_a_local_run_in_step_order(tiny_models, tmp_path):
+    import shutil
+
+    from mergescope.models import resolve, step_revisions
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_models["neox_en"], run)
+    for n in ("step10", "step100"):
+        shutil.copytree(run / "step2", run / n)
+    (run / "step7").mkdir()  # no config.json: not a checkpoint
+    assert step_revisions(resolve(OmegaConf.create({"name_or_path": str(run), "revision": None}))) == ["step1", "step2", "step10", "step100"]
+    assert step_revisions(resolve(OmegaConf.create({"name_or_path": str(run), "revision": "step2"}))) == ["step1", "step2", "step10", "step100"]

@@ -95,6 +95,27 @@ def resolve(entry: Any) -> ModelRef:
     return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
 
 
+def step_revisions(ref: ModelRef) -> list[str]:
+    """Every ``stepN`` revision of a model, by N: the checkpoint sub-folders of a local run (the zoo), or the
+    hub branches of a hub model (Pythia publishes its checkpoints as branches). Needs the hub for hub models."""
+    import re
+
+    if ref.local:
+        root = Path(ref.location).parent if ref.revision or Path(ref.location).name == "main" else Path(ref.location)
+        names = [p.name for p in root.iterdir() if (p / "config.json").is_file()]
+    else:
+        from mergescope.hub import check_hub_reachable
+
+        check_hub_reachable(f"listing the checkpoint revisions of {ref.location}")
+        from huggingface_hub import list_repo_refs
+
+        names = [b.name for b in list_repo_refs(ref.location, **({"token": os.environ["HF_TOKEN"]} if os.environ.get("HF_TOKEN") else {})).branches]
+    steps = sorted((int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step(\d+)", n)))
+    if not steps:
+        raise MergescopeError(f"{ref.label} has no stepN revisions; list them in checkpoints.per_model")
+    return [n for _, n in steps]
+
+
 def resolve_pair(pair: Any) -> tuple[ModelRef, ModelRef]:
     """Both sides' ModelRefs of a pair node; an error when they are the same model at the same revision."""
     ref_a, ref_b = resolve(pair.a), resolve(pair.b)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope.cli import handler
 from mergescope.config import conf_options, to_plain
 from mergescope.errors import MergescopeError
-from mergescope.models import load_config, resolve
+from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
 from mergescope.progress import console
 from mergescope.runs import JobResult, model_label, recording
@@ -139,13 +139,14 @@ class Plan:
         return out
 
     def checkpoint_pairs(self) -> list[StudyJob]:
-        """Every pair of the listed revisions of each listed model."""
+        """Every pair of the listed revisions of each listed model (``checkpoints.per_model`` overrides the
+        shared ``checkpoints.revisions`` per model; ``all`` = every stepN revision the model has)."""
         ck = self.cfg.get("checkpoints") or {}
-        revs = [str(r) for r in ck.get("revisions") or []]
         out = []
         for m in ck.get("models") or []:
-            entry = OmegaConf.to_container(compose(config_name="config", overrides=[*self.base, f"model={m}"]).model)
-            for ra, rb in itertools.combinations(revs, 2):
+            model = compose(config_name="config", overrides=[*self.base, f"model={m}"]).model
+            entry = OmegaConf.to_container(model)
+            for ra, rb in itertools.combinations(checkpoint_revisions(ck, str(m), model), 2):
                 a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
                 out.append(job("native", [*self.base, *pair_override(a, b)]))
         return out
@@ -159,6 +160,16 @@ class Plan:
                 extra = [*([] if user_merge else ["merge=transport"]), f"merge.target={target}"]
                 out.append(job("transport", [*self.base, *sel, *extra]))
         return out
+
+
+def checkpoint_revisions(ck: DictConfig, name: str, model: DictConfig) -> list[str]:
+    """The revisions of one model in the checkpoint arm, in step order."""
+    spec = (ck.get("per_model") or {}).get(name, ck.get("revisions") or [])
+    if isinstance(spec, str):
+        if spec != "all":
+            raise MergescopeError(f"checkpoints.per_model.{name}={spec!r}: give a list of revisions or 'all'")
+        return step_revisions(resolve(model))
+    return [str(r) for r in spec]
 
 
 def _done(r: JobResult) -> str:

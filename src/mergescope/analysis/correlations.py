@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from mergescope.analysis.records import base_name
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, CROSS_DIAGNOSTICS, RTable, Section, csv_text, f3
 from mergescope.stats import correlation_table, power_statement
@@ -91,4 +92,40 @@ def correlation_sections(b: Build, n_permutations: int = N_PERMUTATIONS) -> list
             b.console_tables.append(sec.tables[0])
         b.correlations.update({arm: table, f"{arm}_power": power})
         sections.append(sec)
+        if arm == "checkpoint":
+            sections += family_sections(b, n_permutations)
     return sections
+
+
+def family_sections(b: Build, n_permutations: int) -> list[Section]:
+    """8a per checkpoint family (one training run each), when the study has more than one, and whether the
+    pooled table's significant cells replicate in every family (same sign, BH q < 0.05 within the family)."""
+    families = list(dict.fromkeys(base_name(r.tags.get("model_a", "")) for r in b.checkpoint))
+    if len(families) < 2:
+        return []
+    out, tables = [], {}
+    for fam in families:
+        rows = [r for r in b.checkpoint if base_name(r.tags.get("model_a", "")) == fam]
+        frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+        sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"8a. Checkpoint arm, family {fam}", frame, len(rows),
+                                            n_permutations, f"One row per checkpoint pair of {fam} only.")
+        if table is not None:
+            tables[fam] = table
+            b.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
+        out.append(sec)
+    out[0].text.insert(0, replication_text(b.correlations.get("checkpoint"), tables, families))
+    return out
+
+
+def replication_text(pooled, tables: dict[str, Any], families: list[str]) -> str:
+    """Which of the pooled table's BH-significant cells replicate in every family (same sign, q < 0.05 there)."""
+    if pooled is None or len(tables) < len(families):
+        return "Replication across families: not tested (a family has too few checkpoint pairs for its own table)."
+    sig = pooled[pooled["q_bh"] < 0.05]
+    ok = []
+    for a, c, rho in zip(sig["a"], sig["b"], sig["rho"]):
+        cells = [t[(t["a"] == a) & (t["b"] == c)] for t in tables.values()]
+        if all(len(x) and x["q_bh"].iloc[0] < 0.05 and np.sign(x["rho"].iloc[0]) == np.sign(rho) for x in cells):
+            ok.append(f"{a} x {c}")
+    return (f"Replication across families ({', '.join(families)}): {len(ok)} of the {len(sig)} pooled cells with BH q<0.05 "
+            f"have the same sign and q<0.05 in every family" + (f" ({', '.join(ok[:6])}{', ...' if len(ok) > 6 else ''})." if ok else "."))
