@@ -131,3 +131,34 @@ def test_cross_model_native_pair_blocks_only_and_refuses_base_operators(tiny_mod
     assert r.metrics["n_excluded_tensors"] == 2 and "tv_cosine" not in r.metrics
     merges = sorted(x.data.tags["merge"] for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge")
     assert merges == ["linear", "slerp"]
+
+
+def test_barrier_is_over_interior_points_only_and_can_be_negative(compose_cfg, monkeypatch):
+    """A path better than its chord has a negative barrier; counting the endpoints would floor it at 0."""
+    from mergescope.native import pair as pair_mod
+
+    cfg, _ = compose_cfg(["native.lmc_points=5"])
+
+    class FakePair:
+        t = 0.0
+
+        def interpolate(self, t):
+            self.t = t
+
+        def restore(self):
+            self.t = 0.0
+
+    fake = FakePair()
+    monkeypatch.setattr(pair_mod, "host_nll", lambda cfg, loaded, s, label: 2.0 + loaded.t - 0.4 * loaded.t * (1 - loaded.t))
+    ts, nll, barrier = pair_mod.lmc_curve(cfg, fake, ["x"])
+    assert list(ts) == [0, 0.25, 0.5, 0.75, 1]
+    assert barrier == pytest.approx(-0.4 * 0.25 * 0.75, abs=1e-12)  # max over interior t of -0.4 t (1-t)
+
+
+def test_log10_step_ratio_of_a_checkpoint_pair(tiny_models, compose_cfg):
+    from mergescope.native.job import run_native
+
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models, ra="step1", rb="step2", base="null"))
+    m = run_native(cfg, ov).metrics
+    assert m["log10_step_ratio"] == pytest.approx(np.log10(2.0), abs=1e-15)
+    assert "tv_cosine" not in m  # native.base=null: no task vectors
