@@ -162,3 +162,17 @@ def test_log10_step_ratio_of_a_checkpoint_pair(tiny_models, compose_cfg):
     m = run_native(cfg, ov).metrics
     assert m["log10_step_ratio"] == pytest.approx(np.log10(2.0), abs=1e-15)
     assert "tv_cosine" not in m  # native.base=null: no task vectors
+
+
+def test_a_reused_native_run_records_its_nested_runs(tiny_models, compose_cfg):
+    from mergescope.native.job import run_native
+    from mergescope.runs import recording
+
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models, merges="[linear,slerp]"))
+    with recording() as first:
+        run_native(cfg, ov)
+    with recording() as again:
+        r = run_native(cfg, ov)
+    assert r.skipped and len(first) == 4  # the native run, two merges, the checkpoints' CKA
+    assert sorted(x.run_id for x in again) == sorted(x.run_id for x in first) and all(x.skipped for x in again)
+    assert len(runs(Path(cfg.paths.root))) == 4

@@ -85,19 +85,23 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
              body: Callable[[Job], dict[str, float]], *, task: str | None = None, keys: list[str] | None = None,
              cfg_hash: str | None = None, tracker: Tracker | None = None,
              reuse: Callable[[], bool] | None = None, reads: Sequence[ModelRef] = (),
-             extra: dict[str, Any] | None = None) -> JobResult:
+             extra: dict[str, Any] | None = None, nested: Callable[[], object] | None = None) -> JobResult:
     """Run ``body`` in one MLflow run unless a FINISHED run with the same hash exists.
 
     The hash is ``cfg_hash`` or :func:`identity` of ``task``, ``keys``, the models it ``reads`` and
     ``extra``; ``tags`` get ``cfg_hash`` added.
     ``body(job)`` logs what it likes through ``job`` and returns the headline metrics, which are
     logged and returned. ``reuse`` (optional) must also say yes for a finished run to be reused
-    (the train job: the model folder must still exist).
+    (the train job: the model folder must still exist). ``nested`` is called when a finished run is
+    reused, so a job whose runs are nested (the native job's merges) still records them in the study's
+    list, and completes any that are missing.
     """
     h = cfg_hash or identity(str(task), cfg, list(keys or []), reads, extra)
     tracker = tracker or Tracker(cfg)
     done = finished(cfg, tracker, h)
     if done is not None and (reuse is None or reuse()):
+        if nested is not None:
+            nested()
         return done
     with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
         values = body(job)

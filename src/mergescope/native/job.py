@@ -98,7 +98,15 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
     return run_once(cfg, f"native:{pair_label(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS,
-                    reads=refs, extra=hash_extra(cfg))
+                    reads=refs, extra=hash_extra(cfg), nested=lambda: _nested_runs(cfg, overrides))
+
+
+def _nested_runs(cfg: DictConfig, overrides) -> None:
+    """A reused native run's merge runs and checkpoint CKA run (reused in turn, or run when missing)."""
+    for mc in merge_configs(cfg):
+        run_merge(mc, overrides)
+    if same_run(cfg):
+        checkpoint_cka(cfg, overrides)
 
 
 def checkpoint_cka(cfg: DictConfig, overrides) -> float:
