@@ -9,7 +9,7 @@ import torch
 
 from mergescope.errors import MergescopeError, did_you_mean
 
-FAMILIES = ("gpt_neox", "llama", "mistral")
+FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2", "olmo", "mamba")
 
 # Each model's initialisation seed is derived from train.seed AND its name, so that two zoo
 # models (e.g. the two NeoX ones, which share every block shape) are trained from independent
@@ -34,9 +34,10 @@ def unresolved_plain(obj: Any) -> Any:
 
 
 def _config_class(family: Any):
-    from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig
+    from transformers import GPTNeoXConfig, LlamaConfig, MambaConfig, MistralConfig, OlmoConfig, Qwen2Config
 
-    classes = {"gpt_neox": GPTNeoXConfig, "llama": LlamaConfig, "mistral": MistralConfig}
+    classes = {"gpt_neox": GPTNeoXConfig, "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+               "olmo": OlmoConfig, "mamba": MambaConfig}
     if family not in classes:
         raise MergescopeError(f"unknown zoo family {family!r}: {did_you_mean(str(family), classes)}")
     return classes[family]
@@ -45,7 +46,7 @@ def _config_class(family: Any):
 def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
     """A freshly initialised causal LM (float32) from a transformers config; no hub access.
 
-    ``arch["family"]`` is one of gpt_neox, llama, mistral; the other keys are passed to that
+    ``arch["family"]`` is one of FAMILIES (gpt_neox, llama, mistral, qwen2, olmo, mamba); the other keys are passed to that
     family's config class (``vocab_size`` in ``arch`` is ignored in favour of the argument).
     The initialisation is seeded by ``seed`` (the global torch RNG is left untouched).
     """
