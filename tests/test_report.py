@@ -6,6 +6,7 @@ import csv
 import io
 import itertools
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -338,3 +339,78 @@ def test_markdown_to_html_renders_what_the_report_uses():
     assert '<td>1 | 2</td><td style="text-align:right">3</td>' in flat
     assert "<ul><li>i</li><li>j</li></ul>" in flat and "<blockquote><p>q</p></blockquote>" in flat
     assert '<img src="figures/f.png" alt="cap" />' in html
+
+
+def test_experiment_opens_on_runs_and_describes_the_study(built):
+    """MLflow 3 opens a model-development experiment on its runs table; the description says what the study
+    holds and where its report is (rewritten by each analysis run)."""
+    cfg, _, out, root = built
+    tracker = Tracker(cfg)
+    exp = tracker.client.get_experiment(tracker.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    note = exp.tags["mlflow.note.content"]
+    assert "mergescope study `synth`" in note and out["run_id"] in note and str(out["report_md"]) in note
+    for kind in ("measure", "transport", "analysis"):
+        assert f"- `{kind}`:" in note
+    run = tracker.client.get_run(out["run_id"])
+    assert run.info.run_name == "analysis synth"
+
+
+def test_existing_experiment_gets_the_kind_tag_on_next_launch(compose_cfg):
+    cfg, _ = compose_cfg(["tracking.experiment=old"])
+    tracker = Tracker(cfg)
+    eid = tracker.client.create_experiment("old")  # as made before the tag existed
+    assert "mlflow.experimentKind" not in tracker.client.get_experiment(eid).tags
+    assert Tracker(cfg).experiment_id == eid
+    assert tracker.client.get_experiment(eid).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_report_html_links_every_run_id_to_its_run(built):
+    cfg, store, out, root = built
+    page = Path(out["report_html"]).read_text()
+    tracker = Tracker(cfg)
+    base = f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}/runs/"
+    for r in tracker.runs(""):
+        rid = r.info.run_id
+        if r.data.tags["kind"] != "analysis":
+            assert f'<a href="{base}{rid}">' in page, rid
+    # a short id that is not a run (a cfg hash's prefix) stays plain text
+    assert "<a href" not in re.sub(r'<a href="[^"]*/runs/[0-9a-f]{32}">', "", page)
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Chromium is not installed (CI installs Debian's chromium); "
+                                                 "this test renders report.html headless")
+def test_report_renders_in_headless_chromium_without_overflow(built, tmp_path):
+    """Figures load and nothing overflows a 1400 px page sideways (the page's own script measures it)."""
+    import subprocess
+
+    _, _, out, _ = built
+    page = Path(out["report_html"])
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", """<script>
+window.addEventListener('load', () => {
+  const imgs = [...document.images];
+  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  const wide = document.documentElement.scrollWidth > document.documentElement.clientWidth + 1;
+  document.title = `imgs=${imgs.length} loaded=${ok} overflow=${wide}`;
+});
+</script></body>"""))
+    # the figures are linked relatively: put the probe beside them
+    target = page.parent / "probe.html"
+    target.write_text(probe.read_text())
+    try:
+        p = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'prof'}",
+                            "--window-size=1400,900", "--virtual-time-budget=5000", "--dump-dom", target.as_uri()],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        target.unlink()
+    m = re.search(r"<title>imgs=(\d+) loaded=(\d+) overflow=(\w+)</title>", p.stdout)
+    assert m, p.stderr[-2000:]
+    assert int(m.group(1)) >= 3 and m.group(1) == m.group(2) and m.group(3) == "false"

@@ -35,6 +35,11 @@ def pair_label(cfg: DictConfig) -> str:
     return f"{model_label(cfg.pair.a)}__{model_label(cfg.pair.b)}"
 
 
+def pair_text(cfg: DictConfig) -> str:
+    """A pair as run names show it: ``zoo-neox-en x zoo-llama-pt``."""
+    return f"{model_label(cfg.pair.a)} x {model_label(cfg.pair.b)}"
+
+
 def pair_tags(cfg: DictConfig) -> dict[str, Any]:
     """The join keys of a pair job: ``pair``, ``model_a``, ``model_b``, ``lang_a``, ``lang_b``."""
     a, b = cfg.pair.a, cfg.pair.b

@@ -25,6 +25,11 @@ for _name in ("alembic", "mlflow", "alembic.runtime.migration"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
 
+# MLflow 3 opens an experiment on its GenAI overview unless it is a model-development experiment
+EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_TAGS = {EXPERIMENT_KIND: "custom_model_development"}
+
+
 def store_uri(cfg: DictConfig) -> tuple[str, str]:
     """(tracking URI, artifact root URI) from ``tracking`` and ``paths``."""
     root = Path(cfg.paths.root).resolve()
@@ -76,11 +81,17 @@ class Tracker:
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
                 self._exp_id = self.client.create_experiment(
-                    self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}"
+                    self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}", tags=EXPERIMENT_TAGS
                 )
             else:
                 self._exp_id = exp.experiment_id
+                if exp.tags.get(EXPERIMENT_KIND) != EXPERIMENT_TAGS[EXPERIMENT_KIND]:  # a store made before the tag
+                    self.client.set_experiment_tag(self._exp_id, EXPERIMENT_KIND, EXPERIMENT_TAGS[EXPERIMENT_KIND])
         return self._exp_id
+
+    def describe(self, text: str) -> None:
+        """The experiment's description in the MLflow UI (``mlflow.note.content``)."""
+        self.client.set_experiment_tag(self.experiment_id, "mlflow.note.content", text)
 
     def find_finished(self, cfg_hash: str):
         runs = self.client.search_runs(

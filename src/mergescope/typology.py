@@ -143,4 +143,4 @@ def run_typology(cfg: DictConfig, overrides: list[str] | None = None) -> JobResu
         job.log_params({"uriel": {"code_a": uriel_code(la), "code_b": uriel_code(lb), "lang2vec": lang2vec_version(), **FEATURE_SETS}})
         return values
 
-    return run_once(cfg, f"typology:{la}-{lb}", {"kind": "typology", **pair_tags(cfg)}, overrides, body, task="typology", keys=TYPOLOGY_KEYS)
+    return run_once(cfg, f"typology {la} x {lb}", {"kind": "typology", **pair_tags(cfg)}, overrides, body, task="typology", keys=TYPOLOGY_KEYS)

@@ -31,4 +31,4 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
     sections.append(other_settings(study))
     b.csv["inputs/runs.csv"] = inputs_csv(study.records)
     return Analysis(study.experiment, b.models, b.cka, sections, study.records, b.frames, b.correlations, b.metrics, b.csv,
-                    console_tables=b.console_tables, pairs=b.pairs)
+                    console_tables=b.console_tables, pairs=b.pairs, source=study.source)

@@ -103,7 +103,7 @@ class Study:
     records: list[Rec]
     curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # native run id -> LMC curve (t, nll)
     others: list[Rec] = field(default_factory=list)
-    source: str = "latest FINISHED run per job (no study job list was logged)"
+    source: str = "the latest FINISHED run per cfg_hash and per job (no study job list was logged)"
 
     def kind(self, *kinds: str) -> list[Rec]:
         return [r for r in self.records if r.kind in kinds]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,8 +25,8 @@ __all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}th,td{border:1px solid #ccc;padding:.25em .5em}
-th{background:#f3f3f3}td.r,th.r{text-align:right}img{max-width:100%}blockquote{color:#8a4b00;border-left:3px solid #e0a040;
-margin:.5em 0;padding:.2em .8em;background:#fff8ec}code{font-size:.9em}figure{margin:1em 0}figcaption{font-style:italic;color:#555}"""
+th{background:#f3f3f3}img{max-width:100%;height:auto}table{display:block;max-width:100%;overflow-x:auto}blockquote{color:#8a4b00;border-left:3px solid #e0a040;
+margin:.5em 0;padding:.2em .8em;background:#fff8ec}code{font-size:.9em}"""
 
 
 def _cell(x: str) -> str:
@@ -56,8 +57,8 @@ def _header(an: Analysis, run_id: str | None, tracking_uri: str | None) -> list[
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return [f"# mergescope study report: `{an.experiment}`", "",
             f"Built {when} by analysis run `{run_id or '(not logged)'}` from MLflow alone: {len(an.inputs)} FINISHED runs of "
-            f"experiment `{an.experiment}`" + (f" ({tracking_uri})" if tracking_uri else "") + " -- the latest per `cfg_hash`, then the "
-            "latest per job (" + ", ".join(f"{v} {k}" for k, v in sorted(_kind_counts(an).items())) + "). Run ids in the tables are their "
+            f"experiment `{an.experiment}`" + (f" ({tracking_uri})" if tracking_uri else "") + f", chosen from {an.source} ("
+            + ", ".join(f"{v} {k}" for k, v in sorted(_kind_counts(an).items())) + "). Run ids in the tables are their "
             "first 8 characters; the run index at the end gives the full ids (also the artifact `inputs/runs.csv`).", ""]
 
 
@@ -137,14 +138,38 @@ def _markdown():
     return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
+def run_url(ui_url: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def link_run_ids(md: str, run_ids: list[str], ui_url: str, experiment_id: str) -> str:
+    """Every run id of ``run_ids`` in the Markdown (its 8-character short form, or the full id in backticks)
+    as a link to that run in the MLflow UI; other hex strings (cfg hashes) are left alone."""
+    full = {r: r for r in run_ids}
+    short = {r[:8]: r for r in run_ids}
+
+    def sub_full(m: re.Match) -> str:
+        return f"[`{m.group(1)}`]({run_url(ui_url, experiment_id, m.group(1))})" if m.group(1) in full else m.group(0)
+
+    def sub_short(m: re.Match) -> str:
+        rid = short.get(m.group(1))
+        return f"[{m.group(1)}]({run_url(ui_url, experiment_id, rid)})" if rid else m.group(0)
+
+    md = re.sub(r"`([0-9a-f]{32})`", sub_full, md)
+    return re.sub(r"(?<![\w`/\[])([0-9a-f]{8})(?![\w`\]])", sub_short, md)
+
+
 def markdown_to_html(md: str, title: str = "report") -> str:
     """The Markdown rendered (CommonMark + pipe tables, raw HTML escaped) as one standalone HTML page."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body>\n" + _markdown().render(md) + "</body></html>\n")
 
 
-def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, tracking_uri: str | None = None) -> tuple[Path, Path]:
-    """Write ``report.md``, ``report.html`` and ``figures/*.png`` under ``out_dir``; returns the two paths."""
+def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, tracking_uri: str | None = None,
+                 ui: tuple[str, str] | None = None) -> tuple[Path, Path]:
+    """Write ``report.md``, ``report.html`` and ``figures/*.png`` under ``out_dir``; returns the two paths.
+    ``ui`` = (MLflow UI base URL, experiment id): every run id in the HTML links to its run there."""
     out = Path(out_dir)
     figdir = out / "figures"
     figdir.mkdir(parents=True, exist_ok=True)
@@ -156,5 +181,7 @@ def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, t
     md = build_markdown(an, run_id, tracking_uri)
     md_path, html_path = out / "report.md", out / "report.html"
     md_path.write_text(md, encoding="utf-8")
+    if ui is not None:
+        md = link_run_ids(md, [r.run_id for r in an.inputs] + ([run_id] if run_id else []), *ui)
     html_path.write_text(markdown_to_html(md, title=f"mergescope report: {an.experiment}"), encoding="utf-8")
     return md_path, html_path

@@ -83,6 +83,7 @@ class Analysis:
     figures: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure
     console_tables: list[RTable] = field(default_factory=list)
     pairs: list[dict[str, Any]] = field(default_factory=list)  # the cross-model pair rows (mergescope.analysis.pairs)
+    source: str = "the latest FINISHED run per job"  # how the study's runs were chosen (records.Study.source)
 
     def section(self, key: str) -> Section:
         return next(s for s in self.sections if s.key == key)

@@ -45,6 +45,34 @@ def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: 
                     "input_kinds": kinds, "report": str(md_path)})
 
 
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # what `make ui` serves
+KIND_MEANINGS = {
+    "train": "training of one zoo model (its checkpoints are revisions)",
+    "quality": "one model's mean per-token NLL on its own side of the data",
+    "measure": "one representation metric on one pair with its shuffled control (metric=native: the native weight-space job)",
+    "typology": "URIEL distances between a pair's languages",
+    "merge": "one merged model's NLL (native route)",
+    "transport": "transport fusion, one direction (target <- donor) at one alpha, with its random-plan control",
+    "transport_adapt": "post-fusion adaptation of a transport direction, and its no-fusion baseline (stage=baseline)",
+    "adapt": "dimensional adaptation (Expand/Truncate) merges",
+    "agreement": "probe-level agreement (RSA, nearest neighbours) with permutation nulls, per depth",
+    "shared_space": "GPA shared space and pairwise maps, per depth and fold",
+    "routing": "routing by the shared space",
+    "analysis": "the study report: tables, figures, this description",
+}
+
+
+def experiment_description(study: Study, md_path: Path, run_id: str) -> str:
+    """The experiment's description for the MLflow UI: the study, what each kind tag holds, where the report is."""
+    kinds = sorted({r.kind for r in study.records} | {"analysis"})
+    lines = [f"**mergescope study `{study.experiment}`**: {len(study.records)} runs of the study's jobs, chosen from {study.source}.",
+             "", "Runs by `kind` tag:", ""]
+    lines += [f"- `{k}`: {KIND_MEANINGS.get(k, 'see the README')}" for k in kinds]
+    lines += ["", f"Report: `{md_path}` (and `report.html` beside it), written by analysis run `{run_id}`, whose artifacts "
+              "hold the same report, its tables and figures."]
+    return "\n".join(lines)
+
+
 def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: list[str] | None = None) -> dict[str, Any]:
     """task=analyze: read the study's runs, build tables, figures and the report, log one kind=analysis run.
 
@@ -62,9 +90,12 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         console.print(t.rich())
     out_dir = Path(str(cfg.paths.root)) / "reports" / study.experiment
     tags = {"kind": "analysis", "study": study.experiment, "study_jobs": len(study.records)}
-    with Tracker(cfg).start(cfg, f"analysis:{study.experiment}", tags, overrides) as job:
-        md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri)
+    tracker = Tracker(cfg)
+    ui = (str((cfg.get("report") or {}).get("ui_url") or DEFAULT_UI_URL), tracker.experiment_id)
+    with tracker.start(cfg, f"analysis {study.experiment}", tags, overrides) as job:
+        md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri, ui=ui)
         _log_analysis(job, an, study, out_dir, md_path, html_path)
+    tracker.describe(experiment_description(study, md_path, job.run_id))
     close_figures(an)
     print(f"report: {md_path}")
     print(f"        {html_path}")

@@ -18,7 +18,7 @@ from mergescope.native.merges import merge_configs, preset_config, run_merge
 from mergescope.native.pair import Loaded, check_lmc_points, check_pair, lmc_curve, nll_sentences, no_base_reason, same_run, step_of
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
-from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+from mergescope.runs import JobResult, pair_label, pair_tags, pair_text, run_once
 
 NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
 
@@ -97,7 +97,7 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
-    return run_once(cfg, f"native:{pair_label(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS,
+    return run_once(cfg, f"native {pair_text(cfg)}", tags, overrides, body, task="native", keys=NATIVE_KEYS,
                     reads=refs, extra=hash_extra(cfg), nested=lambda: _nested_runs(cfg, overrides))
 
 

@@ -10,7 +10,7 @@ from mergescope.config import conf_options, load_conf, plain_copy
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, resolve_preset
 from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
-from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+from mergescope.runs import JobResult, pair_label, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
 TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
@@ -106,7 +106,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
 
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
-    return run_once(cfg, f"merge:{cfg.merge.name}:{pair_label(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
+    return run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
                     reads=refs)
 
 

@@ -17,9 +17,9 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
-from mergescope.represent.cache import ReprCache, ReprKey
+from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem
 from mergescope.represent.forward import POOLINGS, embed, token_nll
-from mergescope.runs import JobResult, model_label, pair_label, pair_tags, run_once
+from mergescope.runs import JobResult, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
 
 MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length",
                 "represent.padding_side", "control"]
@@ -74,9 +74,11 @@ def repr_cache(cfg: DictConfig) -> ReprCache:
 
 
 def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> tuple[np.ndarray, dict[str, Any]]:
-    """Pooled representations of one side by one model, from the on-disk cache or a forward pass."""
-    key, cache = repr_key(cfg, entry, ref, side), repr_cache(cfg)
-    hit = cache.get(key)
+    """Pooled representations of one side by one model, from the on-disk cache or a forward pass (``no_cache``:
+    always a forward pass, nothing written). Representations that are not finite, or the same for every
+    sentence, are an error and are never cached."""
+    key, cache, use = repr_key(cfg, entry, ref, side), repr_cache(cfg), cache_enabled(cfg)
+    hit = cache.get(key) if use else None
     if hit is not None:
         return hit[0], {**hit[1], "cache": "hit"}
     lm = models.load(entry, cfg.device, ref=ref)
@@ -85,14 +87,19 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
         lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
         max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
     )
+    problem = representation_problem(X)
+    if problem:
+        raise MergescopeError(f"{ref.label} on {side.source}: {problem} (layer {r.layer}, pooling {r.pooling}); nothing "
+                              "was measured or cached: check the model's weights and dtype (float32 avoids overflow)")
     meta = {"true_config": lm.true_config, **stats}
-    cache.put(key, X, meta)
-    return X, {**meta, "cache": "miss"}
+    if use:
+        cache.put(key, X, meta)
+    return X, {**meta, "cache": "miss" if use else "off"}
 
 
 def needs_model(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> None:
     """Fail before a run starts if a hub model would be needed and cannot be had."""
-    if not ref.local and repr_cache(cfg).get(repr_key(cfg, entry, ref, side)) is None:
+    if not ref.local and (not cache_enabled(cfg) or repr_cache(cfg).get(repr_key(cfg, entry, ref, side)) is None):
         models.hub_kwargs(ref)  # raises one line when the hub is unreachable and nothing is cached
 
 
@@ -105,6 +112,11 @@ def check_measure(cfg: DictConfig):
     kwargs = entry.check_kwargs(kwargs)
     check_represent(cfg)
     sides = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
+    n = len(sides[0].sentences)
+    if n < 3:
+        raise MergescopeError(f"{sides[0].source} gives {n} sentences (data.max_sentences={cfg.data.get('max_sentences')}); "
+                              "a measure needs at least 3")
+    entry.check_data(n, kwargs)
     needs_model(cfg, a, refs[0], sides[0])
     needs_model(cfg, b, refs[1], sides[1])
     return entry, kwargs, refs, sides
@@ -117,10 +129,14 @@ def _log_true_config(job, prefix: str, meta: dict[str, Any]) -> None:
 
 def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     entry, kwargs, (ref_a, ref_b), (side_a, side_b) = check_measure(cfg)
+    reps: dict[str, Any] = {}
+
+    def prepare() -> None:  # the forward passes, before the run exists: bad weights or representations fail here
+        reps["a"] = representations(cfg, cfg.pair.a, ref_a, side_a)
+        reps["b"] = representations(cfg, cfg.pair.b, ref_b, side_b)
 
     def body(job) -> dict[str, float]:
-        Xa, meta_a = representations(cfg, cfg.pair.a, ref_a, side_a)
-        Xb, meta_b = representations(cfg, cfg.pair.b, ref_b, side_b)
+        (Xa, meta_a), (Xb, meta_b) = reps["a"], reps["b"]
         _log_true_config(job, "model_a", meta_a)
         _log_true_config(job, "model_b", meta_b)
         perms = control_permutations(Xa.shape[0], int(cfg.control.seed), pair_label(cfg), int(cfg.control.seeds))
@@ -129,12 +145,12 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         values.update({"n_sentences": float(Xa.shape[0]), "dim_a": float(Xa.shape[1]), "dim_b": float(Xb.shape[1]),
                        "control_seeds": float(len(perms))})
         job.log_params({"control.permutation_head": perms[0][:8].tolist(), "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
-        return values
+        return finite_or_fail(values, f"{cfg.metric.name} on {pair_label(cfg)}")
 
     tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
             "seed": cfg.control.seed, "data": cfg.data.name, "split": cfg.data.split}
-    return run_once(cfg, f"{cfg.metric.name}:{pair_label(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS,
-                    reads=(ref_a, ref_b))
+    return run_once(cfg, f"measure {cfg.metric.name} {pair_text(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS,
+                    reads=(ref_a, ref_b), prepare=prepare)
 
 
 def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -145,15 +161,17 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     check_represent(cfg)
     side = data_mod.load_side(cfg.data, str(entry.lang))
     models.hub_kwargs(ref)
+    loaded: list[models.LoadedModel] = []  # loaded before the run exists: bad weights fail there
 
     def body(job) -> dict[str, float]:
-        lm = models.load(entry, cfg.device, ref=ref)
+        lm = loaded[0]
         job.log_params({"model.true": lm.true_config})
         res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
                         max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
-        return {"nll": res["nll"], "n_tokens": float(res["n_tokens"]), "n_truncated": float(res["n_truncated"])}
+        return finite_or_fail({"nll": res["nll"], "n_tokens": float(res["n_tokens"]), "n_truncated": float(res["n_truncated"])},
+                              f"quality of {ref.label}")
 
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
             "split": cfg.data.split, "seed": cfg.seed}
-    return run_once(cfg, f"quality:{model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS,
-                    reads=(ref,))
+    return run_once(cfg, f"quality {model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS,
+                    reads=(ref,), prepare=lambda: loaded.append(models.load(entry, cfg.device, ref=ref)))

@@ -48,5 +48,5 @@ def run_train(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
         return {k: float(summary[k]) for k in FINAL_METRICS if k in summary}
 
     tags = {"kind": "train", "model": model_label(entry), "lang": entry.lang, "seed": cfg.train.seed}
-    return run_once(cfg, f"train:{model_label(entry)}", tags, overrides, body, task="train", keys=JOB_KEYS,
+    return run_once(cfg, f"train {model_label(entry)}", tags, overrides, body, task="train", keys=JOB_KEYS,
                     reuse=lambda: (out / "main" / "config.json").is_file())
