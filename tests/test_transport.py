@@ -130,6 +130,27 @@ def _permute_mlp(model, family: str, seed: int) -> tuple[torch.nn.Module, list[t
     return twin, perms
 
 
+# how each parameter meets the residual stream (NeoX and Llama names): its columns read it, its rows write it,
+# or it acts on it elementwise (the norms, which commute with a permutation of the stream)
+RESIDUAL_COLS = ("embed_in.weight", "embed_tokens.weight", "lm_head.weight", "query_key_value.weight", "q_proj.weight",
+                 "k_proj.weight", "v_proj.weight", "dense_h_to_4h.weight", "gate_proj.weight", "up_proj.weight")
+RESIDUAL_ROWS = ("attention.dense.weight", "attention.dense.bias", "o_proj.weight", "dense_4h_to_h.weight",
+                 "dense_4h_to_h.bias", "down_proj.weight", "norm.weight", "norm.bias")
+
+
+def _permute(model, family: str, seed: int) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor]:
+    """A copy with its MLP hidden neurons permuted in every layer AND its residual stream permuted: the same function."""
+    twin, perms = _permute_mlp(model, family, seed)
+    pi = torch.randperm(model.config.hidden_size, generator=torch.Generator().manual_seed(seed + 100))
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if name.endswith(RESIDUAL_COLS):
+                p.copy_(p[:, pi])
+            elif name.endswith(RESIDUAL_ROWS):
+                p.copy_(p[pi])
+    return twin, perms, pi
+
+
 def _nll(model, tok, sents) -> float:
     from mergescope.represent import token_nll
 
@@ -144,7 +165,7 @@ def test_planted_permutation_is_recovered_and_fusion_reproduces_the_donor(family
     sents = lines("eng_Latn", n=150)
     tok = make_tokenizer(lines("eng_Latn", n=300), vocab_size=300)
     target = _outside_model(family, len(tok), seed=11, **arch)
-    donor, perms = _permute_mlp(target, family, seed=5)
+    donor, perms, pi = _permute(target, family, seed=5)
     evals = lines("eng_Latn", "devtest", 30)
     assert _nll(donor, tok, evals) == pytest.approx(_nll(target, tok, evals), abs=1e-5)  # same function
 
@@ -152,9 +173,10 @@ def test_planted_permutation_is_recovered_and_fusion_reproduces_the_donor(family
     tp, dp = fus.probe(target, tok, sents, ad, progress=False), fus.probe(donor, tok, sents, ad, progress=False)
     eps = 0.01
     for l, p in enumerate(perms):  # donor neuron p[j] sits at position j: target neuron p[j] <- donor neuron j
-        Q, _ = tot.solve(fus._cost(tp, dp, itf.HIDDEN, l, l), eps)
-        assert torch.equal(Q.argmax(1), torch.argsort(p))
-        assert float(tot.row_stochastic(Q).max(1).values.min()) > 0.99
+        for iface, perm in ((itf.HIDDEN, p), ("mlp_in", pi), ("mlp_out", pi)):  # the MLP's neurons and the residual stream
+            Q, _ = tot.solve(fus._cost(tp, dp, iface, l, l), eps)
+            assert torch.equal(Q.argmax(1), torch.argsort(perm)), iface
+            assert float(tot.row_stochastic(Q).max(1).values.min()) > 0.99
 
     s = TransportSettings.defaults(epsilon=eps, layer_epsilon=0.01, layer_topk=3, layer_subsample=2048, max_iter=20000,
                                    marginal_tol=1e-5, control_seed=0, top_k=10_000)
@@ -182,6 +204,242 @@ def test_planted_permutation_is_recovered_and_fusion_reproduces_the_donor(family
             assert float((w - o).norm() / o.norm()) > 0.5, name
 
 
+def _split_hidden(model, family: str, seed: int):
+    """A donor whose MLP hidden neurons are each split in two (both copies read the same input, each writes half the
+    output): twice the FFN width, the same function. The copies are shuffled within each layer."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    cfg.intermediate_size *= 2
+    twin = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    ins = ("dense_h_to_4h.weight", "dense_h_to_4h.bias") if family == "gpt_neox" else ("gate_proj.weight", "up_proj.weight")
+    out = "dense_4h_to_h.weight" if family == "gpt_neox" else "down_proj.weight"
+    g = torch.Generator().manual_seed(seed)
+    perms: dict[int, torch.Tensor] = {}
+    sd = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(ins) or name.endswith(out):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            p = perms.setdefault(layer, torch.randperm(2 * cfg.intermediate_size // 2, generator=g))
+            t = torch.cat([t, t])[p] if name.endswith(ins) else torch.cat([t / 2, t / 2], 1)[:, p]
+        sd[name] = t
+    twin.load_state_dict(sd)
+    return twin
+
+
+@pytest.mark.parametrize("family,arch", [
+    ("gpt_neox", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)),
+    ("llama", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40)),
+])
+def test_split_neurons_come_back_at_full_scale_on_both_sides(family, arch):
+    """Rectangular plans: Phi_out = n_target Q on the output side, Phi_in = n_donor Q on the input side. With the
+    row-stochastic Phi_in the down projection comes back at 0.5x (the spec's wording; a deliberate deviation)."""
+    sents = lines("eng_Latn", n=120)
+    tok = make_tokenizer(lines("eng_Latn", n=300), vocab_size=300)
+    target = _outside_model(family, len(tok), seed=21, **arch)
+    donor = _split_hidden(target, family, seed=3)
+    evals = lines("eng_Latn", "devtest", 20)
+    assert _nll(donor, tok, evals) == pytest.approx(_nll(target, tok, evals), abs=1e-5)  # the same function
+    ad = itf.adapter_for(family)
+    tp, dp = fus.probe(target, tok, sents, ad, progress=False), fus.probe(donor, tok, sents, ad, progress=False)
+    s = TransportSettings.defaults(epsilon=0.01, top_k=10_000)
+    align = fus.align_layers(tp, dp, s, progress=False)
+    assert np.array_equal(align.kept.argmax(1), np.arange(arch["num_hidden_layers"]))
+    align.kept = np.eye(arch["num_hidden_layers"])
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, s, progress=False)
+    fused = fusion.weights(1.0)
+    down = "mlp.dense_4h_to_h.weight" if family == "gpt_neox" else "mlp.down_proj.weight"
+    up = "mlp.dense_h_to_4h.weight" if family == "gpt_neox" else "mlp.gate_proj.weight"
+    for name, w in fused.items():
+        if name.endswith((down, up)):
+            o = fusion.original[name].double()
+            scale = float((w.double() * o).sum() / (o * o).sum())  # least-squares scale of the carried-back weight
+            assert scale == pytest.approx(1.0, abs=0.01), (name, scale)
+            assert torch.allclose(w, fusion.original[name], atol=5e-3 * float(o.abs().max())), name
+
+
+def _ref_cost(tp, dp, iface: str, l: int, m: int) -> np.ndarray:
+    """1 - Pearson correlation with numpy (the MLP's hidden units: the mean over their pre- and post-activation costs)."""
+    def one(src):
+        X, Y = tp.pooled[src][l].numpy(), dp.pooled[src][m].numpy()
+        return 1 - np.corrcoef(X.T, Y.T)[: X.shape[1], X.shape[1]:]
+    return (one("mlp_pre") + one("mlp_post")) / 2 if iface == itf.HIDDEN else one(iface)
+
+
+def _ref_plan(C: np.ndarray, eps: float) -> np.ndarray:
+    import ot
+
+    n, m = C.shape
+    return ot.sinkhorn(np.full(n, 1 / n), np.full(m, 1 / m), C, eps, method="sinkhorn_log", stopThr=1e-13, numItermax=200_000)
+
+
+# NeoX target <- Llama donor, written out here: (target weight, donor weight, output interface, input interface,
+# which magnitude ranks the output rows)
+NEOX_FROM_LLAMA = (("mlp.dense_h_to_4h.weight", "mlp.gate_proj.weight", itf.HIDDEN, "mlp_in", "mlp_post"),
+                   ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight", "mlp_out", itf.HIDDEN, "mlp_out"),
+                   ("attention.dense.weight", "self_attn.o_proj.weight", "attn_out", "attn_o_in", "attn_out"))
+
+
+def _neox_llama_probes(n: int = 80):
+    sents_t, sents_d = lines("eng_Latn", n=n), lines("por_Latn", n=n)
+    tok_t, tok_d = make_tokenizer(lines("eng_Latn", n=300), 300), make_tokenizer(lines("por_Latn", n=300), 320)
+    target = _outside_model("gpt_neox", len(tok_t), 7, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    donor = _outside_model("llama", len(tok_d), 8, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=96)
+    ta, da = itf.adapter_for("gpt_neox"), itf.adapter_for("llama")
+    return target, donor, ta, da, fus.probe(target, tok_t, sents_t, ta, progress=False), fus.probe(donor, tok_d, sents_d, da, progress=False)
+
+
+def test_fusion_equals_an_independent_transport_with_soft_layer_weights():
+    """T = sum_m P_eff[l,m] Phi_out W_B[m] Phi_in^T at the top-k most active rows, recomputed here with numpy and POT,
+    with P_eff soft over donor layers other than l (and never l alone)."""
+    target, donor, ta, da, tp, dp = _neox_llama_probes()
+    s = TransportSettings.defaults(epsilon=0.05, top_k=20)
+    align = fus.align_layers(tp, dp, s, progress=False)
+    align.kept = np.array([[0.0, 0.3, 0.7], [0.6, 0.0, 0.4]])
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s, progress=False)
+    dsd, tsd = donor.state_dict(), target.state_dict()
+    fused = fusion.weights(0.4)
+    for l in range(2):
+        for tname, dname, o, i, mag in NEOX_FROM_LLAMA:
+            full = f"gpt_neox.layers.{l}.{tname}"
+            rows = np.sort(np.argsort(-tp.magnitude[mag][l].numpy(), kind="stable")[:20])  # the 20 most active
+            assert np.array_equal(fusion.rows[full].numpy(), rows), full
+            T = 0
+            for m in (1, 2) if l == 0 else (0, 2):
+                Qo, Qi = _ref_plan(_ref_cost(tp, dp, o, l, m), 0.05), _ref_plan(_ref_cost(tp, dp, i, l, m), 0.05)
+                phi_out, phi_in = Qo / Qo.sum(1, keepdims=True), Qi / Qi.sum(0, keepdims=True)
+                T = T + align.kept[l, m] * phi_out @ dsd[f"model.layers.{m}.{dname}"].double().numpy() @ phi_in.T
+            got = fusion.transported[full].numpy()
+            assert np.allclose(got, T[rows], atol=1e-4 * np.abs(T).max()), full
+            w = tsd[full].double().numpy()
+            want = w.copy()
+            want[rows] = w[rows] + 0.4 * (T[rows] - w[rows])
+            assert np.allclose(fused[full].double().numpy(), want, atol=1e-4 * np.abs(T).max()), full
+
+
+def test_the_control_is_the_ot_fusion_with_rows_and_columns_permuted():
+    """One permutation per (target layer, interface), shared by every donor layer: T_rand = Pi_out T Pi_in^T exactly."""
+    target, donor, ta, da, tp, dp = _neox_llama_probes(n=60)
+    s = TransportSettings.defaults(epsilon=0.05, layer_topk=2, top_k=10_000)
+    align = fus.align_layers(tp, dp, s, progress=False)
+    assert np.all((align.kept > 0).sum(1) == 2)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s, progress=False)
+    for l in range(2):
+        for tname, _, o, i, _ in NEOX_FROM_LLAMA:
+            full = f"gpt_neox.layers.{l}.{tname}"
+            T, R = fusion.transported[full], fusion.control[full]
+            po, pi = fusion.control_perms[(l, o)], fusion.control_perms[(l, i)]
+            assert torch.allclose(R, T[po][:, pi], rtol=1e-12, atol=1e-12 * float(T.abs().max())), full
+            assert not torch.allclose(R, T)
+            assert float(R.norm()) == pytest.approx(float(T.norm()), rel=1e-12)
+
+
+def test_layer_alignment_recovers_a_shuffled_layer_order_and_p_eff_is_both_plans_cut_to_the_top_k():
+    """A donor whose layers are the target's in another order (plus a layer of noise), with layer_topk below its depth:
+    P_eff recomputed here (POT on the neuron-OT costs, both layer plans averaged, top-k kept, renormalised)."""
+    rng = np.random.default_rng(0)
+    n, d_t, d_d, order = 80, 10, 14, [3, 0, 4, 1]  # target layer l is donor layer order[l]; donor layer 2 is noise
+    pooled_t = {k: [rng.normal(size=(n, d_t)) for _ in order] for k in itf.HIDDEN_SOURCES}
+    pooled_d = {k: [rng.normal(size=(n, d_d)) for _ in range(5)] for k in itf.HIDDEN_SOURCES}
+    for k, noise in (("mlp_pre", 0.4), ("mlp_post", 1.2)):  # the two plans see the correspondence differently
+        for l, m in enumerate(order):
+            pooled_d[k][m][:, rng.permutation(d_d)[:d_t]] = pooled_t[k][l] + noise * rng.normal(size=(n, d_t))
+
+    def probe(p, L):
+        return fus.Probe({k: [torch.from_numpy(x) for x in v] for k, v in p.items()},
+                         {k: [torch.from_numpy(np.abs(x).mean(0)) for x in v] for k, v in p.items()}, L, 0)
+
+    tp, dp = probe(pooled_t, 4), probe(pooled_d, 5)
+    s = TransportSettings.defaults(epsilon=0.05, layer_epsilon=0.05, layer_topk=2)
+    align = fus.align_layers(tp, dp, s, progress=False)
+
+    import ot
+    plans = {}
+    for src in itf.HIDDEN_SOURCES:
+        costs = np.zeros((4, 5))
+        for l in range(4):
+            for m in range(5):
+                C = 1 - np.corrcoef(pooled_t[src][l].T, pooled_d[src][m].T)[:d_t, d_t:]
+                costs[l, m] = float((_ref_plan(C, 0.05) * C).sum())
+        plans[src] = ot.sinkhorn(np.full(4, 0.25), np.full(5, 0.2), costs, 0.05, method="sinkhorn_log", stopThr=1e-13, numItermax=200_000)
+
+    def cut(P):
+        P = P / P.sum(1, keepdims=True)
+        kept = np.zeros_like(P)
+        for l, row in enumerate(P):
+            top = np.argsort(-row)[:2]
+            kept[l, top] = row[top] / row[top].sum()
+        return kept
+
+    ref = cut((plans["mlp_pre"] + plans["mlp_post"]) / 2)
+    assert np.array_equal(align.kept.argmax(1), order)
+    assert np.all((align.kept > 0).sum(1) == 2) and np.allclose(align.kept.sum(1), 1)
+    assert np.allclose(align.kept, ref, atol=1e-5)
+    # the check has teeth: P_eff from one plan alone, or with the weakest layers kept, is measurably different
+    assert np.abs(cut(plans["mlp_pre"]) - ref).max() > 1e-3
+    assert np.abs(cut(-plans["mlp_pre"] - plans["mlp_post"] + 1) - ref).max() > 1e-1
+
+
+class _BosTokenizer:
+    """The zoo tokenizer, plus a BOS prepended to every sentence (as Llama tokenizers do)."""
+
+    def __init__(self, tok, bos: int):
+        self.tok, self.bos_token_id, self.all_special_ids, self.pad_token_id = tok, bos, [bos], tok.pad_token_id
+
+    def __call__(self, texts, add_special_tokens=True, truncation=False):
+        enc = self.tok(texts, add_special_tokens=add_special_tokens, truncation=truncation)["input_ids"]
+        return {"input_ids": [[self.bos_token_id, *e] if add_special_tokens else e for e in enc]}
+
+
+@pytest.mark.parametrize("with_bos", [True, False])
+def test_probe_pools_real_tokens_and_leaves_a_leading_bos_out(with_bos):
+    sents = lines("eng_Latn", n=10)
+    base = make_tokenizer(lines("eng_Latn", n=300), 300)
+    tok = _BosTokenizer(base, len(base)) if with_bos else base
+    model = _outside_model("llama", len(base) + 1, 9, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=48)
+    p = fus.probe(model, tok, sents, itf.adapter_for("llama"), progress=False)
+    seen = {}
+    mlp = model.model.layers[1].mlp
+    h = mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.__setitem__("x", inp[0][0]))
+    try:  # one sentence at a time, no padding
+        ref, ref_all, abs_sum, n_tok = [], [], 0, 0
+        with torch.no_grad():
+            for s_ in sents:
+                ids = tok([s_])["input_ids"][0]
+                model(torch.tensor([ids]))
+                x, start = seen["x"].double(), 1 if with_bos else 0
+                ref.append(x[start:].mean(0))
+                ref_all.append(x.mean(0))
+                abs_sum, n_tok = abs_sum + x[start:].abs().sum(0), n_tok + len(ids) - start
+    finally:
+        h.remove()
+    ref, scale = torch.stack(ref), float(torch.stack(ref).abs().max())  # (random-init activations are small)
+    assert torch.allclose(p.pooled["mlp_post"][1], ref, rtol=0, atol=1e-4 * scale)
+    assert torch.allclose(p.magnitude["mlp_post"][1], abs_sum / n_tok, rtol=0, atol=1e-4 * scale) and p.n_tokens == n_tok
+    if with_bos:  # the BOS would have moved every sentence's mean
+        assert float((p.pooled["mlp_post"][1] - torch.stack(ref_all)).abs().max()) > 1e-2 * scale
+
+
+def test_fusion_keeps_originals_in_the_model_dtype_and_only_the_masked_rows_of_t():
+    sents = lines("eng_Latn", n=40)
+    tok = make_tokenizer(lines("eng_Latn", n=300), 300)
+    arch = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)
+    target = _outside_model("llama", len(tok), 12, **arch).to(torch.bfloat16)
+    donor = _outside_model("llama", len(tok), 13, **arch).to(torch.bfloat16)
+    ad = itf.adapter_for("llama")
+    tp, dp = fus.probe(target, tok, sents, ad, progress=False), fus.probe(donor, tok, sents, ad, progress=False)
+    s = TransportSettings.defaults(epsilon=0.05, top_k=8)
+    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, fus.align_layers(tp, dp, s, progress=False), s, progress=False)
+    sd = target.state_dict()
+    assert len(fusion.original) == 2 * 4
+    for name, w in fusion.original.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w, sd[name])
+        assert fusion.transported[name].shape == (8, *w.shape[1:]) == fusion.control[name].shape
+        assert int(fusion.masks[name].sum()) == 8 and fusion.weights(0.1)[name].dtype == torch.bfloat16
+
+
 def test_rectangular_widths_and_depths_fuse_without_padding():
     sents_t, sents_d = lines("eng_Latn", n=120), lines("por_Latn", n=120)
     tok_t, tok_d = make_tokenizer(sents_t, 300), make_tokenizer(sents_d, 320)
@@ -202,15 +460,21 @@ def test_rectangular_widths_and_depths_fuse_without_padding():
         assert w.shape == before[name].shape
         m = fusion.masks[name]
         assert int(m.sum()) == min(40, w.shape[0])
-        assert torch.equal(w[~m], before[name][~m].double())  # outside the top-k mask nothing moves
+        assert torch.equal(w[~m], before[name][~m])  # outside the top-k mask nothing moves
+        assert w.dtype == before[name].dtype
     assert math.isfinite(fusion.diagnostics["row_max"]) and fusion.diagnostics["cost_ratio"] >= 1 - 1e-9
-
-
-def test_qkv_blocker_names_the_difference():
-    assert "fuses q/k/v" in itf.qkv_blocker("gpt_neox", "llama", {"heads": 4, "hidden": 32}, {"heads": 4, "hidden": 32})
-    why = itf.qkv_blocker("llama", "mistral", {"heads": 4, "kv_heads": 2, "hidden": 32}, {"heads": 4, "kv_heads": 4, "hidden": 32})
-    assert "attention geometry differs" in why
-    assert itf.qkv_blocker("llama", "mistral", {"heads": 4, "kv_heads": 2, "hidden": 32}, {"heads": 4, "kv_heads": 2, "hidden": 32}) is None
+    # weight-space distance of the fused tensors to the originals, against a direct computation on whole tensors
+    for ctl in (False, True):
+        agg, per = fusion.weight_stats(0.5, control=ctl)
+        fused = fusion.weights(0.5, control=ctl)
+        flat_w = torch.cat([before[n].double().flatten() for n in fused])
+        flat_f = torch.cat([fused[n].double().flatten() for n in fused])
+        assert agg["fused_weight_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(flat_f, flat_w, 0)), abs=1e-9)
+        assert agg["fused_relative_l2"] == pytest.approx(float((flat_f - flat_w).norm() / flat_w.norm()), rel=1e-9)
+        assert 0 < agg["fused_relative_l2"] and agg["fused_weight_cosine"] < 1
+        for n, v in per.items():
+            o, f = before[n].double().flatten(), fused[n].double().flatten()
+            assert v["relative_l2"] == pytest.approx(float((f - o).norm() / o.norm()), rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- adaptation
@@ -306,6 +570,19 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     assert bm["delta_adapt"] == pytest.approx(bm["nll_baseline_after"] - bm["nll_base_before"], abs=1e-12)
     assert abs(bm["delta_adapt"]) > 1e-6  # the fine-tuning changed the model
     assert fused.data.params["baseline_run"] == base.info.run_id
+    # the random-plan-fused model is adapted too (the control of fusion_effect_after_adapt); both on the donor's language
+    assert fm["rand_fusion_effect_after_adapt"] == pytest.approx(fm["rand_nll_fused_after"] - base.data.metrics["nll_baseline_after"])
+    assert fm["ot_minus_rand_after_adapt"] == pytest.approx(fm["nll_fused_after"] - fm["rand_nll_fused_after"])
+    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0].data.metrics["rand_nll_target_lang"], abs=1e-9)
+    for p in ("", "rand_"):
+        assert fm[f"{p}delta_donor_lang_after_adapt"] == pytest.approx(fm[f"{p}nll_donor_lang_fused_after"] - tr[0].data.metrics["base_nll_donor_lang"])
+    assert fused.data.params["text.probes"].endswith("eng_Latn.dev lines 1-40") or fused.data.params["text.probes"].endswith("por_Latn.dev lines 1-40")
+    # every alpha tagged with the headline alpha; the weight-space distance of the fused tensors is logged
+    assert {x.data.tags["headline_alpha"] for x in tr} == {"0.1"}
+    for x in tr:
+        m = x.data.metrics
+        assert 0 < m["fused_relative_l2"] < m["alpha"] and 0.5 < m["fused_weight_cosine"] < 1 and 0 < m["rand_fused_relative_l2"]
+    assert tr[0].data.metrics["fused_relative_l2"] < tr[1].data.metrics["fused_relative_l2"]
     # everything again: skipped
     again = run_transport(*compose_cfg(transport_job(tiny_models, target="b")))
     assert again.skipped and len(runs(cfg.paths.root)) == len(rs)
@@ -315,7 +592,11 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     (["merge.epsilon=-1"], "merge.epsilon must be a positive number"),
     (["merge.alphas=[]"], "merge.alphas must be a non-empty list"),
     (["merge.probe_split=devtest"], "probes must never be the sentences"),
-    (["merge.qkv=true"], "merge.qkv=true is undefined for this pair: gpt_neox fuses q/k/v"),
+    (["+merge.qkv=true"], "merge.qkv was removed: q/k/v need head-level plans"),
+    (["merge.headline_alpha=0.3"], "merge.headline_alpha must be one of merge.alphas"),
+    (["merge.adapt.alpha=0"], "merge.adapt.alpha must be in"),
+    (["merge.adapt.weight_decay=-1"], "merge.adapt.weight_decay and merge.adapt.grad_clip must be finite and >= 0"),
+    (["merge.adapt.batch_size=100000"], "fewer than merge.adapt.batch_size=100000"),
     (["merge.plan_scale=unit"], "merge.plan_scale must be row_stochastic or raw"),
     (["merge.target=c"], "merge.target must be a or b"),
     (["merge.layer_epsilon=0"], "merge.layer_epsilon must be a positive number"),
@@ -355,7 +636,7 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
     cfg, _ = compose_cfg(transport_job(tiny_models, target="b"))
     job, s = check(cfg)
     assert s.target == "b" and s.alphas == (0.1, 0.5) and s.epsilon == 0.05 and s.layer_topk == 2 and s.probe_sentences == 40
-    assert s.top_k == 128 and s.plan_scale == "row_stochastic" and s.qkv is False and s.control_seed == 0
+    assert s.top_k == 128 and s.plan_scale == "row_stochastic" and s.headline_alpha == 0.1 and s.control_seed == 0
     assert s.adapt == AdaptSettings(alpha=0.1, steps=3, batch_size=4, lr=1e-3, weight_decay=0.0, grad_clip=1.0, seed=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.epsilon = 0.1
@@ -363,7 +644,9 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
     assert OmegaConf.to_container(job.merge) == OmegaConf.to_container(cfg.merge, resolve=True)
     # an alpha run's logged config (what reproduce replays): that alpha alone, adaptation off
     one = TransportSettings.from_cfg(_alpha_cfg(job, 0.5))
-    assert one.alphas == (0.5,) and one.adapt is None and dataclasses.replace(one, alphas=s.alphas, adapt=s.adapt) == s
+    assert one.alphas == (0.5,) and one.headline_alpha == 0.5 and one.adapt is None
+    assert dataclasses.replace(one, alphas=s.alphas, adapt=s.adapt, headline_alpha=s.headline_alpha) == s
+    assert not hasattr(s, "qkv")
     assert TransportSettings.defaults() == TransportSettings.from_node(load_conf("merge", "transport"))
     with pytest.raises(MergescopeError, match="merge.epsilon must be a positive number"):
         TransportSettings.defaults(epsilon=True)
@@ -373,41 +656,96 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
 
 
 @pytest.mark.parametrize("target", ["a", "b"])
-def test_baseline_hash_is_the_one_before_the_settings_object(tiny_models, compose_cfg, target):
-    """The no-fusion baseline once hashed a config with an invented top-level ``target`` key; its hash is
-    now built from parts, and must not change (a store made before would otherwise rerun every baseline)."""
-    from omegaconf import OmegaConf, open_dict
-
-    from mergescope.config import job_hash
+def test_baseline_hash_is_one_per_target_and_covers_its_adaptation_text(tiny_models, compose_cfg, target):
     from mergescope.transport.job import baseline_hash, check
 
     extra = ["merge.adapt.lr=0.002", "data.max_sentences=50"]
     job, _ = check(compose_cfg(transport_job(tiny_models, target=target, extra=extra))[0])
-    old = OmegaConf.create(OmegaConf.to_container(job, resolve=True))
-    with open_dict(old):
-        old.target = OmegaConf.create(OmegaConf.to_container(job.pair[target], resolve=True))
-    keys = ["target", "merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
-    assert baseline_hash(job) == job_hash("transport_adapt_baseline", old, keys)
+    text = tuple(lines("eng_Latn", n=30))
     other = "b" if target == "a" else "a"
     donor_changed, _ = check(compose_cfg(transport_job(tiny_models, target=target, extra=[
         *extra, f"pair.{other}.name_or_path={tiny_models['mistral_it']}", f"pair.{other}.lang=ita_Latn"]))[0])
-    assert baseline_hash(donor_changed) == baseline_hash(job)  # one baseline per target, shared by every donor
+    assert baseline_hash(donor_changed, text) == baseline_hash(job, text)  # one baseline per target, shared by every donor
+    assert baseline_hash(job, text[1:]) != baseline_hash(job, text)  # other adaptation lines: another baseline
+    lr_changed, _ = check(compose_cfg(transport_job(tiny_models, target=target, extra=["merge.adapt.lr=0.003", "data.max_sentences=50"]))[0])
+    assert baseline_hash(lr_changed, text) != baseline_hash(job, text)
 
 
-def test_qkv_transport_where_the_attention_is_commensurable():
-    sents = lines("eng_Latn", n=60)
-    tok = make_tokenizer(sents, 300)
-    geo = dict(num_attention_heads=4, num_key_value_heads=2)
-    target = _outside_model("llama", len(tok), 4, hidden_size=32, num_hidden_layers=2, intermediate_size=48, **geo)
-    donor = _outside_model("llama", len(tok), 5, hidden_size=32, num_hidden_layers=3, intermediate_size=64, **geo)
-    ad = itf.adapter_for("llama")
-    tp = fus.probe(target, tok, sents, ad, qkv=True, progress=False)
-    dp = fus.probe(donor, tok, sents, ad, qkv=True, progress=False)
-    assert tp.pooled["k"][0].shape[1] == 16 and tp.pooled["attn_in"][0].shape[1] == 32  # 2 KV heads x head_dim 8
-    s = TransportSettings.defaults(epsilon=0.05, layer_epsilon=0.05, layer_topk=1, top_k=8, qkv=True)
-    align = fus.align_layers(tp, dp, s, progress=False)
-    fusion = fus.fuse(target, donor.state_dict(), tp, dp, ad, ad, align, s, progress=False)
-    names = {k.split(".", 3)[3] for k in fusion.original}
-    assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight"} <= names
-    w = fusion.weights(1.0)["model.layers.0.self_attn.k_proj.weight"]
-    assert w.shape == (16, 32) and int(fusion.masks["model.layers.0.self_attn.k_proj.weight"].sum()) == 8
+def test_folder_data_is_cut_into_disjoint_logged_ranges(tiny_models, compose_cfg, tmp_path):
+    """data=folder: one file per language, no splits. The probes and the adaptation text must not be the
+    evaluation's first lines: the file is cut into evaluation, probes, adaptation (disjoint), or refused."""
+    from mergescope.transport.job import check, texts
+
+    folder = tmp_path / "parallel"
+    folder.mkdir()
+    eng, por = lines("eng_Latn", n=150), lines("por_Latn", n=150)
+    (folder / "eng_Latn.txt").write_text("\n".join(eng) + "\n", encoding="utf-8")
+    (folder / "por_Latn.txt").write_text("\n".join(por) + "\n", encoding="utf-8")
+    cfg, _ = compose_cfg(transport_job(tiny_models, extra=["data=folder", f"data.root={folder}"]))  # 20 evaluated, 40 probes
+    t = texts(*check(cfg), "eng_Latn", "por_Latn")
+    assert t.eval_t == tuple(eng[:20]) and t.eval_d == tuple(por[:20])
+    assert t.probe_t == tuple(eng[20:60]) and t.probe_d == tuple(por[20:60]) and t.adapt_t == tuple(eng[60:])
+    assert not (set(t.eval_t) & set(t.probe_t)) and not (set(t.eval_t) & set(t.adapt_t)) and not (set(t.probe_t) & set(t.adapt_t))
+    assert t.ranges["text.eval"].endswith("eng_Latn.txt lines 1-20") and t.ranges["text.probes"].endswith("lines 21-60")
+    assert t.ranges["text.adapt"].endswith("lines 61-150")
+    # the whole file evaluated: nothing left that the evaluation has not seen
+    whole, _ = compose_cfg(transport_job(tiny_models, extra=["data=folder", f"data.root={folder}", "native.nll_sentences=null"]))
+    with pytest.raises(MergescopeError, match="is both the evaluation set and the probe split"):
+        texts(*check(whole), "eng_Latn", "por_Latn")
+    # FLORES: the probe split is another file; probes are its first lines, the adaptation text all of it
+    fl = texts(*check(compose_cfg(transport_job(tiny_models))[0]), "eng_Latn", "por_Latn")
+    assert fl.probe_t == tuple(lines("eng_Latn", "dev", 40)) and fl.eval_t == tuple(lines("eng_Latn", "devtest", 20))
+    assert len(fl.adapt_t) > 900 and not set(fl.eval_t) & (set(fl.probe_t) | set(fl.adapt_t))
+
+
+def test_probe_cache_key_covers_dtype_sentences_and_max_length(tiny_models, compose_cfg):
+    from types import SimpleNamespace
+
+    from omegaconf import open_dict
+
+    from mergescope import models
+    from mergescope.transport.job import probe_path
+
+    cfg, _ = compose_cfg(transport_job(tiny_models))
+    ref = models.resolve(cfg.pair.a)
+    sents = tuple(lines("eng_Latn", n=5))
+    f32 = SimpleNamespace(ref=ref, model=torch.nn.Linear(2, 2))
+    bf16 = SimpleNamespace(ref=ref, model=torch.nn.Linear(2, 2).to(torch.bfloat16))
+    key = probe_path(cfg, f32, sents, "eng_Latn")
+    assert key == probe_path(cfg, SimpleNamespace(ref=ref, model=torch.nn.Linear(2, 2)), sents, "eng_Latn")
+    assert key != probe_path(cfg, bf16, sents, "eng_Latn") and key != probe_path(cfg, f32, sents[1:], "eng_Latn")
+    with open_dict(cfg):
+        cfg.represent.max_length = 64
+    assert key != probe_path(cfg, f32, sents, "eng_Latn")
+
+
+def test_a_fusion_that_moves_nothing_adapts_exactly_like_its_baseline(tiny_models, compose_cfg, monkeypatch):
+    """The no-fusion baseline is the same fine-tuning (seed, data order, lr) as the fused model's: with a fusion
+    that moves nothing, fused-and-adapted equals the baseline to the bit, for the OT model and for the control."""
+    from test_e2e import runs
+
+    from mergescope.tracking import client_for, store_uri
+    from mergescope.transport.job import run_transport
+
+    real = fus.fuse
+
+    def still(*args, **kwargs):
+        f = real(*args, **kwargs)
+        for n, w in f.original.items():
+            f.transported[n] = f.control[n] = w[f.rows[n]].to(torch.float64)
+        return f
+
+    monkeypatch.setattr(fus, "fuse", still)
+    cfg, ov = compose_cfg(transport_job(tiny_models, extra=["merge.adapt.lr=0.01", "merge.adapt.weight_decay=0.1"]))
+    run_transport(cfg, ov)
+    rs = runs(cfg.paths.root)
+    tr = [x for x in rs if x.data.tags["kind"] == "transport"]
+    assert all(x.data.metrics["delta_target_lang"] == 0 and x.data.metrics["fused_relative_l2"] == 0 for x in tr)
+    fused = next(x for x in rs if x.data.tags.get("stage") == "fused")
+    base = next(x for x in rs if x.data.tags.get("stage") == "baseline")
+    m = fused.data.metrics
+    assert m["nll_baseline_after"] != m["nll_base_before"]  # the fine-tuning moved the model
+    assert m["fusion_effect_after_adapt"] == 0.0 and m["rand_fusion_effect_after_adapt"] == 0.0
+    client = client_for(store_uri(cfg)[0])
+    curve = lambda run, key: [x.value for x in sorted(client.get_metric_history(run.info.run_id, key), key=lambda x: x.step)]
+    assert curve(fused, "train_loss") == curve(base, "train_loss") == curve(fused, "rand_train_loss")

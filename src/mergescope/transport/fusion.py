@@ -1,19 +1,29 @@
 """Transport-and-merge fusion (Cui et al., arXiv 2602.05495), directional: target <- donor.
 
 1. Probe activations at the shared interfaces (``interfaces.py``), mean-pooled over each probe
-   sentence's real tokens; each model reads its own language, the two sides share only the
-   sentence index. The mean |activation| over all real tokens ranks the target's neurons.
+   sentence's real tokens; a leading BOS (or other special token) is fed to the model but left out
+   of the pooling and of the magnitudes: its activation is the same for every sentence, and Llama
+   tokenizers add one where NeoX's do not. Each model reads its own language, the two sides share
+   only the sentence index. The mean |activation| over the pooled tokens ranks the target's neurons.
 2. Layer alignment: for every (target layer l, donor layer m) the entropic-OT transport cost
    <C, Q> of the MLP's pre-activation and of its post-activation neurons (on a fixed random
    subsample of at most ``layer_subsample`` neurons per side); a layer-level OT on each cost
    matrix; P_eff = the mean of the two layer plans, row-normalised, cut to the ``layer_topk``
    donor layers per target layer and renormalised.
-3. Fusion, target layer by target layer (only that layer's plans exist at any time): for each
-   kept donor layer m, neuron plans Q at every interface, Phi = n Q (row-stochastic; or the raw
-   Q), and T = sum_m P_eff[l,m] Phi_out W_B Phi_in^T. The random-plan control builds T_rand the
-   same way through plans whose rows are shuffled (seeded). Plans are fitted once; every alpha
-   and the control reuse them: W(alpha) = W_A + alpha M * (T - W_A), M = the top-k target
-   neurons of the weight's output interface.
+3. Fusion, target layer by target layer (only one layer pair's plans exist at any time): for each
+   kept donor layer m, neuron plans Q at every interface and T = sum_m P_eff[l,m] Phi_out W_B Phi_in^T,
+   with Phi_out = n_target Q (row-stochastic) on the output side and Phi_in = n_donor Q
+   (column-stochastic) on the input side; ``plan_scale=raw`` uses Q on both. The two agree for a
+   square plan. The input-side scale is a deliberate deviation from the spec's wording (Phi = n Q on
+   both sides): a donor whose hidden neurons are split in two (outgoing weights halved, the same
+   function) must come back with its down projection at 1.0x, and row-stochastic Phi_in gives 0.5x
+   (the split-neuron test). Only the top-k masked rows of T are computed (M = the top-k target
+   neurons of the weight's output interface): W(alpha) = W_A + alpha M * (T - W_A). The originals
+   stay in the model's dtype; the donor weight is never copied whole to float64.
+4. The random-plan control: one row permutation per (target layer, interface), shared by every
+   donor layer, so its T_rand is exactly T with its rows and columns permuted (same norms, same
+   marginals); only the learned correspondence is gone. Plans are fitted once; every alpha and the
+   control reuse them.
 """
 
 from __future__ import annotations
@@ -34,20 +44,28 @@ from mergescope.transport.settings import TransportSettings
 @dataclass
 class Probe:
     """One model's activations on the probe set: per interface, per layer."""
-    pooled: dict[str, list[torch.Tensor]]   # (n_samples, d) float64, mean over real tokens
-    magnitude: dict[str, list[torch.Tensor]]  # (d,) mean |activation| over all real tokens
+    pooled: dict[str, list[torch.Tensor]]   # (n_samples, d) float64, mean over real tokens (a leading special one excluded)
+    magnitude: dict[str, list[torch.Tensor]]  # (d,) mean |activation| over the same tokens
     n_layers: int
-    n_tokens: int
+    n_tokens: int                            # tokens pooled
+
+
+def leading_special(ids: list[list[int]], tokenizer) -> np.ndarray:
+    """Per sentence: does it start with a special token (BOS, ...)? Never for a sentence of one token (it
+    would have nothing left to pool)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    return np.array([len(s) > 1 and s[0] in special for s in ids], dtype=bool)
 
 
 @torch.inference_mode()
-def probe(model, tokenizer, sentences, adapter: itf.Adapter, qkv: bool = False, batch_tokens="auto",
+def probe(model, tokenizer, sentences, adapter: itf.Adapter, batch_tokens="auto",
           max_length: int = 512, progress: bool = True, label: str = "probe") -> Probe:
     """Activations at every interface of every layer, batched and length-sorted, via forward hooks."""
     device = next(model.parameters()).device
     ids, _ = tokenize(tokenizer, sentences, max_length)
+    lead = leading_special(ids, tokenizer)
     lengths = np.array([len(s) for s in ids])
-    site_map = itf.sites(adapter, qkv)
+    site_map = itf.sites(adapter)
     layer_mods = itf.layers(model, adapter)
     L, n = len(layer_mods), len(sentences)
     pooled: dict[str, list[torch.Tensor | None]] = {k: [None] * L for k in site_map}
@@ -78,15 +96,17 @@ def probe(model, tokenizer, sentences, adapter: itf.Adapter, qkv: bool = False, 
             task = pb.add_task(label, total=n, visible=progress)
             for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
                 x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
-                state["mask"] = m.unsqueeze(-1).to(torch.float32)
-                state["count"] = m.sum(1, keepdim=True).to(torch.float64)
+                pool = m.clone()  # right padding: position 0 is each sentence's first token
+                pool[torch.as_tensor(lead[b], device=device), 0] = 0
+                state["mask"] = pool.unsqueeze(-1).to(torch.float32)
+                state["count"] = pool.sum(1, keepdim=True).to(torch.float64)
                 state["rows"] = torch.as_tensor(b, device=device)
                 model.base_model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False)
                 pb.advance(task, len(b))
     finally:
         for h in handles:
             h.remove()
-    total = int(lengths.sum())
+    total = int(lengths.sum() - lead.sum())
     return Probe({k: list(v) for k, v in pooled.items()}, {k: [t / total for t in v] for k, v in mag.items()}, L, total)
 
 
@@ -151,85 +171,168 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
 
 @dataclass
 class Fusion:
-    """Transported tensors (OT and random-plan control), masks and originals for the fused parameters."""
+    """Per fused parameter: the original (model dtype), its top-k output rows, and T and T_rand at those rows."""
     original: dict[str, torch.Tensor]
-    transported: dict[str, torch.Tensor]
-    control: dict[str, torch.Tensor]
-    masks: dict[str, torch.Tensor]        # per parameter: bool over its output rows
-    diagnostics: dict[str, float]
-    infos: list[tot.PlanInfo]
+    rows: dict[str, torch.Tensor]          # sorted indices of the masked output rows
+    transported: dict[str, torch.Tensor]   # (k, ...) float64: T at ``rows``
+    control: dict[str, torch.Tensor]       # (k, ...) float64: T_rand at ``rows``
+    masks: dict[str, torch.Tensor]         # bool over the output rows (True at ``rows``)
+    control_perms: dict[tuple[int, str], torch.Tensor]  # (target layer, interface) -> the control's row permutation
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    infos: list[tot.PlanInfo] = field(default_factory=list)
+
+    def fused_rows(self, name: str, alpha: float, control: bool = False) -> torch.Tensor:
+        """The masked rows of the fused tensor, in the model's dtype: W + alpha (T - W)."""
+        w = self.original[name][self.rows[name]].to(torch.float64)
+        t = (self.control if control else self.transported)[name].to(w.device)
+        return (w + alpha * (t - w)).to(self.original[name].dtype)
 
     def weights(self, alpha: float, control: bool = False) -> dict[str, torch.Tensor]:
-        src = self.control if control else self.transported
         out = {}
         for name, w in self.original.items():
-            m = self.masks[name].view(-1, *([1] * (w.ndim - 1))).to(w.dtype)
-            out[name] = w + alpha * m * (src[name] - w)
+            new = w.clone()
+            new[self.rows[name]] = self.fused_rows(name, alpha, control)
+            out[name] = new
         return out
 
+    def weight_stats(self, alpha: float, control: bool = False) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """Cosine and relative L2 of each fused tensor (as the model holds it) against the target's original,
+        per tensor and over all fused tensors as one vector (``fused_weight_cosine``, ``fused_relative_l2``)."""
+        per, tot_w = {}, np.zeros(4)  # sums of |W|^2, |W_fused|^2, <W_fused, W>, |W_fused - W|^2
+        for name, w in self.original.items():
+            w2 = float(torch.linalg.vector_norm(w, dtype=torch.float64) ** 2)
+            wr = w[self.rows[name]].to(torch.float64)
+            d = self.fused_rows(name, alpha, control).to(torch.float64) - wr
+            new2 = w2 + float((d * (2 * wr + d)).sum())
+            sums = np.array([w2, new2, w2 + float((d * wr).sum()), float((d * d).sum())])
+            tot_w += sums
+            per[name] = _cos_rel(sums)
+        agg = _cos_rel(tot_w)
+        return {"fused_weight_cosine": agg["cosine"], "fused_relative_l2": agg["relative_l2"]}, per
 
-def _top_k_mask(magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    mask = torch.zeros(magnitude.shape[0], dtype=torch.bool, device=magnitude.device)
-    mask[torch.topk(magnitude, min(int(k), magnitude.shape[0])).indices] = True
-    return mask
+
+def _cos_rel(s: np.ndarray) -> dict[str, float]:
+    w2, new2, dot, d2 = (float(x) for x in s)
+    ok = w2 > 0 and new2 > 0
+    return {"cosine": dot / float(np.sqrt(w2 * new2)) if ok else float("nan"),
+            "relative_l2": float(np.sqrt(d2 / w2)) if w2 > 0 else float("nan")}
+
+
+def _top_k_rows(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` most active target neurons (by mean |activation|), sorted."""
+    return torch.sort(torch.topk(magnitude, min(int(k), magnitude.shape[0])).indices).values
+
+
+def _left(rows: torch.Tensor, wb: torch.Tensor, chunk_elems: int = 1 << 22) -> torch.Tensor:
+    """``rows @ wb`` in float64 without a float64 copy of the whole donor weight (row chunks of it)."""
+    if wb.ndim == 1:
+        return rows @ wb.to(rows.device, torch.float64)
+    step = max(1, chunk_elems // max(1, wb.shape[1]))
+    out = torch.zeros((rows.shape[0], wb.shape[1]), dtype=torch.float64, device=rows.device)
+    for c in range(0, wb.shape[0], step):
+        out += rows[:, c:c + step] @ wb[c:c + step].to(rows.device, torch.float64)
+    return out
+
+
+@dataclass
+class _PairPlan:
+    """One (target layer, donor layer) plan at one interface, in the forms the weights need."""
+    rows: torch.Tensor | None       # Phi_out = n_target Q at the target's masked rows (output side)
+    rows_rand: torch.Tensor | None  # the control's: the rows perm[rows] of Phi_out
+    phi_in: torch.Tensor | None     # Phi_in = n_donor Q, all rows (input side)
+
+
+@dataclass
+class _Ctx:
+    tp: Probe
+    dp: Probe
+    s: TransportSettings
+    align: LayerAlignment
+    donor_sd: dict[str, torch.Tensor]
+    d_prefix: str
+    d_role: dict[str, str]
+    device: torch.device
+    gen: torch.Generator
+    diag: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tensor | None, perm: torch.Tensor,
+               as_input: bool) -> _PairPlan:
+    C = _cost(c.tp, c.dp, iface, l, m).to(c.device)
+    Q, info = tot.solve(C, c.s.epsilon, c.s.max_iter, c.s.marginal_tol, what=f"{iface} neuron plan (layer {l} <- {m})")
+    f.infos.append(info)
+    for k, v in tot.plan_diagnostics(Q, C).items():
+        c.diag.setdefault(f"{k}_{iface}", []).append(v)
+    del C
+    scaled = c.s.plan_scale == "row_stochastic"
+    out = out_r = phi_in = None
+    if rows is not None:
+        out, out_r = Q[rows], Q[perm[rows]]
+        if scaled:
+            out, out_r = tot.row_stochastic(out), tot.row_stochastic(out_r)
+    if as_input:
+        phi_in = tot.column_stochastic(Q) if scaled else Q
+    return _PairPlan(out, out_r, phi_in)
+
+
+def _width(p: Probe, iface: str, layer: int) -> int:
+    return p.pooled["mlp_pre" if iface == itf.HIDDEN else iface][layer].shape[1]
+
+
+def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_adapter: itf.Adapter) -> None:
+    """Target layer l: its masks, the control's permutations, and T / T_rand at the masked rows."""
+    donors = [int(m) for m in np.nonzero(c.align.kept[l])[0]]
+    names = []  # (target param, donor param in layer, out iface, in iface)
+    for name, role, o, i in itf.transported_weights(t_adapter):
+        full, dn = f"{t_adapter.layers_attr}.{l}.{name}", c.d_role.get(role)
+        # fused only when the donor has this role in every kept layer (it always does, or never)
+        if full in t_sd and dn is not None and f"{c.d_prefix}.{donors[0]}.{dn}" in c.donor_sd:
+            names.append((full, dn, o, i))
+    outs, ins = {o for _, _, o, _ in names}, {i for _, _, _, i in names if i is not None}
+    rows = {o: _top_k_rows(c.tp.magnitude["mlp_post" if o == itf.HIDDEN else o][l], c.s.top_k) for o in outs}
+    perms = {k: torch.randperm(_width(c.tp, k, l), generator=c.gen).to(c.device) for k in sorted(outs | ins)}
+    f.control_perms.update({(l, k): v for k, v in perms.items()})
+    for full, _, o, _ in names:
+        w = t_sd[full].detach()
+        f.original[full], f.rows[full] = w.clone(), rows[o].to(w.device)
+        f.masks[full] = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+        f.masks[full][f.rows[full]] = True
+        f.transported[full] = torch.zeros((len(rows[o]), *w.shape[1:]), dtype=torch.float64, device=c.device)
+        f.control[full] = torch.zeros_like(f.transported[full])
+    for m in donors:
+        weight = float(c.align.kept[l, m])
+        plans = {k: _pair_plan(c, f, k, l, m, rows.get(k), perms[k], k in ins) for k in sorted(outs | ins)}
+        for full, dn, o, i in names:
+            po = plans[o]
+            left = _left(torch.cat([po.rows, po.rows_rand]), c.donor_sd[f"{c.d_prefix}.{m}.{dn}"])
+            ot_part, rand_part = left[: po.rows.shape[0]], left[po.rows.shape[0]:]
+            if i is not None:
+                ot_part = ot_part @ plans[i].phi_in.T
+                rand_part = (rand_part @ plans[i].phi_in.T)[:, perms[i]]
+            f.transported[full] += weight * ot_part
+            f.control[full] += weight * rand_part
+        plans = po = left = ot_part = rand_part = None  # only one layer pair's plans are ever alive
 
 
 def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
          align: LayerAlignment, settings: TransportSettings, progress: bool = True) -> Fusion:
-    """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control).
+    """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control) at the masked rows.
 
     From ``settings``: ``epsilon``, ``max_iter``, ``marginal_tol`` (the plans), ``top_k`` (the masks),
-    ``plan_scale``, ``qkv`` and ``control_seed`` (the control's row shuffles)."""
-    epsilon, top_k, qkv, max_iter, tol = settings.epsilon, settings.top_k, settings.qkv, settings.max_iter, settings.marginal_tol
-    device = next(target.parameters()).device
-    scale = tot.row_stochastic if settings.plan_scale == "row_stochastic" else (lambda q: q)
-    gen = torch.Generator().manual_seed(settings.control_seed)
-    t_prefix, d_prefix = t_adapter.layers_attr, d_adapter.layers_attr
+    ``plan_scale`` and ``control_seed`` (the control's permutations)."""
+    c = _Ctx(tp, dp, settings, align, donor_sd, d_adapter.layers_attr,
+             {role: name for name, role, _, _ in itf.transported_weights(d_adapter)},
+             next(target.parameters()).device, torch.Generator().manual_seed(settings.control_seed))
+    f = Fusion({}, {}, {}, {}, {}, {})
     t_sd = target.state_dict()
-    d_role = {role: name for name, role, _, _ in itf.transported_weights(d_adapter, qkv)}
-    original, T, T_rand, masks = {}, {}, {}, {}
-    diag: dict[str, list[float]] = {}
-    infos: list[tot.PlanInfo] = []
     with bar() as pb:
         task = pb.add_task("fusion plans", total=tp.n_layers, visible=progress)
         for l in range(tp.n_layers):
-            donors = np.nonzero(align.kept[l])[0]
-            names = []  # (target param, donor param in layer, out iface, in iface)
-            for name, role, o, i in itf.transported_weights(t_adapter, qkv):
-                full = f"{t_prefix}.{l}.{name}"
-                dn = d_role.get(role)
-                # fused only when the donor has this role in every kept layer (it always does, or never)
-                if full not in t_sd or dn is None or f"{d_prefix}.{int(donors[0])}.{dn}" not in donor_sd:
-                    continue
-                names.append((full, dn, o, i))
-                original[full] = t_sd[full].detach().to(torch.float64).clone()
-                T[full] = torch.zeros_like(original[full])
-                T_rand[full] = torch.zeros_like(original[full])
-                masks[full] = _top_k_mask(tp.magnitude["mlp_post" if o == itf.HIDDEN else o][l], top_k)
-            needed = sorted({o for _, _, o, _ in names} | {i for _, _, _, i in names if i is not None})
-            for m in donors:
-                w_lm = float(align.kept[l, m])
-                plans, rplans = {}, {}
-                for iface in needed:
-                    C = _cost(tp, dp, iface, l, int(m)).to(device)
-                    Q, info = tot.solve(C, epsilon, max_iter, tol, what=f"{iface} neuron plan (layer {l} <- {m})")
-                    infos.append(info)
-                    for k, v in tot.plan_diagnostics(Q, C).items():
-                        diag.setdefault(f"{k}_{iface}", []).append(v)
-                    plans[iface] = scale(Q)
-                    rplans[iface] = scale(tot.shuffle_rows(Q, gen))
-                for full, dn, o, i in names:
-                    wb = donor_sd[f"{d_prefix}.{int(m)}.{dn}"].to(device, torch.float64)
-                    for plan_set, out in ((plans, T), (rplans, T_rand)):
-                        t = plan_set[o] @ wb if i is None else plan_set[o] @ wb @ plan_set[i].T
-                        out[full] += w_lm * t
-                plans = rplans = plan_set = t = None  # only one layer pair's plans are ever alive
+            _fuse_layer(c, f, l, t_sd, t_adapter)
             pb.advance(task)
-    summary = {}
-    for k, vals in diag.items():
-        summary[k] = float(np.mean(vals))
+    f.diagnostics = {k: float(np.mean(v)) for k, v in c.diag.items()}
     for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max"):
-        vals = [v for k, vs in diag.items() if k.startswith(base + "_") for v in vs]
+        vals = [v for k, vs in c.diag.items() if k.startswith(base + "_") for v in vs]
         if vals:
-            summary[base] = float(np.mean(vals))
-    return Fusion(original, T, T_rand, masks, summary, infos)
+            f.diagnostics[base] = float(np.mean(vals))
+    return f

@@ -2,10 +2,16 @@
 
 Logged per alpha, one run each (kind=transport, route=transport): NLL of the fused target on its
 own language and on the donor's language (with the target's own tokenizer), deltas against the
-unfused target, the same through the random-plan control, and plan diagnostics. The plans are
-fitted once per direction and reused by every alpha and by the control. Then, when
-``merge.adapt.enabled``, the residual-frozen adaptation run (kind=transport_adapt) against its
-no-fusion baseline (its own run, one per target, shared by every donor).
+unfused target, the same through the random-plan control, the fused tensors' cosine and relative
+L2 to the target's originals, and plan diagnostics. Every alpha is reported; each run is tagged
+with ``merge.headline_alpha``, the one alpha the report's headline numbers are read at (never the
+alpha that did best on the evaluation sentences). The plans are fitted once per direction and
+reused by every alpha and by the control. Then, when ``merge.adapt.enabled``, the residual-frozen
+adaptation run (kind=transport_adapt) of the fused model and of its random-plan control, against
+their no-fusion baseline (its own run, one per target, shared by every donor).
+
+Evaluation, probe and adaptation sentences are disjoint from the evaluation (:func:`texts`); the
+line ranges used are logged as params ``text.eval``, ``text.probes`` and ``text.adapt``.
 
 Which side is the target: ``merge.target`` = a | b; the other side is the donor. The settings are
 validated once (:class:`~mergescope.transport.settings.TransportSettings`) and passed down.
@@ -25,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.config import hash_parts, job_hash, plain_copy
+from mergescope.config import hash_parts, plain_copy
+from mergescope.errors import MergescopeError
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.runs import JobResult, finished, model_label, pair_label, run_once
@@ -37,8 +44,9 @@ from mergescope.transport.settings import TransportSettings, merge_node
 
 TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.max_length"]
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
-"""What the no-fusion baseline's hash reads besides the target's model entry (hashed as ``target``)."""
-PROBE_CACHE_VERSION = 1
+"""What the no-fusion baseline's hash reads besides the target's model entry (hashed as ``target``), its weights and
+the adaptation text."""
+PROBE_CACHE_VERSION = 2  # 2: a leading special token (BOS) is left out of the pooling; the key has the dtype
 
 
 def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
@@ -57,46 +65,38 @@ def sides(cfg: DictConfig) -> tuple[Any, Any]:
 
 
 def _alpha_cfg(cfg: DictConfig, alpha: float) -> DictConfig:
-    """One alpha's run config (logged, and hashed with TRANSPORT_KEYS): that alpha alone, no adaptation."""
+    """One alpha's run config (logged, and hashed with TRANSPORT_KEYS): that alpha alone, no adaptation.
+    The study's headline alpha is not part of it (it is hashed and tagged apart, see :func:`_hash`)."""
     c = plain_copy(cfg)
     with open_dict(c):
         c.merge.alphas = [float(alpha)]
+        c.merge.headline_alpha = None
         c.merge.adapt = {"enabled": False}
     return c
 
 
-def baseline_hash(cfg: DictConfig) -> str:
-    """cfg_hash of the no-fusion baseline: the target's model entry and the adaptation's inputs, not the
-    donor (one baseline per target, shared by every donor)."""
-    target, _ = sides(cfg)
-    return hash_parts("transport_adapt_baseline", {"target": target, **{k: OmegaConf.select(cfg, k) for k in BASELINE_KEYS}})
+def _digest(sentences: tuple[str, ...]) -> str:
+    return hashlib.sha256("\n".join(sentences).encode()).hexdigest()
 
 
-def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str, qkv: bool,
-                  adapter: itf.Adapter) -> fus.Probe:
-    key = json.dumps({"model": models.fingerprint(lm.ref), "sents": hashlib.sha256("\n".join(sentences).encode()).hexdigest(),
-                      "lang": lang, "qkv": bool(qkv), "max_length": int(cfg.represent.max_length), "v": PROBE_CACHE_VERSION},
-                     sort_keys=True)
-    path = Path(cfg.paths.cache) / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
-    if path.is_file():
-        # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there
-        d = torch.load(path, map_location=next(lm.model.parameters()).device, weights_only=True)
-        return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
-    p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, qkv=qkv, batch_tokens=cfg.represent.batch_tokens,
-                  max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},
-                "magnitude": {k: [t.cpu() for t in v] for k, v in p.magnitude.items()},
-                "n_layers": p.n_layers, "n_tokens": p.n_tokens}, tmp)
-    tmp.replace(path)
-    return p
+def _hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **extra: Any) -> str:
+    """A job's cfg_hash: the config sections in ``keys``, the fingerprint of every model it reads, and ``extra``."""
+    refs = [models.resolve(e) for e in reads]
+    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, "weights": [models.fingerprint(r) for r in refs],
+                             **extra})
 
 
-def _eval_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
-    side = data_mod.load_side(cfg.data, lang)
-    k = cfg.native.get("nll_sentences")
-    return side.sentences[: int(k)] if k else side.sentences
+@dataclass(frozen=True)
+class Texts:
+    """The direction's sentences: evaluation (both languages), probes (both), adaptation text (the target's),
+    and which lines of which file each set is (logged as params ``text.*``)."""
+
+    eval_t: tuple[str, ...]
+    eval_d: tuple[str, ...]
+    probe_t: tuple[str, ...]
+    probe_d: tuple[str, ...]
+    adapt_t: tuple[str, ...]
+    ranges: dict[str, str]
 
 
 def _probe_data(cfg: DictConfig, s: TransportSettings) -> DictConfig:
@@ -108,30 +108,93 @@ def _probe_data(cfg: DictConfig, s: TransportSettings) -> DictConfig:
     return pdata
 
 
-def _probe_sides(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    pdata = _probe_data(cfg, s)
-    st, sd = data_mod.load_parallel(pdata, lang_t, lang_d)
-    k = s.probe_sentences
-    if len(st.sentences) < k:
-        console.print(f"[yellow]probe split {pdata.split} has {len(st.sentences)} sentences; using all of them (merge.probe_sentences={k})[/]")
-    return st.sentences[:k], sd.sentences[:k]
+def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Texts:
+    """Evaluation, probe and adaptation sentences, disjoint from the evaluation. With a separate probe split
+    (FLORES dev) the probes are its first ``probe_sentences`` lines and the adaptation text all of it. When
+    the probe split is the evaluation file itself (``data=folder``: one file per language, no splits), the
+    file is cut into disjoint ranges: evaluation first, then the probes, then the adaptation text."""
+    et, ed = data_mod.load_parallel(cfg.data, lang_t, lang_d)
+    k = cfg.native.get("nll_sentences")
+    n_eval = min(len(et.sentences), int(k)) if k else len(et.sentences)
+    pt, pd = data_mod.load_parallel(_probe_data(cfg, s), lang_t, lang_d)
+    start = n_eval if (pt.source == et.source or pd.source == ed.source) else 0
+    if start and start + 3 > len(pt.sentences):
+        raise MergescopeError(f"{pt.source} is both the evaluation set and the probe split (data={cfg.data.name}); its first "
+                              f"{n_eval} lines are evaluated and fewer than 3 are left for probes: set native.nll_sentences "
+                              "(or data.max_sentences) below its length")
+    n_probe = min(s.probe_sentences, len(pt.sentences) - start)
+    if n_probe < s.probe_sentences:
+        console.print(f"[yellow]probe split {pt.source} has {n_probe} probe sentences; using all of them (merge.probe_sentences={s.probe_sentences})[/]")
+    a0 = start + n_probe if start else 0
+    adapt = pt.sentences[a0:]
+    if s.adapt is not None and len(adapt) < s.adapt.batch_size:
+        raise MergescopeError(f"the adaptation text ({pt.source}, lines {a0 + 1}-{len(pt.sentences)}) has {len(adapt)} sentences, "
+                              f"fewer than merge.adapt.batch_size={s.adapt.batch_size}" + ("; lower native.nll_sentences or "
+                              "merge.probe_sentences, or give a longer file" if start else ""))
+    ranges = {"text.eval": f"{et.source} lines 1-{n_eval}", "text.probes": f"{pt.source} lines {start + 1}-{start + n_probe}",
+              "text.adapt": f"{pt.source} lines {a0 + 1}-{len(pt.sentences)}"}
+    if start:
+        console.print(f"[yellow]{pt.source} is both the evaluation and the probe split, cut into disjoint ranges: "
+                      f"evaluation lines 1-{n_eval}, probes {start + 1}-{start + n_probe}, adaptation {a0 + 1}-{len(pt.sentences)}[/]")
+    return Texts(et.sentences[:n_eval], ed.sentences[:n_eval], pt.sentences[start:start + n_probe],
+                 pd.sentences[start:start + n_probe], adapt, ranges)
+
+
+def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
+    """cfg_hash of the no-fusion baseline: the target's model entry and weights and the adaptation's inputs, not
+    the donor (one baseline per target, shared by every donor)."""
+    target, _ = sides(cfg)
+    return _hash("transport_adapt_baseline", cfg, BASELINE_KEYS, [target], target=target, adapt_text=_digest(adapt_text))
+
+
+def probe_path(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str) -> Path:
+    """Where a model's probe activations are cached: keyed by its weights, dtype, the sentences, language and max_length."""
+    key = json.dumps({"model": models.fingerprint(lm.ref), "sents": _digest(sentences), "lang": lang,
+                      "dtype": str(next(lm.model.parameters()).dtype), "max_length": int(cfg.represent.max_length),
+                      "v": PROBE_CACHE_VERSION}, sort_keys=True)
+    return Path(cfg.paths.cache) / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
+                  adapter: itf.Adapter) -> fus.Probe:
+    path = probe_path(cfg, lm, sentences, lang)
+    if path.is_file():
+        # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there
+        d = torch.load(path, map_location=next(lm.model.parameters()).device, weights_only=True)
+        return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
+    p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, batch_tokens=cfg.represent.batch_tokens,
+                  max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},
+                "magnitude": {k: [t.cpu() for t in v] for k, v in p.magnitude.items()},
+                "n_layers": p.n_layers, "n_tokens": p.n_tokens}, tmp)
+    tmp.replace(path)
+    return p
 
 
 @dataclass
 class _Direction:
-    """One direction's job: the job config, its settings and overrides, the two sides, the evaluation sentences."""
+    """One direction's job: the job config, its settings and overrides, the two sides, its sentences."""
 
     cfg: DictConfig
     s: TransportSettings
     overrides: list[str] | None
     target: Any
     donor: Any
-    eval_t: tuple[str, ...]
-    eval_d: tuple[str, ...]
+    texts: Texts
 
     @property
     def label(self) -> str:
         return f"{model_label(self.target)} <- {model_label(self.donor)}"
+
+    @property
+    def eval_t(self) -> tuple[str, ...]:
+        return self.texts.eval_t
+
+    @property
+    def eval_d(self) -> tuple[str, ...]:
+        return self.texts.eval_d
 
     def tags(self, kind: str, **extra) -> dict[str, Any]:
         t, d = model_label(self.target), model_label(self.donor)
@@ -139,9 +202,6 @@ class _Direction:
         return {"kind": kind, "route": "transport", "merge": "transport", "target": t, "donor": d, "direction": f"{t} <- {d}",
                 "pair": pair_label(self.cfg), "model_a": model_label(a), "model_b": model_label(b),
                 "lang_target": self.target.lang, "lang_donor": self.donor.lang, "seed": self.cfg.merge.control_seed, **extra}
-
-    def adapt_sentences(self) -> tuple[str, ...]:
-        return data_mod.load_side(_probe_data(self.cfg, self.s), str(self.target.lang)).sentences
 
 
 class _Host:
@@ -180,33 +240,33 @@ class _Fitted:
 def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     cfg, s = check(cfg)
     target, donor = sides(cfg)
-    d = _Direction(cfg, s, overrides, target, donor, _eval_sentences(cfg, str(target.lang)), _eval_sentences(cfg, str(donor.lang)))
-    probe_t, probe_d = _probe_sides(cfg, s, str(target.lang), str(donor.lang))
+    d = _Direction(cfg, s, overrides, target, donor, texts(cfg, s, str(target.lang), str(donor.lang)))
     tracker = Tracker(cfg)
-    hashes = {a: job_hash("transport", _alpha_cfg(cfg, a), TRANSPORT_KEYS) for a in s.alphas}
+    reads = [target, donor]
+    hashes = {a: _hash("transport", _alpha_cfg(cfg, a), TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha) for a in s.alphas}
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
-    adapt_hash = job_hash("transport_adapt", cfg, TRANSPORT_KEYS) if s.adapt else None
+    adapt_hash = _hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
     if all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None):
-        return _summary(done, adapt_done, skipped=True)
+        return _summary(done, adapt_done, s.headline_alpha, skipped=True)
 
-    f = _fit(d, probe_t, probe_d)
+    f = _fit(d)
     results = {a: r if r is not None else _alpha_run(d, f, a, hashes[a]) for a, r in done.items()}
     if s.adapt and adapt_done is None:
         known = results.get(s.adapt.alpha)  # the fused model's NLL, when adapt.alpha is on the grid
         adapt_done = _adapt(d, f, adapt_hash, known.metrics.get("nll_target_lang") if known is not None else None)
-    return _summary(results, adapt_done, skipped=False)
+    return _summary(results, adapt_done, s.headline_alpha, skipped=False)
 
 
-def _fit(d: _Direction, probe_t: tuple[str, ...], probe_d: tuple[str, ...]) -> _Fitted:
+def _fit(d: _Direction) -> _Fitted:
     """Load both models, probe them (cached), fit every plan once, and measure the unfused target."""
     cfg, s, progress = d.cfg, d.s, bool(d.cfg.progress)
     host = _Host(cfg, d.target)
     donor = models.load(d.donor, cfg.device)
     t_ad, d_ad = itf.adapter_for(host.true["model_type"]), itf.adapter_for(donor.true_config["model_type"])
-    tp = _probe_cached(cfg, host.lm, probe_t, str(d.target.lang), s.qkv, t_ad)
-    dp = _probe_cached(cfg, donor, probe_d, str(d.donor.lang), s.qkv, d_ad)
-    console.print(f"[bold]transport[/] {d.label}: fitting plans on {len(probe_t)} probe sentences")
+    tp = _probe_cached(cfg, host.lm, d.texts.probe_t, str(d.target.lang), t_ad)
+    dp = _probe_cached(cfg, donor, d.texts.probe_d, str(d.donor.lang), d_ad)
+    console.print(f"[bold]transport[/] {d.label}: fitting plans on {len(d.texts.probe_t)} probe sentences")
     align = fus.align_layers(tp, dp, s, progress=progress)
     donor_sd = {k: v.detach() for k, v in donor.model.state_dict().items()}
     fusion = fus.fuse(host.model, donor_sd, tp, dp, t_ad, d_ad, align, s, progress=progress)
@@ -216,7 +276,7 @@ def _fit(d: _Direction, probe_t: tuple[str, ...], probe_d: tuple[str, ...]) -> _
                    "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
     stats = _plan_stats(align, fusion)
     base_t, base_d = host.nll(d.eval_t, "nll target"), host.nll(d.eval_d, "nll donor lang")
-    return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(probe_t))
+    return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t))
 
 
 def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, float]:
@@ -243,15 +303,19 @@ def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, floa
 
 
 def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
-    """One alpha's run: the fused target and the random-plan control, each on both languages."""
+    """One alpha's run: the fused target and the random-plan control, each on both languages, with the fused
+    tensors' weight-space distance to the target's originals (aggregate metrics, per tensor as an artifact)."""
     host = f.host
 
     def body(job: Job) -> dict[str, float]:
         values = {"alpha": a, "base_nll_target_lang": f.base_t, "base_nll_donor_lang": f.base_d}
+        per_tensor = {}
         for ctl, prefix in ((False, ""), (True, "rand_")):
             host.set(f.fusion.weights(a, control=ctl))
             values[f"{prefix}nll_target_lang"] = host.nll(d.eval_t, f"{prefix}fused a={a:g} target")
             values[f"{prefix}nll_donor_lang"] = host.nll(d.eval_d, f"{prefix}fused a={a:g} donor lang")
+            agg, per_tensor["control" if ctl else "ot"] = f.fusion.weight_stats(a, control=ctl)
+            values.update({f"{prefix}{k}": v for k, v in agg.items()})
         host.set(f.fusion.original)
         for lang in ("target_lang", "donor_lang"):
             values[f"delta_{lang}"] = values[f"nll_{lang}"] - values[f"base_nll_{lang}"]
@@ -259,37 +323,41 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             values[f"ot_minus_rand_{lang}"] = values[f"nll_{lang}"] - values[f"rand_nll_{lang}"]
         values.update(f.plan_stats)
         values.update({"n_probe": float(f.n_probe), "n_eval_target": float(len(d.eval_t)), "n_eval_donor": float(len(d.eval_d))})
-        job.log_params({"model_target.true": host.true, "model_donor.true": f.donor_true})
+        job.log_params({"model_target.true": host.true, "model_donor.true": f.donor_true, **d.texts.ranges})
         job.log_text(json.dumps(f.layer_table, indent=1), "transport/layer_alignment.json")
+        job.log_text(json.dumps(per_tensor, indent=1), "transport/fused_weights.json")
         return values
 
-    r = run_once(_alpha_cfg(d.cfg, a), f"transport:{d.label}:alpha={a:g}", d.tags("transport", alpha=a), d.overrides, body,
-                 cfg_hash=h)
+    tags = d.tags("transport", alpha=a, headline_alpha=d.s.headline_alpha)
+    r = run_once(_alpha_cfg(d.cfg, a), f"transport:{d.label}:alpha={a:g}", tags, d.overrides, body, cfg_hash=h)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
                   f"(control {v['rand_delta_target_lang']:+.4f}), donor lang {v['delta_donor_lang']:+.4f}")
     return r
 
 
-def _summary(results: dict[float, JobResult], adapt: JobResult | None, skipped: bool) -> JobResult:
-    """Per-alpha headline deltas; with a single alpha, that run's every metric (what reproduce compares)."""
-    values = dict(next(iter(results.values())).metrics) if len(results) == 1 else {}
+def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline: float, skipped: bool) -> JobResult:
+    """Per-alpha deltas (every alpha) and the headline alpha's; with a single alpha, that run's every metric
+    (what reproduce compares)."""
+    values = dict(next(iter(results.values())).metrics) if len(results) == 1 else {"headline_alpha": headline}
     for a, r in sorted(results.items()):
         for k in ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang"):
             if k in r.metrics:
                 values[f"{k}@{a:g}"] = r.metrics[k]
-    if adapt is not None and "fusion_effect_after_adapt" in adapt.metrics:
-        values["fusion_effect_after_adapt"] = adapt.metrics["fusion_effect_after_adapt"]
+    if adapt is not None:
+        for k in ("fusion_effect_after_adapt", "rand_fusion_effect_after_adapt"):
+            if k in adapt.metrics:
+                values[k] = adapt.metrics[k]
     first = next(iter(results.values()))
     return JobResult(first.run_id, skipped, values, first.cfg_hash)
 
 
-def _finetune(d: _Direction, host: _Host, job: Job, residual, sentences, label: str) -> list[float]:
-    """merge.adapt's fine-tuning of the host in place; the training-loss curve is logged as ``train_loss``."""
-    losses = adapt_mod.finetune(host.model, host.tok, sentences, residual, d.s.adapt, int(d.cfg.represent.max_length),
+def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric: str = "train_loss") -> list[float]:
+    """merge.adapt's fine-tuning of the host in place on the adaptation text; the loss curve is logged as ``metric``."""
+    losses = adapt_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, d.s.adapt, int(d.cfg.represent.max_length),
                                 progress=bool(d.cfg.progress), label=label)
     for i, loss in enumerate(losses):
-        job.log_metrics({"train_loss": loss}, step=i)
+        job.log_metrics({metric: loss}, step=i)
     return losses
 
 
@@ -300,40 +368,57 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
             "direction": f"{name} (no fusion)", "lang_target": d.target.lang, "seed": d.cfg.merge.adapt.seed}
 
     def body(job: Job) -> dict[str, float]:
-        sents = d.adapt_sentences()
         host.set(host.snapshot)
-        losses = _finetune(d, host, job, None, sents, f"adapt baseline {name}")
+        losses = _finetune(d, host, job, None, f"adapt baseline {name}")
         after = host.nll(d.eval_t, "nll baseline adapted")
+        job.log_params({"text.adapt": d.texts.ranges["text.adapt"], "text.eval": d.texts.ranges["text.eval"]})
         return {"nll_base_before": base_t, "nll_baseline_after": after, "delta_adapt": after - base_t,
-                "train_loss_first": losses[0], "train_loss_last": losses[-1], "n_adapt_sentences": float(len(sents))}
+                "train_loss_first": losses[0], "train_loss_last": losses[-1], "n_adapt_sentences": float(len(d.texts.adapt_t))}
 
-    return run_once(d.cfg, f"adapt-baseline:{name}", tags, d.overrides, body, cfg_hash=baseline_hash(d.cfg))
+    return run_once(d.cfg, f"adapt-baseline:{name}", tags, d.overrides, body, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
+
+
+def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None) -> dict[str, float]:
+    """One fused model (OT, or the random-plan control) at adapt.alpha, fine-tuned with its residual frozen,
+    measured on both languages; the host is restored afterwards."""
+    host, fusion, a, p = f.host, f.fusion, d.s.adapt.alpha, "rand_" if control else ""
+    fused = fusion.weights(a, control=control)
+    residual = {n: (fused[n] - fusion.original[n]) for n in fused}
+    host.set(fused)
+    del fused
+    before = before if before is not None else host.nll(d.eval_t, f"nll {p}fused")
+    losses = _finetune(d, host, job, residual, f"adapt {p}fused {d.label}", f"{p}train_loss")
+    after, after_d = host.nll(d.eval_t, f"nll {p}fused adapted"), host.nll(d.eval_d, f"nll {p}fused adapted, donor lang")
+    host.set(host.snapshot)
+    return {f"{p}nll_fused_before": before, f"{p}nll_fused_after": after, f"{p}nll_donor_lang_fused_after": after_d,
+            f"{p}train_loss_first": losses[0], f"{p}train_loss_last": losses[-1]}
 
 
 def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) -> JobResult:
-    """The fused model (at adapt.alpha) fine-tuned with its transported residual frozen, against the baseline."""
-    host, fusion, a = f.host, f.fusion, d.s.adapt.alpha
+    """The fused model (at adapt.alpha) and its random-plan control, each fine-tuned with its transported residual
+    frozen, against the no-fusion baseline (the same fine-tuning of the unfused target)."""
+    host, a = f.host, d.s.adapt.alpha
     host.snapshot = {k: v.detach().clone() for k, v in host.model.state_dict().items()}
     baseline = _baseline(d, host, f.base_t)
     host.set(host.snapshot)
     base_after = baseline.metrics["nll_baseline_after"]
 
     def body(job: Job) -> dict[str, float]:
-        fused = fusion.weights(a)
-        residual = {n: (fused[n] - fusion.original[n]) for n in fused}
-        host.set(fused)
-        before = fused_nll if fused_nll is not None else host.nll(d.eval_t, "nll fused")
-        losses = _finetune(d, host, job, residual, d.adapt_sentences(), f"adapt fused {d.label}")
-        after = host.nll(d.eval_t, "nll fused adapted")
-        job.log_params({"baseline_run": baseline.run_id})
-        return {"alpha": a, "nll_base_before": f.base_t, "nll_fused_before": before, "nll_fused_after": after,
-                "nll_baseline_after": base_after, "fusion_effect_after_adapt": after - base_after,
-                "fusion_effect_before_adapt": before - f.base_t,
-                "train_loss_first": losses[0], "train_loss_last": losses[-1]}
+        v = {"alpha": a, "nll_base_before": f.base_t, "base_nll_donor_lang": f.base_d, "nll_baseline_after": base_after,
+             **_adapt_one(d, f, job, False, fused_nll), **_adapt_one(d, f, job, True, None)}
+        v["fusion_effect_before_adapt"] = v["nll_fused_before"] - f.base_t
+        for p in ("", "rand_"):
+            v[f"{p}fusion_effect_after_adapt"] = v[f"{p}nll_fused_after"] - base_after
+            v[f"{p}delta_donor_lang_after_adapt"] = v[f"{p}nll_donor_lang_fused_after"] - f.base_d
+        v["ot_minus_rand_after_adapt"] = v["nll_fused_after"] - v["rand_nll_fused_after"]
+        v["ot_minus_rand_donor_lang_after_adapt"] = v["nll_donor_lang_fused_after"] - v["rand_nll_donor_lang_fused_after"]
+        job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
+        return v
 
     r = run_once(d.cfg, f"adapt:{d.label}:alpha={a:g}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
                  cfg_hash=h)
     host.set(host.snapshot)
-    console.print(f"  {d.label} adapted (alpha={a:g}): {r.metrics['nll_fused_after']:.4f} vs no-fusion baseline "
-                  f"{base_after:.4f} (fusion effect {r.metrics['fusion_effect_after_adapt']:+.4f})")
+    m = r.metrics
+    console.print(f"  {d.label} adapted (alpha={a:g}): {m['nll_fused_after']:.4f} vs no-fusion baseline {base_after:.4f} "
+                  f"(fusion effect {m['fusion_effect_after_adapt']:+.4f}, control {m.get('rand_fusion_effect_after_adapt', math.nan):+.4f})")
     return r

@@ -105,6 +105,13 @@ def row_stochastic(Q: torch.Tensor) -> torch.Tensor:
     return Q / Q.sum(1, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
 
 
+def column_stochastic(Q: torch.Tensor) -> torch.Tensor:
+    """Phi = m * Q for an (n, m) plan (columns sum to 1 under uniform marginals): the input-side scale.
+    Each donor input neuron then reads a convex combination of target neurons, so a donor neuron split
+    in two keeps its full input (``fusion.py``)."""
+    return Q / Q.sum(0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
+
+
 def shuffle_rows(Q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The random-plan control: the plan's rows in a seeded random order. Under uniform marginals
     every row sums to 1/n, so both marginals and the plan's scale are unchanged; only the learned

@@ -49,10 +49,17 @@ class AdaptSettings:
 
     @classmethod
     def from_node(cls, ad: Any) -> AdaptSettings:
+        """Every ``merge.adapt`` setting checked (before any plan is fitted), one line per error."""
         steps, batch_size, lr = int(ad.steps), int(ad.batch_size), float(ad.lr)
         if steps < 1 or batch_size < 1 or not lr > 0:
             raise MergescopeError(f"merge.adapt needs steps >= 1, batch_size >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})")
-        return cls(float(ad.alpha), steps, batch_size, lr, float(ad.weight_decay), float(ad.grad_clip), int(ad.seed))
+        alpha, wd, clip = float(ad.alpha), float(ad.weight_decay), float(ad.grad_clip)
+        if not 0 < alpha <= 1:
+            raise MergescopeError(f"merge.adapt.alpha must be in (0, 1] (the fused model that is adapted), got {alpha}")
+        if not (math.isfinite(wd) and wd >= 0 and math.isfinite(clip) and clip >= 0 and math.isfinite(lr)):
+            raise MergescopeError(f"merge.adapt.weight_decay and merge.adapt.grad_clip must be finite and >= 0 and lr finite "
+                                  f"(got {wd}, {clip}, {lr})")
+        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed))
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,8 @@ class TransportSettings:
     layer_topk: int
     top_k: int
     plan_scale: str          # "row_stochastic" | "raw"
-    qkv: bool
     alphas: tuple[float, ...]
+    headline_alpha: float    # the grid alpha the report's headline numbers are read at (one of alphas)
     control_seed: int        # the random-plan control's row shuffles and the layer-cost subsample
     adapt: AdaptSettings | None  # None when merge.adapt.enabled is false
 
@@ -95,13 +102,17 @@ class TransportSettings:
             raise MergescopeError("merge.probe_sentences must be at least 3: correlations need samples")
         if str(m.plan_scale) not in PLAN_SCALES:
             raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{m.plan_scale}'")
+        if m.get("qkv"):
+            raise MergescopeError("merge.qkv was removed: q/k/v need head-level plans (q.k pairs within a head, RoPE pairs, v "
+                                  "tied to o_proj), which are not implemented; q/k/v keep the target's values")
+        headline = _headline(m.get("headline_alpha"), alphas)
         ad = m.get("adapt")
         return cls(
             target=str(m.target), probe_split=str(m.probe_split), probe_sentences=int(m.probe_sentences),
             epsilon=float(m.epsilon), layer_epsilon=float(m.layer_epsilon), max_iter=int(m.max_iter),
             marginal_tol=float(m.marginal_tol), layer_subsample=int(m.layer_subsample), layer_topk=int(m.layer_topk),
-            top_k=int(m.top_k), plan_scale=str(m.plan_scale), qkv=bool(m.qkv), alphas=tuple(float(a) for a in alphas),
-            control_seed=int(m.control_seed),
+            top_k=int(m.top_k), plan_scale=str(m.plan_scale), alphas=tuple(float(a) for a in alphas),
+            headline_alpha=headline, control_seed=int(m.control_seed),
             adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
         )
 
@@ -113,8 +124,7 @@ class TransportSettings:
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TransportSettings:
         """A job's settings: every setting, the probe split against the evaluation split, and the pair
-        (two different models, both with transport interfaces, q/k/v only where commensurable),
-        all checked before any run exists."""
+        (two different models, both with transport interfaces), all checked before any run exists."""
         s = cls.from_node(merge_node(cfg))
         if s.probe_split == str(cfg.data.split):
             raise MergescopeError(f"merge.probe_split={s.probe_split} is the evaluation split (data.split); probes must never "
@@ -122,8 +132,16 @@ class TransportSettings:
         ref_a, ref_b = models.resolve_pair(cfg.pair)
         ca, cb = models.load_config(ref_a), models.load_config(ref_b)
         itf.adapter_for(ca["model_type"]), itf.adapter_for(cb["model_type"])
-        if s.qkv:
-            why = itf.qkv_blocker(ca["model_type"], cb["model_type"], ca, cb)
-            if why:
-                raise MergescopeError(f"merge.qkv=true is undefined for this pair: {why}; leave merge.qkv=false")
         return s
+
+
+def _headline(value: Any, alphas: list) -> float:
+    """``merge.headline_alpha``: one of the grid's alphas; unset (null) only for a one-alpha grid, whose alpha it is."""
+    if value is None and len(alphas) == 1:
+        return float(alphas[0])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        match = [float(a) for a in alphas if math.isclose(float(a), float(value), rel_tol=1e-9, abs_tol=1e-12)]
+        if match:
+            return match[0]
+    raise MergescopeError(f"merge.headline_alpha must be one of merge.alphas {list(alphas)} (the report's headline numbers "
+                          f"are read at it, never at the alpha that did best on the evaluation sentences), got {value!r}")
