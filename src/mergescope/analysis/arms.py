@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mergescope.analysis.records import Rec, base_name, direction, is_checkpoint_pair, transport_best
+from mergescope.analysis.records import Rec, base_name, direction, is_checkpoint_pair, transport_headline
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
 
@@ -106,27 +106,40 @@ def native_pair(b: Build) -> Section:
     return sec
 
 
+def _counts(rs: list[Rec]) -> tuple[int, int]:
+    """(fusion helped, the OT plan beat its control) on the target's language, over runs (one per direction)."""
+    return (sum(1 for x in rs if x.m("delta_target_lang") < 0), sum(1 for x in rs if x.m("ot_minus_rand_target_lang") < 0))
+
+
 def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
     cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
-            "ot_minus_rand_donor_lang", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+            "ot_minus_rand_donor_lang", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+    heads = [{"fused_weight_cosine": "transport_weight_cosine", "fused_relative_l2": "transport_relative_l2"}.get(c, c) for c in cols]
     rows = [[direction(r), r.tags.get("alpha", f3(r.m("alpha"))), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
             for r in sorted(runs, key=lambda r: (direction(r), r.m("alpha")))]
-    sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *cols, "run"], rows,
+    sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
                              note="Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
-                                  "shuffled-plan control (same fusion, plan rows shuffled)."))
+                                  "shuffled-plan control (same fusion, plan rows shuffled). transport_weight_cosine / "
+                                  "transport_relative_l2: every fused tensor against the target's original, after the transport."))
     by_dir: dict[str, list[Rec]] = {}
     for r in runs:
         by_dir.setdefault(direction(r), []).append(r)
-    best = [x for x in (transport_best(v) for v in by_dir.values()) if x is not None]
-    helped = sum(1 for x in best if x.m("delta_target_lang") < 0)
-    beats = sum(1 for x in best if x.m("ot_minus_rand_target_lang") < 0)
-    med = median(x.m("delta_target_lang") for x in best)
-    top = min(best, key=lambda x: x.m("delta_target_lang")) if best else None
-    sec.text.append(f"{len(by_dir)} directions fused. At each direction's best alpha, fusion improves the target on its own "
-                    f"language in {helped}/{len(best)} directions (median delta {f3(med, 4)} nats/token) and the OT plan beats "
-                    f"its shuffled-plan control on the target's language in {beats}/{len(best)}."
-                    + (f" Best: {direction(top)} at alpha {top.tags.get('alpha')}, delta {f3(top.m('delta_target_lang'), 4)} "
+    head = [x for x in (transport_headline(v) for v in by_dir.values()) if x is not None]
+    helped, beats = _counts(head)
+    med = median(x.m("delta_target_lang") for x in head)
+    top = min(head, key=lambda x: x.m("delta_target_lang")) if head else None
+    at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
+    sec.text.append(f"{len(by_dir)} directions fused. At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
+                    f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
+                    f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
+                    f"target's language in {beats}/{len(head)}."
+                    + (f" Largest gain at that alpha: {direction(top)}, delta {f3(top.m('delta_target_lang'), 4)} "
                        f"(run {short(top.run_id)})." if top else ""))
+    per_alpha = {}
+    for r in runs:
+        per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
+    sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
+                                               for a, v in sorted(per_alpha.items())) + ".")
     b.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})
     sec.figures.append(("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control"))
     b.csv["tables/transport.csv"] = sec.tables[0].csv()
@@ -134,14 +147,19 @@ def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
 
 
 def _adapt_table(sec: Section, runs: list[Rec]) -> None:
-    cols = ["nll_base_before", "nll_fused_before", "nll_baseline_after", "nll_fused_after", "fusion_effect_after_adapt"]
+    cols = ["nll_base_before", "nll_fused_before", "nll_baseline_after", "nll_fused_after", "fusion_effect_after_adapt",
+            "rand_fusion_effect_after_adapt", "nll_donor_lang_fused_after"]
     rows = [[direction(r), r.tags.get("alpha", ""), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
             for r in sorted(runs, key=direction)]
     sec.tables.append(RTable("Post-fusion adaptation (residual-frozen)", ["direction", "alpha", *cols, "run"], rows,
                              note="fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
-                                  "(negative = fusion helped)."))
+                                  "(negative = fusion helped); rand_ = the same for the random-plan-fused model (its control)."))
     helped = sum(1 for r in runs if r.m("fusion_effect_after_adapt") < 0)
-    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions.")
+    beats = [r for r in runs if np.isfinite(r.m("rand_fusion_effect_after_adapt"))]
+    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions"
+                    + (f"; the OT-fused model beats the adapted random-plan control in "
+                       f"{sum(1 for r in beats if r.m('fusion_effect_after_adapt') < r.m('rand_fusion_effect_after_adapt'))}/{len(beats)}."
+                       if beats else "."))
 
 
 def transport(b: Build) -> Section:

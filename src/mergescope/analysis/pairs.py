@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mergescope.analysis.records import Rec, Study, is_checkpoint_pair, transport_best
+from mergescope.analysis.records import Rec, Study, is_checkpoint_pair, transport_headline
 from mergescope.analysis.tables import NATIVE_PAIR, TYPOLOGY
 
 __all__ = ["cka_matrix", "build_pair_rows"]
@@ -65,14 +65,14 @@ def _put(p: dict[str, Any], key: str, rec: Rec | None, metric: str) -> None:
 
 
 def _add_transport(p: dict[str, Any], transport: list[Rec], adapt: list[Rec]) -> None:
-    """Both directions' transport deltas at their best alpha, and the post-fusion adaptation effect."""
+    """Both directions' transport deltas at the headline alpha (``merge.headline_alpha``), and the post-fusion adaptation effect."""
     v = p["values"]
     deltas, ctrls = [], []
     for side, other in (("a", "b"), ("b", "a")):
         runs = [r for r in transport if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]]
-        best = transport_best(runs)
-        _put(p, f"transport_delta_{side}", best, "delta_target_lang")
-        _put(p, f"transport_ot_minus_rand_{side}", best, "ot_minus_rand_target_lang")
+        head = transport_headline(runs)
+        _put(p, f"transport_delta_{side}", head, "delta_target_lang")
+        _put(p, f"transport_ot_minus_rand_{side}", head, "ot_minus_rand_target_lang")
         deltas.append(v[f"transport_delta_{side}"])
         ctrls.append(v[f"transport_ot_minus_rand_{side}"])
         ad = next((r for r in reversed(adapt) if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]), None)

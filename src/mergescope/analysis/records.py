@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from mergescope.errors import MergescopeError
 from mergescope.tracking import client_for, read_artifact_text, store_uri
 
-__all__ = ["Rec", "Study", "load_study", "logged_study_jobs", "STUDY_JOBS", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_best"]
+__all__ = ["Rec", "Study", "load_study", "logged_study_jobs", "STUDY_JOBS", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_headline"]
 
 
 @dataclass
@@ -68,10 +68,14 @@ def direction(r: Rec) -> str:
     return r.tags.get("direction") or f"{r.tags.get('target')} <- {r.tags.get('donor')}"
 
 
-def transport_best(runs: list[Rec]) -> Rec | None:
-    """The alpha with the lowest delta on the target's language (the grid's best)."""
-    ok = [r for r in runs if np.isfinite(r.m("delta_target_lang"))]
-    return min(ok, key=lambda r: r.m("delta_target_lang")) if ok else None
+def transport_headline(runs: list[Rec]) -> Rec | None:
+    """A direction's run at its headline alpha (``merge.headline_alpha``, tagged on every run): fixed in the config,
+    never the alpha that did best on the evaluation sentences. None when no run is at it (or runs predate the tag)."""
+    def alpha(r: Rec) -> float:
+        return r.m("alpha") if np.isfinite(r.m("alpha")) else float(r.tags.get("alpha", "nan"))
+
+    at = [r for r in runs if r.tags.get("headline_alpha") and np.isclose(float(r.tags["headline_alpha"]), alpha(r))]
+    return at[-1] if at else None
 
 
 def logical_key(r: Rec) -> tuple | None:
