@@ -37,6 +37,7 @@ data:
 
 # MLflow UI over the project's store, on loopback only.
 ui: install
+	@$(PY) -c "from mergescope.tracking import ui_links; [print(f'{n}: {u}') for n, u in ui_links('sqlite:///$(CURDIR)/mlruns/mlflow.db', 'http://127.0.0.1:$(PORT)')]" 2>/dev/null || true
 	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlruns/mlflow.db" \
 	  --default-artifact-root "file://$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(PORT)
 

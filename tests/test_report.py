@@ -374,9 +374,9 @@ def test_report_html_links_every_run_id_to_its_run(built):
     for r in tracker.runs(""):
         rid = r.info.run_id
         if r.data.tags["kind"] != "analysis":
-            assert f'<a href="{base}{rid}">' in page, rid
+            assert f'<a href="{base}{rid}?workflowType=machine_learning">' in page, rid
     # a short id that is not a run (a cfg hash's prefix) stays plain text
-    assert "<a href" not in re.sub(r'<a href="[^"]*/runs/[0-9a-f]{32}">', "", page)
+    assert "<a href" not in re.sub(r'<a href="[^"]*/runs/[0-9a-f]{32}\?workflowType=machine_learning">', "", page)
 
 
 def _chromium() -> str | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -19,7 +21,8 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 import yaml  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from mergescope.config import flatten, redact, to_plain  # noqa: E402
+from mergescope.config import flatten, is_secret, redact, to_plain  # noqa: E402
+from mergescope.store import check_artifacts, check_store, owner_gone, owner_tags, store_lock  # noqa: E402
 
 for _name in ("alembic", "mlflow", "alembic.runtime.migration"):
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -34,9 +37,12 @@ def store_uri(cfg: DictConfig) -> tuple[str, str]:
     """(tracking URI, artifact root URI) from ``tracking`` and ``paths``."""
     root = Path(cfg.paths.root).resolve()
     uri = cfg.tracking.get("uri") or f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    # checked before MLflow sees it (a missing folder or an unwritable file is one line, not minutes of retries);
+    # the default store's folders are created, an explicit one's must exist
+    check_store(uri, "tracking.uri" if cfg.tracking.get("uri") else "paths.root", not cfg.tracking.get("uri"))
     artifacts = cfg.tracking.get("artifacts") or (root / "mlruns" / "artifacts").as_uri()
+    check_artifacts(artifacts, "tracking.artifacts" if cfg.tracking.get("artifacts") else "paths.root",
+                    not cfg.tracking.get("artifacts"))
     return uri, artifacts
 
 
@@ -47,7 +53,8 @@ def client_for(uri: str):
 
     for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):  # the client creates (and migrates) the schema: one process at a time
+        return MlflowClient(tracking_uri=uri)
 
 
 @lru_cache(maxsize=None)
@@ -80,10 +87,13 @@ class Tracker:
         if self._exp_id is None:
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
-                self._exp_id = self.client.create_experiment(
-                    self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}", tags=EXPERIMENT_TAGS
-                )
-            else:
+                with store_lock(self.uri):  # parallel launches on a fresh store: the first creates it, the rest find it
+                    exp = self.client.get_experiment_by_name(self.experiment)
+                    if exp is None:
+                        self._exp_id = self.client.create_experiment(
+                            self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}", tags=EXPERIMENT_TAGS
+                        )
+            if self._exp_id is None:
                 self._exp_id = exp.experiment_id
                 if exp.tags.get(EXPERIMENT_KIND) != EXPERIMENT_TAGS[EXPERIMENT_KIND]:  # a store made before the tag
                     self.client.set_experiment_tag(self._exp_id, EXPERIMENT_KIND, EXPERIMENT_TAGS[EXPERIMENT_KIND])
@@ -108,33 +118,76 @@ class Tracker:
             parts.append(f"attributes.status = '{status}'")
         return self.client.search_runs([self.experiment_id], filter_string=" and ".join(parts), max_results=50000)
 
+    def reap_stale(self, cfg_hash: str) -> list[str]:
+        """Mark KILLED every RUNNING run of this cfg_hash whose process is gone (killed, or the machine restarted):
+        same host, and its pid no longer runs that process. Returns their run ids."""
+        from mergescope.progress import console
+
+        stale = self.client.search_runs([self.experiment_id], max_results=1000,
+                                        filter_string=f"tags.cfg_hash = '{cfg_hash}' and attributes.status = 'RUNNING'")
+        gone = [r for r in stale if owner_gone(r.data.tags)]
+        for r in gone:
+            self.client.set_tag(r.info.run_id, "killed", "process gone; marked KILLED by a later launch of the same job")
+            self.client.set_terminated(r.info.run_id, status="KILLED")
+            console.print(f"marked KILLED: run {r.info.run_id} ({r.info.run_name}), its process {r.data.tags.get('pid')} is gone")
+        return [r.info.run_id for r in gone]
+
     @contextmanager
     def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None) -> Iterator[Job]:
-        """Create a run, log config, yield a Job; FINISHED on success, FAILED on any exception."""
-        from mlflow.entities import Param
-
+        """Create a run (tagged with its host and pid), log config, yield a Job; FINISHED on success, KILLED on
+        SIGTERM or Ctrl-C (the process then exits), FAILED on any other exception."""
         extra = cfg.get("tags") or {}
-        tags = {k: str(v) for k, v in {**tags, **extra}.items() if v is not None}
+        tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        terminate_as_killed()
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
         job = Job(self.client, run.info.run_id)
         try:
-            plain = redact(to_plain(cfg))
-            params = [Param(k, v) for k, v in flatten(plain).items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(job.run_id, params=params[i : i + 100])
-            job.log_text(yaml.safe_dump(plain, sort_keys=False, allow_unicode=True), "config/resolved.yaml")
-            job.log_text(yaml.safe_dump(list(overrides or []), allow_unicode=True), "config/overrides.yaml")
-            job.log_text(pip_freeze(), "environment/pip-freeze.txt")
-            hydra_dir = _hydra_dir()
-            if hydra_dir is not None:
-                self.client.log_artifacts(job.run_id, str(hydra_dir), ".hydra")
+            self._log_config(job, cfg, overrides)
             yield job
-        except BaseException:
-            self.client.set_terminated(job.run_id, status="FAILED")
+        except BaseException as exc:
+            killed = isinstance(exc, (Terminated, KeyboardInterrupt))
+            self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
             raise
         else:
             self.client.set_terminated(job.run_id, status="FINISHED")
+
+    def _log_config(self, job: Job, cfg: DictConfig, overrides: list[str] | None) -> None:
+        """Params, config/resolved.yaml, config/overrides.yaml, .hydra/ and pip freeze: secrets redacted in all."""
+        from mlflow.entities import Param
+
+        plain = redact(to_plain(cfg))
+        params = [Param(k, v) for k, v in flatten(plain).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(job.run_id, params=params[i : i + 100])
+        job.log_text(yaml.safe_dump(plain, sort_keys=False, allow_unicode=True), "config/resolved.yaml")
+        job.log_text(yaml.safe_dump(redact(list(overrides or [])), allow_unicode=True), "config/overrides.yaml")
+        job.log_text(pip_freeze(), "environment/pip-freeze.txt")
+        hydra_dir = _hydra_dir()
+        if hydra_dir is not None:
+            with tempfile.TemporaryDirectory() as d:
+                for f in sorted(hydra_dir.iterdir()):
+                    if f.is_file():
+                        text = f.read_text()
+                        if f.suffix == ".yaml":
+                            text = yaml.safe_dump(redact(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
+                        (Path(d) / f.name).write_text(text)
+                self.client.log_artifacts(job.run_id, d, ".hydra")
+
+
+class Terminated(SystemExit):
+    """SIGTERM, raised in the main thread: the open run (if any) is marked KILLED and the process exits with 143."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean exit: a second SIGTERM does not interrupt the clean-up
+    raise Terminated(128 + signum)
+
+
+def terminate_as_killed() -> None:
+    """Install the SIGTERM handler (main thread, and only over the default action: a launcher's own handler is kept)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _hydra_dir() -> Path | None:
@@ -189,6 +242,15 @@ class Job:
             p = Path(d) / Path(path).name
             p.write_bytes(buf.getvalue())
             self.client.log_artifact(self.run_id, str(p), str(Path(path).parent) if Path(path).parent != Path(".") else None)
+
+
+UI_MODE = "workflowType=machine_learning"  # MLflow 3.17's UI opens on GenAI pages without it, whatever the tag says
+
+
+def ui_links(uri: str, ui_url: str) -> list[tuple[str, str]]:
+    """(experiment name, the URL of its runs table in the MLflow UI), for every experiment of a store."""
+    exps = client_for(uri).search_experiments()
+    return [(e.name, f"{ui_url.rstrip('/')}/#/experiments/{e.experiment_id}/runs?{UI_MODE}") for e in exps if e.name != "Default"]
 
 
 def read_artifact_text(client, run_id: str, path: str) -> str:

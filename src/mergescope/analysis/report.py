@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mergescope.analysis.tables import Analysis, RTable
+from mergescope.tracking import UI_MODE
 
 __all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown", "summary_lines", "not_measured_lines"]
 
@@ -140,7 +141,7 @@ def _markdown():
 
 def run_url(ui_url: str, experiment_id: str, run_id: str) -> str:
     """The run's page in the MLflow UI."""
-    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_MODE}"
 
 
 def link_run_ids(md: str, run_ids: list[str], ui_url: str, experiment_id: str) -> str:

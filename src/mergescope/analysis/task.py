@@ -17,7 +17,7 @@ from mergescope.analysis.build import build_analysis
 from mergescope.analysis.correlations import N_PERMUTATIONS
 from mergescope.analysis.figures import close_figures, make_figures
 from mergescope.analysis.records import STUDY_JOBS, Study, load_study
-from mergescope.analysis.report import write_report
+from mergescope.analysis.report import run_url, write_report
 from mergescope.analysis.tables import Analysis, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console
@@ -62,14 +62,14 @@ KIND_MEANINGS = {
 }
 
 
-def experiment_description(study: Study, md_path: Path, run_id: str) -> str:
+def experiment_description(study: Study, md_path: Path, run_id: str, run_link: str = "") -> str:
     """The experiment's description for the MLflow UI: the study, what each kind tag holds, where the report is."""
     kinds = sorted({r.kind for r in study.records} | {"analysis"})
     lines = [f"**mergescope study `{study.experiment}`**: {len(study.records)} runs of the study's jobs, chosen from {study.source}.",
              "", "Runs by `kind` tag:", ""]
     lines += [f"- `{k}`: {KIND_MEANINGS.get(k, 'see the README')}" for k in kinds]
-    lines += ["", f"Report: `{md_path}` (and `report.html` beside it), written by analysis run `{run_id}`, whose artifacts "
-              "hold the same report, its tables and figures."]
+    lines += ["", f"Report: `{md_path}` (and `report.html` beside it, where every run id links to its run), written by "
+              f"analysis run [`{run_id}`]({run_link or run_id}), whose artifacts hold the same report, its tables and figures."]
     return "\n".join(lines)
 
 
@@ -95,7 +95,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     with tracker.start(cfg, f"analysis {study.experiment}", tags, overrides) as job:
         md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri, ui=ui)
         _log_analysis(job, an, study, out_dir, md_path, html_path)
-    tracker.describe(experiment_description(study, md_path, job.run_id))
+    tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
     close_figures(an)
     print(f"report: {md_path}")
     print(f"        {html_path}")
