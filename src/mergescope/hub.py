@@ -36,3 +36,26 @@ def check_hub_reachable(what: str) -> None:
             f"the Hugging Face hub ({hub_endpoint()}) is unreachable (or HF_HUB_OFFLINE is set) and {what} "
             "is needed from it; connect to the internet, or give a local folder instead"
         )
+
+
+def evict_revisions(repo_id: str, revisions: list[str], cache_dir: str | None = None) -> dict[str, int]:
+    """Delete the given revisions (branch names such as ``step1000``) of a hub model from the local Hugging Face
+    cache, once their jobs are done; returns {revision: bytes freed}. Blobs still used by another revision (the
+    kept ``main``, say) stay. Only the hub cache is touched: a local folder (the zoo) is never an argument here."""
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(cache_dir)
+    repo = next((r for r in info.repos if r.repo_id == repo_id and r.repo_type == "model"), None)
+    if repo is None:
+        return {}
+    wanted = {rev.commit_hash: sorted(set(rev.refs) & set(revisions)) for rev in repo.revisions if set(rev.refs) & set(revisions)}
+    freed: dict[str, int] = {}
+    for commit, refs in wanted.items():
+        if any(r not in revisions for r in next(rev.refs for rev in repo.revisions if rev.commit_hash == commit)):
+            continue  # the same snapshot is also another, kept ref (main): keep it
+        strategy = info.delete_revisions(commit)
+        size = int(strategy.expected_freed_size)
+        strategy.execute()
+        for r in refs:
+            freed[r] = size // len(refs)
+    return freed

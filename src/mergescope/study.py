@@ -195,6 +195,32 @@ def _transport_text(j: StudyJob, r: JobResult) -> str:
     return f"transport {model_label(t)} <- {model_label(d)}: delta target {deltas}"
 
 
+def _checkpoint_arm(plan: Plan) -> None:
+    """The checkpoint pairs, model by model; with ``checkpoints.evict_after`` each hub model's revisions are
+    deleted from the local hub cache once all its pairs are FINISHED (a zoo folder is never touched)."""
+    by_model: dict[str, list[StudyJob]] = {}
+    for j in plan.checkpoint_pairs():
+        by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
+    for jobs in by_model.values():
+        _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}")
+        if (plan.cfg.get("checkpoints") or {}).get("evict_after"):
+            evict_checkpoints(jobs)
+
+
+def evict_checkpoints(jobs: list[StudyJob]) -> dict[str, int]:
+    """Delete the revisions these (FINISHED) checkpoint jobs read from the local hub cache; print what was freed."""
+    from mergescope.hub import evict_revisions
+
+    ref = resolve(jobs[0].cfg.pair.a)
+    if ref.local:
+        return {}
+    revs = sorted({str(j.cfg.pair[s].revision) for j in jobs for s in ("a", "b")} | {str(jobs[0].cfg.native.base or "main")} - {"main", "None"})
+    freed = evict_revisions(ref.location, revs)
+    console.print(f"[bold]evicted[/] {len(freed)} revisions of {ref.location} from the hub cache: "
+                  f"{sum(freed.values()) / 2**30:.2f} GiB freed ({', '.join(sorted(freed)) or 'none cached'})")
+    return freed
+
+
 def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from mergescope.analysis import run_analyze
 
@@ -216,5 +242,5 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
     _run_all(plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
-    _run_all(plan.checkpoint_pairs(), lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}")
+    _checkpoint_arm(plan)
     _run_all(plan.transport_directions(), _transport_text)
