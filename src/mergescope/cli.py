@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
+from omegaconf.errors import InterpolationResolutionError
 
 from mergescope.config import CONF_DIR
 from mergescope.errors import MergescopeError, did_you_mean
@@ -26,6 +27,10 @@ TASKS: dict[str, str] = {
     "transport": "mergescope.transport.job:run_transport",
     "typology": "mergescope.typology:run_typology",
     "analyze": "mergescope.analysis:run_analyze",
+    "agreement": "mergescope.shared.agreement_job:run_agreement",
+    "shared_space": "mergescope.shared.space_job:run_shared_space",
+    "routing": "mergescope.shared.routing_job:run_routing",
+    "adapt": "mergescope.adapt.job:run_adapt",
 }
 
 
@@ -99,6 +104,12 @@ def run(cfg: DictConfig):
     except MergescopeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except InterpolationResolutionError as exc:  # a resolver's own error (tracking=server with no server): one line
+        head = "MergescopeError raised while resolving interpolation: "
+        if head not in str(exc):
+            raise
+        print(f"error: {str(exc).split(head, 1)[1].splitlines()[0]}", file=sys.stderr)
+        sys.exit(MergescopeError.exit_code)
     if isinstance(result, JobResult):
         print(report(result))
 

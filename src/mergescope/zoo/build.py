@@ -55,6 +55,8 @@ def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
     arch = dict(unresolved_plain(arch))
     family = arch.pop("family", None)
     arch.pop("vocab_size", None)
+    for key in ("train_langs", "tokenizer", "steps"):  # text, tokenizer and steps: not architecture
+        arch.pop(key, None)
     config_class = _config_class(family)
     heads, hidden = arch.get("num_attention_heads"), arch.get("hidden_size")
     if heads and hidden and hidden % heads:

@@ -149,3 +149,43 @@ def sample_lines(lang: str = "eng_Latn", n: int = 400, seed: int = 0) -> list[st
     """
     rng = random.Random(zlib.crc32(f"{lang}:{seed}".encode()))
     return [_sample_line(rng, lang) for _ in range(int(n))]
+
+
+# Zoo keys that shape the training text and tokenizer, not the architecture (build_model drops them).
+TEXT_KEYS = ("train_langs", "tokenizer")
+
+
+def training_langs(entry: dict) -> list[str]:
+    """The languages a zoo model trains on: ``zoo.train_langs``, else its own ``lang``."""
+    return [str(x) for x in (entry["zoo"].get("train_langs") or [entry["lang"]])]
+
+
+def load_training_texts(text_root: str | Path, langs: list[str], **kwargs) -> tuple[list[str], list[str]]:
+    """:func:`load_training_text` of every language, concatenated in order (train lines, held-out lines)."""
+    train, held = [], []
+    for lang in langs:
+        t, h = load_training_text(text_root, lang, **kwargs)
+        train += t
+        held += h
+    return train, held
+
+
+def shared_tokenizer(spec: dict, text_root: str | Path, folder: Path, vocab_size: int, **text_kwargs):
+    """One tokenizer for a family (``zoo.tokenizer: {name, langs}``): trained once on the union of the
+    languages' training lines and saved in ``folder``; reused while its settings are unchanged."""
+    import hashlib
+    import json
+
+    from transformers import AutoTokenizer
+
+    key = hashlib.sha256(json.dumps({"spec": spec, "vocab": int(vocab_size), "text": text_kwargs},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stamp = folder / "tokenizer_fingerprint.txt"
+    if stamp.is_file() and stamp.read_text().strip() == key:
+        return AutoTokenizer.from_pretrained(folder)
+    lines, _ = load_training_texts(text_root, [str(x) for x in spec["langs"]], **text_kwargs)
+    tok = train_tokenizer(lines, vocab_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    stamp.write_text(key + "\n")
+    return tok

@@ -39,7 +39,7 @@ from mergescope.zoo.checkpoints import (
 )
 from mergescope.zoo.data import BatchOrder, checkpoint_steps, lr_at, pack, token_stream
 from mergescope.zoo.build import INIT_SCHEME, build_model, init_seed, unresolved_plain
-from mergescope.zoo.tokenizer import MODEL_MAX_LENGTH, load_training_text, train_tokenizer
+from mergescope.zoo.tokenizer import MODEL_MAX_LENGTH, load_training_texts, shared_tokenizer, train_tokenizer, training_langs
 
 # Keys of the ``train`` dict that train_model needs; all of them come from the config.
 TRAIN_KEYS = (
@@ -224,11 +224,12 @@ def _load_state(plan: _Plan) -> dict | None:
     return state
 
 
-def _model_and_tokenizer(plan: _Plan, state: dict | None, train_lines: list[str]) -> tuple[Any, Any]:
-    """A fresh tokenizer and initialisation (seeding torch first), or the resumed checkpoint's."""
+def _model_and_tokenizer(plan: _Plan, state: dict | None, train_lines: list[str], shared=None) -> tuple[Any, Any]:
+    """A fresh tokenizer (or the family's ``shared`` one) and initialisation (seeding torch first), or the
+    resumed checkpoint's."""
     if state is None:
         torch.manual_seed(plan.seed)
-        tokenizer = train_tokenizer(train_lines, plan.vocab_size)
+        tokenizer = shared if shared is not None else train_tokenizer(train_lines, plan.vocab_size)
         model = build_model(plan.zoo, plan.vocab_size, init_seed(plan.seed, plan.name), tokenizer.eos_token_id)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -411,12 +412,15 @@ def _train(entry: dict, train: dict, text_root: Path, out: Path, log: Log | None
                  checkpoint_steps(int(train["steps"])))
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    train_lines, held_lines = load_training_text(
-        text_root, plan.lang, drop_flagged=bool(train["drop_flagged"]), max_lines=train["max_lines"],
-        heldout_frac=float(train["heldout_frac"]), seed=plan.seed,
-    )
+    text_kwargs = {"drop_flagged": bool(train["drop_flagged"]), "max_lines": train["max_lines"],
+                   "heldout_frac": float(train["heldout_frac"]), "seed": plan.seed}
+    train_lines, held_lines = load_training_texts(text_root, training_langs(entry), **text_kwargs)
     state = _load_state(plan)
-    model, tokenizer = _model_and_tokenizer(plan, state, train_lines)
+    shared = None
+    if zoo.get("tokenizer") and state is None:  # one tokenizer for a family, beside the family's models
+        spec = dict(zoo["tokenizer"])
+        shared = shared_tokenizer(spec, text_root, out.parent / f"tokenizer-{spec['name']}", plan.vocab_size, **text_kwargs)
+    model, tokenizer = _model_and_tokenizer(plan, state, train_lines, shared)
     data = _prepare_data(plan, tokenizer, train_lines, held_lines)
     optimizer = _optimizer(plan, model, 0 if state is None else int(state["step"]))
     if state is not None:
@@ -460,6 +464,8 @@ def train_model(
     A finished run returns its saved summary without training.
     """
     entry, train = dict(unresolved_plain(entry)), dict(unresolved_plain(train))
+    if (entry.get("zoo") or {}).get("steps"):  # a model that trains for its own number of steps
+        train["steps"] = int(entry["zoo"]["steps"])
     check_train(train)
     threads = torch.get_num_threads()
     if train.get("num_threads"):

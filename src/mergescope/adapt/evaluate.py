@@ -1,0 +1,132 @@
+"""Scoring a model of the adapt arm: NLL per language and per FLORES domain (nats per token and bits per
+byte), on a validation and a disjoint test split, and the diagnostics read against the collapse: attention
+entropy per layer (mean over heads and real query tokens) and the residual-stream norm per layer.
+
+A "task" of the seesaw is one language or one FLORES domain (wikinews / wikivoyage / wikibooks, from the
+``metadata_<split>.tsv`` beside the FLORES files; pooled over the languages).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mergescope import data as data_mod
+from mergescope.config import plain_copy
+from mergescope.errors import MergescopeError
+from mergescope.represent import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Text:
+    """One split of one language: the sentences, their UTF-8 byte counts and their FLORES domains."""
+
+    split: str
+    lang: str
+    sentences: tuple[str, ...]
+    domains: tuple[str, ...] | None
+
+    @property
+    def n_bytes(self) -> np.ndarray:
+        return np.array([len(s.encode("utf-8")) for s in self.sentences], dtype=np.float64)
+
+
+def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
+    """The FLORES domain of each of the first ``n`` lines of ``split`` (None when there is no metadata)."""
+    path = Path(root) / f"metadata_{split}.tsv"
+    if not path.is_file():
+        return None
+    rows = path.read_text(encoding="utf-8").splitlines()
+    head = rows[0].split("\t")
+    if "domain" not in head:
+        return None
+    col = head.index("domain")
+    return tuple(r.split("\t")[col] for r in rows[1:])[:n]
+
+
+def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | None) -> list[Text]:
+    """The ``val`` and ``test`` splits (names from ``splits``) of every language, first ``limit`` sentences."""
+    if splits["val"] == splits["test"]:
+        raise MergescopeError(f"adaptation.val_split and test_split are both '{splits['val']}': the best ratio must be "
+                              "chosen on one split and reported on a disjoint one")
+    out = []
+    for role, split in splits.items():
+        c = plain_copy(data_cfg)
+        c.split = split
+        for lang in langs:
+            side = data_mod.load_side(c, lang)
+            sents = side.sentences[: int(limit)] if limit else side.sentences
+            doms = domains_of(Path(str(c.root)), split, len(sents)) if c.get("source") != "hub" else None
+            out.append(Text(role, lang, tuple(sents), doms if doms and len(doms) == len(sents) else None))
+    return out
+
+
+@torch.inference_mode()
+def sentence_nll(model, tokenizer, sentences, batch_tokens="auto", max_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Per sentence: summed NLL (nats, float64) of every predicted token, and the number of predicted tokens."""
+    device = next(model.parameters()).device
+    ids, _ = tokenize(tokenizer, sentences, max_length)
+    lengths = np.array([len(s) for s in ids])
+    nll, ntok = np.zeros(len(ids)), np.maximum(lengths - 1, 0).astype(np.float64)
+    for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
+        x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
+        logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits[:, :-1].double()
+        lp = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+        nll[b] = (lp * m[:, 1:]).sum(1).cpu().numpy()
+    return nll, ntok
+
+
+def _pool(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[float, float]:
+    """(nats per token, bits per byte) of pooled (nll, tokens, bytes) arrays."""
+    nll = sum(float(p[0].sum()) for p in parts)
+    return nll / max(sum(float(p[1].sum()) for p in parts), 1.0), nll / LN2 / max(sum(float(p[2].sum()) for p in parts), 1.0)
+
+
+def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: int = 512) -> dict[str, float]:
+    """``{val,test}_nll`` / ``_bpb`` (mean over languages), per language ``{split}_nll.<lang>``, and on every
+    split per FLORES domain ``{split}_nll.<domain>`` (pooled over languages)."""
+    out: dict[str, float] = {}
+    by_domain: dict[tuple[str, str], list] = {}
+    for t in texts:
+        nll, ntok = sentence_nll(model, tokenizer, t.sentences, batch_tokens, max_length)
+        nb = t.n_bytes
+        out[f"{t.split}_nll.{t.lang}"], out[f"{t.split}_bpb.{t.lang}"] = _pool([(nll, ntok, nb)])
+        for dom in sorted(set(t.domains or ())):
+            sel = np.array([d == dom for d in t.domains])
+            by_domain.setdefault((t.split, dom), []).append((nll[sel], ntok[sel], nb[sel]))
+    for (split, dom), parts in by_domain.items():
+        out[f"{split}_nll.{dom}"], out[f"{split}_bpb.{dom}"] = _pool(parts)
+    for split in sorted({t.split for t in texts}):
+        langs = [t.lang for t in texts if t.split == split]
+        out[f"{split}_nll"] = float(np.mean([out[f"{split}_nll.{lang}"] for lang in langs]))
+        out[f"{split}_bpb"] = float(np.mean([out[f"{split}_bpb.{lang}"] for lang in langs]))
+    return out
+
+
+@torch.inference_mode()
+def attention_diagnostics(model, tokenizer, sentences, max_length: int = 512) -> dict[str, list[float]]:
+    """Per layer: attention entropy (nats; mean over heads and real query tokens, attention over real keys)
+    and the residual-stream norm (mean L2 norm per real token of each layer's output hidden state)."""
+    device = next(model.parameters()).device
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        ids, _ = tokenize(tokenizer, sentences, max_length)
+        x, m, p = pad_batch(ids, pad_id(tokenizer), "right", device)
+        out = model(input_ids=x, attention_mask=m, position_ids=p, output_attentions=True, output_hidden_states=True,
+                    use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    real = m.bool()
+    ent = []
+    for a in out.attentions:  # (B, H, T, T)
+        h = -(a.double() * torch.log(a.double().clamp_min(1e-30))).sum(-1)  # (B, H, T)
+        ent.append(float(h.mean(1)[real].mean()))
+    norms = [float(hs.double().norm(dim=-1)[real].mean()) for hs in out.hidden_states[1:]]
+    return {"attn_entropy": ent, "resid_norm": norms}

@@ -1,0 +1,153 @@
+"""``task=adapt``: one protocol on one pair of scales (``adapt=expand``: union; ``adapt=truncate``: intersection).
+
+Every scored model is its own run (kind=adapt, route=adapt, tags operator / mode / ratio / control /
+protocol): the two anchors (ratio 0 and 1), every ratio of the protocol's grid, and at the chosen ratio (or at
+every ratio, ``adaptation.at=grid``) the two controls. Intersection also runs the comparison operators of the
+merge registry in the same small space (kind=merge, route=adapt; the small model is the base, so the donor's
+task vector is T(large) - small). Then one summary run (kind=adapt, ratio=best): the ratio chosen on the
+validation split and its numbers on the disjoint test split. Bad input is refused before any run exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope.adapt.evaluate import attention_diagnostics, score
+from mergescope.adapt.setup import Loaded, Setup, check_adapt
+from mergescope.config import to_plain
+from mergescope.merge import merge_state_dicts, resolve_preset
+from mergescope.native.merges import preset_config
+from mergescope.progress import console
+from mergescope.runs import JobResult, pair_tags, run_once
+
+CHILD_KEYS = ["pair", "adapt", "data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
+              "adaptation.langs", "adaptation.nll_sentences", "adaptation.diag_sentences", "save"]
+
+
+def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
+    ends = loaded.ends
+    values = score(ends.host, ends.tokenizer, loaded.texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
+    n = int(cfg.adaptation.diag_sentences or 0)
+    if n:
+        diag = attention_diagnostics(ends.host, ends.tokenizer, loaded.texts[0].sentences[:n], int(cfg.represent.max_length))
+        for i, (e, r) in enumerate(zip(diag["attn_entropy"], diag["resid_norm"])):
+            job.log_metrics({"attn_entropy": e, "resid_norm": r}, step=i)
+        values.update({"attn_entropy_mean": sum(diag["attn_entropy"]) / len(diag["attn_entropy"]),
+                       "resid_norm_final": diag["resid_norm"][-1]})
+    if cfg.get("save"):
+        from mergescope.adapt.save import save_model
+
+        job.log_params({"saved_to": save_model(cfg, ends.host, ends.tokenizer, job.run_id)})
+    return values
+
+
+def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "adapt") -> dict[str, Any]:
+    return {"kind": kind, "route": "adapt", "operator": setup.operator.name, "mode": setup.mode, "ratio": ratio,
+            "control": control, "protocol": setup.protocol, "small": setup.small_label, "large": setup.large_label,
+            **pair_tags(cfg), "seed": cfg.adaptation.control_seed}
+
+
+def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, control: str, overrides) -> JobResult:
+    """One scored model: the merge (``control='none'``) or a control at ``ratio``."""
+    seed = int(cfg.adaptation.control_seed)
+
+    def body(job) -> dict[str, float]:
+        loaded.ensure()
+        loaded.ends.set(ratio, control, seed)
+        values = _score(cfg, loaded, job)
+        loaded.ends.set(0.0)
+        return {**values, "ratio": float(ratio)}
+
+    name = f"adapt:{setup.protocol}:{control}:{ratio:g}:{setup.small_label}~{setup.large_label}"
+    return run_once(cfg, name, _tags(cfg, setup, f"{ratio:g}", control), overrides, body, task="adapt",
+                    keys=CHILD_KEYS, reads=setup.refs, extra={"ratio": float(ratio), "control": control,
+                                                              "seed": seed if control == "noise" else None})
+
+
+def compare_preset(name: str, ratio: float) -> dict[str, Any]:
+    """A merge preset of the registry, set to give the donor weight ``ratio`` against the base (the anchor)."""
+    p = dict(to_plain(preset_config(name)))
+    entry, _ = resolve_preset(p)
+    if "t" in entry.params:
+        p["t"] = float(ratio)
+    else:
+        p.update(weights=[float(ratio)], normalize=False)
+    return p
+
+
+def run_compare(cfg: DictConfig, setup: Setup, loaded: Loaded, name: str, ratio: float, overrides) -> JobResult:
+    """A comparison operator in the small space (intersection): base = small, donor = T(large)."""
+    preset = compare_preset(name, ratio)
+
+    def body(job) -> dict[str, float]:
+        loaded.ensure()
+        entry, kwargs = resolve_preset(preset)
+        ends = loaded.ends
+        anchor = dict(ends.lo())
+        sds, base = ([anchor, dict(ends.hi)], None) if "t" in kwargs else ([dict(ends.hi)], anchor)
+        ends.write(iter(merge_state_dicts(entry, kwargs, sds, base, list(anchor), cfg.device).items()))
+        values = _score(cfg, loaded, job)
+        ends.set(0.0)
+        return {**values, "ratio": float(ratio)}
+
+    tags = {**_tags(cfg, setup, f"{ratio:g}", "none", kind="merge"), "merge": name}
+    return run_once(cfg, f"adapt-merge:{name}:{ratio:g}:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+                    task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset})
+
+
+def best_ratio(points: dict[float, JobResult], grid: list[float]) -> float:
+    """The grid ratio with the lowest validation NLL (anchors excluded)."""
+    return min(grid, key=lambda r: points[r].metrics["val_nll"])
+
+
+def _summary(cfg, setup, points, controls, compares, best, overrides) -> JobResult:
+    def body(job) -> dict[str, float]:
+        job.log_params({"runs": {f"{k}": r.run_id for k, r in
+                                 [*points.items(), *controls.items(), *compares.items()]}})
+        lo, hi, b = points[0.0].metrics, points[1.0].metrics, points[best].metrics
+        out = {"best_ratio": best, "best_val_nll": b["val_nll"], "best_test_nll": b["test_nll"],
+               "best_test_bpb": b["test_bpb"], "test_nll_r0": lo["test_nll"], "test_nll_r1": hi["test_nll"],
+               "gain_vs_small": lo["test_nll"] - b["test_nll"],  # ratio 0 is the small model (or E(small))
+               "gain_vs_better_end": min(lo["test_nll"], hi["test_nll"]) - b["test_nll"]}
+        for (kind, r), res in controls.items():
+            if r == best:
+                out[f"test_nll_{kind}"] = res.metrics["test_nll"]
+        for (name, r), res in compares.items():
+            if r == best:
+                out[f"test_nll_{name}"] = res.metrics["test_nll"]
+        return out
+
+    extra = {"children": sorted(r.cfg_hash for r in [*points.values(), *controls.values(), *compares.values()])}
+    return run_once(cfg, f"adapt:{setup.protocol}:best:{setup.small_label}~{setup.large_label}",
+                    _tags(cfg, setup, "best", "none"), overrides, body, task="adapt_summary", keys=CHILD_KEYS,
+                    reads=setup.refs, extra=extra)
+
+
+def _at(cfg: DictConfig, grid: list[float], best: float) -> list[float]:
+    return grid if str(cfg.adaptation.at) == "grid" else [best]
+
+
+def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    setup = check_adapt(cfg)
+    loaded = Loaded(cfg, setup)
+    grid = setup.grid
+    points = {}
+    for r in sorted({0.0, 1.0, *grid}):
+        points[r] = run_point(cfg, setup, loaded, r, "none", overrides)
+        console.print(f"  {setup.protocol} ratio {r:g}: val {points[r].metrics['val_nll']:.4f} "
+                      f"test {points[r].metrics['test_nll']:.4f}{' (done before)' if points[r].skipped else ''}")
+    best = best_ratio(points, grid)
+    controls = {(k, r): run_point(cfg, setup, loaded, r, k, overrides)
+                for r in _at(cfg, grid, best) for k in cfg.adaptation.controls}
+    compares = {}
+    if setup.protocol == "intersection":
+        compares = {(n, r): run_compare(cfg, setup, loaded, str(n), r, overrides)
+                    for r in _at(cfg, grid, best) for n in cfg.adaptation.compare}
+    result = _summary(cfg, setup, points, controls, compares, best, overrides)
+    if str(cfg.eval.name) == "lm_eval":
+        from mergescope.adapt.lmeval import run_lm_eval
+
+        run_lm_eval(cfg, setup, loaded, best, points[best].run_id, overrides)
+    return result

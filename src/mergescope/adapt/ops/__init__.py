@@ -1,0 +1,1 @@
+"""Registered adaptation operators (``expand``, ``truncate``); one module each, discovered by the registry."""

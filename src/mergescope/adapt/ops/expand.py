@@ -1,0 +1,60 @@
+"""Expand (union-style, App. 9.1): a smaller model placed inside a larger architecture.
+
+``mode=zero`` (the paper): every source coordinate goes to its slot (``shapes.expand_maps``); every new
+coordinate is zero; copied hidden-width norm scales are multiplied by c = sqrt(h_s/h_t) (``norm_scale``),
+which keeps an RMSNorm model's function (its eps is then effectively eps/c^2); new layers are residual
+identities placed by the slot map over depth. ``mode=repeat``: width grows by tiling whole units (integer
+multiples), every weight that reads a repeated axis divided by the repeat count; LayerNorm models keep their
+function too, because a tiled vector has the same mean and variance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from mergescope.adapt.plugins import adapters, index, walk
+from mergescope.adapt.roles import Role
+from mergescope.adapt.shapes import Shape, expand_maps, repeat_maps
+from mergescope.errors import MergescopeError
+
+MODES = ("zero", "repeat")
+
+
+def _check(kwargs: Mapping) -> None:
+    if kwargs.get("mode", "zero") not in MODES:
+        raise MergescopeError(f"adapt.mode={kwargs.get('mode')!r}: choose one of {', '.join(MODES)}")
+
+
+def norm_factor(src: Shape, tgt: Shape, mode: str, norm_scale: bool) -> float:
+    """c = sqrt(h_s/h_t) for zero-mode norm scales (1 when repeating or when switched off)."""
+    return math.sqrt(src.hidden / tgt.hidden) if mode == "zero" and norm_scale else 1.0
+
+
+def place_zero(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tensor], c: float) -> Tensor:
+    out = torch.zeros(shape, dtype=w.dtype)
+    out[index([maps[a] for a in role.axes])] = w * c if role.kind == "norm" else w
+    return out
+
+
+def place_repeat(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tensor], src: Shape, tgt: Shape) -> Tensor:
+    out = w[index([maps[a] for a in role.axes])]
+    if role.kind == "linear":
+        out = out / (tgt.size(role.axes[-1]) // src.size(role.axes[-1]))
+    assert out.shape == shape, (role.name, out.shape, shape)
+    return out.contiguous()
+
+
+@adapters.register("expand", n_positional=4, check=_check, direction="up")
+def expand(sd: Mapping[str, Tensor], src: Shape, tgt: Shape, targets: Mapping[str, torch.Size],
+           mode: str = "zero", norm_scale: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """Expand ``sd`` (shape ``src``) into the tensors ``targets`` of shape ``tgt``, one tensor at a time."""
+    maps = expand_maps(src, tgt) if mode == "zero" else repeat_maps(src, tgt)
+    layer_src = {int(t): s for s, t in enumerate(maps["layers"].tolist())}
+    c = norm_factor(src, tgt, mode, norm_scale)
+    if mode == "zero":
+        return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_zero(w, role, shape, maps, c))
+    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_repeat(w, role, shape, maps, src, tgt))

@@ -1,0 +1,50 @@
+"""Truncate (intersection-style, App. 9.2): a larger model projected into a smaller architecture.
+
+``select=prefix`` (the paper): the overlapping prefix of every oversized axis; layers beyond the target depth
+dropped; a tied target's head follows its embedding. ``select=slots``: the exact inverse of Expand(zero)'s
+placement (the slots the small shape occupies inside the large one, norm scales divided by c unless
+``norm_scale=false``), for the
+planted round trip Truncate(Expand(theta)) = theta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from mergescope.adapt.ops.expand import norm_factor
+from mergescope.adapt.plugins import adapters, index, walk
+from mergescope.adapt.roles import Role
+from mergescope.adapt.shapes import Shape, expand_maps, truncate_maps
+from mergescope.errors import MergescopeError
+
+SELECTS = ("prefix", "slots")
+
+
+def _check(kwargs: Mapping) -> None:
+    if kwargs.get("select", "prefix") not in SELECTS:
+        raise MergescopeError(f"adapt.select={kwargs.get('select')!r}: choose one of {', '.join(SELECTS)}")
+
+
+def take(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tensor], c: float) -> Tensor:
+    out = w[index([maps[a] for a in role.axes])]
+    if role.kind == "norm" and c != 1.0:
+        out = out / c
+    assert out.shape == shape, (role.name, out.shape, shape)
+    return out.contiguous()
+
+
+@adapters.register("truncate", n_positional=4, check=_check, direction="down")
+def truncate(sd: Mapping[str, Tensor], src: Shape, tgt: Shape, targets: Mapping[str, torch.Size],
+             select: str = "prefix", norm_scale: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """Truncate ``sd`` (shape ``src``) into the tensors ``targets`` of the smaller shape ``tgt``."""
+    if select == "slots":
+        maps = expand_maps(tgt, src)
+        c = norm_factor(tgt, src, "zero", norm_scale)
+    else:
+        maps, c = truncate_maps(src, tgt), 1.0
+    layer_src = {t: int(s) for t, s in enumerate(maps["layers"].tolist())} if select == "slots" else \
+        {t: t for t in range(tgt.layers)}
+    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: take(w, role, shape, maps, c))

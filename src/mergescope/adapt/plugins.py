@@ -1,0 +1,79 @@
+"""The adaptation operators' registry (``conf/adapt/<name>.yaml`` presets; modules in ``adapt.ops`` discovered).
+
+An operator maps a source state dict into a target architecture, tensor by tensor:
+``fn(sd_src, src: Shape, tgt: Shape, targets: {name: shape}, **kwargs) -> iterator of (name, tensor)``,
+yielding every target tensor once; its keyword arguments are its parameter schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mergescope.adapt.roles import Role, embedding_name, head_name, role_of
+from mergescope.adapt.shapes import Shape
+from mergescope.config import to_plain
+from mergescope.errors import MergescopeError
+from mergescope.registry import Entry, Registry
+
+adapters = Registry("adapt", "mergescope.adapt.ops")
+PRESET_KEYS = ("name", "operator")
+
+
+def resolve_adapter(preset: Any) -> tuple[Entry, dict[str, Any]]:
+    """An adapt preset (``name``, ``operator``, keyword args) -> (registered operator, checked kwargs)."""
+    if preset is None:
+        raise MergescopeError("no adaptation operator given: add adapt=expand or adapt=truncate (conf/adapt/)")
+    cfg = dict(to_plain(preset))
+    entry = adapters.get(str(cfg.get("operator", cfg.get("name"))))
+    kwargs = entry.check_kwargs({k: v for k, v in cfg.items() if k not in PRESET_KEYS})
+    check = entry.meta.get("check")
+    if check is not None:
+        check(kwargs)
+    return entry, kwargs
+
+
+def adapt_state(entry: Entry, kwargs: Mapping[str, Any], sd: Mapping[str, Tensor], src: Shape, tgt: Shape,
+                targets: Mapping[str, torch.Size]) -> Iterator[tuple[str, Tensor]]:
+    """Stream the adapted tensors (one at a time) of ``sd`` into the ``targets`` names and shapes."""
+    return entry.fn(sd, src, tgt, targets, **kwargs)
+
+
+def index(idx: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Open-mesh indices for an n-dimensional block (torch's ``np.ix_``)."""
+    n = len(idx)
+    return tuple(t.reshape([-1 if k == i else 1 for k in range(n)]) for i, t in enumerate(idx))
+
+
+def identity_tensor(role: Role, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """A new layer's tensor as a residual identity: branch weights and biases zero, norm scales one."""
+    return torch.ones(shape, dtype=dtype) if role.kind == "norm" else torch.zeros(shape, dtype=dtype)
+
+
+def source_of(name: str, role: Role, tgt: Shape, layer_src: dict[int, int]) -> str | None:
+    """The source tensor a target tensor comes from: the same name, in the source layer mapped onto this
+    one (None: a new layer); a tied target's head comes from the embedding."""
+    if tgt.tied and name == head_name(tgt.family):
+        name, role = embedding_name(tgt.family), role_of(embedding_name(tgt.family), tgt.family)
+    if role.layer is None:
+        return name
+    return role.in_layer(layer_src[role.layer]) if role.layer in layer_src else None
+
+
+def walk(sd: Mapping[str, Tensor], tgt: Shape, targets: Mapping[str, torch.Size], layer_src: dict[int, int],
+         fill) -> Iterator[tuple[str, Tensor]]:
+    """For every target tensor: ``fill(source tensor, role, shape)``, or a residual identity in a new layer."""
+    for name, shape in targets.items():
+        role = role_of(name, tgt.family)
+        src_name = source_of(name, role, tgt, layer_src)
+        if src_name is None:
+            ref = next(iter(sd.values()))
+            yield name, identity_tensor(role, torch.Size(shape), ref.dtype)
+            continue
+        if src_name not in sd:
+            raise MergescopeError(f"the source model has no tensor '{src_name}' (needed for '{name}')")
+        kind = "embed" if src_name == embedding_name(tgt.family) else role.kind
+        yield name, fill(sd[src_name], Role(name, role.layer, kind, role.axes), torch.Size(shape))

@@ -1,0 +1,151 @@
+"""What an adapt job needs, checked before any run exists (:func:`check_adapt`), and the pair loaded once,
+on first need (:class:`Loaded`).
+
+Refusals are one line naming what blocks: architecture families differ; the tokenizers differ (vocabularies);
+head_dim differs or the GQA layout cannot be kept (Expand); the axes disagree (neither model is no larger on
+every axis); a model that is not of a supported family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope import models
+from mergescope.adapt.evaluate import Text, load_texts
+from mergescope.adapt.plugins import adapt_state, resolve_adapter
+from mergescope.adapt.protocol import CONTROLS, Ends, host_state, materialize, targets_of
+from mergescope.adapt.shapes import Shape, expand_maps, repeat_maps, shape_of, truncate_maps
+from mergescope.errors import MergescopeError
+from mergescope.registry import Entry
+
+SIZE_KEYS = ("hidden", "inter", "layers", "heads", "kv_heads", "vocab")
+
+
+@dataclass
+class Setup:
+    operator: Entry
+    kwargs: dict[str, Any]
+    protocol: str  # union | intersection
+    mode: str
+    small: Any  # model entries
+    large: Any
+    refs: tuple[models.ModelRef, models.ModelRef]  # small, large
+    shapes: tuple[Shape, Shape]
+    langs: list[str]
+    grid: list[float]
+
+    @property
+    def small_label(self) -> str:
+        return models.label(self.small)
+
+    @property
+    def large_label(self) -> str:
+        return models.label(self.large)
+
+
+def config_of(ref: models.ModelRef):
+    from transformers import AutoConfig
+
+    models.quiet_transformers()
+    return AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **models.hub_kwargs(ref))
+
+
+def order(sa: Shape, sb: Shape) -> bool:
+    """True when a is the small side (no larger on every axis); an error when the axes disagree."""
+    a_larger = [k for k in SIZE_KEYS if getattr(sa, k) > getattr(sb, k)]
+    b_larger = [k for k in SIZE_KEYS if getattr(sb, k) > getattr(sa, k)]
+    if a_larger and b_larger:
+        raise MergescopeError(f"the axes disagree (a larger in {', '.join(a_larger)}; b larger in {', '.join(b_larger)}): "
+                              "Expand/Truncate need one model no larger than the other on every axis")
+    return not a_larger
+
+
+def check_tokenizers(ra: models.ModelRef, rb: models.ModelRef) -> None:
+    ta, tb = models.load_tokenizer(ra), models.load_tokenizer(rb)
+    if ta.get_vocab() != tb.get_vocab():
+        raise MergescopeError(f"vocabularies differ ({ra.label}: {len(ta)} tokens, {rb.label}: {len(tb)}): "
+                              "weighted averaging after Expand/Truncate needs one tokenizer")
+
+
+def langs_of(cfg: DictConfig, small: Any, large: Any) -> list[str]:
+    """``adaptation.langs``, else every training language of both models (zoo.train_langs, else lang)."""
+    if cfg.adaptation.get("langs"):
+        return [str(x) for x in cfg.adaptation.langs]
+    out: list[str] = []
+    for e in (small, large):
+        zoo = e.get("zoo") or {}
+        for lang in zoo.get("train_langs") or [e.lang]:
+            if str(lang) not in out:
+                out.append(str(lang))
+    return out
+
+
+def _check_settings(cfg: DictConfig) -> None:
+    bad = [c for c in cfg.adaptation.controls if c not in CONTROLS]
+    if bad:
+        raise MergescopeError(f"adaptation.controls: unknown control '{bad[0]}'; choose from {', '.join(CONTROLS)}")
+    for key in ("union_grid", "intersection_grid"):
+        if any(not 0.0 < float(r) < 1.0 for r in cfg.adaptation[key]):
+            raise MergescopeError(f"adaptation.{key} must hold ratios strictly between 0 and 1 (the anchors are always scored)")
+    if str(cfg.adaptation.at) not in ("best", "grid"):
+        raise MergescopeError(f"adaptation.at={cfg.adaptation.at!r}: choose best or grid")
+
+
+def check_adapt(cfg: DictConfig) -> Setup:
+    """Everything before any run exists: operator, pair, shapes, maps, tokenizers, data, settings."""
+    entry, kwargs = resolve_adapter(cfg.get("adapt"))
+    _check_settings(cfg)
+    ra, rb = models.resolve_pair(cfg.pair)
+    sa, sb = shape_of(config_of(ra)), shape_of(config_of(rb))
+    a_small = order(sa, sb)
+    small, large = (cfg.pair.a, cfg.pair.b) if a_small else (cfg.pair.b, cfg.pair.a)
+    (rs, rl), (ss, sl) = ((ra, rb), (sa, sb)) if a_small else ((rb, ra), (sb, sa))
+    if entry.name == "expand":
+        (expand_maps if kwargs.get("mode", "zero") == "zero" else repeat_maps)(ss, sl)
+    else:
+        truncate_maps(sl, ss)
+    check_tokenizers(rs, rl)
+    langs = langs_of(cfg, small, large)
+    splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
+    load_texts(cfg.data, langs, splits, 1)
+    union = entry.name == "expand"
+    mode = str(kwargs.get("mode", "zero") if union else kwargs.get("select", "prefix"))
+    grid = [float(r) for r in (cfg.adaptation.union_grid if union else cfg.adaptation.intersection_grid)]
+    return Setup(entry, kwargs, "union" if union else "intersection", mode, small, large, (rs, rl), (ss, sl), langs, grid)
+
+
+class Loaded:
+    """The pair and the texts, loaded on first need (a fully reused job loads nothing)."""
+
+    def __init__(self, cfg: DictConfig, setup: Setup):
+        self.cfg, self.setup = cfg, setup
+        self.ends: Ends | None = None
+        self.texts: list[Text] = []
+
+    def ensure(self) -> None:
+        if self.ends is not None:
+            return
+        cfg, s = self.cfg, self.setup
+        splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
+        self.texts = load_texts(cfg.data, s.langs, splits, cfg.adaptation.get("nll_sentences"))
+        if s.protocol == "union":
+            small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True)
+            host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True)
+            sd_small, targets = host_state(small.model), targets_of(host.model)
+            self.ends = Ends(host.model, host.tokenizer,
+                             lambda: adapt_state(s.operator, s.kwargs, sd_small, s.shapes[0], s.shapes[1], targets),
+                             host_state(host.model))
+        else:
+            host = models.load(s.small, cfg.device, ref=s.refs[0], quiet=True)
+            large = models.load(s.large, "cpu", ref=s.refs[1], quiet=True)
+            sd_small = host_state(host.model)
+            t_large = materialize(adapt_state(s.operator, s.kwargs, host_state(large.model), s.shapes[1], s.shapes[0],
+                                              targets_of(host.model)))
+            del large
+            self.ends = Ends(host.model, host.tokenizer, lambda: iter(sd_small.items()), t_large)
+
+
+

@@ -1,0 +1,175 @@
+"""Model shapes from configs alone, and the slot maps of the dimensional-adaptation operators.
+
+A :class:`Shape` is what Expand and Truncate need to know about one model (from a transformers config or
+a ``config.json`` dict; no weights). :func:`expand_maps` builds the paper's placement (App. 9.1):
+``pi_{n->m}(i) = floor(i*m/n)``; hidden coordinates placed in blocks of ``head_dim``; grouped-query attention
+kept (source KV group g -> target KV slot pi_{K_s->K_t}(g); the group's query heads -> slots
+pi_{G_s->G_t} inside that target group); the intermediate axis and depth by the same slot map. A pair the
+maps cannot keep is refused with one line naming what blocks it. :func:`truncate_maps` is the prefix slice
+(App. 9.2). The maps are index tensors: ``index[axis][i]`` = target position of source coordinate ``i``
+(expand), or source position of target coordinate ``i`` (truncate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mergescope.errors import MergescopeError
+
+RMS_FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = (*RMS_FAMILIES, "gpt_neox")
+AXES = ("h", "q", "kv", "i", "v", "qkv")
+
+
+@dataclass(frozen=True)
+class Shape:
+    family: str
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    eps: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def norm(self) -> str:
+        return "layer" if self.family == "gpt_neox" else "rms"
+
+    def size(self, axis: str) -> int:
+        return {"h": self.hidden, "q": self.heads * self.head_dim, "kv": self.kv_heads * self.head_dim,
+                "i": self.inter, "v": self.vocab, "qkv": 3 * self.heads * self.head_dim}[axis]
+
+    def text(self) -> str:
+        return (f"{self.family} h={self.hidden} ffn={self.inter} L={self.layers} heads={self.heads}/{self.kv_heads} "
+                f"head_dim={self.head_dim} vocab={self.vocab}")
+
+
+def _get(c: Any, key: str, default: Any = None) -> Any:
+    return c.get(key, default) if isinstance(c, dict) else getattr(c, key, default)
+
+
+def shape_of(config: Any) -> Shape:
+    """The :class:`Shape` of a transformers config (or a ``config.json`` dict)."""
+    family = str(_get(config, "model_type"))
+    if family not in FAMILIES:
+        raise MergescopeError(f"dimensional adaptation supports the families {', '.join(FAMILIES)}; got {family}")
+    hidden, heads = int(_get(config, "hidden_size")), int(_get(config, "num_attention_heads"))
+    kv = int(_get(config, "num_key_value_heads") or heads)
+    head_dim = int(_get(config, "head_dim") or hidden // heads)
+    eps = _get(config, "layer_norm_eps") if family == "gpt_neox" else _get(config, "rms_norm_eps")
+    return Shape(family, hidden, int(_get(config, "intermediate_size")), int(_get(config, "num_hidden_layers")), heads,
+                 kv, head_dim, int(_get(config, "vocab_size")), bool(_get(config, "tie_word_embeddings", False)), float(eps))
+
+
+def slot_map(n: int, m: int) -> torch.Tensor:
+    """pi_{n->m}(i) = floor(i*m/n), i < n (injective when m >= n)."""
+    return torch.div(torch.arange(n, dtype=torch.long) * m, n, rounding_mode="floor")
+
+
+def _blocks(block_map: torch.Tensor, width: int) -> torch.Tensor:
+    """Coordinate index of whole blocks: block b -> positions block_map[b]*width + j, j < width."""
+    return (block_map[:, None] * width + torch.arange(width)[None, :]).reshape(-1)
+
+
+def compatibility(s: Shape, t: Shape) -> list[str]:
+    """What blocks adapting between two shapes at all: the family. (One tokenizer is checked where the
+    tokenizers are loaded; embedding rows may differ by padding, as Qwen2.5's 151936 vs 152064.)"""
+    if s.family != t.family:
+        return [f"architecture families differ ({s.family} vs {t.family})"]
+    return []
+
+
+def expand_blockers(s: Shape, t: Shape) -> list[str]:
+    """Every reason the zero-mode slot maps cannot place ``s`` inside ``t`` (empty: expandable)."""
+    out = compatibility(s, t)
+    if s.head_dim != t.head_dim:
+        out.append(f"head_dim differs ({s.head_dim} vs {t.head_dim}): heads cannot be placed whole")
+    smaller = [k for k in ("hidden", "inter", "layers", "heads", "kv_heads", "vocab") if getattr(t, k) < getattr(s, k)]
+    if smaller:
+        out.append("the target is smaller in " + ", ".join(f"{k} ({getattr(s, k)} > {getattr(t, k)})" for k in smaller))
+    if t.kv_heads >= s.kv_heads and t.heads >= s.heads and t.group < s.group:
+        out.append(f"GQA layout: the group size shrinks ({s.group} query heads per KV head in the source, "
+                   f"{t.group} in the target), so a source KV group's query heads cannot stay together")
+    if s.hidden % s.head_dim or t.hidden % t.head_dim:
+        out.append(f"hidden size is not a multiple of head_dim ({s.hidden}, {t.hidden} vs {s.head_dim})")
+    return out
+
+
+def head_map(s: Shape, t: Shape) -> torch.Tensor:
+    """Target query head of every source query head: KV group g -> pi_{K_s->K_t}(g), slot r -> pi_{G_s->G_t}(r)."""
+    kv = slot_map(s.kv_heads, t.kv_heads)
+    within = slot_map(s.group, t.group)
+    return (kv[:, None] * t.group + within[None, :]).reshape(-1)
+
+
+def expand_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
+    """Zero-mode placement: axis -> target index of each source coordinate, and ``layers``."""
+    blockers = expand_blockers(s, t)
+    if blockers:
+        raise MergescopeError(f"cannot expand {s.text()} into {t.text()}: " + "; ".join(blockers))
+    d = s.head_dim
+    heads = head_map(s, t)
+    return {"h": _blocks(slot_map(s.hidden // d, t.hidden // d), d), "q": _blocks(heads, d),
+            "kv": _blocks(slot_map(s.kv_heads, t.kv_heads), d), "i": slot_map(s.inter, t.inter),
+            "v": torch.arange(s.vocab), "qkv": _blocks(heads, 3 * d), "layers": slot_map(s.layers, t.layers)}
+
+
+def repeat_blockers(s: Shape, t: Shape) -> list[str]:
+    """What blocks width growth by repetition (integer multiples on every width axis, one repeat for heads
+    and KV heads so every query head keeps its KV head)."""
+    out = compatibility(s, t)
+    if s.head_dim != t.head_dim:
+        out.append(f"head_dim differs ({s.head_dim} vs {t.head_dim})")
+    for k in ("hidden", "inter", "heads", "kv_heads"):
+        a, b = getattr(s, k), getattr(t, k)
+        if b < a or b % a:
+            out.append(f"{k} {b} is not an integer multiple of {a}")
+    if not out and t.heads // s.heads != t.kv_heads // s.kv_heads:
+        out.append(f"heads repeat x{t.heads // s.heads} but KV heads x{t.kv_heads // s.kv_heads}: the GQA groups would change")
+    if t.vocab != s.vocab:
+        out.append(f"embedding rows differ ({s.vocab} vs {t.vocab})")
+    if t.layers < s.layers:
+        out.append(f"the target is shallower ({t.layers} < {s.layers} layers)")
+    return out
+
+
+def repeat_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
+    """Repeat mode: axis -> SOURCE index of each target coordinate (tiled), and ``layers`` (slot map)."""
+    blockers = repeat_blockers(s, t)
+    if blockers:
+        raise MergescopeError(f"cannot expand (repeat) {s.text()} into {t.text()}: " + "; ".join(blockers))
+    d = s.head_dim
+
+    def tiled(n_src: int, n_tgt: int, width: int = 1) -> torch.Tensor:
+        return _blocks(torch.arange(n_tgt) % n_src, width)
+
+    return {"h": tiled(s.hidden // d, t.hidden // d, d), "q": tiled(s.heads, t.heads, d),
+            "kv": tiled(s.kv_heads, t.kv_heads, d), "i": tiled(s.inter, t.inter), "v": torch.arange(s.vocab),
+            "qkv": tiled(s.heads, t.heads, 3 * d), "layers": slot_map(s.layers, t.layers)}
+
+
+def truncate_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
+    """Prefix slices: axis -> source index of each target coordinate (``arange``), and ``layers`` kept."""
+    blockers = compatibility(s, t)
+    # Sizes per axis (not head counts): a prefix slice needs rows, not whole heads, so a different head_dim
+    # can still be truncated into (Qwen2.5-0.5B, head_dim 64, from the 128 of the larger sizes).
+    sizes = {"hidden": "h", "ffn": "i", "query rows": "q", "key/value rows": "kv", "vocab": "v"}
+    larger = [(k, t.size(a), s.size(a)) for k, a in sizes.items() if t.size(a) > s.size(a)]
+    if t.layers > s.layers:
+        larger.append(("layers", t.layers, s.layers))
+    if larger:
+        blockers.append("the target is larger in " + ", ".join(f"{k} ({a} > {b})" for k, a, b in larger))
+    if blockers:
+        raise MergescopeError(f"cannot truncate {s.text()} into {t.text()}: " + "; ".join(blockers))
+    return {**{a: torch.arange(t.size(a)) for a in AXES}, "layers": torch.arange(t.layers)}
