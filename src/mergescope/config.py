@@ -94,8 +94,25 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+OVERRIDE_KEY = re.compile(r"(?:^|(?<=,))[+~]{0,2}([A-Za-z_][\w.@/-]*)=")
+
+
+def redact_override(text: str) -> str:
+    """A command-line override (``+hf_token=abc``), or several joined by commas (Hydra's ``override_dirname``),
+    with the value of every secret key replaced: ``+hf_token=<redacted>``."""
+    keys = list(OVERRIDE_KEY.finditer(text))
+    out, pos = [], 0
+    for i, m in enumerate(keys):
+        stop = keys[i + 1].start() - 1 if i + 1 < len(keys) else len(text)
+        if is_secret(m.group(1)) and stop > m.end():
+            out.append(text[pos:m.end()] + "<redacted>")
+            pos = stop
+    return "".join(out) + text[pos:]
+
+
 def redact(d: Any) -> Any:
-    """A copy of a plain config with secret-looking values replaced (for logged YAML)."""
+    """A copy of a plain config with secret-looking values replaced (for logged YAML): values of secret keys, and
+    secret values inside override strings (``overrides.yaml``, Hydra's ``.hydra/*.yaml``)."""
     if isinstance(d, dict):
         return {
             k: ("<redacted>" if is_secret(k) and v not in (None, "") and not isinstance(v, dict) else redact(v))
@@ -103,4 +120,6 @@ def redact(d: Any) -> Any:
         }
     if isinstance(d, list):
         return [redact(x) for x in d]
+    if isinstance(d, str) and "=" in d:
+        return redact_override(d)
     return d

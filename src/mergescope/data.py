@@ -51,7 +51,16 @@ def available_langs(root: str | Path, split: str) -> list[str]:
 
 
 def _read_lines(path: Path) -> tuple[str, ...]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise MergescopeError(f"{path} line {line} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {col}); "
+                              "re-encode the file as UTF-8") from exc
+    if not text.strip():
+        raise MergescopeError(f"{path} is empty; parallel files need one sentence per line")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +89,135 @@ def resolve(entry: Any) -> ModelRef:
             folder = root / "main"
         else:
             raise MergescopeError(f"{root} holds no config.json (nor main/config.json); point name_or_path at a saved model")
+        check_folder(str(folder))
         return ModelRef(name=name, location=str(folder), revision=str(rev) if rev else None, local=True)
     if path.count("/") != 1:
         raise MergescopeError(
             f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; fix name_or_path="
         )
     return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
+
+
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+"""Any one of these sets of files is a tokenizer transformers can load without running the model's own code."""
+
+
+def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``; one line naming the file, the position and the fix when it is malformed."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise MergescopeError(f"{path} is not UTF-8 text (byte {exc.start}); re-save the {what}") from exc
+    except json.JSONDecodeError as exc:
+        raise MergescopeError(f"{path} is malformed JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                              f"fix it or re-save the {what} (save_pretrained)") from exc
+    if not isinstance(value, dict):
+        raise MergescopeError(f"{path} is not a JSON object; re-save the {what} (save_pretrained)")
+    return value
+
+
+def check_config_json(path: Path) -> dict[str, Any]:
+    """A model's config.json: well-formed, with a model_type, and no custom code (``auto_map``): a model that
+    needs its own code is refused, and its code is never run."""
+    c = read_json_file(path, "model")
+    if c.get("auto_map"):
+        raise MergescopeError(
+            f"{path} declares custom code (auto_map: {', '.join(sorted(c['auto_map']))}); mergescope never runs a model's "
+            "own code (trust_remote_code=False): use a model with a built-in transformers architecture")
+    if not c.get("model_type"):
+        raise MergescopeError(f"{path} has no model_type; re-save the model with save_pretrained")
+    return c
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read (corrupt header, truncated data), from its header alone; None if fine."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            return "its header is missing or longer than the file (corrupt or truncated)"
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError):
+            return "its header is not valid safetensors JSON (corrupt)"
+    if 8 + n + max(ends, default=0) > size:
+        return f"it is truncated ({size} bytes; its header needs {8 + n + max(ends)})"
+    return None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder (the shards its index names, or every *.safetensors)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(read_json_file(index, "model").get("weight_map", {}).values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise MergescopeError(f"{index} names missing shards ({', '.join(missing[:3])}); re-download or re-save the model")
+        return [folder / s for s in shards]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def check_folder(location: str) -> None:
+    """Cheap checks of a local model folder before any run (memoised on the folder's files): config.json,
+    custom code, tokenizer files, and the safetensors headers against the file sizes. Each failure is one line."""
+    _check_folder(location, fingerprint(ModelRef("", location, None, True)))
+
+
+@lru_cache(maxsize=256)
+def _check_folder(location: str, _fp: str) -> None:
+    folder = Path(location)
+    check_config_json(folder / "config.json")
+    tc = folder / "tokenizer_config.json"
+    if tc.is_file() and read_json_file(tc, "tokenizer").get("auto_map"):
+        raise MergescopeError(f"{tc} declares a custom tokenizer class (auto_map); mergescope never runs a model's own code: "
+                              "save the tokenizer with a built-in class")
+    if not any(all((folder / f).is_file() for f in group) for group in TOKENIZER_FILES):
+        wanted = " or ".join(" + ".join(g) for g in TOKENIZER_FILES)
+        raise MergescopeError(f"{folder} has no tokenizer files (missing {wanted}); save the tokenizer into the model "
+                              "folder (tokenizer.save_pretrained)")
+    files = weight_files(folder)
+    if not files:
+        raise MergescopeError(f"{folder} has no safetensors weights (model.safetensors); re-save the model with "
+                              "save_pretrained(safe_serialization=True)")
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem:
+            raise MergescopeError(f"{f} cannot be read: {problem}; re-download or re-save the model")
+
+
+def check_weights(ref: ModelRef, cache_root: str | Path | None = None) -> None:
+    """Before a run: every floating tensor of a local model is finite, read tensor by tensor from its safetensors
+    files (no model is built, one tensor in memory at a time). A marker under ``<cache_root>/verified/`` remembers
+    a folder whose files have not changed, so each checkpoint is read once. Hub models are checked at load."""
+    if not ref.local:
+        return
+    marker = None
+    if cache_root is not None:
+        marker = Path(cache_root) / "verified" / hashlib.sha256(fingerprint(ref).encode()).hexdigest()[:24]
+        if marker.is_file():
+            return
+    from safetensors import safe_open
+
+    for f in weight_files(Path(ref.location)):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise MergescopeError(f"{f}: tensor {name} holds NaN or infinite values; use an intact checkpoint "
+                                          "(re-download or re-save it)")
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(fingerprint(ref) + "\n")
+
+
+def first_nonfinite(model) -> str | None:
+    """The name of the first parameter or buffer of a loaded model that holds a NaN or an infinity (None if none)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def step_revisions(ref: ModelRef) -> list[str]:
@@ -190,6 +315,10 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto
         raise MergescopeError(
             f"could not load {ref.label} ({str(exc).splitlines()[0]}); it must have safetensors weights and a config.json"
         ) from exc
+    bad = first_nonfinite(model)
+    if bad is not None:
+        raise MergescopeError(f"{ref.label} ({ref.location}): tensor {bad} holds NaN or infinite values; "
+                              "use an intact checkpoint (re-download or re-save it)")
     return model.to(resolve_device(device)).eval()
 
 

@@ -49,6 +49,13 @@ class Entry:
             )
         return dict(kwargs)
 
+    def check_data(self, n: int, kwargs: Mapping[str, Any]) -> None:
+        """The plug-in's own checks of its settings against ``n`` rows of data (``register(name, check=fn)``,
+        ``fn(n, **kwargs)`` raising MergescopeError), run before any model is loaded or any run exists."""
+        check = self.meta.get("check")
+        if check is not None:
+            check(n, **kwargs)
+
 
 class Registry:
     def __init__(self, kind: str, package: str):

@@ -1,12 +1,17 @@
 """Re-run a logged job from its resolved config and say whether the metrics agree.
 
-    python -m mergescope.reproduce <run_id> [--root .] [--rtol 1e-6] [--atol 1e-9]
+    python -m mergescope.reproduce <run_id> [--root .] [--tracking-uri URI] [--no-cache] [--rtol 1e-6] [--atol 1e-9]
+
+The store is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else ``<root>/mlruns/mlflow.db``; the reproduction
+is logged to the same store. ``--no-cache`` redoes the forward passes (the representation and probe caches are
+neither read nor written), so the comparison is not a re-read of cached representations.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -16,11 +21,14 @@ import mergescope.config  # noqa: F401
 from mergescope.errors import MergescopeError
 
 
-def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e-9) -> tuple[bool, list[tuple[str, float, float, bool]]]:
+def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e-9, tracking_uri: str | None = None,
+              no_cache: bool = False) -> tuple[bool, list[tuple[str, float, float, bool]]]:
     from mergescope.cli import dispatch
     from mergescope.tracking import client_for, resolved_config_of, store_uri
 
-    uri, _ = store_uri(OmegaConf.create({"paths": {"root": str(Path(root).resolve())}, "tracking": {}}))
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+    key = {"uri": tracking_uri} if tracking_uri else {}
+    uri, _ = store_uri(OmegaConf.create({"paths": {"root": str(Path(root).resolve())}, "tracking": key}))
     client = client_for(uri)
     try:
         original = client.get_run(run_id)
@@ -33,6 +41,9 @@ def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e
     with open_dict(cfg):
         cfg.rerun = True
         cfg.tags = {**(cfg.get("tags") or {}), "reproduces": run_id}
+        cfg.no_cache = bool(no_cache)
+        if tracking_uri:  # the reproduction goes where the original was read from
+            cfg.tracking.uri = uri
     result = dispatch(cfg, overrides=[f"reproduce={run_id}"])
     rows = []
     for key, old in sorted(original.data.metrics.items()):
@@ -50,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=".")
     p.add_argument("--rtol", type=float, default=1e-6)
     p.add_argument("--atol", type=float, default=1e-9)
+    p.add_argument("--tracking-uri", default=None, help="the MLflow store (default: $MLFLOW_TRACKING_URI, else <root>/mlruns)")
+    p.add_argument("--no-cache", action="store_true", help="redo the forward passes: bypass the representation and probe caches")
     a = p.parse_args(argv)
     try:
-        ok, rows = reproduce(a.run_id, a.root, a.rtol, a.atol)
+        ok, rows = reproduce(a.run_id, a.root, a.rtol, a.atol, tracking_uri=a.tracking_uri, no_cache=a.no_cache)
     except MergescopeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -6,6 +6,7 @@ the keys that determine its numbers, its tags and a body that computes and retur
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mergescope.config import job_hash
+from mergescope.errors import MergescopeError
 from mergescope.models import ModelRef, fingerprint, label
 from mergescope.tracking import Job, Tracker
 
@@ -68,6 +70,15 @@ def _record(result: JobResult) -> JobResult:
     return result
 
 
+def finite_or_fail(values: dict[str, float], what: str) -> dict[str, float]:
+    """``values`` when every one is finite; else MergescopeError naming them, so a NaN is never logged as a result."""
+    bad = sorted(k for k, v in values.items() if v is not None and not math.isfinite(float(v)))
+    if bad:
+        raise MergescopeError(f"{what} gave non-finite {', '.join(bad[:5])}; nothing was logged as a result: check the "
+                              "inputs (weights, representations) and the metric's settings")
+    return values
+
+
 def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | None:
     """The FINISHED run with this cfg_hash, as a skipped result (None when there is none, or rerun=true)."""
     if cfg.get("rerun"):
@@ -90,7 +101,8 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
              body: Callable[[Job], dict[str, float]], *, task: str | None = None, keys: list[str] | None = None,
              cfg_hash: str | None = None, tracker: Tracker | None = None,
              reuse: Callable[[], bool] | None = None, reads: Sequence[ModelRef] = (),
-             extra: dict[str, Any] | None = None, nested: Callable[[], object] | None = None) -> JobResult:
+             extra: dict[str, Any] | None = None, nested: Callable[[], object] | None = None,
+             prepare: Callable[[], object] | None = None) -> JobResult:
     """Run ``body`` in one MLflow run unless a FINISHED run with the same hash exists.
 
     The hash is ``cfg_hash`` or :func:`identity` of ``task``, ``keys``, the models it ``reads`` and
@@ -99,7 +111,9 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
     logged and returned. ``reuse`` (optional) must also say yes for a finished run to be reused
     (the train job: the model folder must still exist). ``nested`` is called when a finished run is
     reused, so a job whose runs are nested (the native job's merges) still records them in the study's
-    list, and completes any that are missing.
+    list, and completes any that are missing. ``prepare`` (optional) runs when the job will run, before its run
+    exists: the work that can fail on bad input (loading models, forward passes) fails there, with no run.
+    Runs of the same hash left RUNNING by a process that is gone (killed) are marked KILLED first.
     """
     h = cfg_hash or identity(str(task), cfg, list(keys or []), reads, extra)
     tracker = tracker or Tracker(cfg)
@@ -108,6 +122,9 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
         if nested is not None:
             nested()
         return done
+    if prepare is not None:
+        prepare()
+    tracker.reap_stale(h)
     with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
         values = body(job)
         job.log_metrics(values)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from mergescope.errors import MergescopeError
 from mergescope.metrics._common import center, pair_f64
 from mergescope.registry import metrics
 
@@ -124,7 +125,13 @@ def cka_jackknife(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> t
     return estimate, estimate - Z95 * se, estimate + Z95 * se
 
 
-@metrics.register("cka")
+def check_cka(n: int, n_blocks: int = 50, **_: Any) -> None:
+    if not 2 <= int(n_blocks) <= n:
+        raise MergescopeError(f"metric.n_blocks={n_blocks} must be in [2, {n}]: the jackknife deletes blocks of the {n} "
+                              "sentences; lower metric.n_blocks or use more sentences")
+
+
+@metrics.register("cka", check=check_cka)
 def cka_metric(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> dict[str, float]:
     est, lo, hi = cka_jackknife(X, Y, n_blocks=n_blocks, device=device)
     return {"cka": est, "cka_ci_low": lo, "cka_ci_high": hi}

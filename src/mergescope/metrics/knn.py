@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from mergescope.errors import MergescopeError
 from mergescope.metrics._common import pair_f64
 from mergescope.registry import metrics
 
@@ -29,6 +30,12 @@ def mutual_knn(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
     return float(both.sum(dim=1).double().mean() / k)
 
 
-@metrics.register("mutual_knn")
+def check_knn(n: int, k: int = 10, **_: Any) -> None:
+    if not 1 <= int(k) < n:
+        raise MergescopeError(f"metric.k={k} must be in [1, {n - 1}]: neighbours among {n} sentences exclude the sentence "
+                              "itself; lower metric.k or use more sentences")
+
+
+@metrics.register("mutual_knn", check=check_knn)
 def mutual_knn_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
     return {"mutual_knn": mutual_knn(X, Y, k=k, device=device), "mutual_knn_chance": k / (len(X) - 1)}

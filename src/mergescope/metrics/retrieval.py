@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mergescope.errors import MergescopeError
 from mergescope.metrics._common import pair_f64
 from mergescope.registry import metrics
 
@@ -27,6 +28,8 @@ def ridge_fit(xs: torch.Tensor, ys: torch.Tensor, ridge: float) -> tuple[torch.T
     The penalty is ``ridge`` times the mean eigenvalue of the centred Gram (scale invariant).
     Solved in the primal (d x d) or dual (n x n) form, whichever is smaller.
     """
+    if not ridge >= 0:
+        raise ValueError(f"ridge must be >= 0, got {ridge}")
     mx, my = xs.mean(0, keepdim=True), ys.mean(0, keepdim=True)
     xc, yc = xs - mx, ys - my
     n, d = xc.shape
@@ -74,7 +77,18 @@ def retrieval_p1(
     return retrieval_scores(X, Y, train_frac=train_frac, ridge=ridge, seed=seed, device=device)["retrieval_p1"]
 
 
-@metrics.register("retrieval")
+def check_retrieval(n: int, train_frac: float = 0.5, ridge: float = 1e-2, **_: Any) -> None:
+    if not (isinstance(ridge, (int, float)) and not isinstance(ridge, bool) and 0 <= ridge < float("inf")):
+        raise MergescopeError(f"metric.ridge={ridge} must be a finite number >= 0 (the ridge penalty, relative to the mean "
+                              "eigenvalue); use e.g. metric.ridge=0.01")
+    if not 0 < float(train_frac) < 1:
+        raise MergescopeError(f"metric.train_frac={train_frac} must be in (0, 1)")
+    n_train = int(round(float(train_frac) * n))
+    if n_train < 2 or n - n_train < 2:
+        raise MergescopeError(f"{n} sentences are too few for a metric.train_frac={train_frac} split (each half needs 2)")
+
+
+@metrics.register("retrieval", check=check_retrieval)
 def retrieval_metric(
     X: Any, Y: Any, train_frac: float = 0.5, ridge: float = 1e-2, seed: int = 0, device: str = "auto"
 ) -> dict[str, float]:

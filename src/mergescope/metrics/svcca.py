@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from mergescope.errors import MergescopeError
 from mergescope.metrics._common import center, pair_f64
 from mergescope.registry import metrics
 
@@ -44,7 +45,14 @@ def svcca(X: Any, Y: Any, var_explained: float = 0.99, max_dims: int = 64, devic
     return float(canonical_correlations(xr, yr).mean())
 
 
-@metrics.register("svcca")
+def check_svcca(n: int, var_explained: float = 0.99, max_dims: int = 64, **_: Any) -> None:
+    if not 0 < float(var_explained) <= 1:
+        raise MergescopeError(f"metric.var_explained={var_explained} must be in (0, 1]")
+    if int(max_dims) < 1:
+        raise MergescopeError(f"metric.max_dims={max_dims} must be at least 1")
+
+
+@metrics.register("svcca", check=check_svcca)
 def svcca_metric(
     X: Any, Y: Any, var_explained: float = 0.99, max_dims: int = 64, device: str = "auto"
 ) -> dict[str, float]:

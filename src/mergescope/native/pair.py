@@ -63,7 +63,10 @@ def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
         )
     data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
     be = base_entry(cfg)
-    return (ra, rb) if be is None else (ra, rb, models.resolve(be))
+    refs = (ra, rb) if be is None else (ra, rb, models.resolve(be))
+    for ref in refs:  # NaN or infinite weights fail here, before the run (read once per checkpoint, then remembered)
+        models.check_weights(ref, cfg.paths.cache)
+    return refs
 
 
 def _state(model) -> dict[str, Any]:

@@ -33,6 +33,21 @@ class ReprKey:
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def cache_enabled(cfg: Any) -> bool:
+    """False when a job must redo its forward passes (``no_cache=true``, what ``reproduce --no-cache`` sets):
+    the representation and probe caches are then neither read nor written."""
+    return not bool(cfg.get("no_cache", False))
+
+
+def representation_problem(X: np.ndarray) -> str | None:
+    """Why pooled representations cannot be measured (NaN/inf, or identical for every sentence); None if fine."""
+    if not np.isfinite(X).all():
+        return f"{int((~np.isfinite(X)).any(axis=1).sum())} of {X.shape[0]} sentences have NaN or infinite representations"
+    if X.shape[0] > 1 and not np.ptp(X, axis=0).any():
+        return "every sentence has the same representation"
+    return None
+
+
 class ReprCache:
     """Pooled representations on disk by content key: <dir>/<digest>.npy and .json (metadata)."""
 
@@ -45,10 +60,14 @@ class ReprCache:
     def get(self, key: ReprKey) -> tuple[np.ndarray, dict[str, Any]] | None:
         npy, meta = self._paths(key)
         if npy.is_file() and meta.is_file():
-            return np.load(npy), json.loads(meta.read_text())
+            X = np.load(npy)
+            # an entry written before representations were checked may hold NaN: a miss, never a result
+            return None if representation_problem(X) else (X, json.loads(meta.read_text()))
         return None
 
     def put(self, key: ReprKey, value: np.ndarray, meta: dict[str, Any]) -> None:
+        if representation_problem(value):
+            raise ValueError(f"not caching unusable representations: {representation_problem(value)}")
         self.root.mkdir(parents=True, exist_ok=True)
         npy, mpath = self._paths(key)
         tmp = npy.with_suffix(f".tmp{os.getpid()}.npy")

@@ -1,0 +1,118 @@
+"""A local MLflow store before MLflow touches it: its paths checked (one line, before any retry loop), the
+file lock that serialises its first creation across processes, and whether a run's process is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from mergescope.errors import MergescopeError
+
+
+def local_path(uri: str) -> Path | None:
+    """The file or folder a local store URI names (``sqlite:///...``, ``file:...`` or a plain path); None for a server."""
+    if uri.startswith("sqlite:///"):
+        return Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
+    if uri.startswith("file:"):
+        return Path(unquote(urlparse(uri).path))
+    return None if "://" in uri or uri.startswith(("sqlite:", "mlflow-artifacts:")) else Path(uri)
+
+
+def _cannot(key: str, value: str, what: str) -> MergescopeError:
+    return MergescopeError(f"{key}={value}: {what}")
+
+
+def _writable_folder(folder: Path, key: str, value: str, create: bool) -> None:
+    if not folder.is_dir():
+        if not create or folder.exists():
+            raise _cannot(key, value, f"folder {folder} does not exist; create it (mkdir -p {folder}) or fix {key}")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _cannot(key, value, f"cannot create {folder} ({exc.strerror}); point {key} at a writable folder") from exc
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mergescope-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _cannot(key, value, f"cannot write in {folder} ({exc.strerror}); point {key} at a writable folder") from exc
+
+
+@lru_cache(maxsize=None)
+def check_store(uri: str, key: str, create: bool) -> None:
+    """A local tracking store can be written: its folder exists (or, for the default store, is created) and is
+    writable, and an existing database file opens for writing. ``key`` names the setting in the message."""
+    path = local_path(uri)
+    if path is None:
+        return
+    is_db = uri.startswith("sqlite:")
+    _writable_folder(path.parent if is_db else path, key, uri, create or not is_db and path.parent.is_dir())
+    if is_db and path.exists():
+        try:
+            with path.open("r+b"):
+                pass
+        except OSError as exc:
+            raise _cannot(key, uri, f"cannot write {path} ({exc.strerror}); point {key} at a writable file") from exc
+
+
+@lru_cache(maxsize=None)
+def check_artifacts(uri: str, key: str, create: bool) -> None:
+    """A local artifact root can be written: it exists or its parent does (MLflow makes the last level)."""
+    path = local_path(uri)
+    if path is None:
+        return
+    _writable_folder(path if path.is_dir() or create else path.parent, key, uri, create)
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Serialise a local SQLite store's creation (schema migration, experiment creation) across processes with a
+    file lock beside the database; a no-op for a server, which serialises its own writes."""
+    path = local_path(uri) if uri.startswith("sqlite:") else None
+    if path is None:
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock", timeout=600):
+        yield
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of a live process (Linux: /proc/<pid>/stat field 22, so a reused pid is told apart);
+    None when no such process runs. Elsewhere "alive" when signal 0 reaches it."""
+    stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self/stat").is_file():
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError):
+            return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return "alive"
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags naming the process that runs a job: ``host``, ``pid`` and ``pid_start``."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": str(pid), "pid_start": process_start(pid) or ""}
+
+
+def owner_gone(tags: dict[str, str]) -> bool:
+    """True when the run's process (from its owner tags) surely no longer runs: same host, and that pid is not
+    running, or runs a later process. A run of another host, or without owner tags, is never judged gone."""
+    if tags.get("host") != socket.gethostname() or not str(tags.get("pid", "")).isdigit():
+        return False
+    start = process_start(int(tags["pid"]))
+    return start is None or bool(tags.get("pid_start")) and start not in (tags["pid_start"], "alive")

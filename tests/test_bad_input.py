@@ -1,0 +1,220 @@
+"""Bad input: one line, exit 2, no run, nothing cached. One table, one row per class of bad input (issue 12 §1).
+
+A representative subset goes through ``python launch.py`` (a real process: its exit code and its stderr); the
+rest through ``cli.run`` in this process (SystemExit(2) and the captured stderr). After every row the store
+still holds exactly the one run it was seeded with, no RUNNING or FAILED run exists, and nothing was cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import FLORES, REPO, SHARED
+
+pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+N = 40
+
+
+def broken_copy(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def edit_config(folder: Path, **changes) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**c, **changes}))
+
+
+def edit_weights(folder: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    change(sd)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncate(folder: Path) -> None:
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def corrupt_header(folder: Path) -> None:
+    f = folder / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"#" * 32
+    f.write_bytes(bytes(data))
+
+
+def nan_weights(sd) -> None:
+    name = next(k for k in sd if k.endswith("mlp.dense_h_to_4h.weight"))
+    sd[name][0, 0] = float("nan")
+
+
+def overflowing(sd) -> None:
+    """Finite weights whose final hidden states overflow float32: the representations are infinite."""
+    for k in sd:
+        if k.startswith("gpt_neox.final_layer_norm"):
+            sd[k].fill_(3e38)
+
+
+def custom_code(folder: Path) -> None:
+    (folder / "modeling_evil.py").write_text(f"open({str(folder / 'EXECUTED')!r}, 'w').write('ran')\n")
+    edit_config(folder, auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+
+
+def no_tokenizer(folder: Path) -> None:
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).unlink()
+
+
+def unwritable_folder(tmp: Path) -> Path:
+    """A folder this process cannot write in (read-only permissions, or /sys for root)."""
+    d = tmp / "readonly"
+    d.mkdir()
+    d.chmod(0o555)
+    for cand in (d, Path("/sys")):
+        try:
+            fd, p = tempfile.mkstemp(dir=cand)
+            os.close(fd)
+            os.unlink(p)
+        except OSError:
+            return cand
+    pytest.skip("no unwritable folder to test against")
+
+
+@pytest.fixture()
+def world(tiny_models, tmp_path):
+    """Every broken input the table needs, under tmp_path."""
+    m = tmp_path / "models"
+    en = tiny_models["neox_en"]
+    w = {"en": en, "pt": tiny_models["llama_pt"], "tmp": tmp_path}
+    w["bad_json"] = broken_copy(en, m / "bad_json", lambda f: (f / "config.json").write_text('{"model_type": "gpt_neox",'))
+    w["truncated"] = broken_copy(en, m / "truncated", truncate)
+    w["corrupt"] = broken_copy(en, m / "corrupt", corrupt_header)
+    w["nan"] = broken_copy(en, m / "nan", lambda f: edit_weights(f, nan_weights))
+    w["overflow"] = broken_copy(en, m / "overflow", lambda f: edit_weights(f, overflowing))
+    w["no_tok"] = broken_copy(en, m / "no_tok", no_tokenizer)
+    w["custom"] = broken_copy(en, m / "custom", custom_code)
+    for name, eng in (("empty", b""), ("latin1", "line one\nline two\nca\xf1on\n".encode("latin-1"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eng_Latn.txt").write_bytes(eng)
+        (tmp_path / name / "por_Latn.txt").write_text("um\ndois\ntres\n")
+    w["readonly"] = unwritable_folder(tmp_path)
+    return w
+
+
+def measure(w, a="en", *extra):
+    return ["task=measure", "metric=procrustes", "pair=custom", f"pair.a.name_or_path={w[a]}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={w['pt']}", "pair.b.lang=por_Latn", f"data.max_sentences={N}", *extra]
+
+
+def native(w, a="en", b="en", *extra):
+    return ["task=native", "pair=custom", f"pair.a.name_or_path={w[a]}", "pair.a.lang=eng_Latn", f"pair.b.name_or_path={w[b]}",
+            "pair.b.lang=eng_Latn", "native.base=null", "native.merges=[linear]", "native.nll_sentences=8", *extra]
+
+
+# class -> (how: launch | inproc, arguments, what the one line must contain)
+CASES = {
+    "malformed config.json": ("launch", lambda w: measure(w, "bad_json"), "config.json is malformed JSON (line 1"),
+    "truncated model.safetensors": ("launch", lambda w: ["task=quality", "model=custom", f"model.name_or_path={w['truncated']}",
+                                                         "model.lang=eng_Latn", f"data.max_sentences={N}"], "is truncated"),
+    "corrupt safetensors header": ("inproc", lambda w: measure(w, "corrupt"), "header is not valid safetensors JSON"),
+    "non-finite weights (measure)": ("inproc", lambda w: measure(w, "nan"), "holds NaN or infinite values"),
+    "non-finite weights (quality)": ("inproc", lambda w: ["task=quality", "model=custom", f"model.name_or_path={w['nan']}",
+                                                          "model.lang=eng_Latn", f"data.max_sentences={N}"], "holds NaN or infinite"),
+    "non-finite weights (native)": ("inproc", lambda w: native(w, "nan", "en"), "model.safetensors: tensor gpt_neox"),
+    "non-finite representations": ("inproc", lambda w: measure(w, "overflow"), "have NaN or infinite representations"),
+    "missing tokenizer files": ("inproc", lambda w: measure(w, "no_tok"), "no tokenizer files (missing tokenizer.json"),
+    "empty data file": ("inproc", lambda w: measure(w, "en", "data=folder", f"data.root={w['tmp'] / 'empty'}"),
+                        "eng_Latn.txt is empty"),
+    "non-UTF-8 byte": ("launch", lambda w: measure(w, "en", "data=folder", f"data.root={w['tmp'] / 'latin1'}"),
+                       "eng_Latn.txt line 3 is not valid UTF-8 (byte 0xf1 at column 3)"),
+    "metric.ridge < 0": ("inproc", lambda w: measure(w, "en", "metric=retrieval", "metric.ridge=-0.5"), "metric.ridge=-0.5 must be"),
+    "mutual_knn k >= n": ("inproc", lambda w: measure(w, "en", "metric=mutual_knn", f"metric.k={N}"), f"metric.k={N} must be in [1, {N - 1}]"),
+    "cka n_blocks > n": ("inproc", lambda w: measure(w, "en", "metric=cka", f"metric.n_blocks={N + 1}"), f"metric.n_blocks={N + 1} must be in [2, {N}]"),
+    "native.lmc_points < 3": ("launch", lambda w: native(w, "en", "en", "pair.a.revision=step1", "pair.b.revision=step2",
+                                                         "native.lmc_points=2"), "native.lmc_points must be at least 3"),
+    "tracking.uri unwritable": ("launch", lambda w: measure(w, "en", f"tracking.uri=sqlite:///{w['readonly']}/mlflow.db"),
+                                "cannot write in"),
+    "tracking.uri missing parent": ("inproc", lambda w: measure(w, "en", f"tracking.uri=sqlite:///{w['tmp']}/nope/deeper/mlflow.db"),
+                                    "nope/deeper does not exist; create it (mkdir -p"),
+    "custom code (auto_map)": ("launch", lambda w: measure(w, "custom"), "declares custom code (auto_map: AutoModelForCausalLM)"),
+}
+
+
+def launch(args: list[str], root: Path) -> tuple[int, str, float]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGESCOPE_DATA": str(SHARED)}
+    base = [f"paths.root={root}", "progress=false", f"hydra.run.dir={root}/outputs/run"]
+    t0 = time.time()
+    p = subprocess.run([sys.executable, str(REPO / "launch.py"), *args, *base], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    return p.returncode, p.stderr, time.time() - t0
+
+
+def inproc(args: list[str], compose_cfg, capsys) -> tuple[int | None, str]:
+    from mergescope.cli import run
+
+    cfg, _ = compose_cfg(args)
+    capsys.readouterr()
+    try:
+        run(cfg)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def store_runs(root: Path) -> list:
+    from mergescope.tracking import client_for
+
+    c = client_for(f"sqlite:///{root}/mlruns/mlflow.db")
+    return c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1000)
+
+
+def seed_store(compose_cfg) -> None:
+    """One FINISHED run, so 'unchanged' is not just 'empty'."""
+    from mergescope.tracking import Tracker
+
+    cfg, _ = compose_cfg(["task=measure"])
+    with Tracker(cfg).start(cfg, "seed", {"kind": "seed"}) as job:
+        job.log_metrics({"x": 1.0})
+
+
+def test_every_class_of_bad_input_is_one_line_exit_2_no_run_nothing_cached(world, compose_cfg, capsys):
+    root = world["tmp"]
+    seed_store(compose_cfg)
+    before = [r.info.run_id for r in store_runs(root)]
+    launched = {k: v for k, v in CASES.items() if v[0] == "launch"}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        done = dict(zip(launched, pool.map(lambda c: launch(c[1](world), root), launched.values())))
+    problems = []
+    for name, (how, args, expect) in CASES.items():
+        if how == "launch":
+            code, err, seconds = done[name]
+        else:
+            (code, err), seconds = inproc(args(world), compose_cfg, capsys), 0.0
+        # the error is one line, the last; before it at most the informational lines of a loaded model
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error: ")]
+        if code != 2 or len(errors) != 1 or lines[-1] != errors[0] or expect not in errors[0] or "Traceback" in err:
+            problems.append(f"{name}: exit {code}, stderr {err.strip()[-600:]!r}")
+        if seconds > 120:
+            problems.append(f"{name}: took {seconds:.0f} s")
+        runs = store_runs(root)
+        if [r.info.run_id for r in runs] != before:
+            problems.append(f"{name}: the store's runs changed: {[(r.info.run_name, r.info.status) for r in runs]}")
+    assert not problems, "\n".join(problems)
+    assert not (world["custom"] / "EXECUTED").exists()  # the model's own code never ran
+    cached = list((root / ".cache" / "mergescope" / "reprs").glob("*.npy"))
+    assert cached == []  # no representation was cached, the non-finite ones least of all
+    assert not (world["tmp"] / "nope").exists()  # a missing store folder is not created behind the user's back
