@@ -161,6 +161,15 @@ class Plan:
                 out.append(job("transport", [*self.base, *sel, *extra]))
         return out
 
+    def adapt_jobs(self) -> list[StudyJob]:
+        """The dimensional-adaptation arm: for every ``[small, large]`` of ``adaptation.pairs``, union (adapt=expand)
+        and intersection (adapt=truncate)."""
+        out = []
+        for small, large in (self.cfg.get("adaptation") or {}).get("pairs") or []:
+            a, b = (compose(config_name="config", overrides=[*self.base, f"model={m}"]).model for m in (small, large))
+            out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}"]) for op in ("expand", "truncate")]
+        return out
+
 
 def checkpoint_revisions(ck: DictConfig, name: str, model: DictConfig) -> list[str]:
     """The revisions of one model in the checkpoint arm, in step order."""
@@ -244,3 +253,4 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
     _checkpoint_arm(plan)
     _run_all(plan.transport_directions(), _transport_text)
+    _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")

@@ -104,8 +104,9 @@ def best_ratio(points: dict[float, JobResult], grid: list[float]) -> float:
 
 def _summary(cfg, setup, points, controls, compares, best, overrides) -> JobResult:
     def body(job) -> dict[str, float]:
-        job.log_params({"runs": {f"{k}": r.run_id for k, r in
-                                 [*points.items(), *controls.items(), *compares.items()]}})
+        runs = {**{f"ratio:{r:g}": res.run_id for r, res in points.items()},
+                **{f"{k}:{r:g}": res.run_id for (k, r), res in [*controls.items(), *compares.items()]}}
+        job.log_params({"runs": runs})
         lo, hi, b = points[0.0].metrics, points[1.0].metrics, points[best].metrics
         out = {"best_ratio": best, "best_val_nll": b["val_nll"], "best_test_nll": b["test_nll"],
                "best_test_bpb": b["test_bpb"], "test_nll_r0": lo["test_nll"], "test_nll_r1": hi["test_nll"],

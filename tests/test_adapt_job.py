@@ -1,0 +1,129 @@
+"""task=adapt end to end on tiny Qwen2 models sharing one tokenizer: the runs it logs, the ratio chosen on the
+validation split, refusals before any run, save=true reload, and eval=lm_eval's local tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tokenizer
+from mergescope.errors import MergescopeError
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             tie_word_embeddings=True)
+LARGE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+
+
+def _save(path: Path, arch: dict, tok, seed: int, family: str = "qwen2") -> Path:
+    from mergescope.zoo import build_model
+
+    model = build_model({"family": family, **arch, "max_position_embeddings": 1024}, len(tok), seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scale(tmp_path_factory) -> dict[str, Path]:
+    from mergescope.zoo import sample_lines
+
+    root = tmp_path_factory.mktemp("scale")
+    tok = make_tokenizer(sample_lines("eng_Latn") + sample_lines("por_Latn"), 320)
+    other = make_tokenizer(sample_lines("ita_Latn"), 320)
+    return {"s": _save(root / "s", SMALL, tok, 0), "l": _save(root / "l", LARGE, tok, 1),
+            "other_tok": _save(root / "o", LARGE, other, 2),
+            "neox": _save(root / "n", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4),
+                          tok, 3, family="gpt_neox")}
+
+
+def _pair(a: Path, b: Path) -> list[str]:
+    return ["pair=custom", f"pair.a.name_or_path={a}", "pair.a.lang=eng_Latn", f"pair.b.name_or_path={b}",
+            "pair.b.lang=eng_Latn"]
+
+
+FAST = ["adaptation.langs=[eng_Latn,por_Latn]", "adaptation.nll_sentences=6", "adaptation.diag_sentences=3",
+        "adaptation.compare=[ties]", "adaptation.controls=[scaling,noise]"]
+
+
+def _runs(cfg, **tags):
+    from mergescope.tracking import Tracker
+
+    flt = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+    return Tracker(cfg).runs(flt)
+
+
+def test_union_runs_grid_anchors_controls_and_chooses_on_validation(scale, compose_cfg):
+    from mergescope.adapt.job import run_adapt
+
+    cfg, ov = compose_cfg(["task=adapt", "adapt=expand", *_pair(scale["s"], scale["l"]), *FAST,
+                           "adaptation.union_grid=[0.1,0.9]"])
+    res = run_adapt(cfg, ov)
+    points = _runs(cfg, kind="adapt", control="none")
+    ratios = sorted(r.data.tags["ratio"] for r in points)
+    assert ratios == ["0", "0.1", "0.9", "1", "best"]
+    by = {r.data.tags["ratio"]: r.data.metrics for r in points}
+    best = min(("0.1", "0.9"), key=lambda k: by[k]["val_nll"])  # chosen on validation, not on test
+    assert res.metrics["best_ratio"] == float(best)
+    assert res.metrics["best_test_nll"] == pytest.approx(by[best]["test_nll"])
+    assert {"test_nll.eng_Latn", "test_nll.wikinews", "test_bpb.por_Latn", "attn_entropy_mean"} <= set(by["0"])
+    assert len(_runs(cfg, kind="adapt", control="noise")) == 1 and "test_nll_noise" in res.metrics
+    # E(small) keeps the small model's function: ratio 0's NLL is the small model's own
+    assert run_adapt(cfg, ov).skipped
+
+
+def test_intersection_compares_registry_merges_in_the_small_space(scale, compose_cfg):
+    from mergescope.adapt.job import run_adapt
+
+    cfg, ov = compose_cfg(["task=adapt", "adapt=truncate", *_pair(scale["l"], scale["s"]), *FAST,
+                           "adaptation.intersection_grid=[0.02]", "adaptation.controls=[]"])
+    res = run_adapt(cfg, ov)
+    assert res.metrics["best_ratio"] == 0.02 and "test_nll_ties" in res.metrics
+    merges = _runs(cfg, kind="merge", route="adapt")
+    assert [r.data.tags["merge"] for r in merges] == ["ties"]
+
+
+@pytest.mark.parametrize("which,message", [("other_tok", "vocabularies differ"),
+                                           ("neox", r"architecture families differ \(qwen2 vs gpt_neox\)")])
+def test_refusals_before_any_run(scale, compose_cfg, which, message):
+    from mergescope.adapt.job import run_adapt
+
+    cfg, ov = compose_cfg(["task=adapt", "adapt=expand", *_pair(scale["s"], scale[which]), *FAST])
+    with pytest.raises(MergescopeError, match=message):
+        run_adapt(cfg, ov)
+    assert not _runs(cfg)
+
+
+def test_save_true_writes_a_folder_that_reloads_to_the_same_nll(scale, compose_cfg):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergescope.adapt.job import run_adapt
+    from mergescope.represent import token_nll
+
+    cfg, ov = compose_cfg(["task=adapt", "adapt=expand", *_pair(scale["s"], scale["l"]), *FAST, "save=true",
+                           "adaptation.union_grid=[0.04]", "adaptation.controls=[]", "adaptation.diag_sentences=0"])
+    run_adapt(cfg, ov)
+    run = next(r for r in _runs(cfg, kind="adapt", ratio="0.04", control="none"))
+    folder = Path(run.data.params["saved_to"])
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    from mergescope.adapt.evaluate import load_texts
+
+    texts = load_texts(cfg.data, ["eng_Latn", "por_Latn"], {"val": "dev", "test": "devtest"}, 6)
+    reloaded = sum(token_nll(model, tok, t.sentences, progress=False)["nll"] for t in texts if t.split == "test") / 2
+    assert reloaded == pytest.approx(run.data.metrics["test_nll"], abs=1e-5)
+
+
+def test_lm_eval_local_tasks_and_metric_names(tmp_path):
+    from mergescope.adapt.lmeval import flat_metrics, local_tasks
+
+    root = Path(__file__).resolve().parents[2] / "shared" / "data" / "flores200"
+    names = local_tasks(str(root), "devtest", ["eng_Latn"], tmp_path)
+    text = (tmp_path / f"{names[0]}.yaml").read_text()
+    assert "loglikelihood_rolling" in text and "bits_per_byte" in text and "{{text}}" in text
+    assert flat_metrics({"t": {"bits_per_byte,none": 1.5, "alias": "t"}}) == {"t.bits_per_byte": 1.5}
+    with pytest.raises(MergescopeError, match="no FLORES file"):
+        local_tasks(str(root), "devtest", ["xxx_Latn"], tmp_path)
