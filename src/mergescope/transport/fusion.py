@@ -200,7 +200,9 @@ class Fusion:
         per tensor and over all fused tensors as one vector (``fused_weight_cosine``, ``fused_relative_l2``)."""
         per, tot_w = {}, np.zeros(4)  # sums of |W|^2, |W_fused|^2, <W_fused, W>, |W_fused - W|^2
         for name, w in self.original.items():
-            w2 = float(torch.linalg.vector_norm(w, dtype=torch.float64) ** 2)
+            # |W|^2 in float64, a few million entries at a time (no float64 copy of the whole tensor)
+            w2 = sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+                     for c in torch.split(w, max(1, (1 << 22) // max(1, w[0].numel()))))
             wr = w[self.rows[name]].to(torch.float64)
             d = self.fused_rows(name, alpha, control).to(torch.float64) - wr
             new2 = w2 + float((d * (2 * wr + d)).sum())
