@@ -1,0 +1,142 @@
+"""task=agreement (kind=agreement): one pair at every relative depth: RSA and nearest-neighbour match with
+their permutation nulls, every configured representation metric, the L_a x L_b CKA matrix (CSV + heatmap),
+each model's share of variance in two principal components by layer, and the pooling ablation."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from mergescope import data as data_mod
+from mergescope import models
+from mergescope.metrics import linear_cka
+from mergescope.registry import metrics as metric_registry
+from mergescope.represent.jobs import check_represent
+from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
+from mergescope.shared.depth import depth_layers
+from mergescope.shared.plots import plt
+from mergescope.shared.reprs import check_shared, layer_reprs, pc2_share, poolings
+
+AGREEMENT_KEYS = ["pair", "data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
+
+
+def rsa_rows(n: int, cfg: DictConfig) -> np.ndarray | None:
+    k = cfg.shared.get("rsa_sentences")
+    if not k or int(k) >= n:
+        return None
+    return np.sort(np.random.default_rng(int(cfg.shared.seed)).choice(n, int(k), replace=False))
+
+
+def depth_values(cfg: DictConfig, Xa: np.ndarray, Xb: np.ndarray) -> dict[str, float]:
+    """Everything measured at one depth on the main pooling."""
+    out = agreement(Xa, Xb, n_perm=int(cfg.shared.permutations), seed=int(cfg.shared.seed), rsa_rows=rsa_rows(len(Xa), cfg))
+    for name in cfg.shared.metrics:
+        entry, kwargs = metric_with_kwargs(str(name))
+        vals = entry.fn(Xa, Xb, device=cfg.device, **kwargs)
+        out.update({k: float(v) for k, v in vals.items()})
+    return out
+
+
+def metric_with_kwargs(name: str):
+    """A registered metric and its keyword arguments from conf/metric/<name>.yaml (checked)."""
+    from omegaconf import OmegaConf
+
+    from mergescope.config import CONF_DIR
+
+    entry = metric_registry.get(name)
+    path = CONF_DIR / "metric" / f"{name}.yaml"
+    conf = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    return entry, entry.check_kwargs({k: v for k, v in conf.items() if k != "name"})
+
+
+def cka_matrix(La: np.ndarray, Lb: np.ndarray, device: str) -> np.ndarray:
+    return np.array([[linear_cka(a, b, device=device) for b in Lb] for a in La])
+
+
+def pooling_rows(cfg: DictConfig, reps_a, reps_b, la: list[int], lb: list[int]) -> list[dict]:
+    """RSA (observed) and nearest-neighbour match (with its null) for every pooling at every depth."""
+    rows = []
+    for p in poolings(cfg):
+        for d, i, j in zip(cfg.shared.depths, la, lb):
+            Xa, Xb = reps_a[p][i], reps_b[p][j]
+            perms = permutations(len(Xa), int(cfg.shared.permutations), int(cfg.shared.seed))
+            nn, null = nn_match_null(Xa, Xb, perms)
+            sub = rsa_rows(len(Xa), cfg)
+            r = rsa(Xa, Xb) if sub is None else rsa(Xa[sub], Xb[sub])
+            rows.append({"pooling": p, "depth": float(d), "layer_a": i, "layer_b": j, "rsa": r, "nn_match": nn,
+                         "nn_match_p": float((1 + np.sum(null >= nn)) / (1 + null.size)),
+                         "nn_match_ratio_to_chance": nn * (len(Xa) - 1)})
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    import csv
+
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def heatmap(M: np.ndarray, la: str, lb: str):
+    fig, ax = plt().subplots(figsize=(1.2 + 0.5 * M.shape[1], 1 + 0.5 * M.shape[0]))
+    im = ax.imshow(M, vmin=0, vmax=1, cmap="viridis", origin="lower")
+    ax.set_xlabel(f"{lb} hidden state")
+    ax.set_ylabel(f"{la} hidden state")
+    ax.set_title("linear CKA, every layer pair", fontsize=9)
+    fig.colorbar(im, ax=ax)
+    return fig
+
+
+def log_tables(job, tables: dict[str, list[dict]], fig) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        for name, rows in tables.items():
+            write_csv(rows, Path(d) / f"{name}.csv")
+        job.log_artifacts(d, "tables")
+    job.log_figure(fig, "figures/cka_layers.png")
+    plt().close(fig)
+
+
+def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    a, b = cfg.pair.a, cfg.pair.b
+    ref_a, ref_b = models.resolve_pair(cfg.pair)
+    check_represent(cfg)
+    check_shared(cfg)
+    side_a, side_b = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
+    for name in cfg.shared.metrics:
+        metric_with_kwargs(str(name))
+
+    def body(job) -> dict[str, float]:
+        reps_a, meta_a = layer_reprs(cfg, a, ref_a, side_a)
+        reps_b, meta_b = layer_reprs(cfg, b, ref_b, side_b)
+        main = str(cfg.represent.pooling)
+        n_a, n_b = reps_a[main].shape[0] - 1, reps_b[main].shape[0] - 1
+        la, lb = depth_layers(cfg.shared.depths, n_a), depth_layers(cfg.shared.depths, n_b)
+        job.log_params({"layers_a": n_a, "layers_b": n_b, "depth_layers_a": la, "depth_layers_b": lb,
+                        "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
+        rows = []
+        for k, (d, i, j) in enumerate(zip(cfg.shared.depths, la, lb)):
+            vals = depth_values(cfg, reps_a[main][i], reps_b[main][j])
+            job.log_metrics({f"{m}_by_depth": v for m, v in vals.items()}, step=k)
+            rows.append({"depth": float(d), "layer_a": i, "layer_b": j, **vals})
+        geo = [{"model": side, "layer": l_, "depth": l_ / (len(r[main]) - 1), "pc2_share": pc2_share(r[main][l_])}
+               for side, r in (("a", reps_a), ("b", reps_b)) for l_ in range(len(r[main]))]
+        for g in geo:
+            job.log_metrics({f"pc2_share_{g['model']}_by_layer": g["pc2_share"]}, step=g["layer"])
+        M = cka_matrix(reps_a[main], reps_b[main], cfg.device)
+        cka_rows = [{"layer_a": i, **{f"layer_b_{j}": float(M[i, j]) for j in range(M.shape[1])}} for i in range(M.shape[0])]
+        log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo,
+                         "pooling_ablation": pooling_rows(cfg, reps_a, reps_b, la, lb)},
+                   heatmap(M, models.label(a), models.label(b)))
+        final = {k: v for k, v in rows[-1].items() if k not in ("depth", "layer_a", "layer_b")}
+        return {**final, "n_sentences": float(len(side_a.sentences)), "n_depths": float(len(rows)),
+                "pc2_share_a_final": geo[n_a]["pc2_share"], "pc2_share_b_final": geo[-1]["pc2_share"]}
+
+    tags = {"kind": "agreement", **pair_tags(cfg), "route": "representation", "seed": cfg.shared.seed,
+            "data": cfg.data.name, "split": cfg.data.split}
+    return run_once(cfg, f"agreement:{pair_label(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
+                    reads=(ref_a, ref_b))

@@ -1,0 +1,38 @@
+"""Sentence categories (the stand-in for the paper's probe categories): FLORES-200's ``domain`` column of
+``metadata_<split>.tsv`` (wikinews / wikivoyage / wikibooks), and PUD's source from its ids (n = news,
+w = wikipedia). None when the data carries no such labels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PUD_SOURCES = {"n": "news", "w": "wikipedia"}
+
+
+def _flores(root: Path, split: str) -> list[str] | None:
+    meta = root / f"metadata_{split}.tsv"
+    if not meta.is_file():
+        return None
+    lines = meta.read_text(encoding="utf-8").splitlines()
+    col = lines[0].split("\t").index("domain")
+    return [line.split("\t")[col] for line in lines[1:] if line.strip()]
+
+
+def _pud(root: Path, lang: str) -> list[str] | None:
+    ids = root / f"{lang}.ids"
+    if not ids.is_file():
+        return None
+    return [PUD_SOURCES.get(s[:1], "other") for s in ids.read_text(encoding="utf-8").split()]
+
+
+def domains(data_cfg: Any, lang: str, n: int) -> list[str] | None:
+    """One category per sentence of ``lang``'s side, or None."""
+    if str(data_cfg.get("source", "local")) != "local":
+        return None
+    root = Path(str(data_cfg.root))
+    out = _flores(root, str(data_cfg.split)) or _pud(root, lang)
+    if out is None:
+        return None
+    out = out[:n]
+    return out if len(out) == n and len(set(out)) > 1 else None

@@ -1,0 +1,100 @@
+"""Held-out retrieval of the shared space against pairwise linear maps, over k folds; the D sweep; transfer
+across FLORES domains (fit on two, test on the third, then refit including it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mergescope.shared.gpa import GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1
+
+
+@dataclass
+class Space:
+    """A fitted shared space: one reduction and one rotation per model."""
+
+    reductions: list[Reduction]
+    fit: GPAFit
+
+    def project(self, i: int, X: np.ndarray) -> np.ndarray:
+        return self.reductions[i].apply(X) @ self.fit.rotations[i]
+
+
+def fit_space(Xs: Sequence[np.ndarray], dim: int, tol: float = 1e-7) -> Space:
+    reduced = [pca_reduce(x, dim) for x in Xs]
+    return Space([r for r, _ in reduced], gpa([z for _, z in reduced], tol=tol))
+
+
+def pool_label(size: int | None) -> str:
+    return "all" if size is None else str(int(size))
+
+
+def _fold_matrices(Xs, train, test, dim, sizes, seed) -> dict[str, np.ndarray]:
+    space = fit_space([x[train] for x in Xs], dim)
+    shared = [space.project(i, x[test]) for i, x in enumerate(Xs)]
+    reduced_train = [r.apply(x[train]) for r, x in zip(space.reductions, Xs)]
+    reduced_test = [r.apply(x[test]) for r, x in zip(space.reductions, Xs)]
+    n = len(Xs)
+    out = {f"{kind}@{pool_label(s)}": np.full((n, n), np.nan) for kind in ("gpa", "pairwise") for s in sizes}
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            mapped = apply_map(linear_map(reduced_train[a], reduced_train[b]), reduced_test[a])
+            for s in sizes:
+                out[f"gpa@{pool_label(s)}"][a, b] = pooled_p1(shared[a], shared[b], s, seed)
+                out[f"pairwise@{pool_label(s)}"][a, b] = pooled_p1(mapped, reduced_test[b], s, seed)
+    return out
+
+
+def retrieval_matrices(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequence[int | None] = (10, 32, None),
+                       seed: int = 0) -> dict[str, np.ndarray]:
+    """(N, N) held-out P@1 per ordered pair (row = query model, column = gallery model), averaged over k
+    folds, for the shared space (``gpa@<pool>``) and the pairwise maps (``pairwise@<pool>``)."""
+    n_rows = Xs[0].shape[0]
+    parts = folds(n_rows, k, seed)
+    acc: dict[str, list[np.ndarray]] = {}
+    for f, test in enumerate(parts):
+        train = np.setdiff1d(np.arange(n_rows), test)
+        for key, m in _fold_matrices(Xs, train, test, dim, sizes, seed + f).items():
+            acc.setdefault(key, []).append(m)
+    return {key: np.mean(ms, axis=0) for key, ms in acc.items()}
+
+
+def off_diagonal_mean(m: np.ndarray) -> float:
+    return float(np.nanmean(m[~np.eye(m.shape[0], dtype=bool)]))
+
+
+def shared_p1(Xs, train, test, dim, size, seed) -> float:
+    """Mean over ordered pairs of the shared space's P@1 on ``test`` when fitted on ``train``."""
+    space = fit_space([x[train] for x in Xs], dim)
+    z = [space.project(i, x[test]) for i, x in enumerate(Xs)]
+    n = len(Xs)
+    return float(np.mean([pooled_p1(z[a], z[b], size, seed) for a in range(n) for b in range(n) if a != b]))
+
+
+def domain_transfer(Xs: Sequence[np.ndarray], domains: Sequence[str], dim: int, size: int | None = 32,
+                    test_frac: float = 0.3, seed: int = 0) -> list[dict]:
+    """For each domain h: fit on the training parts of the other domains, then on those of all domains;
+    test both fits on h's held-out part (unseen / refit) and on the other domains' held-out parts."""
+    dom = np.asarray(domains)
+    rng = np.random.default_rng(seed)
+    train_idx, test_idx = {}, {}
+    for d in sorted(set(dom)):
+        idx = rng.permutation(np.flatnonzero(dom == d))
+        cut = int(round(len(idx) * test_frac))
+        test_idx[d], train_idx[d] = idx[:cut], idx[cut:]
+    rows = []
+    for h in sorted(train_idx):
+        others = [d for d in sorted(train_idx) if d != h]
+        excl = np.concatenate([train_idx[d] for d in others])
+        incl = np.concatenate([excl, train_idx[h]])
+        seen = np.concatenate([test_idx[d] for d in others])
+        rows.append({"held_out": h, "n_fit_excl": len(excl), "n_fit_incl": len(incl),
+                     "held_out_excl": shared_p1(Xs, excl, test_idx[h], dim, size, seed),
+                     "held_out_incl": shared_p1(Xs, incl, test_idx[h], dim, size, seed),
+                     "seen_excl": shared_p1(Xs, excl, seen, dim, size, seed),
+                     "seen_incl": shared_p1(Xs, incl, seen, dim, size, seed)})
+    return rows

@@ -1,0 +1,137 @@
+"""Generalized Procrustes Analysis across N models, and the pairwise linear maps it is compared with.
+
+Each model's centred representations are reduced by PCA to a common dimension D (zero-padded where a model's
+rank is below D: its width, or the number of sentences minus one) and scaled to unit Frobenius norm, so no
+model outweighs the consensus. One orthogonal rotation per model is then fitted, in turn, to the evolving
+mean of all rotated models, until the relative decrease of the loss sum_i ||Z_i R_i - M||² falls below
+``tol``. No model is the reference: the first model only seeds the first mean; the fixed point is every model
+rotated to the consensus (unique up to one rotation common to all).
+
+Retrieval (the paper's §6): a query sentence seen by model a is matched, by cosine, to the same sentences seen
+by model b within a pool (random pools of 10 or 32 held-out sentences, or the whole held-out fold); P@1 is the
+share found. Chance = 1 / pool size. Float64 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mergescope.errors import MergescopeError
+
+
+@dataclass
+class Reduction:
+    """A model's PCA to D dimensions: mean (d,), basis (d, D) (zero columns beyond its rank), scale."""
+
+    mean: np.ndarray
+    basis: np.ndarray
+    scale: float
+
+    def apply(self, X: np.ndarray) -> np.ndarray:
+        return (np.asarray(X, dtype=np.float64) - self.mean) @ self.basis / self.scale
+
+
+def pca_reduce(X: np.ndarray, dim: int) -> tuple[Reduction, np.ndarray]:
+    """Fit the reduction on X and return it with the reduced X (n, dim)."""
+    x = np.asarray(X, dtype=np.float64)
+    mean = x.mean(axis=0)
+    xc = x - mean
+    _, s, vt = np.linalg.svd(xc, full_matrices=False)
+    rank = int(min(dim, vt.shape[0], max(x.shape[0] - 1, 1), int(np.sum(s > s[0] * 1e-10)) if s.size else 0))
+    basis = np.zeros((x.shape[1], dim))
+    basis[:, :rank] = vt[:rank].T
+    z = xc @ basis
+    scale = float(np.linalg.norm(z)) or 1.0
+    return Reduction(mean, basis, scale), z / scale
+
+
+def procrustes_rotation(Z: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """The orthogonal R minimising ||Z R - M||_F (R = U Vᵀ from the SVD of Zᵀ M)."""
+    u, _, vt = np.linalg.svd(Z.T @ M)
+    return u @ vt
+
+
+@dataclass
+class GPAFit:
+    rotations: list[np.ndarray]
+    mean: np.ndarray
+    iterations: int
+    loss: float
+    converged: bool
+    losses: list[float] = field(default_factory=list)
+
+
+def _polar(a: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor of each (D, D) matrix of a batch: U Vᵀ of its SVD."""
+    u, _, vt = torch.linalg.svd(a)
+    return u @ vt
+
+
+def gpa(Zs: list[np.ndarray], tol: float = 1e-7, max_iter: int = 500) -> GPAFit:
+    """Rotate every (n, D) configuration to the evolving consensus until the loss stops decreasing.
+
+    With C_ij = Z_iᵀ Z_j (computed once), Z_iᵀ M = (1/N) Σ_j C_ij R_j and the loss is
+    Σ_i ||Z_i||² - (1/N) Σ_i tr(R_iᵀ Σ_j C_ij R_j), so an iteration costs D x D products and N batched SVDs,
+    independent of n. The first model seeds the first consensus only (every R_i starts as its Procrustes
+    rotation onto Z_1); after that all models are treated alike."""
+    if len(Zs) < 2:
+        raise MergescopeError(f"GPA needs at least two models, got {len(Zs)}")
+    if len({z.shape for z in Zs}) != 1:
+        raise MergescopeError(f"GPA needs configurations of one shape, got {sorted({z.shape for z in Zs})}")
+    z = torch.as_tensor(np.stack(Zs), dtype=torch.float64)
+    n_models = z.shape[0]
+    c = torch.einsum("ina,jnb->ijab", z, z)
+    total = float(z.pow(2).sum())
+    rots = _polar(c[:, 0])
+    losses: list[float] = []
+    for it in range(1, max_iter + 1):
+        a = torch.einsum("ijab,jbc->iac", c, rots)
+        losses.append(total - float(torch.einsum("iab,iab->", rots, a)) / n_models)
+        if len(losses) > 1 and losses[-2] - losses[-1] <= tol * max(losses[0], 1e-300):
+            break
+        rots = _polar(a)
+    mean = torch.einsum("ina,iab->nb", z, rots) / n_models
+    converged = len(losses) > 1 and losses[-2] - losses[-1] <= tol * max(losses[0], 1e-300)
+    return GPAFit([r.numpy() for r in rots], mean.numpy(), len(losses), losses[-1], converged, losses)
+
+
+def linear_map(Xa: np.ndarray, Xb: np.ndarray, ridge: float = 1e-3) -> np.ndarray:
+    """Least-squares map W (with intercept column) from centred a to b, ridge relative to the mean eigenvalue."""
+    xa = np.hstack([Xa, np.ones((Xa.shape[0], 1))])
+    g = xa.T @ xa
+    lam = ridge * np.trace(g) / g.shape[0]
+    return np.linalg.solve(g + lam * np.eye(g.shape[0]), xa.T @ Xb)
+
+
+def apply_map(W: np.ndarray, X: np.ndarray) -> np.ndarray:
+    return np.hstack([X, np.ones((X.shape[0], 1))]) @ W
+
+
+def pools(n: int, size: int | None, seed: int) -> list[np.ndarray]:
+    """Random disjoint pools of ``size`` indices (the remainder dropped), or one pool of all (size None)."""
+    if size is None or size >= n:
+        return [np.arange(n)]
+    order = np.random.default_rng(seed).permutation(n)
+    return [order[i : i + size] for i in range(0, n - size + 1, size)]
+
+
+def pooled_p1(Q: np.ndarray, G: np.ndarray, size: int | None, seed: int = 0) -> float:
+    """P@1 of cosine retrieval of each query row among the gallery rows of its pool."""
+    qn = Q / np.maximum(np.linalg.norm(Q, axis=1, keepdims=True), 1e-300)
+    gn = G / np.maximum(np.linalg.norm(G, axis=1, keepdims=True), 1e-300)
+    hits, total = 0, 0
+    for p in pools(Q.shape[0], size, seed):
+        s = qn[p] @ gn[p].T
+        hits += int(np.sum(s.argmax(axis=1) == np.arange(len(p))))
+        total += len(p)
+    return hits / total
+
+
+def folds(n: int, k: int, seed: int) -> list[np.ndarray]:
+    """k disjoint held-out folds of a seeded permutation of range(n)."""
+    if not 2 <= k <= n:
+        raise MergescopeError(f"folds must be in [2, n={n}], got {k}")
+    return np.array_split(np.random.default_rng(seed).permutation(n), k)

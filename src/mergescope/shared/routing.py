@@ -1,0 +1,99 @@
+"""Routing (the paper's §8) with bits per byte as the gradeable task: every sentence is scored by every
+model in bits per UTF-8 byte (comparable across tokenizers: each sentence starts from the model's BOS, or
+its EOS, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
+
+- ``always_best``: the model with the lowest mean bits per byte on the training fold;
+- ``space``: the majority label of the sentence's k nearest training-fold neighbours in the shared space
+  (fitted on the training fold; a sentence's position is the mean of its models' positions), each labelled
+  with the model that was best on it;
+- ``domain``: the best model of the sentence's category on the training fold (the paper's confound: a signal
+  that is category membership);
+- ``oracle``: the best model for each sentence (an upper bound, not a router).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from mergescope.errors import MergescopeError
+from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+from mergescope.shared.evaluate import fit_space
+from mergescope.shared.gpa import folds
+
+LN2 = float(np.log(2.0))
+
+
+def start_id(tokenizer) -> int:
+    for attr in ("bos_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if v is not None:
+            return int(v)
+    raise MergescopeError("the tokenizer has neither a BOS nor an EOS token to start a sentence from")
+
+
+@torch.inference_mode()
+def bits_per_byte(model, tokenizer, sentences, batch_tokens="auto", max_length: int = 512) -> np.ndarray:
+    """(n,) bits per UTF-8 byte of each sentence, float64."""
+    device = next(model.parameters()).device
+    enc = tokenizer(list(sentences), add_special_tokens=False)["input_ids"]
+    ids = [[start_id(tokenizer), *e][: max_length] for e in enc]
+    nats = np.zeros(len(ids))
+    for b in length_batches(np.array([len(s) for s in ids]), batch_token_budget(batch_tokens, device)):
+        x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
+        logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits[:, :-1].double()
+        lp = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+        nats[b] = (lp * m[:, 1:]).sum(dim=1).cpu().numpy()
+    nbytes = np.array([len(s.encode("utf-8")) for s in sentences], dtype=np.float64)
+    return nats / LN2 / nbytes
+
+
+def knn_labels(Q: np.ndarray, G: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """Majority label of each query's k cosine nearest gallery rows (ties: the nearest's label)."""
+    qn = Q / np.maximum(np.linalg.norm(Q, axis=1, keepdims=True), 1e-300)
+    gn = G / np.maximum(np.linalg.norm(G, axis=1, keepdims=True), 1e-300)
+    near = np.argsort(-(qn @ gn.T), axis=1)[:, :k]
+    out = []
+    for row in labels[near]:
+        counts = Counter(row.tolist())
+        top = max(counts.values())
+        out.append(next(v for v in row if counts[v] == top))
+    return np.array(out)
+
+
+def route(bpb: np.ndarray, Xs, doms, dim: int, k_folds: int, knn: int, seed: int) -> dict[str, np.ndarray]:
+    """Per sentence (held-out in its fold): the model each router picks. ``bpb`` is (n, N models)."""
+    n = bpb.shape[0]
+    picks = {name: np.zeros(n, dtype=int) for name in ("always_best", "space", "domain", "oracle")}
+    best = bpb.argmin(axis=1)
+    picks["oracle"] = best
+    for test in folds(n, k_folds, seed):
+        train = np.setdiff1d(np.arange(n), test)
+        picks["always_best"][test] = int(bpb[train].mean(axis=0).argmin())
+        space = fit_space([x[train] for x in Xs], dim)
+        g = np.mean([space.project(i, x[train]) for i, x in enumerate(Xs)], axis=0)
+        q = np.mean([space.project(i, x[test]) for i, x in enumerate(Xs)], axis=0)
+        picks["space"][test] = knn_labels(q, g, best[train], knn)
+        if doms is not None:
+            d = np.asarray(doms)
+            for name in set(d[test]):
+                sel = train[d[train] == name]
+                chosen = int(bpb[sel].mean(axis=0).argmin()) if len(sel) else picks["always_best"][test][0]
+                picks["domain"][test[d[test] == name]] = chosen
+    if doms is None:
+        del picks["domain"]
+    return picks
+
+
+def summarise(bpb: np.ndarray, picks: dict[str, np.ndarray]) -> dict[str, float]:
+    """Mean bits per byte of each router, its gain over always-best (positive = better), agreement with the oracle."""
+    rows = np.arange(bpb.shape[0])
+    out = {}
+    for name, p in picks.items():
+        out[f"bpb_{name}"] = float(bpb[rows, p].mean())
+        out[f"oracle_agreement_{name}"] = float(np.mean(p == picks["oracle"]))
+    for name in picks:
+        out[f"gain_{name}"] = out["bpb_always_best"] - out[f"bpb_{name}"]
+    return out

@@ -1,0 +1,102 @@
+"""task=shared_space (kind=shared_space): GPA over all ``shared.models`` against pairwise linear maps, by held-out
+retrieval over k folds in pools of 10 / 32 / the whole fold, at every relative depth; the D sweep; transfer across
+categories (FLORES domains); the space fitted on all sentences at the final layer, saved as the ``space``
+artifact (``mergescope.shared.embed`` reads it)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from mergescope import models
+from mergescope.runs import JobResult, run_once
+from mergescope.shared.agreement_job import write_csv
+from mergescope.shared.depth import depth_layers
+from mergescope.shared.domains import domains
+from mergescope.shared.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_matrices
+from mergescope.shared.reprs import final_layers, models_tags, prepare
+from mergescope.shared.space import save_space
+
+SPACE_KEYS = ["data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
+
+
+def pool_sizes(cfg: DictConfig) -> list[int | None]:
+    return [*(int(p) for p in cfg.shared.pools), None]
+
+
+def matrix_rows(mats: dict[str, np.ndarray], labels: list[str], **extra) -> list[dict]:
+    rows = []
+    for key, m in mats.items():
+        kind, pool = key.split("@")
+        for a, la in enumerate(labels):
+            for b, lb in enumerate(labels):
+                if a != b:
+                    rows.append({**extra, "method": kind, "pool": pool, "query": la, "gallery": lb, "p1": float(m[a, b])})
+    return rows
+
+
+def depth_sweep(cfg, job, per_model, labels) -> list[dict]:
+    rows = []
+    main = str(cfg.represent.pooling)
+    layers = [depth_layers(cfg.shared.depths, len(r[main]) - 1) for r in per_model]
+    for k, d in enumerate(cfg.shared.depths):
+        Xs = [r[main][layers[i][k]] for i, r in enumerate(per_model)]
+        mats = retrieval_matrices(Xs, int(cfg.shared.dim), int(cfg.shared.folds), pool_sizes(cfg), int(cfg.shared.seed))
+        job.log_metrics({f"{key.replace('@', '_p1_')}_by_depth": off_diagonal_mean(m) for key, m in mats.items()}, step=k)
+        rows += matrix_rows(mats, labels, depth=float(d))
+    return rows
+
+
+def dim_sweep(cfg, job, Xs) -> list[dict]:
+    rows = []
+    for k, D in enumerate(int(x) for x in cfg.shared.dims):
+        mats = retrieval_matrices(Xs, D, int(cfg.shared.folds), [32], int(cfg.shared.seed))
+        row = {"dim": D, "gpa_p1_32": off_diagonal_mean(mats["gpa@32"]), "pairwise_p1_32": off_diagonal_mean(mats["pairwise@32"])}
+        job.log_metrics({f"{k_}_by_dim": v for k_, v in row.items() if k_ != "dim"}, step=D)
+        rows.append(row)
+    return rows
+
+
+def space_meta(cfg, entries, layers, sides) -> dict:
+    return {"models": [{"label": models.label(e), "entry": OmegaConf.to_container(e, resolve=True), "layer": int(l_)}
+                       for e, l_ in zip(entries, layers)],
+            "pooling": str(cfg.represent.pooling), "max_length": int(cfg.represent.max_length), "dim": int(cfg.shared.dim),
+            "data": str(cfg.data.name), "split": str(cfg.data.split), "n_sentences": len(sides[0].sentences)}
+
+
+def headline(rows: list[dict], depth: float) -> dict[str, float]:
+    out = {}
+    for r in rows:
+        if r["depth"] == depth:
+            out.setdefault(f"{r['method']}_p1_{r['pool']}", []).append(r["p1"])
+    return {k: float(np.mean(v)) for k, v in out.items()}
+
+
+def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    entries, refs, sides, labels = prepare(cfg)
+
+    def body(job) -> dict[str, float]:
+        per_model = final_layers(cfg, entries, refs, sides)
+        main = str(cfg.represent.pooling)
+        finals = [r[main][-1] for r in per_model]
+        tables = {"retrieval": depth_sweep(cfg, job, per_model, labels), "dim_sweep": dim_sweep(cfg, job, finals)}
+        dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
+        if dom is not None:
+            tables["transfer"] = domain_transfer(finals, dom, int(cfg.shared.dim), int(cfg.shared.transfer_pool), seed=int(cfg.shared.seed))
+        space = fit_space(finals, int(cfg.shared.dim))
+        with tempfile.TemporaryDirectory() as d:
+            for name, rows in tables.items():
+                write_csv(rows, Path(d) / f"{name}.csv")
+            job.log_artifacts(d, "tables")
+        with tempfile.TemporaryDirectory() as d:
+            job.log_artifacts(save_space(space, space_meta(cfg, entries, [len(r[main]) - 1 for r in per_model], sides), d), "space")
+        job.log_params({"models": labels, "layers": [len(r[main]) - 1 for r in per_model], "domains": sorted(set(dom or []))})
+        return {**headline(tables["retrieval"], float(cfg.shared.depths[-1])), "gpa_iterations": float(space.fit.iterations),
+                "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
+
+    tags = models_tags(cfg, "shared_space", labels)
+    return run_once(cfg, f"shared_space:{len(labels)} models", tags, overrides, body, task="shared_space",
+                    keys=SPACE_KEYS, reads=tuple(refs))

@@ -1,0 +1,116 @@
+"""The shared-space arm end to end on tiny models: all-layer representations from one forward pass (and
+their agreement with the single-layer path), task=agreement, task=shared_space (+ the embed API), task=routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tokenizer
+
+from mergescope.represent import embed
+from mergescope.represent.layers import embed_layers
+
+
+def _save(path: Path, arch: dict, seed: int) -> Path:
+    from mergescope.zoo import build_model, sample_lines
+
+    tok = make_tokenizer(sample_lines("eng_Latn"), vocab_size=300 + 11 * seed)
+    model = build_model({**arch, "max_position_embeddings": 1024} if arch["family"] != "mamba" else arch, len(tok), seed).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+ARCHS = {
+    "neox": dict(family="gpt_neox", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+    "llama": dict(family="llama", hidden_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48),
+    "mamba": dict(family="mamba", hidden_size=16, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4),
+}
+
+
+@pytest.fixture(scope="module")
+def english(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("english")
+    return {name: _save(root / name, arch, seed) for seed, (name, arch) in enumerate(ARCHS.items())}
+
+
+def _entry(name: str, path: Path) -> str:
+    return f"{{name:{name},name_or_path:'{path}',revision:null,lang:eng_Latn,dtype:float32}}"
+
+
+def _load(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_embed_layers_matches_the_single_layer_path_at_every_layer(english, name):
+    model, tok = _load(english[name])
+    sents = ["A short sentence.", "Another, somewhat longer sentence than the first one.", "Third."]
+    out, _ = embed_layers(model, tok, sents, poolings=["sgpt", "last"], progress=False)
+    n_layers = ARCHS[name]["num_hidden_layers"]
+    assert out["sgpt"].shape[0] == n_layers + 1
+    final, _ = embed(model, tok, sents, pooling="sgpt", layer=-1, progress=False)
+    assert np.allclose(out["sgpt"][-1], final, atol=1e-10)
+    emb = model.base_model.get_input_embeddings()
+    ids = tok(sents[2], add_special_tokens=True)["input_ids"]
+    with torch.no_grad():
+        e = emb(torch.tensor(ids)).double()
+    w = torch.arange(1, len(ids) + 1, dtype=torch.float64)
+    assert np.allclose(out["sgpt"][0][2], ((w[:, None] * e).sum(0) / w.sum()).numpy(), atol=1e-6)
+    if name != "mamba":  # transformers: hidden_states[i] for the blocks in between
+        for i in range(1, n_layers):
+            single, _ = embed(model, tok, sents, pooling="last", layer=i, progress=False)
+            assert np.allclose(out["last"][i], single, atol=1e-10)
+
+
+def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, compose_cfg):
+    from mergescope.shared.agreement_job import run_agreement
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=agreement", "pair=custom", f"++pair.a={_entry('neox', english['neox'])}",
+                           f"++pair.b={_entry('llama', english['llama'])}", "data.max_sentences=60",
+                           "shared.permutations=100", "shared.metrics=[cka,cka_debiased]"])
+    res = run_agreement(cfg, ov)
+    assert 0 < res.metrics["nn_match_p"] <= 1 and res.metrics["rsa_p"] >= 1 / 101
+    client = Tracker(cfg).client
+    hist = client.get_metric_history(res.run_id, "rsa_by_depth")
+    assert sorted(m.step for m in hist) == [0, 1, 2, 3, 4]
+    run = client.get_run(res.run_id)
+    assert run.data.tags["kind"] == "agreement"
+    assert run.data.params["depth_layers_a"] == "[0, 1, 1, 2, 2]" and run.data.params["depth_layers_b"] == "[0, 1, 2, 2, 3]"
+    arts = {a.path for a in client.list_artifacts(res.run_id, "tables")} | {a.path for a in client.list_artifacts(res.run_id, "figures")}
+    assert {"tables/depth.csv", "tables/cka_layers.csv", "tables/pooling_ablation.csv", "figures/cka_layers.png"} <= arts
+    assert run_agreement(cfg, ov).skipped  # a second launch reuses the run (and the cache)
+
+
+def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, tmp_path):
+    from mergescope.shared import embed as shared_embed
+    from mergescope.shared.routing_job import run_routing
+    from mergescope.shared.space_job import run_shared_space
+    from mergescope.tracking import Tracker
+
+    models = ",".join(_entry(n, p) for n, p in english.items())
+    cfg, ov = compose_cfg(["task=shared_space", f"shared.models=[{models}]", "data.max_sentences=60",
+                           "shared.dims=[4,8]", "shared.dim=8", "shared.folds=3"])
+    res = run_shared_space(cfg, ov)
+    assert 0 <= res.metrics["gpa_p1_10"] <= 1 and "pairwise_p1_all" in res.metrics
+    client = Tracker(cfg).client
+    folder = Path(client.download_artifacts(res.run_id, "space", str(tmp_path)))
+    texts = ["The cat sat on the mat.", "Where is the station?", "It rains."]
+    z = shared_embed(folder, "llama", texts)
+    assert z.shape == (3, 8) and np.all(np.isfinite(z))
+    assert np.allclose(shared_embed(folder, "llama", texts[:1]), z[:1], atol=1e-8)
+    routed = run_routing(cfg, ov)
+    m = routed.metrics
+    assert m["bpb_oracle"] <= min(m["bpb_always_best"], m["bpb_space"]) + 1e-12
+    from mergescope.shared.domains import domains
+
+    assert m["gain_always_best"] == 0.0
+    assert ("bpb_domain" in m) == (domains(cfg.data, "eng_Latn", 60) is not None)
