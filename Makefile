@@ -5,8 +5,10 @@ PIP    := $(VENV)/bin/pip
 SHARED ?= ../shared/data
 PORT   ?= 5000
 RUN    ?=
+SERVER_DIR  ?= .server
+SERVER_PORT ?= 5050
 
-.PHONY: all install run test test-fast data ui reproduce bench clean-cache
+.PHONY: all install run test test-fast data ui reproduce bench clean-cache server server-stop server-status
 
 all: install data run
 
@@ -40,6 +42,17 @@ ui: install
 	@$(PY) -c "from mergescope.tracking import ui_links; [print(f'{n}: {u}') for n, u in ui_links('sqlite:///$(CURDIR)/mlruns/mlflow.db', 'http://127.0.0.1:$(PORT)')]" 2>/dev/null || true
 	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlruns/mlflow.db" \
 	  --default-artifact-root "file://$(CURDIR)/mlruns/artifacts" --host 127.0.0.1 --port $(PORT)
+
+# The shared tracking server: PostgreSQL (cluster under $(SERVER_DIR)/pg, 127.0.0.1 only, generated password in
+# $(SERVER_DIR)/secret/pgpass) and `mlflow server` on it at http://127.0.0.1:$(SERVER_PORT). Jobs: tracking=server.
+server: install
+	$(PY) -m mergescope.server start --dir "$(SERVER_DIR)" --port $(SERVER_PORT)
+
+server-stop:
+	$(PY) -m mergescope.server stop --dir "$(SERVER_DIR)"
+
+server-status:
+	$(PY) -m mergescope.server status --dir "$(SERVER_DIR)"
 
 reproduce: install
 	@test -n "$(RUN)" || (echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2)

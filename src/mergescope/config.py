@@ -24,6 +24,15 @@ def is_secret(key: str) -> bool:
     return bool(words & SECRET_WORDS) or "api_key" in last
 
 
+# The password of a URI's user-info part (postgresql://user:password@host/db): redacted in any logged value.
+URI_PASSWORD = re.compile(r"\b([a-z][a-z0-9+.-]*://[^\s:/@]+:)([^\s@/]+)@", re.IGNORECASE)
+
+
+def redact_uri(text: str) -> str:
+    """A string with every URI password replaced (``postgresql://mlflow:<redacted>@127.0.0.1:5432/mlflow``)."""
+    return URI_PASSWORD.sub(r"\1<redacted>@", text)
+
+
 def _first_dir(*candidates: str) -> str:
     """The first candidate that is an existing folder, else the last one (for the error message)."""
     for c in candidates:
@@ -32,11 +41,20 @@ def _first_dir(*candidates: str) -> str:
     return str(Path(candidates[-1]).expanduser().resolve())
 
 
+def _server_uri(folder: str) -> str:
+    """``tracking=server``: the running tracking server's URI (``mergescope.server.tracking_uri``)."""
+    from mergescope.server import tracking_uri
+
+    return tracking_uri(folder)
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("ms.abspath"):
         OmegaConf.register_new_resolver("ms.abspath", lambda p: str(Path(p).expanduser().resolve()))
     if not OmegaConf.has_resolver("ms.first_dir"):
         OmegaConf.register_new_resolver("ms.first_dir", _first_dir)
+    if not OmegaConf.has_resolver("ms.server_uri"):
+        OmegaConf.register_new_resolver("ms.server_uri", _server_uri)
 
 
 register_resolvers()
@@ -90,6 +108,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
         val = "null" if d is None else json.dumps(d) if isinstance(d, list) else str(d)
         if is_secret(key) and d not in (None, ""):
             val = "<redacted>"
+        val = redact_uri(val)
         out[key] = val[:6000]
     return out
 
@@ -120,6 +139,8 @@ def redact(d: Any) -> Any:
         }
     if isinstance(d, list):
         return [redact(x) for x in d]
+    if isinstance(d, str):
+        d = redact_uri(d)
     if isinstance(d, str) and "=" in d:
         return redact_override(d)
     return d

@@ -90,9 +90,7 @@ class Tracker:
                 with store_lock(self.uri):  # parallel launches on a fresh store: the first creates it, the rest find it
                     exp = self.client.get_experiment_by_name(self.experiment)
                     if exp is None:
-                        self._exp_id = self.client.create_experiment(
-                            self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}", tags=EXPERIMENT_TAGS
-                        )
+                        exp = self._create_experiment()  # None when created here (self._exp_id is set)
             if self._exp_id is None:
                 self._exp_id = exp.experiment_id
                 if exp.tags.get(EXPERIMENT_KIND) != EXPERIMENT_TAGS[EXPERIMENT_KIND]:  # a store made before the tag
@@ -102,6 +100,22 @@ class Tracker:
     def describe(self, text: str) -> None:
         """The experiment's description in the MLflow UI (``mlflow.note.content``)."""
         self.client.set_experiment_tag(self.experiment_id, "mlflow.note.content", text)
+
+    def _create_experiment(self):
+        """Create the experiment; None when created here, else the one a parallel writer created first (a tracking
+        server serialises its own writes, but get-or-create across clients is a race)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._exp_id = self.client.create_experiment(
+                self.experiment, artifact_location=f"{self.artifacts}/{self.experiment}", tags=EXPERIMENT_TAGS
+            )
+            return None
+        except MlflowException as exc:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None or exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return exp
 
     def find_finished(self, cfg_hash: str):
         runs = self.client.search_runs(
