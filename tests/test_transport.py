@@ -583,9 +583,13 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
         m = x.data.metrics
         assert 0 < m["fused_relative_l2"] < m["alpha"] and 0.5 < m["fused_weight_cosine"] < 1 and 0 < m["rand_fused_relative_l2"]
     assert tr[0].data.metrics["fused_relative_l2"] < tr[1].data.metrics["fused_relative_l2"]
-    # everything again: skipped
-    again = run_transport(*compose_cfg(transport_job(tiny_models, target="b")))
+    # everything again: skipped, and every run of the direction (the shared baseline too) is in the study's list
+    from mergescope.runs import recording
+
+    with recording() as ledger:
+        again = run_transport(*compose_cfg(transport_job(tiny_models, target="b")))
     assert again.skipped and len(runs(cfg.paths.root)) == len(rs)
+    assert sorted(x.run_id for x in ledger) == sorted(x.info.run_id for x in rs)
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -248,6 +248,8 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     adapt_hash = _hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
     if all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None):
+        if s.adapt is not None:  # the reused adaptation's no-fusion baseline is one of the study's runs too
+            finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
         return _summary(done, adapt_done, s.headline_alpha, skipped=True)
 
     f = _fit(d)
@@ -329,7 +331,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
         return values
 
     tags = d.tags("transport", alpha=a, headline_alpha=d.s.headline_alpha)
-    r = run_once(_alpha_cfg(d.cfg, a), f"transport:{d.label}:alpha={a:g}", tags, d.overrides, body, cfg_hash=h)
+    r = run_once(_alpha_cfg(d.cfg, a), f"transport {d.label} a={a:g}", tags, d.overrides, body, cfg_hash=h)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
                   f"(control {v['rand_delta_target_lang']:+.4f}), donor lang {v['delta_donor_lang']:+.4f}")
@@ -375,7 +377,7 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
         return {"nll_base_before": base_t, "nll_baseline_after": after, "delta_adapt": after - base_t,
                 "train_loss_first": losses[0], "train_loss_last": losses[-1], "n_adapt_sentences": float(len(d.texts.adapt_t))}
 
-    return run_once(d.cfg, f"adapt-baseline:{name}", tags, d.overrides, body, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
+    return run_once(d.cfg, f"transport-adapt baseline {name}", tags, d.overrides, body, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
 
 
 def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None) -> dict[str, float]:
@@ -415,7 +417,7 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
         return v
 
-    r = run_once(d.cfg, f"adapt:{d.label}:alpha={a:g}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
+    r = run_once(d.cfg, f"transport-adapt {d.label} a={a:g}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
                  cfg_hash=h)
     host.set(host.snapshot)
     m = r.metrics
