@@ -128,7 +128,19 @@ class Plan:
         return [job(task, [*self.base, *sel, *extra]) for sel in self.pairs.values()]
 
     def model_jobs(self, task: str) -> list[StudyJob]:
-        return [job(task, [*self.base, *model_override(self.base, e)]) for e in self.entries.values()]
+        return [job(task, [*self.base, *model_override(self.base, e), *train_steps(task, e)]) for e in self.entries.values()]
+
+    def shared_jobs(self) -> list[StudyJob]:
+        """The shared-space arm (``shared.arm``): per probe set (``shared.data_sets``), agreement on every pair at
+        every depth and one shared-space job over ``shared.models``; routing on the first probe set."""
+        s = self.cfg.shared
+        if not s.get("arm"):
+            return []
+        out = []
+        for k, data in enumerate(s.data_sets):
+            out += self.pair_jobs("agreement", [f"data={data}"])
+            out += [job(t, [*self.base, f"data={data}"]) for t in (["shared_space", "routing"] if k == 0 else ["shared_space"])]
+        return out
 
     def native_pairs(self) -> list[StudyJob]:
         """The study's pairs that share a parameter space (decided from each model's config.json)."""
@@ -169,6 +181,11 @@ class Plan:
             a, b = (compose(config_name="config", overrides=[*self.base, f"model={m}"]).model for m in (small, large))
             out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}"]) for op in ("expand", "truncate")]
         return out
+
+
+def train_steps(task: str, entry: DictConfig) -> list[str]:
+    """A zoo model that trains for its own number of steps (``train_steps``: the slow Mamba reference path)."""
+    return [f"train.steps={int(entry.train_steps)}"] if task == "train" and entry.get("train_steps") else []
 
 
 def checkpoint_revisions(ck: DictConfig, name: str, model: DictConfig) -> list[str]:
@@ -252,5 +269,6 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
     _checkpoint_arm(plan)
-    _run_all(plan.transport_directions(), _transport_text)
+    _run_all(plan.transport_directions() if plan.cfg.get("study_transport", True) else [], _transport_text)
+    _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
     _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")

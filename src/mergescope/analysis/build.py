@@ -7,13 +7,14 @@ from mergescope.analysis.arms import checkpoint_arm, native_pair, transport
 from mergescope.analysis.correlations import N_PERMUTATIONS, correlation_sections
 from mergescope.analysis.others import other_settings
 from mergescope.analysis.records import Rec, Study
+from mergescope.analysis.shared_space import shared_space_section
 from mergescope.analysis.sections import Build, cka_section, config_check, coverage, pair_matrix, per_model_quality
 from mergescope.analysis.tables import Analysis, Section, csv_text
 
 __all__ = ["build_analysis", "inputs_csv"]
 
 # spec sections 1 to 7, in order; 8a/8b follow, then 9 (figures, filled in by mergescope.analysis.figures.make_figures)
-SECTION_BUILDERS = (config_check, coverage, cka_section, pair_matrix, per_model_quality, checkpoint_arm, native_pair, transport, adapt_section)
+SECTION_BUILDERS = (config_check, coverage, cka_section, pair_matrix, per_model_quality, checkpoint_arm, native_pair, transport, adapt_section, shared_space_section)
 
 
 def inputs_csv(recs: list[Rec]) -> str:

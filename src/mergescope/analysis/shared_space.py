@@ -1,0 +1,139 @@
+"""Report section: the shared-space arm (kind=agreement / shared_space / routing), from MLflow runs and their
+table artifacts. Stand-ins are named where they are used: FLORES domains (PUD sources) for the paper's probe
+categories, PUD for its second probe set, bits per byte for its gradeable tasks."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import math
+
+import numpy as np
+
+from mergescope.analysis.records import Rec
+from mergescope.analysis.sections import Build
+from mergescope.analysis.tables import RTable, Section, short
+from mergescope.tracking import client_for, read_artifact_text
+
+STAND_INS = ("Stand-ins (the paper's probes and tasks are not available here): FLORES-200 domains (wikinews / wikivoyage / "
+             "wikibooks; PUD: news / wikipedia) stand in for the paper's probe categories, PUD for its second probe set, "
+             "and bits per byte of each sentence for its gradeable tasks.")
+
+
+def _f(v: float, nd: int = 3) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+
+def _table(client, r: Rec, name: str) -> list[dict]:
+    try:
+        return list(csv.DictReader(io.StringIO(read_artifact_text(client, r.run_id, f"tables/{name}.csv"))))
+    except Exception:  # a run without that table (e.g. no categories): the section says so
+        return []
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f"![figure](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})"
+
+
+def _depth_figure(client, runs: list[Rec]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        rows = _table(client, r, "depth")
+        d = [float(x["depth"]) for x in rows]
+        for ax, key in zip(axes, ("rsa", "nn_match")):
+            line, = ax.plot(d, [float(x[key]) for x in rows], "o-", label=f"{r.tags.get('pair', '')} [{short(r.run_id)}]")
+            ax.fill_between(d, [float(x[f"{key}_null_q025"]) for x in rows], [float(x[f"{key}_null_q975"]) for x in rows],
+                            color=line.get_color(), alpha=0.15)
+    for ax, t in zip(axes, ("RSA (Spearman of cosine-distance matrices)", "nearest-neighbour match rate")):
+        ax.set_xlabel("relative depth")
+        ax.set_title(f"{t}; band = 95% permutation null", fontsize=9)
+    axes[1].legend(fontsize=6)
+    return _png(fig)
+
+
+def _agreement_tables(runs: list[Rec]) -> list[RTable]:
+    rows = [[r.tags.get("pair", ""), r.tags.get("data", ""), _f(r.m("rsa")), _f(r.m("rsa_p"), 4), _f(r.m("nn_match")),
+             _f(r.m("nn_match_ratio_to_chance"), 1), _f(r.m("nn_match_p"), 4), _f(r.m("cka")), _f(r.m("cka_debiased")),
+             _f(r.m("pc2_share_a_final")), _f(r.m("pc2_share_b_final")), short(r.run_id)] for r in runs]
+    out = [RTable("Probe-level agreement at the final layer (2000-permutation nulls)",
+                  ["pair", "data", "RSA", "p", "NN match", "x chance", "p", "CKA", "debiased CKA", "PC1+2 a", "PC1+2 b", "run"], rows,
+                  note="p = (1 + #null >= observed) / (1 + permutations); PC1+2 = share of variance in two principal components")]
+    by = {(r.tags.get("pair"), r.tags.get("data")): r for r in runs}
+    cmp_rows = []
+    for (pair, data), r in by.items():
+        other = by.get((pair, "pud"))
+        if data != "flores200" or other is None:
+            continue
+        for key in ("rsa", "nn_match", "cka", "cka_debiased", "retrieval_p1"):
+            cmp_rows.append([pair, key, _f(r.m(key)), _f(other.m(key)), _f(other.m(key) - r.m(key)), f"{short(r.run_id)} / {short(other.run_id)}"])
+    if cmp_rows:
+        out.append(RTable("Second probe set: FLORES vs PUD (final layer)", ["pair", "metric", "FLORES", "PUD", "PUD - FLORES", "runs"], cmp_rows))
+    return out
+
+
+def _space_tables(client, r: Rec) -> list[RTable]:
+    rows = _table(client, r, "retrieval")
+    per: dict[tuple, list[float]] = {}
+    for x in rows:
+        per.setdefault((float(x["depth"]), x["method"], x["pool"]), []).append(float(x["p1"]))
+    depths = sorted({k[0] for k in per})
+    pools = sorted({k[2] for k in per}, key=lambda p: (p == "all", int(p) if p != "all" else 0))
+    dt = [[_f(d, 2), *(_f(float(np.mean(per[(d, m, p)]))) for p in pools for m in ("gpa", "pairwise"))] for d in depths]
+    out = [RTable(f"GPA vs pairwise maps: held-out P@1, mean over ordered pairs [{short(r.run_id)}, {r.tags.get('data')}]",
+                  ["depth", *(f"{m} @{p}" for p in pools for m in ("GPA", "pairwise"))], dt,
+                  note="chance = 1/pool; 'all' = the whole held-out fold")]
+    final = max(depths) if depths else None
+    mat = [x for x in rows if float(x["depth"]) == final and x["pool"] == "32"]
+    out.append(RTable("Retrieval per ordered pair at the final layer, pool 32 (query -> gallery)", ["query", "gallery", "GPA", "pairwise"],
+                      [[x["query"], x["gallery"], _f(float(x["p1"])), _f(float(y["p1"]))] for x in mat if x["method"] == "gpa"
+                       for y in mat if y["method"] == "pairwise" and y["query"] == x["query"] and y["gallery"] == x["gallery"]]))
+    dims = _table(client, r, "dim_sweep")
+    out.append(RTable("D sweep (final layer, pool 32)", ["D", "GPA", "pairwise"], [[x["dim"], _f(float(x["gpa_p1_32"])), _f(float(x["pairwise_p1_32"]))] for x in dims],
+                      note="the plateau sits at the rank limit: min(narrowest width, training-fold size - 1)"))
+    tr = _table(client, r, "transfer")
+    if tr:
+        out.append(RTable("Category transfer (stand-in: FLORES domains): fit without the held-out domain, then refit with it (pool 32)",
+                          ["held-out domain", "unseen: excl.", "refit: incl.", "seen domains: excl.", "seen: incl."],
+                          [[x["held_out"], _f(float(x["held_out_excl"])), _f(float(x["held_out_incl"])), _f(float(x["seen_excl"])),
+                            _f(float(x["seen_incl"]))] for x in tr]))
+    return out
+
+
+def _routing_table(r: Rec) -> RTable:
+    names = [k[4:] for k in r.metrics if k.startswith("bpb_") and not k.startswith("bpb_model_")]
+    rows = [[n, _f(r.m(f"bpb_{n}"), 4), _f(r.m(f"gain_{n}"), 4), _f(r.m(f"oracle_agreement_{n}")), short(r.run_id)] for n in names]
+    verdict = ("the shared-space router beats always using the best model" if r.m("space_beats_best") > 0 else
+               "NEGATIVE RESULT: the shared-space router does not beat always using the best model")
+    return RTable(f"Routing by bits per byte (stand-in for the paper's tasks), {r.tags.get('data')}: {verdict}",
+                  ["router", "bits/byte", "gain vs always-best", "agrees with oracle", "run"], rows,
+                  note="gain > 0 = better than always-best; oracle = per-sentence best (an upper bound); domain = category-only router")
+
+
+def shared_space_section(b: Build) -> Section:
+    sec = Section("shared_space", "7c. The shared space (five architectures, one space)")
+    ag, sp, ro = b.study.kind("agreement"), b.study.kind("shared_space"), b.study.kind("routing")
+    if not (ag or sp or ro):
+        sec.missing.append("shared space: not measured (no kind=agreement / shared_space / routing runs; run `python launch.py study=shared_space`)")
+        return sec
+    sec.text.append(STAND_INS)
+    client = client_for(b.study.uri)
+    sec.tables += _agreement_tables(ag)
+    if ag:
+        sec.text.append(_depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag))
+        sec.text.append("L_a x L_b CKA heatmaps: artifact figures/cka_layers.png of each agreement run ("
+                        + ", ".join(short(r.run_id) for r in ag) + ").")
+    for r in sp:
+        sec.tables += _space_tables(client, r)
+    sec.tables += [_routing_table(r) for r in ro]
+    return sec
