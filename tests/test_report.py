@@ -270,6 +270,15 @@ def test_report_sections_and_numbers(built):
     helped = sum(b["delta_target_lang"] < 0 for b in heads)
     assert f"in {helped}/4 directions (median delta {analysis.f3(np.median([b['delta_target_lang'] for b in heads]), 4)}" in md
     assert "At the headline alpha 0.1 (merge.headline_alpha" in md and "Every alpha: alpha 0.01: helped" in md
+    # transport by role: per target and per donor model, recomputed from the headline-alpha values
+    role = {(r[0], r[1]): r for r in _md_table(md, "Transport by role")[1:]}
+    for (rl, model), r in role.items():
+        mine = [v for (dr, a), v in truth["transport"].items() if a == 0.1 and dr.split(" <- ")[0 if rl == "target" else 1] == model]
+        assert r[2] == str(len(mine)) and r[3] == analysis.f3(float(np.mean([v["delta_target_lang"] for v in mine])), 4)
+        assert r[5] == f"{sum(v['delta_target_lang'] < 0 for v in mine)}/{len(mine)}"
+        assert r[6] == f"{sum(v['ot_minus_rand_target_lang'] < 0 for v in mine)}/{len(mine)}"
+    assert set(role) == {("target", "m-pt"), ("target", "m-it"), ("target", "m-en"), ("donor", "m-it"), ("donor", "m-pt"), ("donor", "m-en")}
+    assert role[("target", "m-pt")][2] == "2" and role[("donor", "m-pt")][2] == "2" and role[("target", "m-it")][2] == "1"
     ad = _md_table(md, "Post-fusion adaptation")
     assert len(ad) == 1 + 4 and all(r[6] == "-0.0500" for r in ad[1:])
 

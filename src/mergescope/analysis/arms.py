@@ -9,7 +9,7 @@ from mergescope.analysis.records import Rec, base_name, direction, is_checkpoint
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
 
-__all__ = ["checkpoint_arm", "native_pair", "transport", "BINS"]
+__all__ = ["checkpoint_arm", "native_pair", "transport", "role_table", "BINS"]
 
 BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
         ("0.5 to 1.5 decades", lambda x: 0.5 < x <= 1.5),
@@ -141,9 +141,29 @@ def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
     b.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})
+    if head:
+        sec.tables.append(role_table(head, at))
+        b.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
     sec.figures.append(("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control"))
     b.csv["tables/transport.csv"] = sec.tables[0].csv()
     b.console_tables.append(sec.tables[0])
+
+
+def role_table(head: list[Rec], at: str) -> RTable:
+    """Transport by role: the headline-alpha runs (one per direction) grouped by target model, then by donor model."""
+    rows = []
+    for role in ("target", "donor"):
+        groups: dict[str, list[Rec]] = {}
+        for r in head:
+            groups.setdefault(r.tags.get(role, "?"), []).append(r)
+        for model, rs in sorted(groups.items()):
+            helped, beats = _counts(rs)
+            rows.append([role, model, str(len(rs)), f3(float(np.mean([x.m("delta_target_lang") for x in rs])), 4),
+                         f3(float(np.mean([x.m("ot_minus_rand_target_lang") for x in rs])), 4), f"{helped}/{len(rs)}", f"{beats}/{len(rs)}"])
+    return RTable(f"Transport by role (headline alpha {at})", ["role", "model", "directions", "mean delta_target_lang",
+                                                               "mean ot_minus_rand_target_lang", "helped", "beats control"], rows,
+                  note="Every direction with the model as target (its own language, fused from each donor), then every direction "
+                       "with the model as donor. helped: delta_target_lang < 0; beats control: ot_minus_rand_target_lang < 0.")
 
 
 def _adapt_table(sec: Section, runs: list[Rec]) -> None:
