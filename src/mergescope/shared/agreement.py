@@ -97,10 +97,9 @@ def nn_match_null(X: Any, Y: Any, perms: np.ndarray) -> tuple[float, np.ndarray]
 
 def null_summary(prefix: str, observed: float, null: np.ndarray, chance: float | None = None) -> dict[str, float]:
     """Observed value, p-value, the null's mean, sd and 2.5/97.5% quantiles, z, and the ratio to chance
-    (``chance`` given: the analytic rate; else the null mean)."""
+    (only with an analytic ``chance`` rate: RSA's chance is 0, so it gets none)."""
     null = np.asarray(null, dtype=np.float64)
     sd = float(null.std(ddof=1))
-    base = float(null.mean()) if chance is None else float(chance)
     out = {
         prefix: observed,
         f"{prefix}_p": float((1 + np.sum(null >= observed)) / (1 + null.size)),
@@ -110,8 +109,8 @@ def null_summary(prefix: str, observed: float, null: np.ndarray, chance: float |
         f"{prefix}_null_q975": float(np.quantile(null, 0.975)),
         f"{prefix}_z": (observed - float(null.mean())) / sd if sd > 0 else float("nan"),
     }
-    if base > 0:
-        out[f"{prefix}_ratio_to_chance"] = observed / base
+    if chance is not None and chance > 0:
+        out[f"{prefix}_ratio_to_chance"] = observed / float(chance)
     return out
 
 
