@@ -127,3 +127,13 @@ def test_lm_eval_local_tasks_and_metric_names(tmp_path):
     assert flat_metrics({"t": {"bits_per_byte,none": 1.5, "alias": "t"}}) == {"t.bits_per_byte": 1.5}
     with pytest.raises(MergescopeError, match="no FLORES file"):
         local_tasks(str(root), "devtest", ["xxx_Latn"], tmp_path)
+
+
+def test_best_ratio_is_chosen_on_validation_not_on_test():
+    from mergescope.adapt.job import best_ratio
+    from mergescope.runs import JobResult
+
+    pts = {0.0: JobResult("a", False, {"val_nll": 1.0, "test_nll": 1.0}, "h"),
+           0.02: JobResult("b", False, {"val_nll": 2.0, "test_nll": 0.5}, "h"),
+           0.04: JobResult("c", False, {"val_nll": 1.5, "test_nll": 3.0}, "h")}
+    assert best_ratio(pts, [0.02, 0.04]) == 0.04  # the lowest validation NLL, anchors excluded
