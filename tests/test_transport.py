@@ -753,3 +753,40 @@ def test_a_fusion_that_moves_nothing_adapts_exactly_like_its_baseline(tiny_model
     client = client_for(store_uri(cfg)[0])
     curve = lambda run, key: [x.value for x in sorted(client.get_metric_history(run.info.run_id, key), key=lambda x: x.step)]
     assert curve(fused, "train_loss") == curve(base, "train_loss") == curve(fused, "rand_train_loss")
+
+
+def test_epsilon_calibration_plan_statistics_on_known_costs():
+    """Larger epsilon: the plan's row entropy rises toward log m and its row max falls toward 1/m; the cost
+    statistics are the cost matrix's own (they do not depend on epsilon)."""
+    C = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.5, 0.5, 0.5]], dtype=torch.float64)
+    stats = {eps: tot.plan_diagnostics(tot.solve(C, eps, tol=1e-9)[0], C) for eps in (0.01, 0.1, 10.0)}
+    for d in stats.values():
+        assert d["cost_mean"] == pytest.approx(C.mean().item()) and d["cost_sd"] == pytest.approx(float(C.std()))
+        assert d["uniform_row_max"] == pytest.approx(1 / 3) and d["uniform_entropy"] == pytest.approx(math.log(3))
+    assert stats[0.01]["row_entropy"] < stats[0.1]["row_entropy"] < stats[10.0]["row_entropy"] <= math.log(3) + 1e-12
+    assert stats[0.01]["row_max"] > stats[0.1]["row_max"] > stats[10.0]["row_max"] >= 1 / 3 - 1e-12
+    assert stats[10.0]["row_max"] == pytest.approx(1 / 3, abs=0.02)  # near uniform
+    # eps=0.01: the three diagonal rows are (nearly) hard assignments, the last row spreads its mass over what is left
+    assert stats[0.01]["cost_ratio"] == pytest.approx(1.0, abs=0.02) and stats[10.0]["cost_ratio"] > 1.5
+
+
+def test_epsilon_calibration_table_and_figure_from_runs():
+    """The report's calibration rows: one direction per epsilon (its headline alpha), means and the fallback share."""
+    from mergescope.analysis.calibration import by_setting, epsilon_of, epsilon_rows, figure_epsilon
+    from mergescope.analysis.records import Rec
+
+    def rec(i, d, eps, alpha, row_max, fb):
+        return Rec(f"run{i:04d}xxxx", i, {"kind": "transport", "direction": d, "alpha": str(alpha), "headline_alpha": "0.1"},
+                   {"alpha": alpha, "plan_row_max": row_max, "plan_uniform_row_max": 0.25, "plan_entropy": 1.0 / eps,
+                    "plan_cost_ratio": 1 + eps, "plan_cost_mean": 0.9, "plan_cost_sd": 0.1, "plan_log_domain_fallbacks": fb,
+                    "n_plans": 10.0, "delta_target_lang": -eps}, {"merge.epsilon": str(eps)})
+
+    runs = [rec(0, "a <- b", 0.01, 0.1, 0.8, 2.0), rec(1, "b <- a", 0.01, 0.1, 0.6, 0.0), rec(2, "a <- b", 0.01, 0.03, 0.8, 2.0),
+            rec(3, "a <- b", 0.1, 0.1, 0.3, 0.0)]
+    groups = by_setting(runs, epsilon_of)
+    assert list(groups) == [0.01, 0.1] and len(groups[0.01]) == 2  # the alpha=0.03 run is the same direction
+    rows = epsilon_rows(groups)
+    assert rows[0][:10] == ["0.01", "2", "0.9000", "0.1000", "0.7000", "0.2500", "2.80", "100.000", "1.0100", "2/20 (10%)"]
+    assert rows[1][:2] == ["0.1", "1"] and rows[1][6] == "1.20" and rows[1][9] == "0/10 (0%)"
+    fig = figure_epsilon(runs)
+    assert len(fig.axes) == 4 and fig.axes[0].get_xscale() == "log"

@@ -173,6 +173,16 @@ class Plan:
                 out.append(job("transport", [*self.base, *sel, *extra]))
         return out
 
+    def transport_sweep(self) -> list[StudyJob]:
+        """``transport_sweep`` (a calibration study): the first ``directions`` transport directions (all when unset),
+        once per entry of ``settings`` (each a list of overrides, e.g. ``[merge.epsilon=0.003]``)."""
+        sw = self.cfg.get("transport_sweep")
+        if not sw:
+            return []
+        dirs = self.transport_directions()
+        dirs = dirs[: int(sw.directions)] if sw.get("directions") else dirs
+        return [job("transport", [*j.overrides, *(str(o) for o in extra)]) for extra in sw.settings for j in dirs]
+
     def adapt_jobs(self) -> list[StudyJob]:
         """The dimensional-adaptation arm: for every ``[small, large]`` of ``adaptation.pairs``, union (adapt=expand)
         and intersection (adapt=truncate)."""
@@ -270,5 +280,6 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
     _checkpoint_arm(plan)
     _run_all(plan.transport_directions() if plan.cfg.get("study_transport", True) else [], _transport_text)
+    _run_all(plan.transport_sweep(), _transport_text)
     _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
     _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mergescope.analysis.adapt import adapt_section
 from mergescope.analysis.arms import checkpoint_arm, native_pair, transport
+from mergescope.analysis.calibration import setting_sections
 from mergescope.analysis.correlations import N_PERMUTATIONS, correlation_sections
 from mergescope.analysis.others import other_settings
 from mergescope.analysis.records import Rec, Study
@@ -28,6 +29,7 @@ def build_analysis(study: Study, n_permutations: int = N_PERMUTATIONS) -> Analys
     """Every table, section and frame of the report from the study's runs (no MLflow writes)."""
     b = Build.of(study)
     sections = [make(b) for make in SECTION_BUILDERS]
+    sections += setting_sections(b)  # epsilon calibration / probe count, when the runs differ in that setting
     sections += correlation_sections(b, n_permutations)
     sections.append(Section("figures", "9. Figures"))
     sections.append(other_settings(study))

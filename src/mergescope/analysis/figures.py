@@ -170,6 +170,10 @@ def _draw(an: Analysis, study: Study, wanted: set[str]) -> dict[str, Any]:
         figs["checkpoint_vs_distance"] = figure_checkpoint([r for r in study.native if is_checkpoint_pair(r)])
     if "transport_deltas" in wanted:
         figs["transport_deltas"] = figure_transport(study.kind("transport"))
+    if "epsilon_calibration" in wanted:
+        from mergescope.analysis.calibration import figure_epsilon  # calibration imports this module
+
+        figs["epsilon_calibration"] = figure_epsilon(study.kind("transport"))
     return figs
 
 

@@ -333,7 +333,7 @@ def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adap
             _fuse_layer(c, f, l, t_sd, t_adapter)
             pb.advance(task)
     f.diagnostics = {k: float(np.mean(v)) for k, v in c.diag.items()}
-    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max"):
+    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max", "cost_mean", "cost_sd"):
         vals = [v for k, vs in c.diag.items() if k.startswith(base + "_") for v in vs]
         if vals:
             f.diagnostics[base] = float(np.mean(vals))

@@ -122,7 +122,8 @@ def shuffle_rows(Q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) -> dict[str, float]:
     """Row max of Phi = n Q (1 = a hard assignment, 1/m = the uniform coupling), mean row entropy of
-    Phi in nats (0 = hard, log m = uniform), and the plan's transport cost over the unregularised
+    Phi in nats (0 = hard, log m = uniform), the cost matrix's mean and sd (``cost_mean``, ``cost_sd``: the
+    neuron costs 1 - rho, whatever the plan), and the plan's transport cost over the unregularised
     optimum (exact network-simplex OT) when both sides are at most ``exact_max``."""
     import ot
 
@@ -130,7 +131,8 @@ def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) ->
     phi = row_stochastic(Q)
     ent = -(phi * torch.log(phi.clamp_min(1e-300))).sum(1)
     out = {"row_max": float(phi.max(1).values.mean()), "row_entropy": float(ent.mean()),
-           "uniform_row_max": 1.0 / m, "uniform_entropy": math.log(m), "cost": float((Q * C).sum())}
+           "uniform_row_max": 1.0 / m, "uniform_entropy": math.log(m), "cost": float((Q * C).sum()),
+           "cost_mean": float(C.mean()), "cost_sd": float(C.std()) if C.numel() > 1 else 0.0}  # 1 - rho over all neuron pairs
     if max(n, m) <= exact_max:
         Cn = C.detach().cpu().numpy()
         opt = float(ot.emd2(np.full(n, 1.0 / n), np.full(m, 1.0 / m), Cn, numItermax=10_000_000))
