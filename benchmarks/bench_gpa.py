@@ -13,6 +13,9 @@ from mergescope.shared.evaluate import fit_space
 
 
 def main(n: int = 1012, dim: int = 200, models: int = 5) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the project's default (num_threads=1): 2 threads on a loaded 2-core box oversubscribe
     rng = np.random.default_rng(0)
     base = rng.standard_normal((n, 256)) * np.linspace(4, 0.5, 256)
     widths = [2048, 2048, 2048, 1536, 768][:models]

@@ -83,12 +83,12 @@ def gpa(Zs: list[np.ndarray], tol: float = 1e-7, max_iter: int = 500) -> GPAFit:
         raise MergescopeError(f"GPA needs configurations of one shape, got {sorted({z.shape for z in Zs})}")
     z = torch.as_tensor(np.stack(Zs), dtype=torch.float64)
     n_models = z.shape[0]
-    c = torch.einsum("ina,jnb->ijab", z, z)
+    c = torch.matmul(z.transpose(1, 2).unsqueeze(1), z.unsqueeze(0))  # C_ij = Z_i^T Z_j, (N, N, D, D)
     total = float(z.pow(2).sum())
     rots = _polar(c[:, 0])
     losses: list[float] = []
     for it in range(1, max_iter + 1):
-        a = torch.einsum("ijab,jbc->iac", c, rots)
+        a = torch.matmul(c, rots.unsqueeze(0)).sum(1)  # sum_j C_ij R_j, as (N, N) batched D x D products
         losses.append(total - float(torch.einsum("iab,iab->", rots, a)) / n_models)
         if len(losses) > 1 and losses[-2] - losses[-1] <= tol * max(losses[0], 1e-300):
             break
