@@ -645,7 +645,8 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.epsilon = 0.1
     # the job config hashes the settings node as configured (not the dataclass)
-    assert OmegaConf.to_container(job.merge) == OmegaConf.to_container(cfg.merge, resolve=True)
+    assert OmegaConf.to_container(job.merge) == {k: v for k, v in OmegaConf.to_container(cfg.merge, resolve=True).items()
+                                                 if k != "probe_set"}  # the default probe set is left out (earlier hashes hold)
     # an alpha run's logged config (what reproduce replays): that alpha alone, adaptation off
     one = TransportSettings.from_cfg(_alpha_cfg(job, 0.5))
     assert one.alphas == (0.5,) and one.headline_alpha == 0.5 and one.adapt is None
@@ -790,3 +791,53 @@ def test_epsilon_calibration_table_and_figure_from_runs():
     assert rows[1][:2] == ["0.1", "1"] and rows[1][6] == "1.20" and rows[1][9] == "0/10 (0%)"
     fig = figure_epsilon(runs)
     assert len(fig.axes) == 4 and fig.axes[0].get_xscale() == "log"
+
+
+def test_probe_set_ntrex128_is_disjoint_from_the_evaluation_and_checked(tiny_models, compose_cfg):
+    """merge.probe_set=ntrex128: the probes are NTREX-128's first probe_sentences lines (up to all 1997), never the
+    FLORES evaluation sentences; a probe set that is the evaluation data, lacks a language or is unknown is refused;
+    the default (flores200) is left out of the job config, so earlier runs' hashes hold."""
+    from conftest import SHARED
+
+    from mergescope.transport.job import check, texts
+
+    cfg, _ = compose_cfg(transport_job(tiny_models, extra=["merge.probe_set=ntrex128", "merge.probe_sentences=1997"]))
+    job, s = check(cfg)
+    assert s.probe_set == "ntrex128" and job.merge.probe_set == "ntrex128"
+    t = texts(job, s, "eng_Latn", "por_Latn")
+    ntrex = (SHARED / "ntrex128" / "eng_Latn.txt").read_text(encoding="utf-8").splitlines()
+    assert len(t.probe_t) == len(t.probe_d) == 1997 and t.probe_t == tuple(x.strip() for x in ntrex[:1997])
+    assert t.eval_t == tuple(lines("eng_Latn", "devtest", 20)) and not set(t.eval_t) & set(t.probe_t)
+    assert "ntrex128" in t.ranges["text.probes"] and t.ranges["text.probes"].endswith("lines 1-1997")
+    small = texts(*check(compose_cfg(transport_job(tiny_models, extra=["merge.probe_set=ntrex128", "merge.probe_sentences=512"]))[0]),
+                  "eng_Latn", "por_Latn")
+    assert small.probe_t == t.probe_t[:512]
+    default, _ = check(compose_cfg(transport_job(tiny_models))[0])
+    assert "probe_set" not in default.merge  # flores200: today's probe split, today's hashes
+    for extra, match in ((["data=ntrex128", "merge.probe_set=ntrex128"], "is the evaluation data"),
+                         (["merge.probe_set=ntrex128", "pair.b.lang=hin_Deva"], "has no hin_Deva side"),
+                         (["merge.probe_set=wiki"], "merge.probe_set must be one of flores200, ntrex128")):
+        with pytest.raises(MergescopeError, match=match):
+            check(compose_cfg(transport_job(tiny_models, extra=extra))[0])
+
+
+def test_probe_count_section_compares_the_settings_direction_by_direction():
+    from mergescope.analysis.calibration import probe_section, setting_sections
+    from mergescope.analysis.records import Rec, Study
+    from mergescope.analysis.sections import Build
+
+    def rec(i, d, n, row_max, delta, ctl):
+        return Rec(f"pc{i:06d}xxxx", i, {"kind": "transport", "direction": d, "alpha": "0.1", "headline_alpha": "0.1"},
+                   {"alpha": 0.1, "n_probe": float(n), "plan_row_max": row_max, "plan_entropy": 1.0, "plan_cost_ratio": 1.0,
+                    "plan_cost_mean": 0.9, "delta_target_lang": delta, "ot_minus_rand_target_lang": ctl},
+                   {"merge.probe_set": "ntrex128", "merge.epsilon": "0.01"})
+
+    runs = [rec(0, "a <- b", 512, 0.5, -0.01, -0.002), rec(1, "b <- a", 512, 0.3, 0.02, 0.001),
+            rec(2, "a <- b", 1997, 0.4, -0.02, -0.003), rec(3, "b <- a", 1997, 0.2, 0.01, -0.001)]
+    b = Build(Study("x", "", runs), [], [], np.zeros((0, 0)), {}, {}, {}, [])
+    sec = probe_section(b, runs)
+    per, mean = sec.tables
+    assert [r[:3] for r in per.rows] == [["ntrex128", "512", "a <- b"], ["ntrex128", "512", "b <- a"], ["ntrex128", "1997", "a <- b"],
+                                         ["ntrex128", "1997", "b <- a"]]
+    assert mean.rows == [["ntrex128", "512", "2", "0.4000", "1.000", "0.0050", "1/2"], ["ntrex128", "1997", "2", "0.3000", "1.000", "-0.0050", "2/2"]]
+    assert [s.key for s in setting_sections(b)] == ["probe_count"]  # one epsilon: no calibration section

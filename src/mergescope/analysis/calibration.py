@@ -33,7 +33,7 @@ def epsilon_of(r: Rec) -> float:
 
 def probe_of(r: Rec) -> tuple[str, int]:
     """The run's probe set and the number of probe sentences it fitted its plans on (``n_probe``)."""
-    ps = r.param("merge.probe_set") or r.param("merge.probe_split") or "?"
+    ps = r.param("merge.probe_set") or "flores200"  # the default is left out of the job config
     n = r.m("n_probe")
     return str(ps), int(n) if np.isfinite(n) else int(r.param("merge.probe_sentences") or 0)
 

@@ -40,7 +40,7 @@ from mergescope.tracking import Job, Tracker
 from mergescope.transport import adapt as adapt_mod
 from mergescope.transport import fusion as fus
 from mergescope.transport import interfaces as itf
-from mergescope.transport.settings import TransportSettings, merge_node
+from mergescope.transport.settings import TransportSettings, merge_node, probe_data
 
 TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.max_length"]
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
@@ -56,6 +56,8 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
     job = plain_copy(cfg)
     with open_dict(job):
         job.merge = plain_copy(merge_node(cfg))
+        if job.merge.get("probe_set") == "flores200":  # the default is left out: the hashes of earlier runs still hold
+            job.merge.pop("probe_set")
     return job, settings
 
 
@@ -99,15 +101,6 @@ class Texts:
     ranges: dict[str, str]
 
 
-def _probe_data(cfg: DictConfig, s: TransportSettings) -> DictConfig:
-    """The data config of the probe split (also the adaptation text): every sentence of merge.probe_split."""
-    pdata = plain_copy(cfg.data)
-    with open_dict(pdata):
-        pdata.split = s.probe_split
-        pdata.max_sentences = None
-    return pdata
-
-
 def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Texts:
     """Evaluation, probe and adaptation sentences, disjoint from the evaluation. With a separate probe split
     (FLORES dev) the probes are its first ``probe_sentences`` lines and the adaptation text all of it. When
@@ -116,7 +109,7 @@ def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Te
     et, ed = data_mod.load_parallel(cfg.data, lang_t, lang_d)
     k = cfg.native.get("nll_sentences")
     n_eval = min(len(et.sentences), int(k)) if k else len(et.sentences)
-    pt, pd = data_mod.load_parallel(_probe_data(cfg, s), lang_t, lang_d)
+    pt, pd = data_mod.load_parallel(probe_data(cfg, s), lang_t, lang_d)
     start = n_eval if (pt.source == et.source or pd.source == ed.source) else 0
     if start and start + 3 > len(pt.sentences):
         raise MergescopeError(f"{pt.source} is both the evaluation set and the probe split (data={cfg.data.name}); its first "

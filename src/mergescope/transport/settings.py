@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import models
-from mergescope.config import load_conf, to_plain
+from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.transport import interfaces as itf
 
 PLAN_SCALES = ("row_stochastic", "raw")
+PROBE_SETS = ("flores200", "ntrex128")  # flores200: merge.probe_split of the evaluation data | ntrex128: conf/data/ntrex128.yaml
 AT_LEAST_ONE = ("top_k", "layer_topk", "layer_subsample", "probe_sentences", "max_iter")
 
 
@@ -68,6 +70,7 @@ class TransportSettings:
 
     target: str              # "a" | "b": the side of the pair that receives the donor's weights
     probe_split: str
+    probe_set: str           # flores200 (the evaluation data's probe_split, FLORES dev) | ntrex128 (NTREX-128, all 1997 lines)
     probe_sentences: int
     epsilon: float           # entropic regularisation of the neuron plans
     layer_epsilon: float     # ... and of the layer-level plans
@@ -100,6 +103,8 @@ class TransportSettings:
                 raise MergescopeError(f"merge.{key} must be at least 1, got {m[key]}")
         if int(m.probe_sentences) < 3:
             raise MergescopeError("merge.probe_sentences must be at least 3: correlations need samples")
+        if str(m.get("probe_set") or "flores200") not in PROBE_SETS:
+            raise MergescopeError(f"merge.probe_set must be one of {', '.join(PROBE_SETS)}, got '{m.get('probe_set')}'")
         if str(m.plan_scale) not in PLAN_SCALES:
             raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{m.plan_scale}'")
         if m.get("qkv"):
@@ -108,7 +113,8 @@ class TransportSettings:
         headline = _headline(m.get("headline_alpha"), alphas)
         ad = m.get("adapt")
         return cls(
-            target=str(m.target), probe_split=str(m.probe_split), probe_sentences=int(m.probe_sentences),
+            target=str(m.target), probe_split=str(m.probe_split), probe_set=str(m.get("probe_set") or "flores200"),
+            probe_sentences=int(m.probe_sentences),
             epsilon=float(m.epsilon), layer_epsilon=float(m.layer_epsilon), max_iter=int(m.max_iter),
             marginal_tol=float(m.marginal_tol), layer_subsample=int(m.layer_subsample), layer_topk=int(m.layer_topk),
             top_k=int(m.top_k), plan_scale=str(m.plan_scale), alphas=tuple(float(a) for a in alphas),
@@ -126,13 +132,47 @@ class TransportSettings:
         """A job's settings: every setting, the probe split against the evaluation split, and the pair
         (two different models, both with transport interfaces), all checked before any run exists."""
         s = cls.from_node(merge_node(cfg))
-        if s.probe_split == str(cfg.data.split):
+        check_probe_set(cfg, s)
+        if s.probe_set == "flores200" and s.probe_split == str(cfg.data.split):
             raise MergescopeError(f"merge.probe_split={s.probe_split} is the evaluation split (data.split); probes must never "
                                   "be the sentences the fused model is evaluated on: use merge.probe_split=dev")
         ref_a, ref_b = models.resolve_pair(cfg.pair)
         ca, cb = models.load_config(ref_a), models.load_config(ref_b)
         itf.adapter_for(ca["model_type"]), itf.adapter_for(cb["model_type"])
         return s
+
+
+def probe_data(cfg: DictConfig, s: TransportSettings) -> DictConfig:
+    """The data config of the probe sentences (also the adaptation text), every sentence of it: the evaluation data at
+    ``merge.probe_split`` (probe_set=flores200), or NTREX-128's own config (probe_set=ntrex128)."""
+    if s.probe_set == "flores200":
+        pdata = plain_copy(cfg.data)
+    else:
+        raw = OmegaConf.to_container(load_conf("data", s.probe_set), resolve=False)
+        raw["root"] = str(raw["root"]).replace("${paths.data}", str(cfg.paths.data))
+        pdata = OmegaConf.create(raw)
+    with open_dict(pdata):
+        if s.probe_set == "flores200":
+            pdata.split = s.probe_split
+        pdata.max_sentences = None
+    return pdata
+
+
+def check_probe_set(cfg: DictConfig, s: TransportSettings) -> None:
+    """A separate probe set must not be the evaluation data, and must have both of the pair's languages."""
+    from mergescope import data as data_mod
+
+    if s.probe_set == "flores200":
+        return
+    pdata = probe_data(cfg, s)
+    if str(cfg.data.name) == str(pdata.name) or str(cfg.data.get("root")) == str(pdata.root):
+        raise MergescopeError(f"merge.probe_set={s.probe_set} is the evaluation data (data={cfg.data.name}); probes must never be "
+                              "the sentences the fused model is evaluated on: evaluate on another data set or use merge.probe_set=flores200")
+    langs = data_mod.available_langs(Path(str(pdata.root)), str(pdata.split))
+    missing = [str(e.lang) for e in (cfg.pair.a, cfg.pair.b) if str(e.lang) not in langs]
+    if missing:
+        raise MergescopeError(f"merge.probe_set={s.probe_set} ({pdata.root}) has no {', '.join(missing)} side (it has: "
+                              f"{', '.join(langs)}); use merge.probe_set=flores200")
 
 
 def _headline(value: Any, alphas: list) -> float:
