@@ -84,3 +84,9 @@ def test_secrets_are_redacted_but_settings_that_mention_tokens_are_not():
     assert flat["auth.token"] == "null"  # nothing to hide
     r = redact(cfg)
     assert r["hub"]["hf_token"] == "<redacted>" and r["represent"]["batch_tokens"] == 2048
+    # override strings (config/overrides.yaml, .hydra/*.yaml, Hydra's comma-joined override_dirname)
+    ov = ["+hf_token=hf_abc", "+my.api_key=k1", "metric=cka,svcca", "represent.batch_tokens=4096", "~hub.password"]
+    assert redact(ov) == ["+hf_token=<redacted>", "+my.api_key=<redacted>", "metric=cka,svcca", "represent.batch_tokens=4096",
+                          "~hub.password"]
+    assert redact({"job": {"override_dirname": "+hf_token=hf_abc,metric=cka,svcca,+my.api_key=k1"}}) == {
+        "job": {"override_dirname": "+hf_token=<redacted>,metric=cka,svcca,+my.api_key=<redacted>"}}

@@ -68,10 +68,29 @@ def np_procrustes(X, Y):
     return np.linalg.svd(Y.T @ X, compute_uv=False).sum()
 
 
+SECRETS = ("hf_SECRET_token_123", "KEY_secret_456")
+
+
+def assert_no_secret_in_artifacts(root: Path, run) -> None:
+    """Params, config/*.yaml and .hydra/*.yaml hold ``<redacted>`` where the command line had a secret."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{root}/mlruns/mlflow.db")
+    files = ["config/resolved.yaml", "config/overrides.yaml", *(f".hydra/{n}" for n in ("config.yaml", "hydra.yaml", "overrides.yaml"))]
+    texts = {f: Path(c.download_artifacts(run.info.run_id, f, str(root / "dl" / run.info.run_id))).read_text() for f in files}
+    texts["params"] = repr(run.data.params)
+    for name, text in texts.items():
+        assert not any(s in text for s in SECRETS), name
+    assert "+hf_token=<redacted>" in texts["config/overrides.yaml"] and "+my.api_key=<redacted>" in texts[".hydra/overrides.yaml"]
+    assert run.data.params["hf_token"] == run.data.params["my.api_key"] == "<redacted>"
+
+
 def test_sweep_readback_reproduce(tiny_models, tmp_path):
-    p = launch(["-m", "task=measure", "metric=cka,procrustes,svcca,retrieval,mutual_knn", *pair_args(tiny_models)], tmp_path)
+    secrets = [f"+hf_token={SECRETS[0]}", f"+my.api_key={SECRETS[1]}"]
+    p = launch(["-m", "task=measure", "metric=cka,procrustes,svcca,retrieval,mutual_knn", *pair_args(tiny_models), *secrets], tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     rs = runs(tmp_path)
+    assert_no_secret_in_artifacts(tmp_path, rs[0])
     assert len(rs) == 5 and all(r.info.status == "FINISHED" for r in rs)
     by = {r.data.tags["metric"]: r for r in rs}
     for r in rs:
@@ -86,9 +105,13 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
     m = by["cka"].data.metrics
     assert m["cka"] == pytest.approx(np_cka(X, Y), abs=1e-5)
     assert m["cka_ci_low"] < m["cka"] < m["cka_ci_high"]
-    # the control's permutation is drawn from (control.seed, the pair), the same for every metric of the pair
-    perm = np.random.default_rng([0, zlib.crc32(b"neox_en__llama_pt")]).permutation(N)
-    assert m["cka_shuffled"] == pytest.approx(np_cka(X, Y[perm]), abs=1e-5) and m["cka_shuffled_sd"] == 0
+    # the control's permutations are drawn from (control.seed + i, the pair), i < control.seeds (5 in study toy),
+    # the same for every metric of the pair; cka_shuffled is their mean, cka_shuffled_sd their sd
+    perms = [np.random.default_rng([i, zlib.crc32(b"neox_en__llama_pt")]).permutation(N) for i in range(5)]
+    perm = perms[0]
+    shuffled = np.array([np_cka(X, Y[p]) for p in perms])
+    assert m["cka_shuffled"] == pytest.approx(shuffled.mean(), abs=1e-5)
+    assert m["cka_shuffled_sd"] == pytest.approx(shuffled.std(ddof=1), abs=1e-5)
     assert {r.data.params["control.permutation_head"] for r in rs} == {str(perm[:8].tolist())}
     assert by["procrustes"].data.metrics["procrustes"] == pytest.approx(np_procrustes(X, Y), abs=1e-5)
     assert set(by["retrieval"].data.metrics) >= {"retrieval_p1", "retrieval_p1_shuffled", "retrieval_chance", "retrieval_p1_ab", "retrieval_p1_ba"}
@@ -99,13 +122,29 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
     assert p2.returncode == 0 and "skipped" in p2.stdout
     assert len(runs(tmp_path)) == 5
 
-    # reproduce from the logged config
+    # reproduce from the logged config, from another folder, with the store named by URI and the forward passes redone
     rid = by["svcca"].info.run_id
-    p3 = launch([rid, "--root", str(tmp_path)], tmp_path, module="mergescope.reproduce")
+    (tmp_path / "elsewhere").mkdir()
+    p3 = launch([rid, "--tracking-uri", f"sqlite:///{tmp_path}/mlruns/mlflow.db", "--no-cache"], tmp_path / "elsewhere",
+                module="mergescope.reproduce")
     assert p3.returncode == 0, p3.stdout + p3.stderr
     assert "reproduced: all metrics agree" in p3.stdout
     new = [r for r in runs(tmp_path) if r.data.tags.get("reproduces") == rid]
     assert len(new) == 1 and new[0].data.metrics["svcca"] == pytest.approx(by["svcca"].data.metrics["svcca"], abs=1e-12)
+    assert new[0].data.params["cache_a"] == new[0].data.params["cache_b"] == "off"  # no cached representation was read
+    assert not (tmp_path / "elsewhere" / "mlruns").exists()
+
+
+def test_reproduce_reads_the_store_named_by_mlflow_tracking_uri(tmp_path, monkeypatch):
+    from mergescope.errors import MergescopeError
+    from mergescope.reproduce import reproduce
+
+    (tmp_path / "other").mkdir()
+    uri = f"sqlite:///{tmp_path}/other/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(MergescopeError, match=f"no run 'deadbeef' in {uri}"):
+        reproduce("deadbeef", root=str(tmp_path / "unused"))
+    assert not (tmp_path / "unused" / "mlruns").exists()
 
 
 def bad_inputs(models, tmp: Path):

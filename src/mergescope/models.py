@@ -95,7 +95,22 @@ def resolve(entry: Any) -> ModelRef:
         raise MergescopeError(
             f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; fix name_or_path="
         )
-    return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
+    ref = ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False)
+    cached = cached_hub_file(ref, "config.json")
+    if cached is not None:  # a hub model's config is checked like a local one's when it is in the local cache
+        check_config_json(Path(cached))
+    return ref
+
+
+def cached_hub_file(ref: ModelRef, filename: str) -> str | None:
+    """The local hub cache's copy of one file of a hub model (no network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(ref.location, filename, revision=ref.hub_revision)
+    except Exception:
+        return None
+    return hit if isinstance(hit, str) else None
 
 
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
@@ -273,13 +288,7 @@ def hub_kwargs(ref: ModelRef) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"revision": ref.hub_revision}
     if not hub_reachable():
         # Only the local HF cache can serve it; fail with one line if it is not there.
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(ref.location, "config.json", revision=ref.hub_revision)
-        except Exception:
-            cached = None
-        if not isinstance(cached, str):
+        if cached_hub_file(ref, "config.json") is None:
             raise MergescopeError(
                 f"the Hugging Face hub is unreachable and {ref.label} is not in the local cache; "
                 "connect to the internet, or give a local folder as name_or_path="

@@ -63,12 +63,17 @@ def check_store(uri: str, key: str, create: bool) -> None:
 
 
 @lru_cache(maxsize=None)
-def check_artifacts(uri: str, key: str, create: bool) -> None:
-    """A local artifact root can be written: it exists or its parent does (MLflow makes the last level)."""
+def check_artifacts(uri: str, key: str, default: bool) -> None:
+    """A local artifact root can be written: it exists, or its parent does (MLflow makes the last level); for the
+    default root under paths.root, its nearest existing folder. Nothing is created here."""
     path = local_path(uri)
     if path is None:
         return
-    _writable_folder(path if path.is_dir() or create else path.parent, key, uri, create)
+    if not path.is_dir():
+        path = path.parent
+        while default and not path.exists() and path != path.parent:
+            path = path.parent
+    _writable_folder(path, key, uri, False)
 
 
 @contextmanager

@@ -153,18 +153,18 @@ class Tracker:
         extra = cfg.get("tags") or {}
         tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
-        terminate_as_killed()
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
-        job = Job(self.client, run.info.run_id)
-        try:
-            self._log_config(job, cfg, overrides)
-            yield job
-        except BaseException as exc:
-            killed = isinstance(exc, (Terminated, KeyboardInterrupt))
-            self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
-            raise
-        else:
-            self.client.set_terminated(job.run_id, status="FINISHED")
+        with killed_on_sigterm():
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
+            job = Job(self.client, run.info.run_id)
+            try:
+                self._log_config(job, cfg, overrides)
+                yield job
+            except BaseException as exc:
+                killed = isinstance(exc, (Terminated, KeyboardInterrupt))
+                self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
+                raise
+            else:
+                self.client.set_terminated(job.run_id, status="FINISHED")
 
     def _log_config(self, job: Job, cfg: DictConfig, overrides: list[str] | None) -> None:
         """Params, config/resolved.yaml, config/overrides.yaml, .hydra/ and pip freeze: secrets redacted in all."""
@@ -198,10 +198,18 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated(128 + signum)
 
 
-def terminate_as_killed() -> None:
-    """Install the SIGTERM handler (main thread, and only over the default action: a launcher's own handler is kept)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+@contextmanager
+def killed_on_sigterm() -> Iterator[None]:
+    """While a run is open, SIGTERM raises :class:`Terminated` (main thread only, and only over the default action:
+    a launcher's own handler is kept; nested runs share the outer run's handler). Outside runs SIGTERM is untouched."""
+    mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _hydra_dir() -> Path | None:
