@@ -323,7 +323,7 @@ def test_train_job_logs_one_run_and_reuses_it_while_the_model_exists(corpus, com
     assert not first.skipped and first.cfg_hash == job_hash("train", cfg, ["model", "train", "paths.mono"])
     assert {"heldout_nll", "unigram_nll", "unigram_entropy", "n_params", "train_tokens", "seconds", "tokens_per_s"} == set(first.metrics)
     run = MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(first.run_id)
-    assert run.info.run_name == "train:zoo-neox-en"
+    assert run.info.run_name == "train zoo-neox-en"
     assert {k: run.data.tags[k] for k in ("kind", "model", "lang", "seed", "cfg_hash")} == {
         "kind": "train", "model": "zoo-neox-en", "lang": "eng_Latn", "seed": "0", "cfg_hash": first.cfg_hash}
     assert json.loads(run.data.params["checkpoints"]) == checkpoint_steps(3)
