@@ -11,7 +11,7 @@ from test_e2e import launch, runs
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba").is_dir() or not FLORES.is_dir(), reason="shared data not found")]
 
 MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
-         "checkpoints.revisions=[step4,step16,step40]", "native.nll_sentences=40", "native.lmc_points=5",
+         "checkpoints.revisions=[step4,step16,step40]", "checkpoints.per_model={}", "shared.rsa_sentences=100", "native.nll_sentences=40", "native.lmc_points=5",
          "merge=transport", "merge.probe_sentences=48", "merge.alphas=[0.1]", "merge.epsilon=0.05", "merge.layer_topk=1",
          "merge.adapt.steps=2", "merge.adapt.batch_size=4"]
 
@@ -21,17 +21,18 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert p.returncode == 0, p.stderr[-3000:]
     rs = runs(tmp_path, "toy")
     kinds = [r.data.tags["kind"] for r in rs]
-    # 50 representation runs, 3 checkpoint-pair CKA runs per NeoX run, 2x3 checkpoint native runs + 1 cross-model native pair
-    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50 + 6 + 7
+    # 50 representation runs; every zoo family's checkpoint arm: 3 pairs per run (a native run and a CKA run each);
+    # 1 cross-model native pair
+    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50 + 15 + 16
     native = [r for r in rs if r.data.tags.get("metric") == "native"]
-    assert len(native) == 7
+    assert len(native) == 16 and len({r.data.tags["model_a"].split("@")[0] for r in native}) == 5
     cross = [r for r in native if r.data.tags["arm"] == "cross-model"]
     assert len(cross) == 1 and cross[0].data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"
     assert cross[0].data.metrics["n_excluded_tensors"] == 2  # embedding and unembedding: vocabulary rows differ
     assert "tv_cosine" not in cross[0].data.metrics  # no common base across separately trained models
     # merges: 6 operators per checkpoint pair, only the 2 base-free ones on the cross-model pair
     merges = [r for r in rs if r.data.tags["kind"] == "merge"]
-    assert len(merges) == 6 * 6 + 2
+    assert len(merges) == 15 * 6 + 2
     assert {r.data.tags["merge"] for r in merges if r.data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"} == {"linear", "slerp"}
     assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
     # the transport arm: all 20 directions with the control, the adaptation runs and their 5 baselines
@@ -41,6 +42,8 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     ad = [r for r in rs if r.data.tags["kind"] == "transport_adapt"]
     assert sorted(r.data.tags["stage"] for r in ad).count("baseline") == 5 and len(ad) == 25
     assert kinds.count("typology") == 10
+    # the shared-space arm on the toy's five models: agreement per pair, one shared space, routing
+    assert kinds.count("agreement") == 10 and kinds.count("shared_space") == 1 and kinds.count("routing") == 1
     report = tmp_path / "reports" / "toy" / "report.md"
     assert report.is_file() and "## 7" in report.read_text() and str(report) in p.stdout + p.stderr
     # the section-3 matrix is printed and logged
@@ -50,7 +53,7 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     art = tmp_path / "mlruns" / "artifacts" / "toy" / analysis.info.run_id / "artifacts"
     assert (art / "tables" / "cka_matrix.csv").is_file() and (art / "figures" / "cka_matched_vs_shuffled.png").is_file()
     corr = (art / "tables" / "checkpoint_correlations.csv").read_text().splitlines()
-    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28  # 8 diagnostics, 6 checkpoint pairs
+    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28  # 8 diagnostics, 15 checkpoint pairs
     # checkpoints: at least 12 per model, addressed like hub revisions
     for r in (r for r in rs if r.data.tags["kind"] == "train"):
         folder = tmp_path / "zoo" / r.data.tags["model"]
@@ -75,5 +78,6 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     p2 = launch(MICRO, tmp_path)
     assert p2.returncode == 0, p2.stderr[-3000:]
     kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
-    assert kinds2.count("measure") == 63 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
-    assert kinds2.count("merge") == 38 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
+    assert kinds2.count("measure") == 81 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
+    assert kinds2.count("merge") == 92 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
+    assert kinds2.count("agreement") == 10 and kinds2.count("shared_space") == 1
