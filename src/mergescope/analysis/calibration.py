@@ -72,7 +72,7 @@ def epsilon_rows(groups: dict[float, list[Rec]]) -> list[list[str]]:
 
 def epsilon_section(b: Build, runs: list[Rec]) -> Section:
     """Per epsilon: the neuron-cost statistics, the plans' sharpness against uniform, cost ratio and fallbacks."""
-    sec = Section("epsilon_calibration", "7c. Epsilon calibration of the transport plans")
+    sec = Section("epsilon_calibration", "7e. Epsilon calibration of the transport plans")
     groups = by_setting(runs, epsilon_of)
     sec.text.append("merge.epsilon swept over the same directions (one run per direction and epsilon, at its headline alpha). "
                     "The neuron costs 1 - rho do not depend on epsilon; the plan does: row_max x m = 1 is the uniform coupling "
@@ -89,7 +89,7 @@ def epsilon_section(b: Build, runs: list[Rec]) -> Section:
 
 def probe_section(b: Build, runs: list[Rec]) -> Section:
     """Per probe set and probe count: the plans' statistics and the fusion deltas, direction by direction."""
-    sec = Section("probe_count", "7d. Probe count: the plans and the deltas against the number of probe sentences")
+    sec = Section("probe_count", "7f. Probe count: the plans and the deltas against the number of probe sentences")
     groups = by_setting(runs, probe_of)
     rows = [[ps, str(n), direction(r), f3(r.m("plan_cost_mean"), 4), f3(r.m("plan_row_max"), 4), f3(r.m("plan_entropy")),
              f3(r.m("plan_cost_ratio"), 4), f3(r.m("delta_target_lang"), 4), f3(r.m("ot_minus_rand_target_lang"), 4), short(r.run_id)]
