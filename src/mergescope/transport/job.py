@@ -35,6 +35,7 @@ from mergescope.config import hash_parts, plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.progress import console
 from mergescope.represent import token_nll
+from mergescope.represent.cache import cache_enabled
 from mergescope.runs import JobResult, finished, model_label, pair_label, run_once
 from mergescope.tracking import Job, Tracker
 from mergescope.transport import adapt as adapt_mod
@@ -53,6 +54,8 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
     """Every setting and the pair validated before any run exists. Returns the job config (``merge``
     set to the transport settings node, resolved: what the hashes read) and the settings."""
     settings = TransportSettings.from_cfg(cfg)
+    for ref in models.resolve_pair(cfg.pair):  # non-finite weights refused before any run (each checkpoint read once)
+        models.check_weights(ref, cfg.paths.get("cache"))
     job = plain_copy(cfg)
     with open_dict(job):
         job.merge = plain_copy(merge_node(cfg))
@@ -151,12 +154,15 @@ def probe_path(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ..
 def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
                   adapter: itf.Adapter) -> fus.Probe:
     path = probe_path(cfg, lm, sentences, lang)
-    if path.is_file():
+    use_cache = cache_enabled(cfg)  # reproduce --no-cache redoes the probes' forward passes
+    if use_cache and path.is_file():
         # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there
         d = torch.load(path, map_location=next(lm.model.parameters()).device, weights_only=True)
         return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
     p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, batch_tokens=cfg.represent.batch_tokens,
                   max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}")
+    if not use_cache:
+        return p
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},
@@ -269,9 +275,21 @@ def _fit(d: _Direction) -> _Fitted:
     del donor, donor_sd
     layer_table = {"kept": align.kept.round(6).tolist(), "plan": align.plan.round(6).tolist(),
                    "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
-    stats = _plan_stats(align, fusion)
+    stats = {**_plan_stats(align, fusion), **top_k_effective(tp, s.top_k, d.label)}
     base_t, base_d = host.nll(d.eval_t, "nll target"), host.nll(d.eval_d, "nll donor lang")
     return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t))
+
+
+def top_k_effective(tp: fus.Probe, top_k: int, label: str) -> dict[str, float]:
+    """The number of target neurons actually fused per interface: merge.top_k, clamped to the interface's width
+    (the default 128 is wider than the zoo's hidden size); a line is printed when it is clamped."""
+    widths = {iface: int(mags[0].shape[0]) for iface, mags in tp.magnitude.items()}
+    out = {f"top_k_effective.{iface}": float(min(top_k, w)) for iface, w in widths.items()}
+    clamped = sorted(i for i, w in widths.items() if w < top_k)
+    if clamped:
+        console.print(f"  {label}: merge.top_k={top_k} is wider than {', '.join(f'{i} ({widths[i]})' for i in clamped)}; "
+                      "every neuron of those interfaces is fused (logged as top_k_effective.<interface>)")
+    return out
 
 
 def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, float]:
