@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from mergescope.errors import MergescopeError
@@ -36,35 +35,17 @@ DB_NAME = "mlflow"
 PG_BINARIES = ("initdb", "pg_ctl", "postgres")
 
 
-@dataclass(frozen=True)
 class Layout:
     """Where a server's pieces live under its folder."""
 
-    root: Path
-
-    @property
-    def pg(self) -> Path:
-        return self.root / "pg"
-
-    @property
-    def secret(self) -> Path:
-        return self.root / "secret" / "pgpass"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "server.json"
-
-    @property
-    def artifacts(self) -> Path:
-        return self.root / "artifacts"
-
-    @property
-    def pg_log(self) -> Path:
-        return self.root / "logs" / "postgres.log"
-
-    @property
-    def mlflow_log(self) -> Path:
-        return self.root / "logs" / "mlflow.log"
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.pg = self.root / "pg"                      # the PostgreSQL cluster (owned by its database user)
+        self.secret = self.root / "secret" / "pgpass"   # the generated password (mode 600)
+        self.state = self.root / "server.json"          # URI, ports and PIDs; no secret
+        self.artifacts = self.root / "artifacts"        # what mlflow server stores for mlflow-artifacts:/
+        self.pg_log = self.root / "logs" / "postgres.log"
+        self.mlflow_log = self.root / "logs" / "mlflow.log"
 
 
 def missing_binaries() -> list[str]:

@@ -69,9 +69,8 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
     nlls = []
     for i in range(n):
         kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs
-        merged = merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, pair.coverage.shared, cfg.device)
-        pair.set_shared(merged)
-        del merged
+        for name in pair.coverage.shared:  # tensor by tensor into the host: no second whole model in memory
+            pair.set_shared(merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device))
         nlls.append(host_nll(cfg, pair, sentences, f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")))
         pair.restore()
         if n > 1:

@@ -18,6 +18,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
+from mergescope.native.stream import streamed_state
 from mergescope.native.weights import coverage, routes
 from mergescope.represent import token_nll
 from mergescope.runs import model_label, pair_label
@@ -79,16 +80,24 @@ class Loaded:
     def __init__(self, cfg: DictConfig, need_base: bool):
         a, b = cfg.pair.a, cfg.pair.b
         host = models.load(a, cfg.device, quiet=True)
-        donor = models.load(b, "cpu", quiet=True)
-        self.ref_a, self.ref_b = host.ref, donor.ref
-        self.host, self.tok = host.model, host.tokenizer
-        self.true_a, self.true_b = host.true_config, donor.true_config
-        self.sd_a = {k: v.cpu().clone() for k, v in _state(self.host).items()}
-        self.sd_b = _state(donor.model)
+        self.ref_a, self.host, self.tok, self.true_a = host.ref, host.model, host.tokenizer, host.true_config
+        # a, b and the base are read tensor by tensor from their safetensors files (streamed_state) when they can
+        # be: the host alone is held in memory; otherwise they are loaded whole, as before
+        cache = cfg.paths.get("cache")
+        sa = streamed_state(host.ref, str(a.get("dtype") or "float32"), model=self.host, cache_root=cache)
+        self.sd_a = sa[0] if sa else {k: v.cpu().clone() for k, v in _state(self.host).items()}
+        self.ref_b = models.resolve(b)
+        sb = streamed_state(self.ref_b, str(b.get("dtype") or "float32"), cache_root=cache)
+        if sb is None:
+            donor = models.load(b, "cpu", ref=self.ref_b, quiet=True)
+            sb = (_state(donor.model), donor.true_config)
+        self.sd_b, self.true_b = sb
         self.sd_base = None
         be = base_entry(cfg)
         if need_base and be is not None:
-            self.sd_base = _state(models.load_model(models.resolve(be), be.dtype, "cpu"))
+            base_ref = models.resolve(be)
+            sbase = streamed_state(base_ref, str(be.dtype), cache_root=cache)
+            self.sd_base = sbase[0] if sbase else _state(models.load_model(base_ref, be.dtype, "cpu"))
         self.coverage = coverage(self.sd_a, self.sd_b)
         if not self.coverage.shared:
             raise MergescopeError(f"{pair_label(cfg)} shares no tensor of the same name and shape; the native route is undefined")
@@ -100,7 +109,8 @@ class Loaded:
             sd[name].copy_(v.to(sd[name].device, sd[name].dtype))
 
     def restore(self) -> None:
-        self.set_shared({n: self.sd_a[n] for n in self.coverage.shared})
+        for n in self.coverage.shared:  # one tensor at a time (sd_a may be streamed from its file)
+            self.set_shared({n: self.sd_a[n]})
 
     def interpolate(self, t: float) -> None:
         sd = self.host.state_dict()
