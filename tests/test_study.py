@@ -11,7 +11,7 @@ from test_e2e import launch, runs
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba").is_dir() or not FLORES.is_dir(), reason="shared data not found")]
 
 MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
-         "checkpoints.revisions=[step4,step16,step40]", "checkpoints.per_model={}", "shared.rsa_sentences=100", "native.nll_sentences=40", "native.lmc_points=5",
+         "checkpoints.revisions=[step4,step16,step40]", "~checkpoints.per_model", "shared.rsa_sentences=100", "native.nll_sentences=40", "native.lmc_points=5",
          "merge=transport", "merge.probe_sentences=48", "merge.alphas=[0.1]", "merge.epsilon=0.05", "merge.layer_topk=1",
          "merge.adapt.steps=2", "merge.adapt.batch_size=4"]
 
