@@ -23,6 +23,9 @@ class Space:
 
 
 def fit_space(Xs: Sequence[np.ndarray], dim: int, tol: float = 1e-7) -> Space:
+    """PCA per model to a common D, then GPA. D is capped at the smallest width (and n - 1): beyond a model's rank
+    its coordinates are zero, the rotations there are arbitrary and GPA would iterate without converging."""
+    dim = int(min(dim, *(min(x.shape[1], x.shape[0] - 1) for x in Xs)))
     reduced = [pca_reduce(x, dim) for x in Xs]
     return Space([r for r, _ in reduced], gpa([z for _, z in reduced], tol=tol))
 
