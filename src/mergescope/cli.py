@@ -30,9 +30,6 @@ TASKS: dict[str, str] = {
     "agreement": "mergescope.shared.agreement_job:run_agreement",
     "shared_space": "mergescope.shared.space_job:run_shared_space",
     "routing": "mergescope.shared.routing_job:run_routing",
-    "agreement": "mergescope.shared.agreement_job:run_agreement",
-    "shared_space": "mergescope.shared.space_job:run_shared_space",
-    "routing": "mergescope.shared.routing_job:run_routing",
     "adapt": "mergescope.adapt.job:run_adapt",
 }
 

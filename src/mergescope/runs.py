@@ -70,6 +70,12 @@ def _record(result: JobResult) -> JobResult:
     return result
 
 
+def record(results: Sequence[JobResult]) -> None:
+    """Add results produced elsewhere (a worker process's ledger, ``mergescope.workers``) to every open ledger."""
+    for r in results:
+        _record(r)
+
+
 def finite_or_fail(values: dict[str, float], what: str) -> dict[str, float]:
     """``values`` when every one is finite; else MergescopeError naming them, so a NaN is never logged as a result."""
     bad = sorted(k for k, v in values.items() if v is not None and not math.isfinite(float(v)))

@@ -30,6 +30,7 @@ from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
 from mergescope.progress import console
 from mergescope.runs import JobResult, model_label, recording
+from mergescope.workers import group_by, run_groups
 
 
 @dataclass
@@ -212,13 +213,30 @@ def _done(r: JobResult) -> str:
     return " (done before)" if r.skipped else ""
 
 
-def _run_all(jobs: list[StudyJob], describe) -> list[tuple[StudyJob, JobResult]]:
+def _run_all(jobs: list[StudyJob], describe, workers: int = 1, together=None) -> list[tuple[StudyJob, JobResult]]:
+    """Run ``jobs`` in order, printing each; with ``workers`` > 1 on that many processes (``mergescope.workers``),
+    jobs of equal ``together(job)`` one after another in one of them."""
     out = []
-    for i, j in enumerate(jobs, 1):
-        r = j.run()
+    if workers > 1 and len(jobs) > 1:
+        groups = group_by(jobs, together)
+        jobs = [j for g in groups for j in g]
+        results = (r for rs in run_groups(groups, workers) for r in rs)
+    else:
+        results = (j.run() for j in jobs)
+    for i, (j, r) in enumerate(zip(jobs, results), 1):
         console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
         out.append((j, r))
     return out
+
+
+def parallel_workers(plan: Plan) -> int:
+    """``workers``: processes for the study's heavy independent jobs (zoo training, the checkpoint arm, transport
+    directions); everything else runs in-process, in order (it shares the caches the earlier jobs fill)."""
+    return max(1, int(plan.cfg.get("workers") or 1))
+
+
+def _target(j: StudyJob) -> str:
+    return model_label(j.cfg.pair[str(j.cfg.merge.target)])
 
 
 def _pair_text(j: StudyJob) -> str:
@@ -238,7 +256,8 @@ def _checkpoint_arm(plan: Plan) -> None:
     for j in plan.checkpoint_pairs():
         by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
     for jobs in by_model.values():
-        _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}")
+        _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
+                 parallel_workers(plan))
         if (plan.cfg.get("checkpoints") or {}).get("evict_after"):
             evict_checkpoints(jobs)
 
@@ -269,17 +288,20 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 def _run_jobs(plan: Plan) -> None:
     from mergescope.zoo import is_trained
 
-    for j in plan.model_jobs("train"):
-        if j.cfg.model.get("zoo") is not None:
-            if not is_trained(j.cfg.model.name_or_path):
-                console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
-            j.run()  # returns at once when the model is trained
+    trains = [j for j in plan.model_jobs("train") if j.cfg.model.get("zoo") is not None]
+    todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
+    for j in todo:
+        console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
+    _run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", parallel_workers(plan))
+    for j in (j for j in trains if j not in todo):
+        j.run()  # returns at once: the model is trained (its run is recorded)
     _run_all(plan.model_jobs("quality"), lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
     _run_all(plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
     _run_all(plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")
     _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
     _checkpoint_arm(plan)
-    _run_all(plan.transport_directions() if plan.cfg.get("study_transport", True) else [], _transport_text)
+    _run_all(plan.transport_directions() if plan.cfg.get("study_transport", True) else [], _transport_text, parallel_workers(plan),
+             together=_target)  # one target's directions in one worker: its no-fusion baseline is made once
     _run_all(plan.transport_sweep(), _transport_text)
     _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
     _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str,
     if not use_cache:
         return p
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parallel workers may write the same probe
     torch.save({"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},
                 "magnitude": {k: [t.cpu() for t in v] for k, v in p.magnitude.items()},
                 "n_layers": p.n_layers, "n_tokens": p.n_tokens}, tmp)

@@ -1,0 +1,56 @@
+"""A study's independent jobs on several local processes (``workers`` > 1), through joblib's loky backend.
+
+Each job runs in a worker exactly as it runs in-process: the same handler, config and override list, so
+its ``cfg_hash`` and its run are the same. The worker records every result the job produces (nested runs
+included) and hands them back, so the study's list of its own runs is the same as with one process. Each
+worker runs torch with ``num_threads`` threads (1 by default: two workers then use two cores without
+oversubscribing them). Which of a study's job groups run this way is the study's decision (study.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope.runs import JobResult, record, recording
+
+
+def run_group(specs: list[tuple[str, DictConfig, list[str]]], threads: int | None) -> tuple[list[JobResult], list[JobResult]]:
+    """Jobs ``(task, cfg, overrides)`` one after another in a worker process: their results and every result
+    they recorded."""
+    import torch
+
+    from mergescope.cli import handler
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    with recording() as ledger:
+        results = [handler(task)(cfg, overrides) for task, cfg, overrides in specs]
+    return results, list(ledger)
+
+
+def run_groups(groups: Sequence[Sequence[Any]], workers: int) -> Iterator[list[JobResult]]:
+    """Each group's results, group by group in order, as soon as it and the groups before it are done. A group
+    (objects with ``task``, ``cfg``, ``overrides``) runs in one worker, in order: jobs that share a run (the
+    transport baseline of one target model) go in one group, so it is made once. Every result the jobs
+    recorded is added to the caller's open ledgers."""
+    from joblib import Parallel, delayed
+
+    par = Parallel(n_jobs=int(workers), backend="loky", return_as="generator")
+    calls = (delayed(run_group)([(j.task, j.cfg, list(j.overrides)) for j in g], g[0].cfg.get("num_threads"))
+             for g in groups)
+    for results, ledger in par(calls):
+        record(ledger)
+        yield results
+
+
+def group_by(jobs: Sequence[Any], key=None) -> list[list[Any]]:
+    """``jobs`` in groups of equal ``key(job)`` (first-seen order; every job alone when ``key`` is None)."""
+    if key is None:
+        return [[j] for j in jobs]
+    groups: dict[Any, list[Any]] = {}
+    for j in jobs:
+        groups.setdefault(key(j), []).append(j)
+    return list(groups.values())
