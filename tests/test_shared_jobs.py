@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tokenizer
+from conftest import FLORES, make_tokenizer
 
 from mergescope.represent import embed
 from mergescope.represent.layers import embed_layers
@@ -86,7 +86,20 @@ def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, comp
     assert run.data.tags["kind"] == "agreement"
     assert run.data.params["depth_layers_a"] == "[0, 1, 1, 2, 2]" and run.data.params["depth_layers_b"] == "[0, 1, 2, 2, 3]"
     arts = {a.path for a in client.list_artifacts(res.run_id, "tables")} | {a.path for a in client.list_artifacts(res.run_id, "figures")}
-    assert {"tables/depth.csv", "tables/cka_layers.csv", "tables/pooling_ablation.csv", "figures/cka_layers.png"} <= arts
+    assert {"tables/depth.csv", "tables/cka_layers.csv", "tables/pooling_ablation.csv", "tables/centroids.csv",
+            "figures/cka_layers.png"} <= arts
+    assert (run.data.tags["model_type_a"], run.data.tags["model_type_b"], run.data.tags["ssm_models"]) == ("gpt_neox", "llama", "0")
+    change = client.get_metric_history(res.run_id, "change_corr_by_depth")
+    assert sorted(m.step for m in change) == [1, 2, 3, 4] and all(-1 <= m.value <= 1 for m in change)  # undefined at depth 0
+    if FLORES.is_dir():  # topics from the metadata: the two K's at every depth, the control beside each
+        import csv
+        import io
+
+        from mergescope.tracking import read_artifact_text
+
+        cent = list(csv.DictReader(io.StringIO(read_artifact_text(client, res.run_id, "tables/centroids.csv"))))
+        assert sorted({(float(x["depth"]), int(x["categories"])) for x in cent}) == [(d, k) for d in (0, .25, .5, .75, 1) for k in (8, 10)]
+        assert all(0 < float(x["centroid_rsa_p"]) <= 1 for x in cent) and "centroid_random_as_strong_k10" in res.metrics
     assert run_agreement(cfg, ov).skipped  # a second launch reuses the run (and the cache)
 
 
@@ -102,6 +115,13 @@ def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, t
     res = run_shared_space(cfg, ov)
     assert 0 <= res.metrics["gpa_p1_10"] <= 1 and "pairwise_p1_all" in res.metrics
     client = Tracker(cfg).client
+    import csv
+    import io
+
+    from mergescope.tracking import read_artifact_text
+
+    types = list(csv.DictReader(io.StringIO(read_artifact_text(client, res.run_id, "tables/content_types.csv"))))
+    assert [x["type"] for x in types] == ["number_dense", "entity_dense", "short", "long"] and types[0]["lang"] == "eng_Latn"
     folder = Path(client.download_artifacts(res.run_id, "space", str(tmp_path)))
     texts = ["The cat sat on the mat.", "Where is the station?", "It rains."]
     z = shared_embed(folder, "llama", texts)
@@ -114,3 +134,30 @@ def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, t
 
     assert m["gain_always_best"] == 0.0
     assert ("bpb_domain" in m) == (domains(cfg.data, "eng_Latn", 60) is not None)
+
+
+@pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
+def test_the_report_section_shows_centroids_state_space_gap_and_content_types(english, compose_cfg):
+    """Agreement runs for a transformer pair and a pair with the Mamba model, one shared space, then the analysis:
+    the §5.1 centroid table with its verdict, the §5.3 table with both groups, the §7 content-type table."""
+    from mergescope.analysis.task import run_analyze
+    from mergescope.shared.agreement_job import run_agreement
+    from mergescope.shared.space_job import run_shared_space
+
+    ids = []
+    for x, y in (("neox", "llama"), ("llama", "mamba")):
+        cfg, ov = compose_cfg(["task=agreement", "pair=custom", f"++pair.a={_entry(x, english[x])}",
+                               f"++pair.b={_entry(y, english[y])}", "data.max_sentences=120", "shared.permutations=50",
+                               "shared.partitions=50", "shared.metrics=[cka]", "shared.poolings=[sgpt]"])
+        ids.append(run_agreement(cfg, ov).run_id)
+    models = ",".join(_entry(n, p) for n, p in english.items())
+    cfg, ov = compose_cfg(["task=shared_space", f"shared.models=[{models}]", "data.max_sentences=120", "shared.dims=[4]",
+                           "shared.dim=8", "shared.folds=2", "shared.depths=[1.0]"])
+    ids.append(run_shared_space(cfg, ov).run_id)
+    cfg, ov = compose_cfg(["task=analyze"])
+    text = run_analyze(cfg, ov, job_runs=ids)["report_md"].read_text()
+    assert "Category-centroid agreement at the final layer against random partitions" in text
+    assert ("Random partitions agree as strongly" in text) != ("agree more than random partitions" in text)
+    gap = text[text.index("State-space model pairs against transformer-only pairs"):]
+    assert "| 1.00 | 1 | 1 |" in gap[:3000]  # one pair with Mamba, one without, at the final depth
+    assert "Unseen content types" in text and "| number_dense |" in text

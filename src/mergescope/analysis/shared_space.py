@@ -66,7 +66,7 @@ def _agreement_tables(runs: list[Rec]) -> list[RTable]:
     rows = [[r.tags.get("pair", ""), r.tags.get("data", ""), _f(r.m("rsa")), _f(r.m("rsa_p"), 4), _f(r.m("nn_match")),
              _f(r.m("nn_match_ratio_to_chance"), 1), _f(r.m("nn_match_p"), 4), _f(r.m("cka")), _f(r.m("cka_debiased")),
              _f(r.m("pc2_share_a_final")), _f(r.m("pc2_share_b_final")), short(r.run_id)] for r in runs]
-    out = [RTable("Probe-level agreement at the final layer (2000-permutation nulls)",
+    out = [RTable("Probe-level agreement at the final layer (permutation nulls: shared.permutations, 2000 by default)",
                   ["pair", "data", "RSA", "p", "NN match", "x chance", "p", "CKA", "debiased CKA", "PC1+2 a", "PC1+2 b", "run"], rows,
                   note="p = (1 + #null >= observed) / (1 + permutations); PC1+2 = share of variance in two principal components")]
     by = {(r.tags.get("pair"), r.tags.get("data")): r for r in runs}
@@ -110,6 +110,100 @@ def _space_tables(client, r: Rec) -> list[RTable]:
     return out
 
 
+def _num(x: str | None) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def ssm_gap_rows(tables: list[tuple[bool, list[dict]]]) -> list[list[str]]:
+    """§5.3 by depth: mean RSA, nearest-neighbour ratio to chance and change correlation over pairs with a
+    state-space model against transformer-only pairs. ``tables``: (pair has an SSM, its depth rows)."""
+    by: dict[tuple[float, bool], list[dict]] = {}
+    for ssm, rows in tables:
+        for x in rows:
+            by.setdefault((float(x["depth"]), ssm), []).append(x)
+    out = []
+    for d in sorted({k[0] for k in by}):
+        s, t = by.get((d, True), []), by.get((d, False), [])
+        cells = []
+        for key in ("rsa", "nn_match_ratio_to_chance", "change_corr"):
+            ms, mt = _mean([_num(x.get(key)) for x in s]), _mean([_num(x.get(key)) for x in t])
+            cells += [_f(ms), _f(mt), _f(ms - mt)]
+        out.append([_f(d, 2), str(len(s)), str(len(t)), *cells])
+    return out
+
+
+def _ssm_tables(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
+    tables = [(r.tags.get("ssm_models", "0") != "0", _table(client, r, "depth")) for r in runs]
+    text = []
+    if not any(ssm for ssm, _ in tables):
+        text.append("§5.3 (state-space vs transformer pairs): no state-space model among this study's arm models, so the "
+                    "comparison is not measured here; `study=shared_space` includes zoo-mamba-en (and `study=shared_space_5` mamba-1.4b).")
+    head = ["depth", "SSM pairs", "transformer pairs"] + [f"{k} {g}" for k in ("RSA", "NN x chance", "change corr")
+                                                         for g in ("SSM", "transf.", "SSM - transf.")]
+    out = [RTable("State-space model pairs against transformer-only pairs, by depth (§5.3)", head, ssm_gap_rows(tables),
+                  note="change corr = Spearman correlation across probes of the two models' per-probe change "
+                       "1 - cos(h_{l-1}, h_l) on entering the layer at that depth (undefined at depth 0)")]
+    finals = []
+    for r, (_, rows) in zip(runs, tables):
+        if rows:
+            x = rows[-1]
+            finals.append([r.tags.get("pair", ""), f"{r.tags.get('model_type_a', '')} / {r.tags.get('model_type_b', '')}",
+                           _f(_num(x.get("change_corr"))), _f(_num(x.get("change_mean_a"))), _f(_num(x.get("change_mean_b"))),
+                           short(r.run_id)])
+    out.append(RTable("Entering the final layer: does each pair change the same probes? (§5.3)",
+                      ["pair", "architectures", "change corr", "mean change a", "mean change b", "run"], finals))
+    return out, text
+
+
+def _centroid_table(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
+    rows, strong, total = [], [], 0
+    for r in runs:
+        cent = _table(client, r, "centroids")
+        final = max((float(x["depth"]) for x in cent), default=None)
+        for x in cent:
+            if float(x["depth"]) != final:
+                continue
+            total += 1
+            as_strong = _num(x["centroid_random_as_strong"]) > 0
+            if as_strong:
+                strong.append(f"{r.tags.get('pair', '')} (K={x['categories']})")
+            rows.append([r.tags.get("pair", ""), x["categories"], x["n_sentences"], _f(_num(x["centroid_rsa"])),
+                         _f(_num(x["centroid_rsa_null_mean"])), _f(_num(x["centroid_rsa_null_q975"])),
+                         _f(_num(x["centroid_rsa_p"]), 4), "YES" if as_strong else "no", short(r.run_id)])
+    if not rows:
+        return [], ["Category-centroid agreement (§5.1): not measured (the probe set has no topic metadata)."]
+    verdict = (f"Random partitions agree as strongly as the topic categories (p > 0.05) for {len(strong)} of {total} "
+               f"pair x K cells: {', '.join(strong)}. There the centroid signal is sentence-level agreement averaged, "
+               "not category structure, as in the paper's §5.1." if strong else
+               f"In all {total} pair x K cells the topic centroids agree more than random partitions of equal sizes (p <= 0.05).")
+    return [RTable("Category-centroid agreement at the final layer against random partitions of equal sizes (§5.1)",
+                   ["pair", "K topics", "sentences", "centroid RSA", "random: mean", "random: 97.5%", "p",
+                    "random as strong?", "run"], rows,
+                   note="categories: the K most frequent first-listed FLORES topics (stand-in for the paper's probe "
+                        "categories); control: the same sentences randomly partitioned into groups of the same sizes")], [verdict]
+
+
+def _content_table(client, r: Rec) -> RTable | None:
+    rows = _table(client, r, "content_types")
+    if not rows:
+        return None
+    cells = [[x["type"] + ("" if int(x.get("n_fit") or 0) else " (too few sentences to test)"), x["n_type"], x.get("n_fit", ""), _f(_num(x.get("type_p1"))), _f(_num(x.get("control_p1"))),
+              _f(_num(x.get("type_p1")) - _num(x.get("control_p1"))), x.get("lang", "")] for x in rows]
+    return RTable(f"Unseen content types (§7): shared-space P@1 in pools of {rows[0].get('pool') or 10} [{short(r.run_id)}]",
+                  ["type", "sentences", "fitted on", "type (unseen)", "control (unseen, fitted kind)", "type - control", "read from"],
+                  cells, note="the space is fitted without the type's sentences; control = as many other sentences held out "
+                              "of the same fit. Types: >= 2 numbers; >= 3 inner capitalised words and >= 20% of words "
+                              "(entity proxy); bottom / top quarter of word count")
+
+
 def _routing_table(r: Rec) -> RTable:
     names = [k[4:] for k in r.metrics if k.startswith("bpb_") and not k.startswith("bpb_model_")]
     rows = [[n, _f(r.m(f"bpb_{n}"), 4), _f(r.m(f"gain_{n}"), 4), _f(r.m(f"oracle_agreement_{n}")), short(r.run_id)] for n in names]
@@ -133,7 +227,18 @@ def shared_space_section(b: Build) -> Section:
         sec.text.append(_depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag))
         sec.text.append("L_a x L_b CKA heatmaps: artifact figures/cka_layers.png of each agreement run ("
                         + ", ".join(short(r.run_id) for r in ag) + ").")
+    if ag:
+        flores = [r for r in ag if r.tags.get("data") == "flores200"] or ag
+        tables, text = _centroid_table(client, flores)
+        sec.tables += tables
+        sec.text += text
+        tables, text = _ssm_tables(client, flores)
+        sec.tables += tables
+        sec.text += text
     for r in sp:
         sec.tables += _space_tables(client, r)
+        content = _content_table(client, r)
+        if content is not None:
+            sec.tables.append(content)
     sec.tables += [_routing_table(r) for r in ro]
     return sec

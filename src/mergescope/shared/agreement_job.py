@@ -17,8 +17,10 @@ from mergescope.registry import metrics as metric_registry
 from mergescope.represent.jobs import check_represent
 from mergescope.runs import JobResult, pair_label, pair_tags, run_once
 from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
+from mergescope.shared.centroids import centroid_rows, flores_topics
 from mergescope.shared.depth import depth_layers
 from mergescope.shared.plots import plt
+from mergescope.shared.reorganize import change_corr, is_ssm, layer_change
 from mergescope.shared.reprs import check_shared, layer_reprs, pc2_share, poolings
 
 AGREEMENT_KEYS = ["pair", "data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
@@ -73,6 +75,30 @@ def pooling_rows(cfg: DictConfig, reps_a, reps_b, la: list[int], lb: list[int]) 
     return rows
 
 
+def centroid_table(cfg: DictConfig, La: np.ndarray, Lb: np.ndarray, la: list[int], lb: list[int]) -> list[dict]:
+    """Category-centroid agreement against random partitions (§5.1) at every depth, for each topic count."""
+    topics = flores_topics(cfg.data, La.shape[1])
+    rows = []
+    for d, i, j in zip(cfg.shared.depths, la, lb):
+        rows += centroid_rows(La[i], Lb[j], topics, [int(k) for k in cfg.shared.centroid_topics], int(cfg.shared.partitions),
+                              int(cfg.shared.seed), depth=float(d), layer_a=i, layer_b=j)
+    return rows
+
+
+def change_values(Ca: np.ndarray, Cb: np.ndarray, i: int, j: int) -> dict[str, float]:
+    """At one depth: the correlation across probes of the two models' change on entering layers i and j (§5.3),
+    and each model's mean change there."""
+    if i == 0 or j == 0:
+        return {"change_corr": float("nan"), "change_mean_a": float("nan"), "change_mean_b": float("nan")}
+    return {"change_corr": change_corr(Ca[i], Cb[j]), "change_mean_a": float(Ca[i].mean()), "change_mean_b": float(Cb[j].mean())}
+
+
+def model_types(ref_a, ref_b) -> dict[str, str]:
+    """The two architectures (config only) and how many are state-space models (tags; §5.3 groups pairs by it)."""
+    ta, tb = models.load_config(ref_a)["model_type"], models.load_config(ref_b)["model_type"]
+    return {"model_type_a": ta, "model_type_b": tb, "ssm_models": str(int(is_ssm(ta)) + int(is_ssm(tb)))}
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
     import csv
 
@@ -119,24 +145,29 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
         job.log_params({"layers_a": n_a, "layers_b": n_b, "depth_layers_a": la, "depth_layers_b": lb,
                         "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
         rows = []
+        ca, cb = layer_change(reps_a[main]), layer_change(reps_b[main])
         for k, (d, i, j) in enumerate(zip(cfg.shared.depths, la, lb)):
-            vals = depth_values(cfg, reps_a[main][i], reps_b[main][j])
-            job.log_metrics({f"{m}_by_depth": v for m, v in vals.items()}, step=k)
+            vals = {**depth_values(cfg, reps_a[main][i], reps_b[main][j]), **change_values(ca, cb, i, j)}
+            job.log_metrics({f"{m}_by_depth": v for m, v in vals.items() if v == v}, step=k)  # NaN: undefined at depth 0
             rows.append({"depth": float(d), "layer_a": i, "layer_b": j, **vals})
-        geo = [{"model": side, "layer": l_, "depth": l_ / (len(r[main]) - 1), "pc2_share": pc2_share(r[main][l_])}
-               for side, r in (("a", reps_a), ("b", reps_b)) for l_ in range(len(r[main]))]
+        geo = [{"model": side, "layer": l_, "depth": l_ / (len(r[main]) - 1), "pc2_share": pc2_share(r[main][l_]),
+                "change_from_previous": float(np.mean(c[l_]))}
+               for side, r, c in (("a", reps_a, ca), ("b", reps_b, cb)) for l_ in range(len(r[main]))]
         for g in geo:
             job.log_metrics({f"pc2_share_{g['model']}_by_layer": g["pc2_share"]}, step=g["layer"])
         M = cka_matrix(reps_a[main], reps_b[main], cfg.device)
         cka_rows = [{"layer_a": i, **{f"layer_b_{j}": float(M[i, j]) for j in range(M.shape[1])}} for i in range(M.shape[0])]
-        log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo,
+        cent = centroid_table(cfg, reps_a[main], reps_b[main], la, lb)
+        log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo, "centroids": cent,
                          "pooling_ablation": pooling_rows(cfg, reps_a, reps_b, la, lb)},
                    heatmap(M, models.label(a), models.label(b)))
-        final = {k: v for k, v in rows[-1].items() if k not in ("depth", "layer_a", "layer_b")}
+        final = {k: v for k, v in rows[-1].items() if k not in ("depth", "layer_a", "layer_b") and v == v}
+        final.update({f"{key}_k{c['categories']}": float(c[key]) for c in cent if c["depth"] == rows[-1]["depth"]
+                      for key in ("centroid_rsa", "centroid_rsa_p", "centroid_rsa_null_q975", "centroid_random_as_strong")})
         return {**final, "n_sentences": float(len(side_a.sentences)), "n_depths": float(len(rows)),
                 "pc2_share_a_final": geo[n_a]["pc2_share"], "pc2_share_b_final": geo[-1]["pc2_share"]}
 
-    tags = {"kind": "agreement", **pair_tags(cfg), "route": "representation", "seed": cfg.shared.seed,
+    tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": cfg.shared.seed,
             "data": cfg.data.name, "split": cfg.data.split}
     return run_once(cfg, f"agreement:{pair_label(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
                     reads=(ref_a, ref_b))

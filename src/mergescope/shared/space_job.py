@@ -12,8 +12,11 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope import models
+from mergescope import data as data_mod
+from mergescope.errors import MergescopeError
 from mergescope.runs import JobResult, run_once
 from mergescope.shared.agreement_job import write_csv
+from mergescope.shared.content import content_types, type_transfer
 from mergescope.shared.depth import depth_layers
 from mergescope.shared.domains import domains
 from mergescope.shared.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_matrices
@@ -67,6 +70,26 @@ def space_meta(cfg, entries, layers, sides) -> dict:
             "data": str(cfg.data.name), "split": str(cfg.data.split), "n_sentences": len(sides[0].sentences)}
 
 
+def content_side(cfg: DictConfig, entries, sides) -> data_mod.Side:
+    """The English side of the probes (content types are read from it), else the first model's side."""
+    for e, s in zip(entries, sides):
+        if str(e.lang) == "eng_Latn":
+            return s
+    try:
+        side = data_mod.load_side(cfg.data, "eng_Latn")
+    except MergescopeError:  # the data has no English side: the types are read from the first model's language
+        return sides[0]
+    return side if len(side.sentences) == len(sides[0].sentences) else sides[0]
+
+
+def content_rows(cfg: DictConfig, entries, sides, finals) -> list[dict]:
+    """Shared-space retrieval on each content type, unseen in the fit, against an in-distribution control (§7)."""
+    side = content_side(cfg, entries, sides)
+    rows = type_transfer(finals, content_types(side.sentences), int(cfg.shared.dim), int(cfg.shared.content_pool),
+                         seed=int(cfg.shared.seed))
+    return [{**r, "lang": side.lang} for r in rows]
+
+
 def headline(rows: list[dict], depth: float) -> dict[str, float]:
     out = {}
     for r in rows:
@@ -86,6 +109,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
         dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
         if dom is not None:
             tables["transfer"] = domain_transfer(finals, dom, int(cfg.shared.dim), int(cfg.shared.transfer_pool), seed=int(cfg.shared.seed))
+        tables["content_types"] = content_rows(cfg, entries, sides, finals)
         space = fit_space(finals, int(cfg.shared.dim))
         with tempfile.TemporaryDirectory() as d:
             for name, rows in tables.items():
