@@ -124,6 +124,10 @@ class Plan:
             self.pairs.setdefault(label, [o for o in _without(m.overrides, "task", "metric") if o not in self.base])
             for side in ("a", "b"):
                 self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
+        for names in (self.cfg.get("adaptation") or {}).get("pairs") or []:  # the adapt arm's models are trained (and
+            for name in names:                                                # scored) like the sweep's
+                e = compose(config_name="config", overrides=[*self.base, f"model={name}"]).model
+                self.entries.setdefault(model_label(e), e)
 
     def pair_jobs(self, task: str, extra: list[str] = ()) -> list[StudyJob]:
         return [job(task, [*self.base, *sel, *extra]) for sel in self.pairs.values()]
