@@ -131,7 +131,7 @@ def _planted(n=200, d=10, models=5, noise=0.01, seed=0):
 def test_gpa_recovers_planted_rotations_up_to_one_common_rotation():
     Zs, planted = _planted()
     fit = gpa(Zs, tol=1e-12)
-    assert fit.converged and np.all(np.diff(fit.losses) <= 1e-12)
+    assert fit.converged and np.all(np.diff(fit.losses) <= 1e-10 * fit.losses[0])  # non-increasing up to rounding
     # Z_i = B Q_i, so Z_i R_i = M for all i means R_i = Q_iᵀ C with one common C
     commons = [q @ r for q, r in zip(planted, fit.rotations)]
     for c in commons[1:]:
