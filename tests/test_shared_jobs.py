@@ -160,4 +160,5 @@ def test_the_report_section_shows_centroids_state_space_gap_and_content_types(en
     assert ("Random partitions agree as strongly" in text) != ("agree more than random partitions" in text)
     gap = text[text.index("State-space model pairs against transformer-only pairs"):]
     assert "| 1.00 | 1 | 1 |" in gap[:3000]  # one pair with Mamba, one without, at the final depth
-    assert "Unseen content types" in text and "| number_dense |" in text
+    assert "Unseen content types" in text and "| number_dense" in text and "| long |" in text
+    assert text.count("data:image/png") >= 3  # agreement by depth, the CKA heatmaps, retrieval matrices + D sweep

@@ -42,11 +42,7 @@ def _png(fig) -> str:
 
 
 def _depth_figure(client, runs: list[Rec]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
         rows = _table(client, r, "depth")
@@ -59,6 +55,77 @@ def _depth_figure(client, runs: list[Rec]) -> str:
         ax.set_xlabel("relative depth")
         ax.set_title(f"{t}; band = 95% permutation null", fontsize=9)
     axes[1].legend(fontsize=6)
+    return _png(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cka_heatmaps(client, runs: list[Rec]) -> str | None:
+    """Every pair's L_a x L_b linear-CKA matrix (from its tables/cka_layers.csv), one panel per pair."""
+    mats = []
+    for r in runs:
+        rows = _table(client, r, "cka_layers")
+        if rows:
+            mats.append((r, np.array([[float(v) for k, v in x.items() if k != "layer_a"] for x in rows])))
+    if not mats:
+        return None
+    plt = _pyplot()
+    cols = min(5, len(mats))
+    fig, axes = plt.subplots((len(mats) + cols - 1) // cols, cols, figsize=(2.4 * cols, 2.4 * ((len(mats) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(mats):]:
+        ax.axis("off")
+    for ax, (r, m) in zip(axes.flat, mats):
+        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", origin="lower", aspect="auto")
+        ax.set_xticks(range(m.shape[1]))
+        ax.set_yticks(range(m.shape[0]))
+        a, _, b = r.tags.get("pair", "").partition("__")
+        ax.set_title(f"{r.tags.get('pair', '')}\n[{short(r.run_id)}]", fontsize=6)
+        ax.set_xlabel(f"{b} layer", fontsize=6)
+        ax.set_ylabel(f"{a} layer", fontsize=6)
+        ax.tick_params(labelsize=5)
+    fig.colorbar(im, ax=list(axes.flat), shrink=0.6, label="linear CKA")
+    return _png(fig)
+
+
+def _space_figures(client, r: Rec) -> str | None:
+    """GPA and pairwise held-out retrieval per ordered pair (final depth, pool 32) as matrices, and the D sweep."""
+    rows, dims = _table(client, r, "retrieval"), _table(client, r, "dim_sweep")
+    if not rows:
+        return None
+    final = max(float(x["depth"]) for x in rows)
+    labels = list(dict.fromkeys(x["query"] for x in rows))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, method in zip(axes, ("gpa", "pairwise")):
+        m = np.full((len(labels), len(labels)), np.nan)
+        for x in rows:
+            if float(x["depth"]) == final and x["pool"] == "32" and x["method"] == method:
+                m[labels.index(x["query"]), labels.index(x["gallery"])] = float(x["p1"])
+        ax.imshow(m, vmin=0, vmax=1, cmap="magma")
+        for (i, j), v in np.ndenumerate(m):
+            if not math.isnan(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
+        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=6)
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xlabel("gallery model", fontsize=7)
+        ax.set_ylabel("query model", fontsize=7)
+        ax.set_title(f"{'GPA shared space' if method == 'gpa' else 'pairwise linear maps'}: P@1, pool 32", fontsize=8)
+    d = [int(x["dim"]) for x in dims]
+    axes[2].plot(d, [float(x["gpa_p1_32"]) for x in dims], "o-", label="GPA")
+    axes[2].plot(d, [float(x["pairwise_p1_32"]) for x in dims], "s--", label="pairwise")
+    axes[2].axhline(1 / 32, color="grey", lw=0.8, ls=":", label="chance")
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("D (common PCA dimension)", fontsize=7)
+    axes[2].set_title(f"D sweep, final layer [{short(r.run_id)}, {r.tags.get('data')}]", fontsize=8)
+    axes[2].legend(fontsize=6)
     return _png(fig)
 
 
@@ -225,9 +292,9 @@ def shared_space_section(b: Build) -> Section:
     sec.tables += _agreement_tables(ag)
     if ag:
         sec.text.append(_depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag))
-        sec.text.append("L_a x L_b CKA heatmaps: artifact figures/cka_layers.png of each agreement run ("
-                        + ", ".join(short(r.run_id) for r in ag) + ").")
-    if ag:
+        heat = _cka_heatmaps(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag)
+        if heat:
+            sec.text.append(heat)
         flores = [r for r in ag if r.tags.get("data") == "flores200"] or ag
         tables, text = _centroid_table(client, flores)
         sec.tables += tables
@@ -237,6 +304,9 @@ def shared_space_section(b: Build) -> Section:
         sec.text += text
     for r in sp:
         sec.tables += _space_tables(client, r)
+        fig = _space_figures(client, r)
+        if fig:
+            sec.text.append(fig)
         content = _content_table(client, r)
         if content is not None:
             sec.tables.append(content)
