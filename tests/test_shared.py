@@ -108,6 +108,27 @@ def test_debiased_cka_equals_the_u_statistic_by_loops():
     assert debiased_cka(x, y) == pytest.approx(want, rel=1e-10)
 
 
+def test_leave_block_out_hsic_equals_recomputing_on_the_kept_rows():
+    """The jackknife's replicates, every block at once, against HSIC_u recomputed on each submatrix (uneven
+    blocks: 53 rows in 7 blocks)."""
+    import torch
+
+    from mergescope.metrics.cka import block_slices
+    from mergescope.metrics.cka_debiased import loo_hsic
+
+    x, y = _pair(n=53, d=6, noise=0.5, seed=9)
+    k, l_ = torch.tensor(x @ x.T), torch.tensor(y @ y.T)
+    blocks = block_slices(53, 7)
+    members = torch.zeros(53, 7, dtype=torch.float64)
+    for g, s in enumerate(blocks):
+        members[s, g] = 1.0
+    want = []
+    for s in blocks:
+        keep = torch.cat([torch.arange(0, s.start), torch.arange(s.stop, 53)])
+        want.append(float(unbiased_hsic(k[keep][:, keep], l_[keep][:, keep])))
+    assert np.allclose(loo_hsic(k, l_, members).numpy(), want, rtol=1e-10, atol=1e-12)
+
+
 def test_debiased_cka_removes_the_width_bias_on_independent_data():
     from mergescope.metrics import linear_cka
 
