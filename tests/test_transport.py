@@ -68,9 +68,33 @@ def test_small_epsilon_falls_back_to_log_domain_and_says_so():
     # everywhere: plain Sinkhorn hands back a bad plan, the log-domain solver does not
     Q, info = tot.solve(C + 0.8, 1e-3)
     assert info0.solver == "sinkhorn"
-    assert info.solver == "sinkhorn_log" and "sinkhorn:" in info.fallback_reason
+    # every kernel entry underflows, so the stabilised solver fails at its first iteration too
+    assert info.solver == "sinkhorn_log" and "sinkhorn:" in info.fallback_reason and "sinkhorn_stabilized:" in info.fallback_reason
     assert torch.allclose(Q, Q0, atol=1e-6)
     assert tot.marginal_error(Q, torch.full((12,), 1 / 12, dtype=torch.float64), torch.full((12,), 1 / 12, dtype=torch.float64)) <= 1e-5
+
+
+@pytest.mark.parametrize("broken,used", [(("sinkhorn",), "sinkhorn_stabilized"),
+                                         (("sinkhorn", "sinkhorn_stabilized"), "sinkhorn_log")])
+def test_the_fallback_chain_uses_the_first_solver_whose_plan_checks_out(monkeypatch, broken, used):
+    """Plain Sinkhorn, then the log-stabilised solver, then the log-domain one (torch tensors): each bad plan (here
+    made non-finite on purpose) is named in the info, and the plan used is the same plan."""
+    import ot
+
+    real = ot.sinkhorn
+
+    def fake(a, b, C, reg, method="sinkhorn", **kw):
+        Q, log = real(a, b, C, reg, method=method, **kw)
+        return (Q * float("nan"), log) if method in broken else (Q, log)
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(30, 12))
+    C = torch.from_numpy(1 - np.corrcoef(X.T, (X[:, rng.permutation(12)] + 0.3 * rng.normal(size=(30, 12))).T)[:12, 12:])
+    Q0, _ = tot.solve(C, 1e-2)
+    monkeypatch.setattr(ot, "sinkhorn", fake)
+    Q, info = tot.solve(C, 1e-2)
+    assert info.solver == used and all(f"{b}: non-finite plan" in info.fallback_reason for b in broken)
+    assert torch.allclose(Q, Q0, atol=1e-6)
 
 
 @pytest.mark.parametrize("eps,iters", [(1e-4, 3), (0.01, 1)])

@@ -7,8 +7,11 @@ correlation 0 (cost 1) to everything. Plans have uniform marginals, 1/n_target p
 
 ``solve`` runs POT's Sinkhorn (``method="sinkhorn"``) and accepts the plan only if it is finite,
 non-negative and meets both marginals to ``tol`` (L1, out of a total mass of 1). Plain Sinkhorn
-at a small epsilon can underflow and hand back a garbage plan without raising; then the
-log-domain solver (``sinkhorn_log``) is tried, and the fallback is reported in the plan's info.
+at a small epsilon can underflow and hand back a garbage plan without raising; then POT's
+log-stabilised solver (``sinkhorn_stabilized``: large potentials absorbed into the log domain) is tried,
+then the full log-domain solver (``sinkhorn_log``, on torch tensors: POT's numpy log-sum-exp is ~4x
+slower), and the fallback is reported in the plan's info. Measured on a 256 x 192 plan at epsilon 0.001:
+stabilised 4.5 s, log-domain 45 s (torch) / 190 s (numpy), to the same plan.
 If that fails too, the fusion stops with an error: no fusion ever runs through a bad plan.
 """
 
@@ -76,13 +79,15 @@ def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1
     on_cpu = C.device.type == "cpu"
     args = (a.numpy(), b.numpy(), C.numpy()) if on_cpu else (a, b, C)
     reasons = []
-    for method in ("sinkhorn", "sinkhorn_log"):
+    for method in ("sinkhorn", "sinkhorn_stabilized", "sinkhorn_log"):
+        use_numpy = on_cpu and method != "sinkhorn_log"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                Q, log = ot.sinkhorn(*args, float(epsilon), method=method, numItermax=int(max_iter),
-                                     stopThr=tol / math.sqrt(max(n, m)), log=True, warn=False)
-                Q = torch.from_numpy(np.asarray(Q)) if on_cpu else Q
+                Q, log = ot.sinkhorn(*(args if use_numpy else (a, b, C)), float(epsilon), method=method,
+                                     numItermax=int(max_iter), stopThr=tol / math.sqrt(max(n, m)), log=True, warn=False)
+                Q = torch.from_numpy(np.asarray(Q)) if use_numpy else Q
+                log = {"niter": log.get("niter") if log.get("niter") is not None else log.get("n_iter", -1)}
             except (FloatingPointError, ValueError, RuntimeError) as exc:  # solver blew up outright
                 Q, log = None, {"niter": -1}
                 reasons.append(f"{method} raised {type(exc).__name__}")
