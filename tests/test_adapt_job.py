@@ -137,3 +137,66 @@ def test_best_ratio_is_chosen_on_validation_not_on_test():
            0.02: JobResult("b", False, {"val_nll": 2.0, "test_nll": 0.5}, "h"),
            0.04: JobResult("c", False, {"val_nll": 1.5, "test_nll": 3.0}, "h")}
     assert best_ratio(pts, [0.02, 0.04]) == 0.04  # the lowest validation NLL, anchors excluded
+
+
+def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scale, compose_cfg):
+    """Both protocols of a pair read the competence overlap from the same two source runs (the models scored as
+    themselves), log it on the summary run with both models' sizes, and agree on it."""
+    from mergescope.adapt.job import run_adapt
+    from mergescope.adapt.overlap import competence_overlap, task_profile
+
+    quick = ["adaptation.controls=[]", "adaptation.compare=[]", "adaptation.diag_sentences=0"]
+    cfg, ov = compose_cfg(["task=adapt", "adapt=expand", *_pair(scale["s"], scale["l"]), *FAST, *quick,
+                           "adaptation.union_grid=[0.1]"])
+    union = run_adapt(cfg, ov)
+    cfg_i, ov_i = compose_cfg(["task=adapt", "adapt=truncate", *_pair(scale["l"], scale["s"]), *FAST, *quick,
+                               "adaptation.intersection_grid=[0.02]"])
+    inter = run_adapt(cfg_i, ov_i)
+    source_runs = _runs(cfg, kind="adapt", control="source")
+    sources = {r.data.tags["source"]: r.data for r in source_runs}
+    ids = {r.data.tags["source"]: r.info.run_id for r in source_runs}
+    assert sorted(sources) == ["large", "small"] and len(source_runs) == 2
+    # the source runs are the models themselves: small = intersection's ratio 0, large = union's ratio 1 (exactly)
+    ends = {(r.data.tags["protocol"], r.data.tags["ratio"]): r.data.metrics for r in _runs(cfg, kind="adapt", control="none")}
+    assert sources["small"].metrics["test_nll.por_Latn"] == ends[("intersection", "0")]["test_nll.por_Latn"]
+    assert sources["large"].metrics["test_nll.wikinews"] == ends[("union", "1")]["test_nll.wikinews"]
+    assert sources["small"].metrics["test_nll.eng_Latn"] != ends[("intersection", "1")]["test_nll.eng_Latn"]  # not T(large)
+    expected = competence_overlap(task_profile(sources["small"].metrics), task_profile(sources["large"].metrics))
+    assert expected.tasks == ("eng_Latn", "por_Latn", "wikinews")  # 2 languages; the first 6 sentences are wikinews
+    best = {r.data.tags["protocol"]: r.data for r in _runs(cfg, kind="adapt", ratio="best")}
+    for res, proto in ((union, "union"), (inter, "intersection")):
+        assert best[proto].tags["competence"] == expected.competence
+        assert res.metrics["overlap_frac_large_better"] == pytest.approx(expected.frac_large_better)
+        assert res.metrics["small_better_margin"] == pytest.approx(expected.small_better_margin)
+        assert [best[proto].params[f"runs.source:{k}"] for k in ("small", "large")] == [ids["small"], ids["large"]]
+    sizes = {side: sum(p.numel() for p in _load(scale[k]).parameters()) for side, k in (("small", "s"), ("large", "l"))}
+    for res in (union, inter):
+        assert res.metrics["n_params_small"] == sizes["small"] and res.metrics["n_params_large"] == sizes["large"]
+        assert (res.metrics["hidden_small"], res.metrics["hidden_large"]) == (32, 64)
+        assert (res.metrics["layers_small"], res.metrics["layers_large"]) == (2, 3)
+    # the report: one size-gap row per protocol, the competence next to the gain, the sentence, no "source" curves
+    sec = _section(cfg)
+    gap = next(t for t in sec.tables if t.title.startswith("Gain against the size gap"))
+    assert [(r[0], r[7], r[10]) for r in gap.rows] == [
+        (proto, expected.competence, f"{res.metrics['gain_vs_small']:+.4f}") for proto, res in (("intersection", inter),
+                                                                                              ("union", union))]
+    assert gap.rows[0][4] == f"{sizes['large'] / sizes['small']:.2f}" and gap.rows[0][5:7] == ["2.00", "1.50"]
+    assert any(t.startswith("Whether the merge gains concentrate on intersecting pairs") for t in sec.text)
+    assert not any("source" in t.title.split(":")[0] for t in sec.tables)
+
+
+def _section(cfg):
+    from types import SimpleNamespace
+
+    from mergescope.analysis.adapt import adapt_section
+    from mergescope.analysis.records import Rec
+
+    recs = [Rec(r.info.run_id, r.info.start_time, dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
+            for r in _runs(cfg, route="adapt")]
+    return adapt_section(SimpleNamespace(study=SimpleNamespace(records=recs)))
+
+
+def _load(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

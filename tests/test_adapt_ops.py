@@ -79,6 +79,20 @@ def test_expand_zero_keeps_an_rmsnorm_model_on_real_text(family, tok):
     assert _max_logit_diff(small, no_scale, tok) > 1e-2  # without c = sqrt(h_s/h_t) the function changes
 
 
+def test_expand_zero_keeps_qwen2_into_a_stated_head_dim_and_truncate_round_trips(tok):
+    """The zoo-scale-m layout: the target states head_dim, so its query rows (4 x 8) are fewer than its hidden
+    size (48); Expand(zero) still keeps the function, and Truncate(slots) gives the small model back."""
+    small = _model("qwen2", **SMALL)
+    c2 = SMALL["hidden_size"] / 48
+    mid = _model("qwen2", seed=1, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, rms_norm_eps=small.config.rms_norm_eps * c2)
+    assert mid.model.layers[0].self_attn.q_proj.weight.shape == (32, 48)
+    mid.load_state_dict(_adapt("expand", small, mid), strict=True)
+    assert _max_logit_diff(small, mid, tok) < 1e-5
+    back = _adapt("truncate", mid, _model("qwen2", seed=2, **SMALL), select="slots")
+    assert all(torch.allclose(back[k], v, rtol=1e-12, atol=0) for k, v in small.state_dict().items())
+
+
 def test_expand_repeat_keeps_a_neox_model_and_zero_does_not(tok):
     neox_s = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     neox_l = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8)

@@ -3,7 +3,8 @@
 ``shapes`` (shapes from configs, slot maps, refusals), ``roles`` (the axis of every tensor dimension),
 ``plugins`` (the operator registry; operators in ``ops/``), ``model`` (adapt a loaded model into another
 architecture in memory), ``evaluate`` (NLL / bits per byte per language and FLORES domain, attention entropy,
-residual norm), ``protocol`` (merges, controls, comparisons), ``job`` (``task=adapt``).
+residual norm), ``protocol`` (merges, controls, comparisons), ``overlap`` (the competence overlap of a pair: nested /
+intersecting / reversed from two task profiles), ``job`` (``task=adapt``).
 """
 
 from mergescope.adapt.plugins import adapt_state, adapters, resolve_adapter

@@ -5,7 +5,10 @@ protocol): the two anchors (ratio 0 and 1), every ratio of the protocol's grid, 
 every ratio, ``adaptation.at=grid``) the two controls. Intersection also runs the comparison operators of the
 merge registry in the same small space (kind=merge, route=adapt; the small model is the base, so the donor's
 task vector is T(large) - small). Then one summary run (kind=adapt, ratio=best): the ratio chosen on the
-validation split and its numbers on the disjoint test split. Bad input is refused before any run exists.
+validation split and its numbers on the disjoint test split. Before it, the two source models are scored as
+themselves (kind=adapt, control=source; one run per model, shared by both protocols of the pair) and the summary
+logs the pair's competence overlap from their task profiles (:mod:`.overlap`) and both models' sizes. Bad input is
+refused before any run exists.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mergescope.adapt.evaluate import attention_diagnostics, score
+from mergescope import models
+from mergescope.adapt.evaluate import attention_diagnostics, load_texts, score
+from mergescope.adapt.overlap import Overlap, competence_overlap, task_profile
 from mergescope.adapt.setup import Loaded, Setup, check_adapt
 from mergescope.config import to_plain
 from mergescope.merge import merge_state_dicts, resolve_preset
@@ -24,6 +29,11 @@ from mergescope.runs import JobResult, pair_tags, run_once
 
 CHILD_KEYS = ["pair", "adapt", "data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
               "adaptation.langs", "adaptation.nll_sentences", "adaptation.diag_sentences", "save"]
+# A source model scored as itself: neither the operator nor the pair's order changes it, so both protocols of a
+# pair share its run (the pair's models, their order by size and the languages are in the hash).
+SOURCE_KEYS = ["data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
+               "adaptation.nll_sentences"]
+SIDES = ("small", "large")
 
 
 def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
@@ -97,15 +107,66 @@ def run_compare(cfg: DictConfig, setup: Setup, loaded: Loaded, name: str, ratio:
                     task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset})
 
 
+def _source_model(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str):
+    """(model, tokenizer, host): the protocol's host, already loaded, at its end when that end IS the model (union:
+    ratio 1 = large, intersection: ratio 0 = small; (1-r) lo + r hi is exactly one end there), else the model loaded
+    alone (a job whose points were all reused does not load the pair for it)."""
+    if loaded.ends is not None and side == ("large" if setup.protocol == "union" else "small"):
+        loaded.ends.set(1.0 if side == "large" else 0.0)
+        return loaded.ends.host, loaded.ends.tokenizer, True
+    entry, ref = (setup.small, setup.refs[0]) if side == "small" else (setup.large, setup.refs[1])
+    m = models.load(entry, cfg.device, ref=ref, quiet=True)
+    return m.model, m.tokenizer, False
+
+
+def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrides) -> JobResult:
+    """One source model (``side`` small or large) scored as itself on the job's texts, with its parameter count:
+    the two profiles the competence overlap is read from (ratio 1 of intersection is T(large), not the large model,
+    and ratio 0 of union is E(small), not the small one). Both protocols of a pair share the two runs."""
+
+    def body(job) -> dict[str, float]:
+        model, tok, host = _source_model(cfg, setup, loaded, side)
+        splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
+        texts = load_texts(cfg.data, setup.langs, splits, cfg.adaptation.get("nll_sentences"))
+        values = score(model, tok, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
+        n_params = float(models.true_config(model)["n_params"])
+        if host:
+            loaded.ends.set(0.0)
+        return {**values, "n_params": n_params}
+
+    tags = {"kind": "adapt", "route": "adapt", "ratio": "source", "control": "source", "protocol": "source",
+            "source": side, "small": setup.small_label, "large": setup.large_label,
+            "pair": f"{setup.small_label}__{setup.large_label}"}  # by size, whichever protocol scored it first
+    return run_once(cfg, f"adapt:source:{side}:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+                    task="adapt_source", keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs})
+
+
+def overlap_of(sources: dict[str, JobResult]) -> Overlap:
+    """The pair's competence overlap from the two source models' test-split task profiles."""
+    return competence_overlap(task_profile(sources["small"].metrics), task_profile(sources["large"].metrics))
+
+
+def size_values(setup: Setup, sources: dict[str, JobResult]) -> dict[str, float]:
+    """Both models' parameter counts (as loaded), hidden sizes and depths: the size gap of the pair."""
+    out = {}
+    for side, shape in zip(SIDES, setup.shapes):
+        out.update({f"n_params_{side}": sources[side].metrics["n_params"], f"hidden_{side}": float(shape.hidden),
+                    f"layers_{side}": float(shape.layers)})
+    return out
+
+
 def best_ratio(points: dict[float, JobResult], grid: list[float]) -> float:
     """The grid ratio with the lowest validation NLL (anchors excluded)."""
     return min(grid, key=lambda r: points[r].metrics["val_nll"])
 
 
-def _summary(cfg, setup, points, controls, compares, best, overrides) -> JobResult:
+def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -> JobResult:
+    overlap = overlap_of(sources)
+
     def body(job) -> dict[str, float]:
         runs = {**{f"ratio:{r:g}": res.run_id for r, res in points.items()},
-                **{f"{k}:{r:g}": res.run_id for (k, r), res in [*controls.items(), *compares.items()]}}
+                **{f"{k}:{r:g}": res.run_id for (k, r), res in [*controls.items(), *compares.items()]},
+                **{f"source:{side}": res.run_id for side, res in sources.items()}}
         job.log_params({"runs": runs})
         lo, hi, b = points[0.0].metrics, points[1.0].metrics, points[best].metrics
         out = {"best_ratio": best, "best_val_nll": b["val_nll"], "best_test_nll": b["test_nll"],
@@ -118,12 +179,14 @@ def _summary(cfg, setup, points, controls, compares, best, overrides) -> JobResu
         for (name, r), res in compares.items():
             if r == best:
                 out[f"test_nll_{name}"] = res.metrics["test_nll"]
-        return out
+        return {**out, **overlap.metrics(), **size_values(setup, sources)}
 
-    extra = {"children": sorted(r.cfg_hash for r in [*points.values(), *controls.values(), *compares.values()])}
-    return run_once(cfg, f"adapt:{setup.protocol}:best:{setup.small_label}~{setup.large_label}",
-                    _tags(cfg, setup, "best", "none"), overrides, body, task="adapt_summary", keys=CHILD_KEYS,
-                    reads=setup.refs, extra=extra)
+    children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
+    tags = {**_tags(cfg, setup, "best", "none"), "competence": overlap.competence,
+            "small_better_tasks": ",".join(overlap.small_better) or "none"}
+    return run_once(cfg, f"adapt:{setup.protocol}:best:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+                    task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
+                    extra={"children": sorted(r.cfg_hash for r in children)})
 
 
 def _at(cfg: DictConfig, grid: list[float], best: float) -> list[float]:
@@ -146,7 +209,11 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     if setup.protocol == "intersection":
         compares = {(n, r): run_compare(cfg, setup, loaded, str(n), r, overrides)
                     for r in _at(cfg, grid, best) for n in cfg.adaptation.compare}
-    result = _summary(cfg, setup, points, controls, compares, best, overrides)
+    sources = {side: run_source(cfg, setup, loaded, side, overrides) for side in SIDES}
+    result = _summary(cfg, setup, points, controls, compares, best, sources, overrides)
+    m = result.metrics
+    console.print(f"  competence overlap: {m.get('overlap_frac_large_better', float('nan')):.2f} of the tasks better on "
+                  f"the large model, small-better margin {m.get('small_better_margin', float('nan')):.4f}")
     if str(cfg.eval.name) == "lm_eval":
         from mergescope.adapt.lmeval import run_lm_eval
 

@@ -3,7 +3,9 @@
 Ratio curves per pair and protocol (union at both ends, intersection one-sided), the collapse band (grid
 ratios worse than both ends), the ratio chosen on the validation split with its test numbers, controls
 against the merge, the comparison operators, the seesaw per task (language, FLORES domain), attention
-entropy and residual norm, with run ids and a PNG figure (embedded in the report as a data URI).
+entropy and residual norm, the gain against the size gap and the competence overlap of each pair (nested /
+intersecting / reversed, from the two source models' task profiles), with run ids and a PNG figure (embedded in
+the report as a data URI).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from mergescope.analysis.records import Rec
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, f3, short
 
-__all__ = ["adapt_section"]
+__all__ = ["adapt_section", "concentration", "gap_rows"]
 
 
 def _groups(runs: list[Rec]) -> dict[tuple[str, str, str], list[Rec]]:
@@ -72,6 +74,77 @@ def _seesaw_rows(key, pts: list[Rec]) -> list[list[str]]:
     return rows
 
 
+def _count(v: float) -> str:
+    return f"{int(v):,}" if math.isfinite(v) else "—"
+
+
+def _num(v: float, fmt: str = "+.4f") -> str:
+    return format(v, fmt) if math.isfinite(v) else "—"
+
+
+def _ratio(small: float, large: float) -> str:
+    return f"{large / small:.2f}" if small > 0 and math.isfinite(small) and math.isfinite(large) else "—"
+
+
+def gap_rows(best: list[Rec]) -> list[list[str]]:
+    """One row per summary run (kind=adapt, ratio=best), per protocol in order of the parameter ratio: the size gap
+    (large / small parameters, hidden, depth), the competence overlap and the merge gain, with run ids."""
+    def order(r: Rec) -> tuple:
+        x = r.m("n_params_large") / r.m("n_params_small") if r.m("n_params_small") > 0 else math.inf
+        return (r.tags.get("protocol", ""), x if math.isfinite(x) else math.inf, r.tags.get("large", ""))
+
+    rows = []
+    for r in sorted(best, key=order):
+        frac = r.m("overlap_frac_large_better")
+        sources = ", ".join(short(r.params.get(f"runs.source:{side}")) for side in ("small", "large")
+                            if r.params.get(f"runs.source:{side}"))
+        rows.append([r.tags.get("protocol", ""), f"{r.tags.get('small', '')} <- {r.tags.get('large', '')}",
+                     _count(r.m("n_params_small")), _count(r.m("n_params_large")),
+                     _ratio(r.m("n_params_small"), r.m("n_params_large")), _ratio(r.m("hidden_small"), r.m("hidden_large")),
+                     _ratio(r.m("layers_small"), r.m("layers_large")), r.tags.get("competence", "—"),
+                     "—" if math.isnan(frac) else f"{frac:.2f} of {r.m('overlap_tasks'):.0f}",
+                     _num(r.m("small_better_margin"), ".4f"), _num(r.m("gain_vs_small")), _num(r.m("gain_vs_better_end")),
+                     short(r.run_id), sources or "—"])
+    return rows
+
+
+def concentration(items: list[tuple[str, str, float]]) -> str:
+    """One sentence: per protocol, whether the mean merge gain (``(protocol, competence, gain)`` items) is larger on
+    the intersecting pairs than on the nested ones, computed from the items. A protocol without both kinds of pair
+    cannot tell; reversed pairs (the small model better everywhere it differs) are counted apart."""
+    parts = []
+    for proto in sorted({p for p, _, _ in items}):
+        by = {c: [g for p, cc, g in items if p == proto and cc == c and math.isfinite(g)]
+              for c in ("intersecting", "nested", "reversed")}
+        inter, nest = by["intersecting"], by["nested"]
+        rev = f"; {len(by['reversed'])} reversed pair(s) apart" if by["reversed"] else ""
+        if not inter or not nest:
+            parts.append(f"{proto}: cannot be told ({len(inter)} intersecting, {len(nest)} nested pairs{rev})")
+            continue
+        mi, mn = sum(inter) / len(inter), sum(nest) / len(nest)
+        parts.append(f"{proto}: {'they do' if mi > mn else 'they do not'} (mean gain vs small {mi:+.4f} over "
+                     f"{len(inter)} intersecting pair(s) against {mn:+.4f} over {len(nest)} nested{rev}; no test at this n)")
+    return ("Whether the merge gains concentrate on intersecting pairs in this study (mean gain, intersecting against "
+            "nested pairs): " + ("; ".join(parts) or "no pairs") + ".")
+
+
+def _gap_table(sec: Section, groups) -> None:
+    best = [r for rs in groups.values() for r in rs if r.tags.get("ratio") == "best"]
+    if not best:
+        return
+    sec.tables.append(RTable(
+        "Gain against the size gap and the competence overlap, per protocol and pair",
+        ["protocol", "pair (small <- large)", "params small", "params large", "param ratio", "hidden ratio",
+         "depth ratio", "competence", "large better (tasks)", "small-better margin", "gain vs small",
+         "gain vs better end", "run", "source runs"], gap_rows(best),
+        note="competence from the two source models scored as themselves (test split, nats/token, per language and "
+             "FLORES domain): nested = the large model's NLL <= the small model's on every task; intersecting = each "
+             "model better on at least one task; reversed = the small model better where they differ; "
+             "small-better margin = summed NLL excess of the large model where the small one is better"))
+    sec.text.append(concentration([(r.tags.get("protocol", ""), r.tags.get("competence", ""), r.m("gain_vs_small"))
+                                   for r in best]))
+
+
 def _figure(groups) -> str:
     import matplotlib
 
@@ -105,7 +178,7 @@ def adapt_section(b: Build) -> Section:
     if not runs:
         sec.missing.append("dimensional adaptation: not measured (no kind=adapt runs; run `python launch.py study=adapt`)")
         return sec
-    groups = _groups([r for r in runs if r.kind == "adapt"])
+    groups = _groups([r for r in runs if r.kind == "adapt" and r.tags.get("control") != "source"])
     for r in runs:
         if r.kind == "merge":
             key = (r.tags.get("small", ""), r.tags.get("large", ""), r.tags.get("protocol", ""))
@@ -116,6 +189,7 @@ def adapt_section(b: Build) -> Section:
                               "scaling ctl", "noise ctl", "ties", "dare_ties", "slerp", "collapse band", "run"], summary,
                              note="gain vs small = test NLL at ratio 0 minus at the chosen ratio (positive: the merge helps); "
                                   "controls and comparisons at the chosen ratio; collapse band = grid ratios worse than both ends"))
+    _gap_table(sec, groups)
     for key, rs in groups.items():
         if _points(rs):
             sec.tables.append(_curve_table(key, _points(rs)))
