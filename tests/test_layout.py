@@ -96,15 +96,19 @@ def test_study_jobs_replay_from_their_overrides(compose_cfg):
 
     _, base = compose_cfg([])
     plan = Plan([*base, "study=toy"])
-    assert len(plan.measures) == 50 and len(plan.pairs) == 10 and len(plan.entries) == 5
+    assert len(plan.measures) == 50 and len(plan.pairs) == 10 and len(plan.entries) == 5 + 2  # + the adapt arm's pair
     ck = plan.checkpoint_pairs()
     assert len(ck) == 6 + 6 + 3 + 3 + 3  # every zoo family: 4 revisions per NeoX run, 3 for the others
     assert {(str(j.cfg.pair.a.revision), str(j.cfg.pair.b.revision)) for j in ck} >= {("step16", "step600"), ("step64", "step256")}
-    assert {str(j.cfg.pair.a.name) for j in ck} == set(plan.entries)
+    assert {str(j.cfg.pair.a.name) for j in ck} == set(list(plan.entries)[:5])
+    ad = plan.adapt_jobs()
+    assert [(str(j.cfg.adapt.name), j.cfg.pair.a.name, j.cfg.pair.b.name) for j in ad] == [
+        ("expand", "zoo-scale-s", "zoo-scale-l"), ("truncate", "zoo-scale-s", "zoo-scale-l")]
     jobs = [*plan.measures[:3], *plan.pair_jobs("typology")[:2], *plan.model_jobs("quality"), *ck[:2],
-            *plan.transport_directions()[:2]]
+            *plan.transport_directions()[:2], *ad]
     keys = {"measure": ["pair", "metric", "data"], "typology": ["pair"], "quality": ["model", "data"],
-            "native": ["pair", "data", "native"], "transport": ["pair", "merge", "data"]}
+            "native": ["pair", "data", "native"], "transport": ["pair", "merge", "data"],
+            "adapt": ["pair", "adapt", "adaptation", "data"]}
     for j in jobs:
         again = compose(config_name="config", overrides=j.overrides)
         assert job_hash(j.task, again, keys[j.task]) == job_hash(j.task, j.cfg, keys[j.task]), j.overrides

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba")
 MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
          "checkpoints.revisions=[step4,step16,step40]", "~checkpoints.per_model", "shared.rsa_sentences=100", "native.nll_sentences=40", "native.lmc_points=5",
          "merge=transport", "merge.probe_sentences=48", "merge.alphas=[0.1]", "merge.epsilon=0.05", "merge.layer_topk=1",
-         "merge.adapt.steps=2", "merge.adapt.batch_size=4"]
+         "merge.adapt.steps=2", "merge.adapt.batch_size=4", "adaptation.nll_sentences=40", "adaptation.diag_sentences=8"]
 
 
 def test_default_study_on_micro_zoo(tmp_path: Path):
@@ -23,7 +23,8 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     kinds = [r.data.tags["kind"] for r in rs]
     # 50 representation runs; every zoo family's checkpoint arm: 3 pairs per run (a native run and a CKA run each);
     # 1 cross-model native pair
-    assert kinds.count("train") == 5 and kinds.count("quality") == 5 and kinds.count("measure") == 50 + 15 + 16
+    # (5 toy models + the adaptation arm's 2 scale models)
+    assert kinds.count("train") == 7 and kinds.count("quality") == 7 and kinds.count("measure") == 50 + 15 + 16
     native = [r for r in rs if r.data.tags.get("metric") == "native"]
     assert len(native) == 16 and len({r.data.tags["model_a"].split("@")[0] for r in native}) == 5
     cross = [r for r in native if r.data.tags["arm"] == "cross-model"]
@@ -31,7 +32,7 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert cross[0].data.metrics["n_excluded_tensors"] == 2  # embedding and unembedding: vocabulary rows differ
     assert "tv_cosine" not in cross[0].data.metrics  # no common base across separately trained models
     # merges: 6 operators per checkpoint pair, only the 2 base-free ones on the cross-model pair
-    merges = [r for r in rs if r.data.tags["kind"] == "merge"]
+    merges = [r for r in rs if r.data.tags["kind"] == "merge" and r.data.tags["route"] == "native"]
     assert len(merges) == 15 * 6 + 2
     assert {r.data.tags["merge"] for r in merges if r.data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"} == {"linear", "slerp"}
     assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
@@ -44,6 +45,15 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert kinds.count("typology") == 10
     # the shared-space arm on the toy's five models: agreement per pair, one shared space, routing
     assert kinds.count("agreement") == 10 and kinds.count("shared_space") == 1 and kinds.count("routing") == 1
+    # the adaptation arm on zoo-scale-s ~ zoo-scale-l: union 4 grid ratios + 2 anchors + 2 controls + best, intersection
+    # 5 + 2 + 2 + best, the two source models scored as themselves (the competence overlap), and the 3 comparison
+    # merges at the chosen intersection ratio
+    ada = [r for r in rs if r.data.tags["kind"] == "adapt"]
+    assert sorted(r.data.tags["protocol"] for r in ada) == ["intersection"] * 10 + ["source"] * 2 + ["union"] * 9
+    best = [r for r in ada if r.data.tags.get("ratio") == "best"]
+    assert len(best) == 2 and all(r.data.tags["competence"] in ("nested", "intersecting", "reversed") for r in best)
+    assert sorted(r.data.tags["merge"] for r in rs if r.data.tags["kind"] == "merge" and r.data.tags["route"] == "adapt") == [
+        "dare_ties", "slerp", "ties"]
     report = tmp_path / "reports" / "toy" / "report.md"
     assert report.is_file() and "## 7" in report.read_text() and str(report) in p.stdout + p.stderr
     # the section-3 matrix is printed and logged
@@ -78,6 +88,6 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     p2 = launch(MICRO, tmp_path)
     assert p2.returncode == 0, p2.stderr[-3000:]
     kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
-    assert kinds2.count("measure") == 81 and kinds2.count("train") == 5 and kinds2.count("analysis") == 2
-    assert kinds2.count("merge") == 92 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
+    assert kinds2.count("measure") == 81 and kinds2.count("train") == 7 and kinds2.count("analysis") == 2
+    assert kinds2.count("adapt") == 21 and kinds2.count("merge") == 95 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
     assert kinds2.count("agreement") == 10 and kinds2.count("shared_space") == 1

@@ -121,6 +121,11 @@ def test_routes_same_family(neox_pair):
     assert "Expand a->b" in r["adapt"]["note"]
     mixed = {**ta, "hidden": 16, "heads": 2, "layers": 4}
     assert "axes disagree" in weights.routes(ta, mixed)["adapt"]["note"]
+    # a stated head_dim (zoo-scale-m: hidden 80, 4 heads of 16) is the head dimension, not hidden / heads
+    s_cfg = {**ta, "hidden": 64, "heads": 4, "head_dim": 16, "ffn": 176, "layers": 2}
+    m_cfg = {**ta, "hidden": 80, "heads": 4, "head_dim": 16, "ffn": 216, "layers": 3}
+    assert "head dimension differs" not in str(weights.routes(s_cfg, m_cfg)["adapt"])
+    assert "head dimension differs (16 vs 20)" in str(weights.routes(s_cfg, {**m_cfg, "head_dim": None})["adapt"])
 
 
 # ------------------------------------------------------------------------------------------

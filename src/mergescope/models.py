@@ -340,6 +340,7 @@ def config_summary(c) -> dict[str, Any]:
         "layers": getattr(c, "num_hidden_layers", None),
         "heads": heads,
         "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or (c.hidden_size // heads if heads and getattr(c, "hidden_size", None) else None),
         "ffn": getattr(c, "intermediate_size", None),
         "vocab": getattr(c, "vocab_size", None),
         "tied_embeddings": bool(getattr(c, "tie_word_embeddings", False)),

@@ -123,7 +123,8 @@ def _route_cell(b: Build, p: dict[str, Any], route: str, r: dict[str, Any]) -> s
         k = sum(1 for t in b.study.kind("transport") if {t.tags.get("target"), t.tags.get("donor")} == {p["a"], p["b"]})
         done = f"measured ({k} runs)" if k else "not measured (no transport runs)"
     else:
-        done = "not measured (dimensional adaptation is not implemented in this harness yet)"
+        k = sum(1 for t in b.study.kind("adapt") if {t.tags.get("small"), t.tags.get("large")} == {p["a"], p["b"]})
+        done = f"measured ({k} runs)" if k else "not measured (no adapt runs for this pair; study=adapt runs the scale family)"
     return f"yes ({r.get('scope') or 'all tensors'}); {done}"
 
 
@@ -137,7 +138,8 @@ def coverage(b: Build) -> Section:
         rows.append([p["pair"], *cells, source])
     sec.text.append("Routes: native = elementwise operators on aligned tensors (shared parameter space); transport = "
                     "OT fusion (Cui et al.), directional and rectangular; adapt = Expand/Truncate then weighted "
-                    "averaging (same architecture family). Nothing is padded or truncated.")
+                    "averaging (same architecture family; Truncate slices the larger model into the smaller shape, Expand zero-pads or "
+                    "repeats the smaller). Native and transport pad and truncate nothing (plans are rectangular).")
     sec.tables.append(RTable("Coverage", ["pair", "native", "transport", "adapt", "source"], rows))
     if not b.pairs:
         sec.missing.append("coverage: not measured (no cross-model pairs in the experiment)")

@@ -157,6 +157,10 @@ def _vocab_difference(a: dict, b: dict) -> str | None:
 
 
 def _head_dim(c: dict) -> int | None:
+    """The stated head dimension (Qwen2 and Llama configs may set ``head_dim`` apart from hidden / heads, as
+    zoo-scale-m does), else hidden / heads."""
+    if c.get("head_dim"):
+        return int(c["head_dim"])
     h, n = c.get("hidden"), c.get("heads")
     return h // n if h and n else None
 
