@@ -68,14 +68,25 @@ def test_small_epsilon_falls_back_to_log_domain_and_says_so():
     # everywhere: plain Sinkhorn hands back a bad plan, the log-domain solver does not
     Q, info = tot.solve(C + 0.8, 1e-3)
     assert info0.solver == "sinkhorn"
-    # every kernel entry underflows, so the stabilised solver fails at its first iteration too
-    assert info.solver == "sinkhorn_log" and "sinkhorn:" in info.fallback_reason and "sinkhorn_stabilized:" in info.fallback_reason
+    # every kernel entry underflows; on the reduced cost (row and column minima subtracted: the same problem)
+    # plain Sinkhorn solves it, and the plan is the one of the unshifted problem
+    assert info.solver == "sinkhorn+reduced" and info.fallback_reason.startswith("sinkhorn: marginal error")
     assert torch.allclose(Q, Q0, atol=1e-6)
     assert tot.marginal_error(Q, torch.full((12,), 1 / 12, dtype=torch.float64), torch.full((12,), 1 / 12, dtype=torch.float64)) <= 1e-5
 
 
-@pytest.mark.parametrize("broken,used", [(("sinkhorn",), "sinkhorn_stabilized"),
-                                         (("sinkhorn", "sinkhorn_stabilized"), "sinkhorn_log")])
+def test_reduced_cost_keeps_the_plan_and_zeroes_every_row_and_column_minimum():
+    rng = np.random.default_rng(5)
+    C = torch.from_numpy(rng.uniform(0.3, 1.7, size=(9, 7)))
+    R = tot.reduced_cost(C)
+    assert torch.all(R >= 0) and torch.all(R.min(1).values == 0) and torch.all(R.min(0).values == 0)
+    Q1, _ = tot.solve(C, 0.05)
+    Q2, _ = tot.solve(R, 0.05)
+    assert torch.allclose(Q1, Q2, atol=1e-7)
+
+
+@pytest.mark.parametrize("broken,used", [(("sinkhorn",), "sinkhorn_stabilized+reduced"),
+                                         (("sinkhorn", "sinkhorn_stabilized"), "sinkhorn_log+reduced")])
 def test_the_fallback_chain_uses_the_first_solver_whose_plan_checks_out(monkeypatch, broken, used):
     """Plain Sinkhorn, then the log-stabilised solver, then the log-domain one (torch tensors): each bad plan (here
     made non-finite on purpose) is named in the info, and the plan used is the same plan."""
@@ -93,7 +104,8 @@ def test_the_fallback_chain_uses_the_first_solver_whose_plan_checks_out(monkeypa
     Q0, _ = tot.solve(C, 1e-2)
     monkeypatch.setattr(ot, "sinkhorn", fake)
     Q, info = tot.solve(C, 1e-2)
-    assert info.solver == used and all(f"{b}: non-finite plan" in info.fallback_reason for b in broken)
+    assert info.solver == used and "sinkhorn: non-finite plan" in info.fallback_reason
+    assert all(f"{b} (reduced cost): non-finite plan" in info.fallback_reason for b in broken)
     assert torch.allclose(Q, Q0, atol=1e-6)
 
 
