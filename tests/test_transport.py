@@ -877,3 +877,20 @@ def test_probe_count_section_compares_the_settings_direction_by_direction():
                                          ["ntrex128", "1997", "b <- a"]]
     assert mean.rows == [["ntrex128", "512", "2", "0.4000", "1.000", "0.0050", "1/2"], ["ntrex128", "1997", "2", "0.3000", "1.000", "-0.0050", "2/2"]]
     assert [s.key for s in setting_sections(b)] == ["probe_count"]  # one epsilon: no calibration section
+
+
+def test_a_failed_run_carries_its_reason_and_the_calibration_counts_it(compose_cfg):
+    """A job that fails (here: plans that do not converge) leaves a FAILED run with the reason as tag `error`; the
+    epsilon-calibration table counts the converged directions per epsilon and names the failed runs."""
+    from mergescope.analysis.calibration import failed_rows
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=transport"])
+    tracker = Tracker(cfg)
+    with pytest.raises(MergescopeError):
+        with tracker.start(cfg, "t", {"kind": "transport"}, ov):
+            raise MergescopeError("entropic OT did not converge for a 4x4 plan at epsilon=0.001 (...)\nsecond line")
+    run = tracker.client.search_runs([tracker.experiment_id])[0]
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith("entropic OT did not converge for a 4x4")
+    rows = failed_rows({0.001: [("abcdef0123456789", "x <- y", "did not converge")]}, {0.001: [], 0.01: ["r1", "r2"]})
+    assert rows == [["0.001", "0 of 1", "did not converge", "abcdef01"]]

@@ -70,6 +70,32 @@ def epsilon_rows(groups: dict[float, list[Rec]]) -> list[list[str]]:
     return rows
 
 
+def failed_settings(b: Build) -> dict[float, list[tuple[str, str, str]]]:
+    """epsilon -> (run id, direction, reason) of the experiment's FAILED transport runs whose plans did not converge
+    (the study records them and goes on: a non-converging epsilon is a calibration result)."""
+    from mergescope.tracking import client_for
+
+    client = client_for(b.study.uri)
+    exp = client.get_experiment_by_name(b.study.experiment)
+    if exp is None:
+        return {}
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and tags.kind = 'transport'",
+                              max_results=1000)
+    out: dict[float, list[tuple[str, str, str]]] = {}
+    for r in runs:
+        err = r.data.tags.get("error", "")
+        if "did not converge" in err:
+            eps = float(r.data.params.get("merge.epsilon", "nan"))
+            out.setdefault(eps, []).append((r.info.run_id, f"{r.data.tags.get('target')} <- {r.data.tags.get('donor')}", err))
+    return dict(sorted(out.items()))
+
+
+def failed_rows(failed: dict[float, list[tuple[str, str, str]]], done: dict[float, list[Rec]]) -> list[list[str]]:
+    """One row per epsilon with a non-converged direction: how many of its directions converged, and why not."""
+    return [[f"{eps:g}", f"{len(done.get(eps, []))} of {len(done.get(eps, [])) + len(fs)}", fs[0][2][:300],
+             ", ".join(short(rid) for rid, _, _ in fs[:6])] for eps, fs in failed.items()]
+
+
 def epsilon_section(b: Build, runs: list[Rec]) -> Section:
     """Per epsilon: the neuron-cost statistics, the plans' sharpness against uniform, cost ratio and fallbacks."""
     sec = Section("epsilon_calibration", "7e. Epsilon calibration of the transport plans")
@@ -82,6 +108,14 @@ def epsilon_section(b: Build, runs: list[Rec]) -> Section:
                                   "plan_cost_ratio = the plan's transport cost / the exact unregularised optimum; log-domain "
                                   "fallbacks = plans plain Sinkhorn could not solve to merge.marginal_tol, of all plans fitted."))
     sec.figures.append(("epsilon_calibration", "transport plans against merge.epsilon: sharpness, entropy, cost ratio, fallbacks"))
+    failed = failed_settings(b)
+    if failed:
+        sec.tables.append(RTable("Epsilon settings whose plans did not converge (FAILED runs, reason logged as tag `error`)",
+                                 ["epsilon", "directions converged", "reason (first failure)", "failed runs"],
+                                 failed_rows(failed, groups),
+                                 note="A plan is accepted only when both marginals meet merge.marginal_tol within merge.max_iter "
+                                      "Sinkhorn iterations (plain, then on the reduced cost plain, stabilised, log-domain); "
+                                      "no fusion runs through a plan that fails."))
     b.csv["tables/epsilon_calibration.csv"] = sec.tables[0].csv()
     b.console_tables.append(sec.tables[0])
     return sec
@@ -136,7 +170,7 @@ def setting_sections(b: Build) -> list[Section]:
     """The sections for the transport settings this experiment's runs differ in (none for a one-setting study)."""
     runs = b.study.kind("transport")
     out = []
-    if len({e for e in map(epsilon_of, runs) if np.isfinite(e)}) > 1:
+    if len({e for e in map(epsilon_of, runs) if np.isfinite(e)} | set(failed_settings(b))) > 1:
         out.append(epsilon_section(b, runs))
     if len({probe_of(r) for r in runs}) > 1:
         out.append(probe_section(b, runs))
