@@ -112,7 +112,7 @@ def test_save_true_writes_a_folder_that_reloads_to_the_same_nll(scale, compose_c
     tok = AutoTokenizer.from_pretrained(folder)
     from mergescope.adapt.evaluate import load_texts
 
-    texts = load_texts(cfg.data, ["eng_Latn", "por_Latn"], {"val": "dev", "test": "devtest"}, 6)
+    texts = load_texts(cfg.data, ["eng_Latn", "por_Latn"], {"val": "dev", "test": "devtest"}, 6, str(cfg.adaptation.sample))
     reloaded = sum(token_nll(model, tok, t.sentences, progress=False)["nll"] for t in texts if t.split == "test") / 2
     assert reloaded == pytest.approx(run.data.metrics["test_nll"], abs=1e-5)
 
@@ -162,7 +162,8 @@ def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scal
     assert sources["large"].metrics["test_nll.wikinews"] == ends[("union", "1")]["test_nll.wikinews"]
     assert sources["small"].metrics["test_nll.eng_Latn"] != ends[("intersection", "1")]["test_nll.eng_Latn"]  # not T(large)
     expected = competence_overlap(task_profile(sources["small"].metrics), task_profile(sources["large"].metrics))
-    assert expected.tasks == ("eng_Latn", "por_Latn", "wikinews")  # 2 languages; the first 6 sentences are wikinews
+    # 2 languages; the 6 sentences spread over the file cover all 3 FLORES domains
+    assert expected.tasks == ("eng_Latn", "por_Latn", "wikibooks", "wikinews", "wikivoyage")
     best = {r.data.tags["protocol"]: r.data for r in _runs(cfg, kind="adapt", ratio="best")}
     for res, proto in ((union, "union"), (inter, "intersection")):
         assert best[proto].tags["competence"] == expected.competence

@@ -50,8 +50,22 @@ def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
     return tuple(r.split("\t")[col] for r in rows[1:])[:n]
 
 
-def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | None) -> list[Text]:
-    """The ``val`` and ``test`` splits (names from ``splits``) of every language, first ``limit`` sentences."""
+def sample_rows(n: int, limit: int | None, how: str = "spread") -> list[int]:
+    """Which of ``n`` lines to score: all (no ``limit``), the first ``limit`` (``first``), or ``limit`` lines evenly
+    spread over the file (``spread``: FLORES files run article by article and domain by domain, so the first 200
+    lines of devtest are all wikinews, and a per-domain seesaw needs every domain)."""
+    if not limit or int(limit) >= n:
+        return list(range(n))
+    if how == "first":
+        return list(range(int(limit)))
+    if how != "spread":
+        raise MergescopeError(f"adaptation.sample must be 'spread' or 'first', got {how!r}")
+    return sorted({int(round(x)) for x in np.linspace(0, n - 1, int(limit))})
+
+
+def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | None, sample: str = "first") -> list[Text]:
+    """The ``val`` and ``test`` splits (names from ``splits``) of every language, ``limit`` sentences chosen by
+    ``sample`` (:func:`sample_rows`), with their FLORES domains."""
     if splits["val"] == splits["test"]:
         raise MergescopeError(f"adaptation.val_split and test_split are both '{splits['val']}': the best ratio must be "
                               "chosen on one split and reported on a disjoint one")
@@ -61,9 +75,11 @@ def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | 
         c.split = split
         for lang in langs:
             side = data_mod.load_side(c, lang)
-            sents = side.sentences[: int(limit)] if limit else side.sentences
-            doms = domains_of(Path(str(c.root)), split, len(sents)) if c.get("source") != "hub" else None
-            out.append(Text(role, lang, tuple(sents), doms if doms and len(doms) == len(sents) else None))
+            rows = sample_rows(len(side.sentences), limit, sample)
+            sents = [side.sentences[i] for i in rows]
+            every = domains_of(Path(str(c.root)), split, len(side.sentences)) if c.get("source") != "hub" else None
+            doms = tuple(every[i] for i in rows) if every and len(every) == len(side.sentences) else None
+            out.append(Text(role, lang, tuple(sents), doms))
     return out
 
 

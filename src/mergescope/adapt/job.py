@@ -28,11 +28,11 @@ from mergescope.progress import console
 from mergescope.runs import JobResult, pair_tags, run_once
 
 CHILD_KEYS = ["pair", "adapt", "data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
-              "adaptation.langs", "adaptation.nll_sentences", "adaptation.diag_sentences", "save"]
+              "adaptation.langs", "adaptation.nll_sentences", "adaptation.sample", "adaptation.diag_sentences", "save"]
 # A source model scored as itself: neither the operator nor the pair's order changes it, so both protocols of a
 # pair share its run (the pair's models, their order by size and the languages are in the hash).
 SOURCE_KEYS = ["data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
-               "adaptation.nll_sentences"]
+               "adaptation.nll_sentences", "adaptation.sample"]
 SIDES = ("small", "large")
 
 
@@ -127,7 +127,8 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
     def body(job) -> dict[str, float]:
         model, tok, host = _source_model(cfg, setup, loaded, side)
         splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
-        texts = load_texts(cfg.data, setup.langs, splits, cfg.adaptation.get("nll_sentences"))
+        texts = load_texts(cfg.data, setup.langs, splits, cfg.adaptation.get("nll_sentences"),
+                           str(cfg.adaptation.get("sample") or "first"))
         values = score(model, tok, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
         n_params = float(models.true_config(model)["n_params"])
         if host:

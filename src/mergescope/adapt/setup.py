@@ -130,7 +130,8 @@ class Loaded:
             return
         cfg, s = self.cfg, self.setup
         splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
-        self.texts = load_texts(cfg.data, s.langs, splits, cfg.adaptation.get("nll_sentences"))
+        self.texts = load_texts(cfg.data, s.langs, splits, cfg.adaptation.get("nll_sentences"),
+                           str(cfg.adaptation.get("sample") or "first"))
         if s.protocol == "union":
             small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True)
             host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True)
