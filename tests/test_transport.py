@@ -894,3 +894,30 @@ def test_a_failed_run_carries_its_reason_and_the_calibration_counts_it(compose_c
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith("entropic OT did not converge for a 4x4")
     rows = failed_rows({0.001: [("abcdef0123456789", "x <- y", "did not converge")]}, {0.001: [], 0.01: ["r1", "r2"]})
     assert rows == [["0.001", "0 of 1", "did not converge", "abcdef01"]]
+
+
+def test_a_sweep_setting_that_does_not_converge_is_recorded_and_the_sweep_goes_on(compose_cfg, monkeypatch):
+    """study._run_sweep: the failing setting leaves one FAILED kind=transport run with its epsilon and reason; the
+    next setting still runs."""
+    from mergescope import study
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=transport", "merge=transport", "merge.epsilon=0.001"])
+    ran = []
+
+    class Job:
+        def __init__(self, fail):
+            self.cfg, self.overrides, self.task, self.fail = cfg, ov, "transport", fail
+
+        def run(self):
+            if self.fail:
+                raise MergescopeError("entropic OT did not converge for a 4x4 plan at epsilon=0.001")
+            ran.append(1)
+            raise SystemExit  # stands for a job that runs: reaching it is the point
+
+    with pytest.raises(SystemExit):
+        study._run_sweep([Job(True), Job(False)])
+    assert ran == [1]
+    runs = Tracker(cfg).client.search_runs([Tracker(cfg).experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.params["merge.epsilon"] == "0.001"
+    assert runs[0].data.tags["error"].startswith("entropic OT did not converge") and runs[0].data.tags["kind"] == "transport"

@@ -244,8 +244,25 @@ def _run_sweep(jobs: list[StudyJob]) -> None:
             if "did not converge" not in str(exc):
                 raise
             console.print(f"[{i}/{len(jobs)}] [yellow]transport setting did not converge[/]: {str(exc)[:200]}")
+            _record_failure(j, exc)
             continue
         console.print(f"[{i}/{len(jobs)}] {_transport_text(j, r)}{_done(r)}")
+
+
+def _record_failure(j: StudyJob, exc: Exception) -> None:
+    """A FAILED kind=transport run for a setting whose plans did not converge (they fail before the job's own runs
+    exist): its config (merge.epsilon ...) as params, the reason as tag ``error``, for the calibration section."""
+    from mergescope.tracking import Tracker
+
+    target = str(j.cfg.merge.target)
+    donor = "b" if target == "a" else "a"
+    tags = {"kind": "transport", "target": model_label(j.cfg.pair[target]), "donor": model_label(j.cfg.pair[donor]),
+            "outcome": "did not converge"}
+    try:
+        with Tracker(j.cfg).start(j.cfg, f"transport {tags['target']} <- {tags['donor']} (did not converge)", tags, j.overrides):
+            raise exc
+    except MergescopeError:
+        pass
 
 
 def parallel_workers(plan: Plan) -> int:

@@ -86,7 +86,9 @@ def failed_settings(b: Build) -> dict[float, list[tuple[str, str, str]]]:
         err = r.data.tags.get("error", "")
         if "did not converge" in err:
             eps = float(r.data.params.get("merge.epsilon", "nan"))
-            out.setdefault(eps, []).append((r.info.run_id, f"{r.data.tags.get('target')} <- {r.data.tags.get('donor')}", err))
+            d = f"{r.data.tags.get('target')} <- {r.data.tags.get('donor')}"
+            if all(d != x[1] for x in out.get(eps, [])):  # a relaunch retries and fails again: one per direction
+                out.setdefault(eps, []).append((r.info.run_id, d, err))
     return dict(sorted(out.items()))
 
 
