@@ -39,15 +39,10 @@ class Text:
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
     """The FLORES domain of each of the first ``n`` lines of ``split`` (None when there is no metadata)."""
-    path = Path(root) / f"metadata_{split}.tsv"
-    if not path.is_file():
-        return None
-    rows = path.read_text(encoding="utf-8").splitlines()
-    head = rows[0].split("\t")
-    if "domain" not in head:
-        return None
-    col = head.index("domain")
-    return tuple(r.split("\t")[col] for r in rows[1:])[:n]
+    from mergescope.shared.domains import metadata_column
+
+    col = metadata_column(root, split, "domain")
+    return None if col is None else tuple(col)[:n]
 
 
 def sample_rows(n: int, limit: int | None, how: str = "spread") -> list[int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from scipy.stats import rankdata
 
 from mergescope.errors import MergescopeError
 from mergescope.shared.agreement import null_summary
+from mergescope.shared.domains import metadata_column
 
 AS_STRONG_P = 0.05  # random partitions "agree as strongly" when the observed value is not above their 95th percentile
 
@@ -31,15 +31,8 @@ def flores_topics(data_cfg: Any, n: int) -> list[str] | None:
     when the data has no topic column."""
     if str(data_cfg.get("source", "local")) != "local":
         return None
-    meta = Path(str(data_cfg.root)) / f"metadata_{data_cfg.split}.tsv"
-    if not meta.is_file():
-        return None
-    lines = meta.read_text(encoding="utf-8").splitlines()
-    head = lines[0].split("\t")
-    if "topic" not in head:
-        return None
-    col = head.index("topic")
-    out = [line.split("\t")[col].split(",")[0].strip().lower() for line in lines[1:] if line.strip()][:n]
+    topics = metadata_column(str(data_cfg.root), str(data_cfg.split), "topic")
+    out = [t.split(",")[0].strip().lower() for t in topics or []][:n]
     return out if len(out) == n else None
 
 

@@ -10,13 +10,22 @@ from typing import Any
 PUD_SOURCES = {"n": "news", "w": "wikipedia"}
 
 
-def _flores(root: Path, split: str) -> list[str] | None:
-    meta = root / f"metadata_{split}.tsv"
+def metadata_column(root: Path | str, split: str, column: str) -> list[str] | None:
+    """One column of FLORES-200's ``metadata_<split>.tsv`` (one value per sentence line), or None when the file or
+    the column is missing."""
+    meta = Path(root) / f"metadata_{split}.tsv"
     if not meta.is_file():
         return None
     lines = meta.read_text(encoding="utf-8").splitlines()
-    col = lines[0].split("\t").index("domain")
+    head = lines[0].split("\t")
+    if column not in head:
+        return None
+    col = head.index(column)
     return [line.split("\t")[col] for line in lines[1:] if line.strip()]
+
+
+def _flores(root: Path, split: str) -> list[str] | None:
+    return metadata_column(root, split, "domain")
 
 
 def _pud(root: Path, lang: str) -> list[str] | None:
