@@ -127,3 +127,14 @@ def test_an_unseen_content_type_in_an_unfitted_subspace_is_not_retrieved():
     row = type_transfer(Xs, {"planted": typed}, dim=4, size=10, seed=0)[0]
     assert row["n_type"] == 60 and row["n_fit"] == 340 - row["n_control"]
     assert row["control_p1"] > 0.95 and row["type_p1"] < 0.5
+
+
+def test_change_values_pair_model_a_layer_i_with_model_b_layer_j():
+    from mergescope.shared.agreement_job import change_values
+
+    rng = np.random.default_rng(11)
+    Ca, Cb = rng.uniform(size=(4, 30)), rng.uniform(size=(3, 30))
+    got = change_values(Ca, Cb, 3, 1)
+    assert got["change_corr"] == pytest.approx(spearmanr(Ca[3], Cb[1]).statistic, abs=1e-12)
+    assert got["change_mean_a"] == pytest.approx(Ca[3].mean()) and got["change_mean_b"] == pytest.approx(Cb[1].mean())
+    assert all(np.isnan(v) for v in change_values(Ca, Cb, 0, 2).values())

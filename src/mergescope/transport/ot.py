@@ -91,8 +91,7 @@ def _attempt(method: str, C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps
             return None, {"niter": -1, "error": type(exc).__name__}, math.inf
     Q = torch.from_numpy(np.asarray(Q)) if use_numpy else Q
     log = {"niter": log.get("niter") if log.get("niter") is not None else log.get("n_iter", -1)}
-    ok, err = _valid(Q, a, b, tol)
-    return Q, log, err
+    return Q, log, _valid(Q, a, b, tol)[1]
 
 
 def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-5,
