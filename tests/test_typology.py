@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mergescope.errors import MergescopeError
+from mergescope.integrity import load_array
 from mergescope.typology import FEATURE_SETS, distances, uriel_code
 
 
@@ -47,7 +48,7 @@ def test_vectors_cached_on_disk_by_version_set_and_code(tmp_path, monkeypatch):
         for code in ("pol", "ita"):
             f = tmp_path / "typology" / f"lang2vec-{ver}" / fs / f"{code}.npy"
             assert f.is_file()
-            np.testing.assert_array_equal(np.load(f), ty._read_vector(code, fs))
+            np.testing.assert_array_equal(load_array(f), ty._read_vector(code, fs))  # checksummed entry
     # a second process (fresh memo) reads the cache and never touches lang2vec's files
     ty._MEMO.clear()
     monkeypatch.setattr(ty, "_read_vector", lambda *a: (_ for _ in ()).throw(AssertionError("cache not used")))

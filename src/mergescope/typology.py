@@ -14,7 +14,6 @@ The ``_knn`` sets are URIEL's kNN-imputed vectors, so no value is missing.
 from __future__ import annotations
 
 import importlib.util
-import os
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
+from mergescope.integrity import load_array, save_array
 from mergescope.runs import JobResult, pair_tags, run_once
 
 FEATURE_SETS = {
@@ -102,15 +102,13 @@ def feature_vector(code: str, feature_set: str, cache_dir: str | Path | None = N
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / "typology" / f"lang2vec-{key[0]}" / feature_set / f"{code}.npy"
-        if path.is_file():
-            _MEMO[key] = np.load(path)
-            return _MEMO[key]
+        hit = load_array(path)  # checksummed: a bad entry is reported, deleted and recomputed
+        if hit is not None:
+            _MEMO[key] = hit
+            return hit
     v = _read_vector(code, feature_set)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, v)
-        os.replace(tmp, path)
+        save_array(path, v)
     _MEMO[key] = v
     return v
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-CACHE_VERSION = 1
+from mergescope.integrity import discard, load_array, load_json, save_array, save_json
 
-
+CACHE_VERSION = 2  # 2: every entry carries its checksum (mergescope.integrity)
 
 @dataclass(frozen=True)
 class ReprKey:
@@ -58,21 +57,26 @@ class ReprCache:
         return self.root / f"{key.digest}.npy", self.root / f"{key.digest}.json"
 
     def get(self, key: ReprKey) -> tuple[np.ndarray, dict[str, Any]] | None:
-        npy, meta = self._paths(key)
-        if npy.is_file() and meta.is_file():
-            X = np.load(npy)
-            # an entry written before representations were checked may hold NaN: a miss, never a result
-            return None if representation_problem(X) else (X, json.loads(meta.read_text()))
-        return None
+        """The entry of ``key``; None when absent, or when either file is bad (reported, deleted: recomputed)."""
+        npy, mpath = self._paths(key)
+        if not (npy.is_file() and mpath.is_file()):
+            return None
+        meta, X = load_json(mpath), load_array(npy)
+        if meta is None or X is None:
+            for p in (npy, mpath):
+                p.unlink(missing_ok=True)
+            return None
+        if meta.get("sha256") != hashlib.sha256(X.tobytes()).hexdigest() or list(X.shape) != meta.get("shape"):
+            discard(npy, "its array does not match its metadata's checksum")
+            mpath.unlink(missing_ok=True)
+            return None
+        # an entry written before representations were checked may hold NaN: a miss, never a result
+        return None if representation_problem(X) else (X, {k: v for k, v in meta.items() if k not in ("sha256", "shape")})
 
     def put(self, key: ReprKey, value: np.ndarray, meta: dict[str, Any]) -> None:
         if representation_problem(value):
             raise ValueError(f"not caching unusable representations: {representation_problem(value)}")
-        self.root.mkdir(parents=True, exist_ok=True)
         npy, mpath = self._paths(key)
-        tmp = npy.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, value)
-        os.replace(tmp, npy)
-        mtmp = mpath.with_suffix(f".tmp{os.getpid()}")
-        mtmp.write_text(json.dumps({**meta, "key": key.__dict__, "created": time.time()}, indent=1))
-        os.replace(mtmp, mpath)
+        save_array(npy, value)
+        save_json(mpath, {**meta, "key": key.__dict__, "created": time.time(), "shape": list(value.shape),
+                          "sha256": hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()})

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.config import hash_parts, plain_copy
 from mergescope.errors import MergescopeError
+from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
@@ -48,7 +48,7 @@ TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.ma
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
 """What the no-fusion baseline's hash reads besides the target's model entry (hashed as ``target``), its weights and
 the adaptation text."""
-PROBE_CACHE_VERSION = 2  # 2: a leading special token (BOS) is left out of the pooling; the key has the dtype
+PROBE_CACHE_VERSION = 3  # 3: checksummed entries (mergescope.integrity); 2: a leading special token (BOS) is left out of the pooling; the key has the dtype
 
 
 def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
@@ -156,20 +156,18 @@ def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str,
                   adapter: itf.Adapter) -> fus.Probe:
     path = probe_path(cfg, lm, sentences, lang)
     use_cache = cache_enabled(cfg)  # reproduce --no-cache redoes the probes' forward passes
-    if use_cache and path.is_file():
-        # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there
-        d = torch.load(path, map_location=next(lm.model.parameters()).device, weights_only=True)
+    # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there; checksummed, so a bad
+    # entry is reported, deleted and recomputed
+    d = load_torch(path, map_location=next(lm.model.parameters()).device) if use_cache else None
+    if d is not None:
         return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
     p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, batch_tokens=cfg.represent.batch_tokens,
                   max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}")
     if not use_cache:
         return p
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # parallel workers may write the same probe
-    torch.save({"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},
-                "magnitude": {k: [t.cpu() for t in v] for k, v in p.magnitude.items()},
-                "n_layers": p.n_layers, "n_tokens": p.n_tokens}, tmp)
-    tmp.replace(path)
+    save_torch(path, {"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},  # temp file + rename
+                      "magnitude": {k: [t.cpu() for t in v] for k, v in p.magnitude.items()},
+                      "n_layers": p.n_layers, "n_tokens": p.n_tokens})
     return p
 
 
