@@ -157,17 +157,27 @@ def _space_tables(client, r: Rec) -> list[RTable]:
     depths = sorted({k[0] for k in per})
     pools = sorted({k[2] for k in per}, key=lambda p: (p == "all", int(p) if p != "all" else 0))
     dt = [[_f(d, 2), *(_f(float(np.mean(per[(d, m, p)]))) for p in pools for m in ("gpa", "pairwise"))] for d in depths]
+    ridge = sorted({float(x["ridge"]) for x in rows if x.get("ridge") not in (None, "")})
+    flagged = sorted({float(x["depth"]) for x in rows if x.get("distinct") == "0"})
+    dt = [row + (["no distinct state: " + ", ".join(sorted({x["without_distinct_state"] for x in rows
+                                                            if float(x["depth"]) == d and x.get("without_distinct_state")}))]
+                 if d in flagged else [""]) for d, row in zip(depths, dt)]
     out = [RTable(f"GPA vs pairwise maps: held-out P@1, mean over ordered pairs [{short(r.run_id)}, {r.tags.get('data')}]",
-                  ["depth", *(f"{m} @{p}" for p in pools for m in ("GPA", "pairwise"))], dt,
-                  note="chance = 1/pool; 'all' = the whole held-out fold")]
+                  ["depth", *(f"{m} @{p}" for p in pools for m in ("GPA", "pairwise")), "depth note"], dt,
+                  note="chance = 1/pool; 'all' = the whole held-out fold; each pairwise map is a ridge regression with a free "
+                       "intercept, its ridge (x the mean eigenvalue of the centred Gram) chosen per fold and ordered pair on a "
+                       "validation part of that fold's training rows" + (f" (chosen: {', '.join(f'{x:g}' for x in ridge)})" if ridge else "")
+                       + ("; a depth with a note repeats another depth's state for the models named, so it is not a "
+                          "comparison at that depth" if flagged else ""))]
     final = max(depths) if depths else None
     mat = [x for x in rows if float(x["depth"]) == final and x["pool"] == "32"]
     out.append(RTable("Retrieval per ordered pair at the final layer, pool 32 (query -> gallery)", ["query", "gallery", "GPA", "pairwise"],
                       [[x["query"], x["gallery"], _f(float(x["p1"])), _f(float(y["p1"]))] for x in mat if x["method"] == "gpa"
                        for y in mat if y["method"] == "pairwise" and y["query"] == x["query"] and y["gallery"] == x["gallery"]]))
     dims = _table(client, r, "dim_sweep")
-    out.append(RTable("D sweep (final layer, pool 32)", ["D", "GPA", "pairwise"], [[x["dim"], _f(float(x["gpa_p1_32"])), _f(float(x["pairwise_p1_32"]))] for x in dims],
-                      note="the plateau sits at the rank limit: min(narrowest width, training-fold size - 1)"))
+    out.append(RTable("D sweep (final layer, pool 32)", ["D requested", "D used", "GPA", "pairwise"], dim_rows(dims),
+                      note="D is capped at the rank limit, min(narrowest width, training-fold size - 1): a requested D above "
+                           "it repeats the capped D's numbers and is marked, not measured again"))
     tr = _table(client, r, "transfer")
     if tr:
         out.append(RTable("Category transfer (stand-in: FLORES domains): fit without the held-out domain, then refit with it (pool 32)",
@@ -189,12 +199,26 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else float("nan")
 
 
+def dim_rows(dims: list[dict]) -> list[list[str]]:
+    """The D sweep's rows: a row whose D was capped says which D it repeats."""
+    out = []
+    for x in dims:
+        used = x.get("dim_effective") or x["dim"]
+        capped = x.get("capped") == "1"
+        out.append([x["dim"], f"{used} (capped: repeats D={used})" if capped else used,
+                    _f(float(x["gpa_p1_32"])), _f(float(x["pairwise_p1_32"]))])
+    return out
+
+
 def ssm_gap_rows(tables: list[tuple[bool, list[dict]]]) -> list[list[str]]:
     """§5.3 by depth: mean RSA, nearest-neighbour ratio to chance and change correlation over pairs with a
-    state-space model against transformer-only pairs. ``tables``: (pair has an SSM, its depth rows)."""
+    state-space model against transformer-only pairs. ``tables``: (pair has an SSM, its depth rows). A depth row
+    where either model has no distinct state (``distinct`` = 0: it repeats another depth's state) is left out."""
     by: dict[tuple[float, bool], list[dict]] = {}
     for ssm, rows in tables:
         for x in rows:
+            if str(x.get("distinct", "1")) == "0":
+                continue
             by.setdefault((float(x["depth"]), ssm), []).append(x)
     out = []
     for d in sorted({k[0] for k in by}):
@@ -217,7 +241,9 @@ def _ssm_tables(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
                                                          for g in ("SSM", "transf.", "SSM - transf.")]
     out = [RTable("State-space model pairs against transformer-only pairs, by depth (§5.3)", head, ssm_gap_rows(tables),
                   note="change corr = Spearman correlation across probes of the two models' per-probe change "
-                       "1 - cos(h_{l-1}, h_l) on entering the layer at that depth (undefined at depth 0)")]
+                       "1 - cos(h_{l-1}, h_l) on entering the layer at that depth (undefined at depth 0); a pair is left "
+                       "out at a depth where either of its models has no distinct state (a shallow model's rounded depth "
+                       "repeats another depth's hidden state), so the counts can differ by depth")]
     finals = []
     for r, (_, rows) in zip(runs, tables):
         if rows:

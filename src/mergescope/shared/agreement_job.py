@@ -18,12 +18,12 @@ from mergescope.represent.jobs import check_represent
 from mergescope.runs import JobResult, pair_label, pair_tags, run_once
 from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
 from mergescope.shared.centroids import centroid_rows, flores_topics
-from mergescope.shared.depth import depth_layers
+from mergescope.shared.depth import depth_layers, distinct_depths
 from mergescope.shared.plots import plt
 from mergescope.shared.reorganize import change_corr, is_ssm, layer_change
-from mergescope.shared.reprs import check_shared, layer_reprs, pc2_share, poolings
+from mergescope.shared.reprs import check_shared, layer_reprs, main_pooling, pc2_share, poolings
 
-AGREEMENT_KEYS = ["pair", "data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
+AGREEMENT_KEYS = ["pair", "data", "represent.max_length", "represent.padding_side", "shared"]
 
 
 def rsa_rows(n: int, cfg: DictConfig) -> np.ndarray | None:
@@ -139,17 +139,22 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     def body(job) -> dict[str, float]:
         reps_a, meta_a = layer_reprs(cfg, a, ref_a, side_a)
         reps_b, meta_b = layer_reprs(cfg, b, ref_b, side_b)
-        main = str(cfg.represent.pooling)
+        main = main_pooling(cfg)
         n_a, n_b = reps_a[main].shape[0] - 1, reps_b[main].shape[0] - 1
         la, lb = depth_layers(cfg.shared.depths, n_a), depth_layers(cfg.shared.depths, n_b)
+        da, db = distinct_depths(cfg.shared.depths, n_a), distinct_depths(cfg.shared.depths, n_b)
+        dup = [float(d) for d, x, y in zip(cfg.shared.depths, da, db) if not (x and y)]
         job.log_params({"layers_a": n_a, "layers_b": n_b, "depth_layers_a": la, "depth_layers_b": lb,
+                        "depths_without_distinct_state": dup or "none",
                         "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
         rows = []
         ca, cb = layer_change(reps_a[main]), layer_change(reps_b[main])
         for k, (d, i, j) in enumerate(zip(cfg.shared.depths, la, lb)):
             vals = {**depth_values(cfg, reps_a[main][i], reps_b[main][j]), **change_values(ca, cb, i, j)}
-            job.log_metrics({f"{m}_by_depth": v for m, v in vals.items() if v == v}, step=k)  # NaN: undefined at depth 0
-            rows.append({"depth": float(d), "layer_a": i, "layer_b": j, **vals})
+            if da[k] and db[k]:  # a depth where either model repeats another depth's state is not a comparison
+                job.log_metrics({f"{m}_by_depth": v for m, v in vals.items() if v == v}, step=k)  # NaN: undefined at depth 0
+            rows.append({"depth": float(d), "layer_a": i, "layer_b": j, "distinct_a": int(da[k]), "distinct_b": int(db[k]),
+                         "distinct": int(da[k] and db[k]), **vals})
         geo = [{"model": side, "layer": l_, "depth": l_ / (len(r[main]) - 1), "pc2_share": pc2_share(r[main][l_]),
                 "change_from_previous": float(np.mean(c[l_]))}
                for side, r, c in (("a", reps_a, ca), ("b", reps_b, cb)) for l_ in range(len(r[main]))]
@@ -161,7 +166,8 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
         log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo, "centroids": cent,
                          "pooling_ablation": pooling_rows(cfg, reps_a, reps_b, la, lb)},
                    heatmap(M, models.label(a), models.label(b)))
-        final = {k: v for k, v in rows[-1].items() if k not in ("depth", "layer_a", "layer_b") and v == v}
+        final = {k: v for k, v in rows[-1].items()
+                 if k not in ("depth", "layer_a", "layer_b", "distinct_a", "distinct_b", "distinct") and v == v}
         final.update({f"{key}_k{c['categories']}": float(c[key]) for c in cent if c["depth"] == rows[-1]["depth"]
                       for key in ("centroid_rsa", "centroid_rsa_p", "centroid_rsa_null_q975", "centroid_random_as_strong")})
         return {**final, "n_sentences": float(len(side_a.sentences)), "n_depths": float(len(rows)),

@@ -25,3 +25,18 @@ def layer_at(depth: float, n_layers: int) -> int:
 def depth_layers(depths: Sequence[float], n_layers: int) -> list[int]:
     """The hidden-state index of each relative depth."""
     return [layer_at(r, n_layers) for r in depths]
+
+
+def distinct_depths(depths: Sequence[float], n_layers: int) -> list[bool]:
+    """For each relative depth, whether this model has a state of its own there. Depths that round to one hidden
+    state share it; the state belongs to the depth nearest to it (r * L closest to the index; the first on a tie)
+    and the others are duplicates: with 2 layers, depths (0, .25, .5, .75, 1) map to states (0, 1, 1, 2, 2), and
+    .25 and .75 are duplicates of .5 and 1. A cross-model comparison leaves a depth out where either model
+    has no distinct state for it."""
+    idx = depth_layers(depths, n_layers)
+    owner: dict[int, int] = {}
+    for k, (r, i) in enumerate(zip(depths, idx)):
+        dist = abs(float(r) * int(n_layers) - i)
+        if i not in owner or dist < abs(float(depths[owner[i]]) * int(n_layers) - i) - 1e-12:
+            owner[i] = k
+    return [owner[i] == k for k, i in enumerate(idx)]

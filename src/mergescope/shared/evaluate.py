@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergescope.shared.gpa import GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1
+from mergescope.shared.gpa import (GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1,
+                                   ridge_lambda, select_ridge)
+
+DEFAULT_RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)
 
 
 @dataclass
@@ -22,10 +25,16 @@ class Space:
         return self.reductions[i].apply(X) @ self.fit.rotations[i]
 
 
+def effective_dim(Xs: Sequence[np.ndarray], dim: int) -> int:
+    """The D a space fitted on these rows really has: ``dim`` capped at the smallest width and at n - 1 (beyond a
+    model's rank its coordinates are zero, the rotations there are arbitrary and GPA would iterate without
+    converging). A D sweep above the cap repeats the capped D's numbers."""
+    return int(min(int(dim), *(min(x.shape[1], x.shape[0] - 1) for x in Xs)))
+
+
 def fit_space(Xs: Sequence[np.ndarray], dim: int, tol: float = 1e-7) -> Space:
-    """PCA per model to a common D, then GPA. D is capped at the smallest width (and n - 1): beyond a model's rank
-    its coordinates are zero, the rotations there are arbitrary and GPA would iterate without converging."""
-    dim = int(min(dim, *(min(x.shape[1], x.shape[0] - 1) for x in Xs)))
+    """PCA per model to a common D (``effective_dim``), then GPA."""
+    dim = effective_dim(Xs, dim)
     reduced = [pca_reduce(x, dim) for x in Xs]
     return Space([r for r, _ in reduced], gpa([z for _, z in reduced], tol=tol))
 
@@ -34,36 +43,64 @@ def pool_label(size: int | None) -> str:
     return "all" if size is None else str(int(size))
 
 
-def _fold_matrices(Xs, train, test, dim, sizes, seed) -> dict[str, np.ndarray]:
+@dataclass
+class Retrieval:
+    """Held-out P@1 matrices (``gpa@<pool>``, ``pairwise@<pool>``; row = query model, column = gallery model) averaged
+    over the folds; the pairwise maps' ridge chosen per fold and ordered pair on a validation part of that fold's
+    training rows (``ridges``: folds x N x N), its lambda (same shape), and the D the spaces really had."""
+
+    mats: dict[str, np.ndarray]
+    ridges: np.ndarray
+    lambdas: np.ndarray
+    dim: int
+    dim_requested: int
+
+
+def _fold_matrices(Xs, train, test, dim, sizes, seed, ridges) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     space = fit_space([x[train] for x in Xs], dim)
     shared = [space.project(i, x[test]) for i, x in enumerate(Xs)]
     reduced_train = [r.apply(x[train]) for r, x in zip(space.reductions, Xs)]
     reduced_test = [r.apply(x[test]) for r, x in zip(space.reductions, Xs)]
     n = len(Xs)
     out = {f"{kind}@{pool_label(s)}": np.full((n, n), np.nan) for kind in ("gpa", "pairwise") for s in sizes}
+    chosen, lams = np.full((n, n), np.nan), np.full((n, n), np.nan)
     for a in range(n):
         for b in range(n):
             if a == b:
                 continue
-            mapped = apply_map(linear_map(reduced_train[a], reduced_train[b]), reduced_test[a])
+            r = select_ridge(reduced_train[a], reduced_train[b], ridges, seed=seed)
+            chosen[a, b], lams[a, b] = r, ridge_lambda(reduced_train[a], r)
+            mapped = apply_map(linear_map(reduced_train[a], reduced_train[b], r), reduced_test[a])
             for s in sizes:
                 out[f"gpa@{pool_label(s)}"][a, b] = pooled_p1(shared[a], shared[b], s, seed)
                 out[f"pairwise@{pool_label(s)}"][a, b] = pooled_p1(mapped, reduced_test[b], s, seed)
-    return out
+    return out, chosen, lams
 
 
-def retrieval_matrices(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequence[int | None] = (10, 32, None),
-                       seed: int = 0) -> dict[str, np.ndarray]:
-    """(N, N) held-out P@1 per ordered pair (row = query model, column = gallery model), averaged over k
-    folds, for the shared space (``gpa@<pool>``) and the pairwise maps (``pairwise@<pool>``)."""
+def retrieval_eval(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequence[int | None] = (10, 32, None),
+                   seed: int = 0, ridges: Sequence[float] = DEFAULT_RIDGES) -> Retrieval:
+    """GPA against pairwise ridge maps by held-out retrieval over k folds (``Retrieval``). The ridge of each map is
+    picked inside the fold's training rows; the held-out fold only scores."""
     n_rows = Xs[0].shape[0]
     parts = folds(n_rows, k, seed)
     acc: dict[str, list[np.ndarray]] = {}
+    chosen, lams, dims = [], [], []
     for f, test in enumerate(parts):
         train = np.setdiff1d(np.arange(n_rows), test)
-        for key, m in _fold_matrices(Xs, train, test, dim, sizes, seed + f).items():
+        dims.append(effective_dim([x[train] for x in Xs], dim))
+        mats, r, lam = _fold_matrices(Xs, train, test, dim, sizes, seed + f, ridges)
+        chosen.append(r)
+        lams.append(lam)
+        for key, m in mats.items():
             acc.setdefault(key, []).append(m)
-    return {key: np.mean(ms, axis=0) for key, ms in acc.items()}
+    return Retrieval({key: np.mean(ms, axis=0) for key, ms in acc.items()}, np.stack(chosen), np.stack(lams),
+                     int(min(dims)), int(dim))
+
+
+def retrieval_matrices(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequence[int | None] = (10, 32, None),
+                       seed: int = 0, ridges: Sequence[float] = DEFAULT_RIDGES) -> dict[str, np.ndarray]:
+    """The P@1 matrices of ``retrieval_eval``."""
+    return retrieval_eval(Xs, dim, k, sizes, seed, ridges).mats
 
 
 def off_diagonal_mean(m: np.ndarray) -> float:

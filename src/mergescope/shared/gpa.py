@@ -48,12 +48,6 @@ def pca_reduce(X: np.ndarray, dim: int) -> tuple[Reduction, np.ndarray]:
     return Reduction(mean, basis, scale), z / scale
 
 
-def procrustes_rotation(Z: np.ndarray, M: np.ndarray) -> np.ndarray:
-    """The orthogonal R minimising ||Z R - M||_F (R = U Vᵀ from the SVD of Zᵀ M)."""
-    u, _, vt = np.linalg.svd(Z.T @ M)
-    return u @ vt
-
-
 @dataclass
 class GPAFit:
     rotations: list[np.ndarray]
@@ -116,12 +110,47 @@ def gpa(Zs: list[np.ndarray], tol: float = 1e-7, max_iter: int = 500) -> GPAFit:
     return GPAFit([r.numpy() for r in rots], mean.numpy(), len(losses) - 1, losses[-1], converged, losses)
 
 
+def ridge_lambda(Xa: np.ndarray, ridge: float) -> float:
+    """The ridge penalty: ``ridge`` times the mean eigenvalue of the centred features' Gram matrix (trace / d).
+    The intercept is not part of it (it is never penalised)."""
+    xa = np.asarray(Xa, dtype=np.float64)
+    xc = xa - xa.mean(axis=0)
+    return float(ridge) * float(np.einsum("ij,ij->", xc, xc)) / xa.shape[1]
+
+
 def linear_map(Xa: np.ndarray, Xb: np.ndarray, ridge: float = 1e-3) -> np.ndarray:
-    """Least-squares map W (with intercept column) from centred a to b, ridge relative to the mean eigenvalue."""
-    xa = np.hstack([Xa, np.ones((Xa.shape[0], 1))])
-    g = xa.T @ xa
-    lam = ridge * np.trace(g) / g.shape[0]
-    return np.linalg.solve(g + lam * np.eye(g.shape[0]), xa.T @ Xb)
+    """Ridge least-squares map from a to b with an unpenalised intercept, as one (d_a + 1, d_b) matrix (the last
+    row is the intercept; ``apply_map`` appends the column of ones). Both sides are centred on their training
+    means, the slope is solved with lambda = ``ridge_lambda(Xa, ridge)``, and the intercept restores the means:
+    b_hat = (x - mean_a) W + mean_b."""
+    xa = np.asarray(Xa, dtype=np.float64)
+    xb = np.asarray(Xb, dtype=np.float64)
+    ma, mb = xa.mean(axis=0), xb.mean(axis=0)
+    xc = xa - ma
+    g = xc.T @ xc
+    lam = ridge_lambda(xa, ridge)
+    w = np.linalg.solve(g + lam * np.eye(g.shape[0]), xc.T @ (xb - mb))
+    return np.vstack([w, (mb - ma @ w)[None, :]])
+
+
+def select_ridge(Xa: np.ndarray, Xb: np.ndarray, grid, val_frac: float = 0.2, seed: int = 0) -> float:
+    """The ridge of ``grid`` whose map, fitted on a seeded (1 - val_frac) part of the TRAINING rows given here,
+    retrieves the rest best (P@1 over the whole validation part, cosine); ties go to the lower validation mean
+    squared error, then to the larger ridge. The held-out fold is never seen: callers pass training rows only."""
+    grid = sorted(float(r) for r in grid)
+    if len(grid) == 1:
+        return grid[0]
+    n = Xa.shape[0]
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(2, int(round(n * val_frac)))
+    val, fit = order[:n_val], order[n_val:]
+    best, key = grid[-1], None
+    for r in grid:
+        pred = apply_map(linear_map(Xa[fit], Xb[fit], r), Xa[val])
+        k = (-pooled_p1(pred, Xb[val], None), float(np.mean((pred - Xb[val]) ** 2)), -r)
+        if key is None or k < key:
+            best, key = r, k
+    return best
 
 
 def apply_map(W: np.ndarray, X: np.ndarray) -> np.ndarray:

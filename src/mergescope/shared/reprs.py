@@ -15,9 +15,18 @@ from mergescope.represent.jobs import repr_cache
 from mergescope.represent.layers import LayersKey, cached_layers, embed_layers
 
 
+def main_pooling(cfg: DictConfig) -> str:
+    """The arm's main pooling, ``shared.pooling`` (default mean: the spec's token-mean hidden states). It is the
+    arm's own key, so the representation arm's ``represent.pooling`` (sgpt in the zoo studies) does not leak in."""
+    p = str(cfg.shared.get("pooling", "mean"))
+    if p not in ("mean", "sgpt", "last"):
+        raise MergescopeError(f"shared.pooling must be mean, sgpt or last, got '{p}'")
+    return p
+
+
 def poolings(cfg: DictConfig) -> list[str]:
     """The main pooling first, then the ablation's others."""
-    main = str(cfg.represent.pooling)
+    main = main_pooling(cfg)
     return [main, *(str(p) for p in cfg.shared.poolings if str(p) != main)]
 
 
@@ -47,6 +56,10 @@ def check_shared(cfg: DictConfig) -> None:
         raise MergescopeError(f"shared.permutations must be at least 1, got {s.permutations}")
     if int(s.folds) < 2:
         raise MergescopeError(f"shared.folds must be at least 2, got {s.folds}")
+    grid = list(s.get("ridges", [1e-3]))
+    if not grid or any(not float(r) > 0 for r in grid):
+        raise MergescopeError(f"shared.ridges must be a non-empty list of positive ridges, got {grid}")
+    main_pooling(cfg)
     if int(s.dim) < 1 or any(int(d) < 1 for d in s.dims):
         raise MergescopeError(f"shared.dim and shared.dims must be positive, got {s.dim} and {list(s.dims)}")
 

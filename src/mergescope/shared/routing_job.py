@@ -14,10 +14,10 @@ from mergescope import models
 from mergescope.runs import JobResult, run_once
 from mergescope.shared.agreement_job import write_csv
 from mergescope.shared.domains import domains
-from mergescope.shared.reprs import final_layers, models_tags, prepare
+from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare
 from mergescope.shared.routing import bits_per_byte, route, summarise
 
-ROUTING_KEYS = ["data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
+ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
 
 
 def score_all(cfg, entries, refs, sides) -> np.ndarray:
@@ -33,7 +33,7 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     def body(job) -> dict[str, float]:
         bpb = score_all(cfg, entries, refs, sides)
-        main = str(cfg.represent.pooling)
+        main = main_pooling(cfg)
         Xs = [r[main][-1] for r in final_layers(cfg, entries, refs, sides)]
         doms = domains(cfg.data, str(entries[0].lang), bpb.shape[0])
         picks = route(bpb, Xs, doms, int(cfg.shared.dim), int(cfg.shared.folds), int(cfg.shared.knn), int(cfg.shared.seed))

@@ -17,48 +17,83 @@ from mergescope.errors import MergescopeError
 from mergescope.runs import JobResult, run_once
 from mergescope.shared.agreement_job import write_csv
 from mergescope.shared.content import content_types, type_transfer
-from mergescope.shared.depth import depth_layers
+from mergescope.shared.depth import depth_layers, distinct_depths
 from mergescope.shared.domains import domains
-from mergescope.shared.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_matrices
-from mergescope.shared.reprs import final_layers, models_tags, prepare
+from mergescope.shared.evaluate import DEFAULT_RIDGES, domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
+from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare
 from mergescope.shared.space import save_space
 
-SPACE_KEYS = ["data", "represent.pooling", "represent.max_length", "represent.padding_side", "shared"]
+SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
 
 
 def pool_sizes(cfg: DictConfig) -> list[int | None]:
     return [*(int(p) for p in cfg.shared.pools), None]
 
 
-def matrix_rows(mats: dict[str, np.ndarray], labels: list[str], **extra) -> list[dict]:
+def ridges(cfg: DictConfig) -> list[float]:
+    """The pairwise maps' ridge grid (``shared.ridges``), chosen per fold inside its training rows."""
+    grid = [float(r) for r in cfg.shared.get("ridges", DEFAULT_RIDGES)]
+    if not grid or any(not r > 0 for r in grid):
+        raise MergescopeError(f"shared.ridges must be a non-empty list of positive ridges, got {grid}")
+    return grid
+
+
+def matrix_rows(res, labels: list[str], **extra) -> list[dict]:
+    """One row per method, pool and ordered pair; pairwise rows carry the ridge chosen in each fold (median over the
+    folds) and its lambda."""
     rows = []
-    for key, m in mats.items():
+    for key, m in res.mats.items():
         kind, pool = key.split("@")
         for a, la in enumerate(labels):
             for b, lb in enumerate(labels):
                 if a != b:
-                    rows.append({**extra, "method": kind, "pool": pool, "query": la, "gallery": lb, "p1": float(m[a, b])})
+                    row = {**extra, "method": kind, "pool": pool, "query": la, "gallery": lb, "p1": float(m[a, b]),
+                           "dim": res.dim}
+                    if kind == "pairwise":
+                        row.update(ridge=float(np.median(res.ridges[:, a, b])), ridge_lambda=float(np.mean(res.lambdas[:, a, b])))
+                    rows.append(row)
     return rows
 
 
+def ridge_metrics(res) -> dict[str, float]:
+    off = ~np.eye(res.ridges.shape[1], dtype=bool)
+    chosen = res.ridges[:, off]
+    return {"pairwise_ridge_median": float(np.median(chosen)), "pairwise_ridge_min": float(chosen.min()),
+            "pairwise_ridge_max": float(chosen.max())}
+
+
 def depth_sweep(cfg, job, per_model, labels) -> list[dict]:
+    """GPA against pairwise maps at every relative depth. A depth where some model has no distinct state (it
+    repeats another depth's) is computed and kept in the table, flagged ``distinct = 0``, but not logged as a
+    metric step: it is not a comparison at that depth."""
     rows = []
-    main = str(cfg.represent.pooling)
+    main = main_pooling(cfg)
     layers = [depth_layers(cfg.shared.depths, len(r[main]) - 1) for r in per_model]
+    distinct = [distinct_depths(cfg.shared.depths, len(r[main]) - 1) for r in per_model]
     for k, d in enumerate(cfg.shared.depths):
         Xs = [r[main][layers[i][k]] for i, r in enumerate(per_model)]
-        mats = retrieval_matrices(Xs, int(cfg.shared.dim), int(cfg.shared.folds), pool_sizes(cfg), int(cfg.shared.seed))
-        job.log_metrics({f"{key.replace('@', '_p1_')}_by_depth": off_diagonal_mean(m) for key, m in mats.items()}, step=k)
-        rows += matrix_rows(mats, labels, depth=float(d))
+        res = retrieval_eval(Xs, int(cfg.shared.dim), int(cfg.shared.folds), pool_sizes(cfg), int(cfg.shared.seed), ridges(cfg))
+        ok = all(x[k] for x in distinct)
+        if ok:
+            job.log_metrics({**{f"{key.replace('@', '_p1_')}_by_depth": off_diagonal_mean(m) for key, m in res.mats.items()},
+                             **{f"{key}_by_depth": v for key, v in ridge_metrics(res).items()}}, step=k)
+        rows += matrix_rows(res, labels, depth=float(d), distinct=int(ok),
+                            without_distinct_state=",".join(lab for lab, x in zip(labels, distinct) if not x[k]))
     return rows
 
 
 def dim_sweep(cfg, job, Xs) -> list[dict]:
-    rows = []
-    for k, D in enumerate(int(x) for x in cfg.shared.dims):
-        mats = retrieval_matrices(Xs, D, int(cfg.shared.folds), [32], int(cfg.shared.seed))
-        row = {"dim": D, "gpa_p1_32": off_diagonal_mean(mats["gpa@32"]), "pairwise_p1_32": off_diagonal_mean(mats["pairwise@32"])}
-        job.log_metrics({f"{k_}_by_dim": v for k_, v in row.items() if k_ != "dim"}, step=D)
+    """Retrieval against the requested D. The D a fold's space really has is capped at its rank limit
+    (``effective_dim``); a requested D above the cap repeats the capped numbers, so its row says ``capped = 1``
+    and carries the effective D, and only the first row at each effective D is logged as a metric step."""
+    rows, seen = [], set()
+    for D in (int(x) for x in cfg.shared.dims):
+        res = retrieval_eval(Xs, D, int(cfg.shared.folds), [32], int(cfg.shared.seed), ridges(cfg))
+        row = {"dim": D, "dim_effective": res.dim, "capped": int(res.dim < D),
+               "gpa_p1_32": off_diagonal_mean(res.mats["gpa@32"]), "pairwise_p1_32": off_diagonal_mean(res.mats["pairwise@32"])}
+        if res.dim not in seen:
+            seen.add(res.dim)
+            job.log_metrics({f"{k_}_by_dim": row[k_] for k_ in ("gpa_p1_32", "pairwise_p1_32")}, step=res.dim)
         rows.append(row)
     return rows
 
@@ -66,7 +101,7 @@ def dim_sweep(cfg, job, Xs) -> list[dict]:
 def space_meta(cfg, entries, layers, sides) -> dict:
     return {"models": [{"label": models.label(e), "entry": OmegaConf.to_container(e, resolve=True), "layer": int(l_)}
                        for e, l_ in zip(entries, layers)],
-            "pooling": str(cfg.represent.pooling), "max_length": int(cfg.represent.max_length), "dim": int(cfg.shared.dim),
+            "pooling": main_pooling(cfg), "max_length": int(cfg.represent.max_length), "dim": int(cfg.shared.dim),
             "data": str(cfg.data.name), "split": str(cfg.data.split), "n_sentences": len(sides[0].sentences)}
 
 
@@ -103,7 +138,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
 
     def body(job) -> dict[str, float]:
         per_model = final_layers(cfg, entries, refs, sides)
-        main = str(cfg.represent.pooling)
+        main = main_pooling(cfg)
         finals = [r[main][-1] for r in per_model]
         tables = {"retrieval": depth_sweep(cfg, job, per_model, labels), "dim_sweep": dim_sweep(cfg, job, finals)}
         dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
@@ -119,6 +154,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
             job.log_artifacts(save_space(space, space_meta(cfg, entries, [len(r[main]) - 1 for r in per_model], sides), d), "space")
         job.log_params({"models": labels, "layers": [len(r[main]) - 1 for r in per_model], "domains": sorted(set(dom or []))})
         return {**headline(tables["retrieval"], float(cfg.shared.depths[-1])), "gpa_iterations": float(space.fit.iterations),
+                "dim_effective": float(space.reductions[0].basis.shape[1]),
                 "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
 
     tags = models_tags(cfg, "shared_space", labels)
