@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,13 @@ def _read_lines(path: Path) -> tuple[str, ...]:
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise MergescopeError(f"{path} line {line} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {col}); "
                               "re-encode the file as UTF-8") from exc
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not part of sentence 1
     if not text.strip():
         raise MergescopeError(f"{path} is empty; parallel files need one sentence per line")
+    if "\x00" in text:
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise MergescopeError(f"{path} line {line} holds a NUL byte (a binary or UTF-16 file?); give UTF-8 text, one "
+                              "sentence per line")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -99,8 +105,21 @@ def _hub_side(cfg: Any, lang: str) -> Side:
     return Side(lang=lang, sentences=tuple(ds[cfg.get("text_field", "text")]), source=f"hf://{cfg.hub_id}/{code}/{cfg.split}")
 
 
-def load_side(cfg: Any, lang: str) -> Side:
-    """One language's side of the parallel data described by a ``data`` config."""
+def sentence_limit(cfg: Any) -> int | None:
+    """``data.max_sentences`` as a positive int, or None (all); anything else is refused in one line."""
+    return positive_count(cfg.get("max_sentences"), "data.max_sentences")
+
+
+def positive_count(value: Any, key: str) -> int | None:
+    """A count setting (``data.max_sentences``, ``native.nll_sentences``): a positive integer, or null for all."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MergescopeError(f"{key}={value} must be a positive integer (or null for every sentence)")
+    return value
+
+
+def _full_side(cfg: Any, lang: str) -> Side:
     if cfg.source == "hub":
         side = _hub_side(cfg, lang)
     else:
@@ -110,18 +129,60 @@ def load_side(cfg: Any, lang: str) -> Side:
                 f"data.root={root} does not exist; run `make data` or set data.root=<folder with the parallel files>"
             )
         side = _local_side(root, cfg.split, lang)
-    limit = cfg.get("max_sentences")
-    if limit:
-        side = Side(lang=side.lang, sentences=side.sentences[: int(limit)], source=side.source)
     return side
 
 
+def _cut(side: Side, limit: int | None) -> Side:
+    return side if limit is None else Side(lang=side.lang, sentences=side.sentences[:limit], source=side.source)
+
+
+def load_side(cfg: Any, lang: str) -> Side:
+    """One language's side of the parallel data described by a ``data`` config (its first ``max_sentences``)."""
+    limit = sentence_limit(cfg)
+    return _cut(_full_side(cfg, lang), limit)
+
+
 def load_parallel(cfg: Any, lang_a: str, lang_b: str) -> tuple[Side, Side]:
-    """Both sides; an error if they are not line-aligned (different line counts)."""
-    a, b = load_side(cfg, lang_a), load_side(cfg, lang_b)
+    """Both sides; an error if they are not line-aligned (different line counts), checked on the whole files,
+    before ``max_sentences`` cuts them."""
+    limit = sentence_limit(cfg)
+    a, b = _full_side(cfg, lang_a), _full_side(cfg, lang_b)
     if len(a.sentences) != len(b.sentences):
         raise MergescopeError(
             f"parallel sides are misaligned: {a.source} has {len(a.sentences)} lines but {b.source} has "
             f"{len(b.sentences)}; give line-aligned files (line i = the same sentence in every language)"
         )
-    return a, b
+    return _cut(a, limit), _cut(b, limit)
+
+
+def content_digest(cfg: Any, langs: list[str], splits: list[str]) -> dict[str, str]:
+    """A digest of the bytes of every local file a job may read (each language in ``langs`` for each split), so a
+    file edited in place changes the job's identity. Hub data is named by its id and revision instead. Files
+    are hashed once per (path, size, mtime) per process."""
+    from omegaconf import OmegaConf
+
+    root = OmegaConf.select(cfg, "root")  # None when unset (???)
+    if OmegaConf.select(cfg, "source") == "hub" or not root:
+        return {}
+    root = Path(str(root)).expanduser()
+    out = {}
+    for split in sorted(set(splits)):
+        try:
+            layout = _layout(root, split)
+        except MergescopeError:
+            continue
+        for lang in sorted(set(langs)):
+            path = root / split / f"{lang}.{split}" if layout == "flores" else root / f"{lang}.txt"
+            if path.is_file():
+                st = path.stat()
+                out[f"{split}/{lang}"] = _file_digest(str(path), st.st_size, st.st_mtime_ns)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, _size: int, _mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]

@@ -47,6 +47,8 @@ class Entry:
             raise MergescopeError(
                 f"{self.kind} '{self.name}' needs parameter '{missing[0]}': set {self.kind}.{missing[0]}=..."
             )
+        for k, v in kwargs.items():
+            _check_type(f"{self.kind}.{k}", v, params[k].default)
         return dict(kwargs)
 
     def check_data(self, n: int, kwargs: Mapping[str, Any]) -> None:
@@ -55,6 +57,26 @@ class Entry:
         check = self.meta.get("check")
         if check is not None:
             check(n, **kwargs)
+
+
+def _check_type(key: str, value: Any, default: Any) -> None:
+    """A setting's value has the type of its parameter's default: an int for an int (``metric.k=2.5`` is refused
+    here, not as a TypeError inside a run), a number for a float, true/false for a bool."""
+    if value is None or default is None or default is inspect.Parameter.empty:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        want = "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    else:
+        return
+    if not ok:
+        raise MergescopeError(f"{key}={value!r} must be {want}")
 
 
 class Registry:

@@ -12,9 +12,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from mergescope.config import job_hash
+from mergescope import data as data_mod
+from mergescope.config import CONF_DIR, job_hash
 from mergescope.errors import MergescopeError
 from mergescope.models import ModelRef, fingerprint, label
 from mergescope.tracking import Job, Tracker
@@ -100,7 +101,37 @@ def identity(task: str, cfg: DictConfig, keys: list[str], reads: Sequence[ModelR
     parts = dict(extra or {})
     if reads:
         parts["weights"] = [fingerprint(r) for r in reads]
+    content = data_reads(cfg, keys)
+    if content:  # the bytes of the data files it reads: a file edited in place runs its jobs again
+        parts["data_content"] = content
     return job_hash(task, cfg, keys, parts)
+
+
+def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:
+    """The digests of the local data files a job with these identity ``keys`` may read: its languages (the pair's,
+    the model's, the shared-space models') in its splits (``data.split``, a transport probe split, the adaptation
+    splits). Empty when the job reads no data or the data is on the hub."""
+    if not any(k == "data" or k.startswith("data.") for k in keys) or cfg.get("data") is None:
+        return {}
+    sel = lambda k: OmegaConf.select(cfg, k)  # noqa: E731  (None when missing or ???)
+    langs: list[str] = []
+    if any(k.split(".")[0] == "pair" for k in keys):
+        langs += [str(sel("pair.a.lang")), str(sel("pair.b.lang"))]
+    if "model" in keys:
+        langs.append(str(sel("model.lang")))
+    if "shared" in keys and cfg.get("shared") is not None:
+        from mergescope.config import load_conf
+
+        langs.append("eng_Latn")
+        langs += [str(load_conf("model", str(m)).get("lang")) for m in cfg.shared.get("models") or []
+                  if (CONF_DIR / "model" / f"{m}.yaml").is_file()]
+    if "adaptation.langs" in keys:
+        langs += [str(x) for x in sel("adaptation.langs") or []]
+    splits = [str(sel("data.split"))]
+    if sel("merge.probe_split") and any(k.split(".")[0] == "merge" for k in keys):
+        splits.append(str(sel("merge.probe_split")))
+    splits += [str(sel(k)) for k in ("adaptation.val_split", "adaptation.test_split") if k in keys and sel(k)]
+    return data_mod.content_digest(cfg.data, [x for x in langs if x and x != "None"], splits)
 
 
 def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,

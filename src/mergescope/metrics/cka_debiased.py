@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from mergescope.metrics._common import pair_f64
-from mergescope.metrics.cka import Z95, block_slices
+from mergescope.errors import MergescopeError
+from mergescope.metrics.cka import Z95, block_slices, check_cka
 from mergescope.registry import metrics
 
 
@@ -88,7 +89,16 @@ def debiased_cka_jackknife(X: Any, Y: Any, n_blocks: int = 50, device: str = "au
     return estimate, estimate - Z95 * se, estimate + Z95 * se
 
 
-@metrics.register("cka_debiased")
+def check_cka_debiased(n: int, n_blocks: int = 50, **_: Any) -> None:
+    """n_blocks in [2, n], and every jackknife replicate keeps at least 4 sentences (the unbiased HSIC needs 4)."""
+    check_cka(n, n_blocks)
+    largest = max(s.stop - s.start for s in block_slices(n, int(n_blocks)))
+    if largest > n - 4:
+        raise MergescopeError(f"metric.n_blocks={n_blocks} leaves fewer than 4 of the {n} sentences in a jackknife "
+                              "replicate (the unbiased HSIC needs 4); raise metric.n_blocks or use more sentences")
+
+
+@metrics.register("cka_debiased", check=check_cka_debiased)
 def cka_debiased_metric(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> dict[str, float]:
     est, lo, hi = debiased_cka_jackknife(X, Y, n_blocks=n_blocks, device=device)
     return {"cka_debiased": est, "cka_debiased_ci_low": lo, "cka_debiased_ci_high": hi}

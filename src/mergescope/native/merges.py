@@ -42,6 +42,9 @@ def check_merge(cfg: DictConfig):
     if cfg.merge.get("name") == "transport":
         raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
     entry, kwargs = resolve_preset(cfg.merge)
+    check = entry.meta.get("check")
+    if check is not None:  # a pair merges two models: one weight per model, checked before any run exists
+        check(kwargs, 2)
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     return entry, kwargs
 

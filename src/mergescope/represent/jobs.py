@@ -73,10 +73,12 @@ def repr_cache(cfg: DictConfig) -> ReprCache:
     return ReprCache(Path(cfg.paths.cache) / "reprs")
 
 
-def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> tuple[np.ndarray, dict[str, Any]]:
+def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side,
+                    pending: list | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Pooled representations of one side by one model, from the on-disk cache or a forward pass (``no_cache``:
     always a forward pass, nothing written). Representations that are not finite, or the same for every
-    sentence, are an error and are never cached."""
+    sentence, are an error and are never cached. With ``pending`` (a list) a fresh entry is not written but
+    appended as a callable, so a job writes its entries only once every side has succeeded."""
     key, cache, use = repr_key(cfg, entry, ref, side), repr_cache(cfg), cache_enabled(cfg)
     hit = cache.get(key) if use else None
     if hit is not None:
@@ -93,7 +95,8 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
                               "was measured or cached: check the model's weights and dtype (float32 avoids overflow)")
     meta = {"true_config": lm.true_config, **stats}
     if use:
-        cache.put(key, X, meta)
+        write = lambda: cache.put(key, X, meta)  # noqa: E731
+        write() if pending is None else pending.append(write)
     return X, {**meta, "cache": "miss" if use else "off"}
 
 
@@ -132,8 +135,11 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     reps: dict[str, Any] = {}
 
     def prepare() -> None:  # the forward passes, before the run exists: bad weights or representations fail here
-        reps["a"] = representations(cfg, cfg.pair.a, ref_a, side_a)
-        reps["b"] = representations(cfg, cfg.pair.b, ref_b, side_b)
+        pending: list = []  # side a is cached only once side b has succeeded too ("nothing was cached" holds)
+        reps["a"] = representations(cfg, cfg.pair.a, ref_a, side_a, pending)
+        reps["b"] = representations(cfg, cfg.pair.b, ref_b, side_b, pending)
+        for write in pending:
+            write()
 
     def body(job) -> dict[str, float]:
         (Xa, meta_a), (Xb, meta_b) = reps["a"], reps["b"]

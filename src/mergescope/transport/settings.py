@@ -89,10 +89,12 @@ class TransportSettings:
     def from_node(cls, node: Any) -> TransportSettings:
         """From a transport settings node (a config node or a dict): every setting checked, one line per error."""
         m = node if isinstance(node, DictConfig) else OmegaConf.create(to_plain(node))
-        for key in ("epsilon", "layer_epsilon"):
+        for key in ("epsilon", "layer_epsilon", "marginal_tol"):
             v = m.get(key)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                raise MergescopeError(f"merge.{key} must be a positive number (the spec uses 0.01), got {v!r}")
+                what = ("the largest marginal error a plan may keep" if key == "marginal_tol"
+                        else "the entropic regularisation; the spec uses 0.01")
+                raise MergescopeError(f"merge.{key} must be a positive number ({what}), got {v!r}")
         alphas = list(m.alphas)
         if not alphas or any(not (isinstance(a, (int, float)) and 0 < a <= 1) for a in alphas):
             raise MergescopeError(f"merge.alphas must be a non-empty list of numbers in (0, 1], got {alphas}")
