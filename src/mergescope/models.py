@@ -63,6 +63,17 @@ class ModelRef:
         return None if self.local else self.revision
 
 
+def check_revision(rev: Any) -> None:
+    """A revision names a hub branch, tag or commit, or a checkpoint sub-folder: never a path that climbs out of the
+    model's folder (``../other-model/main`` would load another model under this one's label)."""
+    text = "" if rev is None else str(rev)
+    if not text:
+        return
+    if text.startswith(("/", "~")) or ".." in text.replace("\\", "/").split("/") or "\x00" in text:
+        raise MergescopeError(f"revision '{text}' is not a revision: give a hub branch, tag or commit, or a checkpoint "
+                              "sub-folder's name (no '..', no absolute path)")
+
+
 def resolve(entry: Any) -> ModelRef:
     """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist.
 
@@ -71,6 +82,7 @@ def resolve(entry: Any) -> ModelRef:
     """
     path = str(entry.name_or_path)
     rev = entry.get("revision")
+    check_revision(rev)
     name = entry.get("name") or Path(path).name
     if _looks_local(path):
         root = Path(path).expanduser().resolve()
@@ -141,6 +153,14 @@ def check_config_json(path: Path) -> dict[str, Any]:
             "own code (trust_remote_code=False): use a model with a built-in transformers architecture")
     if not c.get("model_type"):
         raise MergescopeError(f"{path} has no model_type; re-save the model with save_pretrained")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if str(c["model_type"]) not in CONFIG_MAPPING_NAMES:
+        from mergescope.errors import did_you_mean
+
+        raise MergescopeError(f"{path} has model_type '{c['model_type']}', which this transformers does not know "
+                              f"({did_you_mean(str(c['model_type']), CONFIG_MAPPING_NAMES)}); mergescope runs built-in "
+                              "architectures only: fix model_type or upgrade transformers")
     return c
 
 
@@ -157,8 +177,34 @@ def safetensors_problem(path: Path) -> str | None:
             ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
         except (ValueError, TypeError, KeyError, IndexError):
             return "its header is not valid safetensors JSON (corrupt)"
+    bad = header_shape_problem(header)
+    if bad:
+        return bad
     if 8 + n + max(ends, default=0) > size:
         return f"it is truncated ({size} bytes; its header needs {8 + n + max(ends)})"
+    return None
+
+
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+                     "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def header_shape_problem(header: dict[str, Any]) -> str | None:
+    """A safetensors header whose tensors' shapes and dtypes do not fit their byte ranges (corrupt); None if they fit."""
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in t["data_offsets"])
+            numel = 1
+            for d in t["shape"]:
+                numel *= int(d)
+            width = SAFETENSORS_BYTES.get(str(t["dtype"]))
+        except (ValueError, TypeError, KeyError):
+            return f"its header entry for {name} is not valid safetensors JSON (corrupt)"
+        if width is not None and (end < begin or end - begin != numel * width):
+            return (f"its header is corrupt: tensor {name} has shape {list(t['shape'])} ({t['dtype']}, {numel * width} "
+                    f"bytes) but the byte range {begin}-{end} ({end - begin} bytes)")
     return None
 
 
@@ -275,7 +321,41 @@ def fingerprint(ref: ModelRef) -> str:
                 st = p.stat()
                 h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
         return f"local:{ref.location}:{h.hexdigest()[:16]}"
-    return f"hub:{ref.location}@{ref.revision or 'main'}"
+    return f"hub:{ref.location}@{ref.revision or 'main'}#{hub_commit(ref) or 'unresolved'}"
+
+
+def hub_commit(ref: ModelRef) -> str | None:
+    """The commit a hub model's revision points at: the revision itself when it is a commit hash, else the hub's
+    answer (online, once per process), else the local hub cache's ``refs/<revision>`` (offline); None if unknown."""
+    import re
+
+    rev = ref.revision or "main"
+    if re.fullmatch(r"[0-9a-f]{40}", rev):
+        return rev
+    online = _hub_commit_online(ref.location, rev)
+    if online:
+        return online
+    from huggingface_hub import constants
+
+    refs = Path(constants.HF_HUB_CACHE) / f"models--{ref.location.replace('/', '--')}" / "refs" / rev
+    try:
+        return refs.read_text().strip() or None
+    except OSError:
+        return None
+
+
+@lru_cache(maxsize=256)
+def _hub_commit_online(repo: str, rev: str) -> str | None:
+    from mergescope.hub import hub_reachable
+
+    if not hub_reachable():
+        return None
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().model_info(repo, revision=rev, timeout=10, token=os.environ.get("HF_TOKEN") or None).sha
+    except Exception:  # a gated or missing repo: the local refs, or unresolved
+        return None
 
 
 def hub_kwargs(ref: ModelRef) -> dict[str, Any]:
