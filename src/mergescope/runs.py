@@ -7,14 +7,17 @@ the keys that determine its numbers, its tags and a body that computes and retur
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
+from mergescope import models
 from mergescope.config import CONF_DIR, job_hash
 from mergescope.errors import MergescopeError
 from mergescope.models import ModelRef, fingerprint, label
@@ -51,6 +54,7 @@ def pair_tags(cfg: DictConfig) -> dict[str, Any]:
 
 
 _LEDGERS: list[list[JobResult]] = []
+PARAM_UNSAFE = re.compile(r"[^\w./ -]")  # characters an MLflow param key may not hold
 
 
 @contextmanager
@@ -154,15 +158,52 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
     """
     h = cfg_hash or identity(str(task), cfg, list(keys or []), reads, extra)
     tracker = tracker or Tracker(cfg)
+    tracker.reap_gone()  # RUNNING runs of any job whose process is gone: marked KILLED (once per process)
     done = finished(cfg, tracker, h)
     if done is not None and (reuse is None or reuse()):
         if nested is not None:
             nested()
         return done
-    if prepare is not None:
-        prepare()
-    tracker.reap_stale(h)
-    with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
-        values = body(job)
-        job.log_metrics(values)
+    with claim(cfg, h):  # two launches of one job: the second waits here, then finds the first's run
+        if done is None and not cfg.get("rerun"):
+            done = finished(cfg, tracker, h)
+            if done is not None and (reuse is None or reuse()):
+                if nested is not None:
+                    nested()
+                return done
+        if prepare is not None:
+            prepare()
+        tracker.reap_stale(h)
+        with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
+            commits = {r.label: models.hub_commit(r) for r in reads if not r.local}
+            if commits:  # the commit each hub revision pointed at, beside the revision (it is in the cfg_hash)
+                job.log_params({"commit." + PARAM_UNSAFE.sub("_", k): v or "unresolved" for k, v in commits.items()})
+            values = body(job)
+            job.log_metrics(values)
     return _record(JobResult(job.run_id, False, values, h))
+
+
+@contextmanager
+def claim(cfg: DictConfig, cfg_hash: str) -> Iterator[None]:
+    """Hold the job's lock (``<paths.cache>/locks/<cfg_hash>.lock``, a file lock the OS releases if the process dies)
+    from before its forward passes until its run has ended, so two identical launches never both run it."""
+    from filelock import FileLock, Timeout
+
+    from mergescope.progress import console
+
+    folder = Path(str(cfg.paths.cache)) / "locks"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(folder / f"{cfg_hash}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            console.print(f"waiting: the job with cfg_hash {cfg_hash} is running in another process", soft_wrap=True)
+            lock.acquire()
+    except OSError as exc:
+        raise MergescopeError(f"paths.cache={cfg.paths.cache} cannot be written ({exc.strerror or exc}); point paths.cache "
+                              "at a writable folder") from exc
+    try:
+        yield
+    finally:
+        lock.release()

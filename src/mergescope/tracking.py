@@ -75,6 +75,9 @@ def pip_freeze() -> str:
     return "\n".join(pkgs) + "\n"
 
 
+_REAPED: set[tuple[str, str]] = set()
+
+
 class Tracker:
     def __init__(self, cfg: DictConfig):
         self.uri, self.artifacts = store_uri(cfg)
@@ -132,19 +135,31 @@ class Tracker:
             parts.append(f"attributes.status = '{status}'")
         return self.client.search_runs([self.experiment_id], filter_string=" and ".join(parts), max_results=50000)
 
-    def reap_stale(self, cfg_hash: str) -> list[str]:
-        """Mark KILLED every RUNNING run of this cfg_hash whose process is gone (killed, or the machine restarted):
-        same host, and its pid no longer runs that process. Returns their run ids."""
+    def reap_stale(self, cfg_hash: str | None = None) -> list[str]:
+        """Mark KILLED every RUNNING run (of this cfg_hash; of the whole experiment when None) whose process is gone
+        (killed, or the machine restarted): same host, and its pid no longer runs that process. Returns their ids."""
         from mergescope.progress import console
 
-        stale = self.client.search_runs([self.experiment_id], max_results=1000,
-                                        filter_string=f"tags.cfg_hash = '{cfg_hash}' and attributes.status = 'RUNNING'")
+        where = "attributes.status = 'RUNNING'" + (f" and tags.cfg_hash = '{cfg_hash}'" if cfg_hash else "")
+        stale = self.client.search_runs([self.experiment_id], max_results=1000, filter_string=where)
         gone = [r for r in stale if owner_gone(r.data.tags)]
         for r in gone:
-            self.client.set_tag(r.info.run_id, "killed", "process gone; marked KILLED by a later launch of the same job")
+            self.client.set_tag(r.info.run_id, "killed", "process gone; marked KILLED by a later launch")
             self.client.set_terminated(r.info.run_id, status="KILLED")
-            console.print(f"marked KILLED: run {r.info.run_id} ({r.info.run_name}), its process {r.data.tags.get('pid')} is gone")
+            console.print(f"marked KILLED: run {r.info.run_id} ({r.info.run_name}), its process {r.data.tags.get('pid')} is gone",
+                          soft_wrap=True)
         return [r.info.run_id for r in gone]
+
+    def reap_gone(self) -> list[str]:
+        """:meth:`reap_stale` over the whole experiment, once per process and store: every job (and the analysis)
+        marks KILLED the RUNNING runs whose process is gone, whichever job left them."""
+        key = (self.uri, self.experiment)
+        if key in _REAPED:
+            return []
+        _REAPED.add(key)
+        if self._exp_id is None and self.client.get_experiment_by_name(self.experiment) is None:
+            return []  # no experiment yet: nothing to reap, and nothing is created here
+        return self.reap_stale(None)
 
     @contextmanager
     def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None) -> Iterator[Job]:

@@ -82,6 +82,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     Returns ``{"run_id", "report_md", "report_html", "cka_matrix", "models", "pairs", "pairs_above",
     "analysis"}``. Raises MergescopeError (before any run exists) when the experiment has nothing to analyse.
     """
+    Tracker(cfg).reap_gone()  # RUNNING runs whose process is gone are marked KILLED (and printed) before reading
     study = load_study(cfg, job_runs)
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
     an = build_analysis(study, n_permutations=n_perm)
