@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,12 +66,125 @@ def check_argv(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
             raise MergescopeError(f"unknown {group} '{v}': {did_you_mean(v, options(group, conf_dir))}")
 
 
+FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "shared")
+"""Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
+
+
+def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """Refuse ``+represent.layr=2``: a key added with ``+`` inside a section with fixed settings would be ignored."""
+    import yaml
+
+    base = None
+    for arg in argv:
+        if not arg.startswith("+") or arg.startswith("++") or "=" not in arg:
+            continue
+        parts = arg[1:].split("=", 1)[0].split(".")
+        if len(parts) < 2 or parts[0] not in FIXED_SECTIONS:
+            continue
+        if base is None:
+            base = yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}
+        node = base
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict):
+                break
+            if part not in node:
+                where = ".".join(parts[:i]) or "the config"
+                choices = [f"{'.'.join(parts[:i])}.{k}" for k in node]
+                raise MergescopeError(f"unknown setting '{'.'.join(parts)}': {where} has no '{part}' "
+                                      f"({did_you_mean('.'.join(parts[:i + 1]), choices)}); '+' adds a key that nothing "
+                                      "reads: drop the '+' to set an existing one")
+            node = node[part]
+
+
+def scrub(text: str, argv: list[str] | None = None) -> str:
+    """``text`` with the value of every secret override of the command line (``+hf_token=...``) replaced, and every
+    URI password: what an error message or a traceback may print."""
+    from mergescope.config import is_secret, redact_uri
+
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, _, value = arg.partition("=")
+        if value and is_secret(key.lstrip("+~")):
+            text = text.replace(value, "<redacted>")
+    return redact_uri(text)
+
+
 def precheck(argv: list[str] | None = None) -> None:
+    if argv is None:
+        guard_hydra()
+    args = sys.argv[1:] if argv is None else argv
     try:
-        check_argv(sys.argv[1:] if argv is None else argv)
+        check_argv(args)
+        check_added_keys(args)
     except MergescopeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {scrub(str(exc), args)}", file=sys.stderr)
         sys.exit(exc.exit_code)
+
+
+def _hydra_one_line(ex: BaseException) -> str:
+    """Hydra's or OmegaConf's own error (a bad override, a missing key) as one line, secrets scrubbed."""
+    lines = [ln.strip() for e in (ex, ex.__cause__) if e is not None for ln in str(e).splitlines() if ln.strip()]
+    text = " ".join(dict.fromkeys(ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "Set the environment"))))
+    text = re.sub(r"\s*To append to your config use \S+", "", text)
+    return scrub(text or type(ex).__name__)
+
+
+def _run_and_report(func: Callable):
+    """Replaces Hydra's run_and_report: Hydra's own errors are one line and exit 2; anything else a scrubbed traceback."""
+    import os
+    import traceback
+
+    try:
+        return func()
+    except Exception as ex:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(ex, (HydraException, OmegaConfBaseException)):
+            print(f"error: {_hydra_one_line(ex)} (Hydra: key=value sets, +key=value adds, see README 'Configuration')",
+                  file=sys.stderr)
+            sys.exit(MergescopeError.exit_code)
+        print(scrub(traceback.format_exc()), file=sys.stderr, end="")
+        sys.exit(1)
+
+
+def _private_yaml(cfg, path: Path) -> None:
+    """A Hydra config file, secrets redacted, readable by its owner only."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from mergescope.config import redact
+
+    plain = OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else cfg
+    text = OmegaConf.to_yaml(OmegaConf.create(redact(plain)))
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+def guard_hydra() -> None:
+    """Before Hydra runs: its output files (``.hydra/*.yaml``, ``multirun.yaml``) are written with secrets redacted and
+    mode 600, and its own errors are one line (exit 2) that never echo a raw override."""
+    import hydra._internal.core_plugins.basic_sweeper as basic_sweeper
+    import hydra._internal.utils as hydra_utils
+    import hydra.core.utils as hydra_core
+    from omegaconf import OmegaConf
+
+    def save_config(cfg, filename: str, output_dir: Path) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _private_yaml(cfg, Path(output_dir) / filename)
+
+    class RedactingOmegaConf(OmegaConf):
+        @staticmethod
+        def save(config, f, resolve: bool = False) -> None:  # the sweeper's multirun.yaml
+            _private_yaml(OmegaConf.create(OmegaConf.to_container(config, resolve=resolve)), Path(f))
+
+    hydra_core._save_config = save_config
+    basic_sweeper.OmegaConf = RedactingOmegaConf
+    hydra_utils.run_and_report = _run_and_report
 
 
 def task_overrides() -> list[str]:
@@ -84,9 +198,23 @@ def task_overrides() -> list[str]:
     return []
 
 
+COUNT_SETTINGS = ("data.max_sentences", "native.nll_sentences", "adaptation.nll_sentences")
+"""Sentence counts: a positive integer, or null for all of them (checked before any job)."""
+
+
+def check_counts(cfg: DictConfig) -> None:
+    from omegaconf import OmegaConf
+
+    from mergescope.data import positive_count
+
+    for key in COUNT_SETTINGS:
+        positive_count(OmegaConf.select(cfg, key), key)
+
+
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
     fn = handler(str(cfg.task.name))
+    check_counts(cfg)
     overrides = task_overrides() if overrides is None else overrides
     if cfg.get("num_threads"):
         import torch
@@ -99,17 +227,27 @@ def run(cfg: DictConfig):
     """The Hydra app body: one-line error and exit 2 on bad input."""
     from mergescope.runs import JobResult
 
+    import traceback
+
     try:
         result = dispatch(cfg)
     except MergescopeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {scrub(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except InterpolationResolutionError as exc:  # a resolver's own error (tracking=server with no server): one line
         head = "MergescopeError raised while resolving interpolation: "
         if head not in str(exc):
-            raise
-        print(f"error: {str(exc).split(head, 1)[1].splitlines()[0]}", file=sys.stderr)
+            print(scrub(traceback.format_exc()), file=sys.stderr, end="")
+            sys.exit(1)
+        print(f"error: {scrub(str(exc).split(head, 1)[1].splitlines()[0])}", file=sys.stderr)
         sys.exit(MergescopeError.exit_code)
+    except Exception as exc:  # never handed to Hydra, which would echo the raw overrides
+        if type(exc).__module__.startswith("sqlalchemy"):
+            print(f"error: the tracking store failed ({type(exc).__name__}: {scrub(str(exc).splitlines()[0])[:300]}); "
+                  "check tracking.uri, or move a broken mlflow.db aside", file=sys.stderr)
+            sys.exit(MergescopeError.exit_code)
+        print(scrub(traceback.format_exc()), file=sys.stderr, end="")
+        sys.exit(1)
     if isinstance(result, JobResult):
         print(report(result))
 

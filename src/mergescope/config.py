@@ -13,15 +13,25 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The project's Hydra config folder (``conf/``): the one place that knows where it is."""
 
-SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials", "auth"}
+SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "pat", "auth", "credential", "private", "apikey",
+                "passphrase"}
+"""A key names a secret when one of the words of its last component is one of these (``hf_token``, ``github_pat``,
+``aws_access_key_id``, ``private_key``, ``wandb.auth.key``), or is one of them in the plural standing alone
+(``tokens``, ``credentials``). A count of tokens (``batch_tokens``, ``max_tokens``) is a setting, not a secret."""
+
+
+def _words(text: str) -> list[str]:
+    text = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(text))  # camelCase: accessKey -> access_Key
+    return [w for w in re.split(r"[^a-z0-9]+", text.lower()) if w]
 
 
 def is_secret(key: str) -> bool:
-    """A key that names a secret (``hf_token``, ``api_key``, ``password``), by whole words of its last
-    component: ``batch_tokens`` or ``max_tokens`` are settings, not secrets."""
-    last = str(key).lower().rsplit(".", 1)[-1]
-    words = set(re.split(r"[^a-z0-9]+", last))
-    return bool(words & SECRET_WORDS) or "api_key" in last
+    """A key that names a secret, by the words of its last component (see :data:`SECRET_WORDS`)."""
+    last = str(key).rsplit(".", 1)[-1].lstrip("+~")
+    words = _words(re.sub(r"(?i)key_?value", "kv", last))  # attention's key/value heads are a shape, not a secret
+    if any(w in SECRET_WORDS for w in words):
+        return True
+    return len(words) == 1 and words[0].endswith("s") and words[0][:-1] in SECRET_WORDS
 
 
 # The password of a URI's user-info part (postgresql://user:password@host/db): redacted in any logged value.

@@ -37,7 +37,12 @@ def reproduce(run_id: str, root: str = ".", rtol: float = 1e-6, atol: float = 1e
     kind = original.data.tags.get("kind")
     if kind not in ("measure", "quality", "train", "merge", "transport"):
         raise MergescopeError(f"run {run_id} is a '{kind}' run; reproduce takes a measure, quality, merge, transport or train run")
-    cfg = resolved_config_of(client, run_id)
+    try:
+        cfg = resolved_config_of(client, run_id)
+    except Exception as exc:  # the artifact folder deleted or moved, or an unreadable file: one line, no run
+        raise MergescopeError(f"run {run_id}'s logged config (config/resolved.yaml) cannot be read "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); its artifacts "
+                              f"are gone from {original.info.artifact_uri}: restore them, or rerun the job with launch.py") from exc
     with open_dict(cfg):
         cfg.rerun = True
         cfg.tags = {**(cfg.get("tags") or {}), "reproduces": run_id}

@@ -49,6 +49,9 @@ def _writable_folder(folder: Path, key: str, value: str, create: bool) -> None:
 def check_store(uri: str, key: str, create: bool) -> None:
     """A local tracking store can be written: its folder exists (or, for the default store, is created) and is
     writable, and an existing database file opens for writing. ``key`` names the setting in the message."""
+    if uri.startswith(("http://", "https://")):
+        check_server(uri, key)
+        return
     path = local_path(uri)
     if path is None:
         return
@@ -60,6 +63,66 @@ def check_store(uri: str, key: str, create: bool) -> None:
                 pass
         except OSError as exc:
             raise _cannot(key, uri, f"cannot write {path} ({exc.strerror}); point {key} at a writable file") from exc
+        problem = sqlite_problem(path)
+        if problem:
+            raise _cannot(key, uri, f"{path} is not a usable SQLite store ({problem}); move it aside (mv {path} "
+                                    f"{path}.broken) to start a new store, or restore it from a backup")
+
+
+def sqlite_problem(path: Path) -> str | None:
+    """Why an existing SQLite file cannot be a tracking store (not SQLite, truncated, corrupt, or a migration that
+    was interrupted); None when it is fine or empty (MLflow then creates the schema)."""
+    import sqlite3
+
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    with path.open("rb") as f:
+        if f.read(16) != b"SQLite format 3\x00":
+            return "it is not an SQLite database"
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            verdict = con.execute("PRAGMA quick_check(1)").fetchone()[0]
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        return f"{exc}"
+    if verdict != "ok":
+        return f"corrupt: {verdict}"
+    leftovers = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    if leftovers:
+        return f"an interrupted schema migration left {leftovers[0]}"
+    return None
+
+
+def server_problem(uri: str, timeout: float = 3.0) -> str | None:
+    """Why the tracking server at ``uri`` cannot be reached (probed once, ``timeout`` seconds); None when it answers.
+    Any HTTP answer counts as alive; a refused connection, a timeout or a bad address does not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return str(reason) or type(exc).__name__
+
+
+@lru_cache(maxsize=None)
+def check_server(uri: str, key: str) -> None:
+    """A tracking server answers within a few seconds; else one line naming ``make server`` (MLflow's own client would
+    retry for minutes)."""
+    from mergescope.config import redact_uri
+
+    problem = server_problem(uri)
+    if problem:
+        raise MergescopeError(f"{key}={redact_uri(uri)}: no tracking server answers ({problem}); start it with `make "
+                              f"server` (or fix {key} / MERGESCOPE_TRACKING_URI)")
 
 
 @lru_cache(maxsize=None)
@@ -69,6 +132,8 @@ def check_artifacts(uri: str, key: str, default: bool) -> None:
     path = local_path(uri)
     if path is None:
         return
+    if path.exists() and not path.is_dir():
+        raise _cannot(key, uri, f"{path} is a file, not a folder; point {key} at a folder (or a path to create)")
     if not path.is_dir():
         path = path.parent
         while default and not path.exists() and path != path.parent:
@@ -88,6 +153,26 @@ def store_lock(uri: str) -> Iterator[None]:
 
     with FileLock(f"{path}.lock", timeout=600):
         yield
+
+
+def create_sqlite(path: Path) -> None:
+    """Create a new SQLite tracking store: its schema is made and migrated in a temporary file beside ``path``, which
+    is renamed into place only once the migration has finished, so an interrupted creation (disk full, a kill) leaves
+    no half-migrated store behind. Call under :func:`store_lock`."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service.utils import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)
+        store.engine.dispose()
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        raise MergescopeError(f"creating the tracking store {path} failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); nothing was left behind: free disk "
+                              "space (or fix the folder) and launch again") from exc
 
 
 def process_start(pid: int) -> str | None:

@@ -22,7 +22,15 @@ import yaml  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from mergescope.config import flatten, is_secret, redact, to_plain  # noqa: E402
-from mergescope.store import check_artifacts, check_store, owner_gone, owner_tags, store_lock  # noqa: E402
+from mergescope.store import (  # noqa: E402
+    check_artifacts,
+    check_store,
+    create_sqlite,
+    local_path,
+    owner_gone,
+    owner_tags,
+    store_lock,
+)
 
 for _name in ("alembic", "mlflow", "alembic.runtime.migration"):
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -54,6 +62,9 @@ def client_for(uri: str):
     for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
     with store_lock(uri):  # the client creates (and migrates) the schema: one process at a time
+        path = local_path(uri) if uri.startswith("sqlite:") else None
+        if path is not None and (not path.exists() or path.stat().st_size == 0):
+            create_sqlite(path)  # made and migrated in a temporary file, moved into place when complete
         return MlflowClient(tracking_uri=uri)
 
 
