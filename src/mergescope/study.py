@@ -194,7 +194,9 @@ class Plan:
         out = []
         for small, large in (self.cfg.get("adaptation") or {}).get("pairs") or []:
             a, b = (compose(config_name="config", overrides=[*self.base, f"model={m}"]).model for m in (small, large))
-            out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}"]) for op in ("expand", "truncate")]
+            extra = (self.cfg.adaptation.get("operator_overrides") or {})
+            out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
+                    for op in ("expand", "truncate")]
         return out
 
 

@@ -1,5 +1,6 @@
 """Scoring a model of the adapt arm: NLL per language and per FLORES domain (nats per token and bits per
-byte), on a validation and a disjoint test split, and the diagnostics read against the collapse: attention
+byte, as :mod:`mergescope.bpb` defines them: every token predicted from the start token, padded vocabulary rows
+out of the softmax), on a validation and a disjoint test split, and the diagnostics read against the collapse: attention
 entropy per layer (mean over heads and real query tokens) and the residual-stream norm per layer.
 
 A "task" of the seesaw is one language or one FLORES domain (wikinews / wikivoyage / wikibooks, from the
@@ -17,8 +18,9 @@ import torch
 
 from mergescope import data as data_mod
 from mergescope.config import plain_copy
+from mergescope.bpb import sentence_nll, utf8_bytes
 from mergescope.errors import MergescopeError
-from mergescope.represent import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
+from mergescope.represent import pad_batch, pad_id, tokenize
 
 LN2 = math.log(2.0)
 
@@ -34,7 +36,7 @@ class Text:
 
     @property
     def n_bytes(self) -> np.ndarray:
-        return np.array([len(s.encode("utf-8")) for s in self.sentences], dtype=np.float64)
+        return utf8_bytes(self.sentences)
 
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
@@ -78,21 +80,6 @@ def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | 
     return out
 
 
-@torch.inference_mode()
-def sentence_nll(model, tokenizer, sentences, batch_tokens="auto", max_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
-    """Per sentence: summed NLL (nats, float64) of every predicted token, and the number of predicted tokens."""
-    device = next(model.parameters()).device
-    ids, _ = tokenize(tokenizer, sentences, max_length)
-    lengths = np.array([len(s) for s in ids])
-    nll, ntok = np.zeros(len(ids)), np.maximum(lengths - 1, 0).astype(np.float64)
-    for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
-        x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
-        logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits[:, :-1].double()
-        lp = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        nll[b] = (lp * m[:, 1:]).sum(1).cpu().numpy()
-    return nll, ntok
-
-
 def _pool(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[float, float]:
     """(nats per token, bits per byte) of pooled (nll, tokens, bytes) arrays."""
     nll = sum(float(p[0].sum()) for p in parts)
@@ -120,24 +107,58 @@ def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: 
     return out
 
 
+def _blocks(model):
+    base = model.base_model
+    return base.layers, (base.norm if hasattr(base, "norm") else base.final_layer_norm)
+
+
+def _out_proj(layer) -> torch.Tensor:
+    attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attention
+    return (attn.o_proj if hasattr(attn, "o_proj") else attn.dense).weight
+
+
+def contributing_heads(model) -> list[torch.Tensor]:
+    """Per layer, which query heads reach the residual stream: a head whose columns of the attention output
+    projection are all zero (a new head of Expand(zero), every head of an identity layer) attends uniformly but
+    changes nothing, so it is left out of the entropy."""
+    c = model.config
+    heads = int(c.num_attention_heads)
+    out = []
+    for layer in _blocks(model)[0]:
+        w = _out_proj(layer).detach()
+        hd = w.shape[1] // heads
+        out.append(w.reshape(w.shape[0], heads, hd).abs().amax(dim=(0, 2)) > 0)
+    return out
+
+
 @torch.inference_mode()
 def attention_diagnostics(model, tokenizer, sentences, max_length: int = 512) -> dict[str, list[float]]:
-    """Per layer: attention entropy (nats; mean over heads and real query tokens, attention over real keys)
-    and the residual-stream norm (mean L2 norm per real token of each layer's output hidden state)."""
+    """Per layer: attention entropy (nats; mean over the heads that contribute, :func:`contributing_heads`, and real
+    query tokens, attention over real keys; NaN for a layer with none, which the mean over layers skips), the same
+    over every head (``attn_entropy_all``), and the residual-stream norm (mean L2 norm per real token of each
+    layer's output, the last one BEFORE the final norm: the residual stream, not the norm's gamma)."""
     device = next(model.parameters()).device
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
+    layers, final_norm = _blocks(model)
+    captured: list[torch.Tensor] = []
+    hook = final_norm.register_forward_hook(lambda mod, args, out: captured.append(args[0]))
     try:
         ids, _ = tokenize(tokenizer, sentences, max_length)
         x, m, p = pad_batch(ids, pad_id(tokenizer), "right", device)
         out = model(input_ids=x, attention_mask=m, position_ids=p, output_attentions=True, output_hidden_states=True,
                     use_cache=False)
     finally:
+        hook.remove()
         model.set_attn_implementation(previous)
     real = m.bool()
-    ent = []
-    for a in out.attentions:  # (B, H, T, T)
+    live = contributing_heads(model)
+    ent, ent_all = [], []
+    for a, keep in zip(out.attentions, live):  # (B, H, T, T)
         h = -(a.double() * torch.log(a.double().clamp_min(1e-30))).sum(-1)  # (B, H, T)
-        ent.append(float(h.mean(1)[real].mean()))
-    norms = [float(hs.double().norm(dim=-1)[real].mean()) for hs in out.hidden_states[1:]]
-    return {"attn_entropy": ent, "resid_norm": norms}
+        ent_all.append(float(h.mean(1)[real].mean()))
+        keep = keep.to(h.device)
+        ent.append(float(h[:, keep].mean(1)[real].mean()) if bool(keep.any()) else float("nan"))
+    pre_norm = [*out.hidden_states[1:len(layers)], captured[-1]]  # HF's last hidden state is after the final norm
+    norms = [float(hs.double().norm(dim=-1)[real].mean()) for hs in pre_norm]
+    return {"attn_entropy": ent, "attn_entropy_all": ent_all, "resid_norm": norms}

@@ -42,10 +42,16 @@ def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
     n = int(cfg.adaptation.diag_sentences or 0)
     if n:
         diag = attention_diagnostics(ends.host, ends.tokenizer, loaded.texts[0].sentences[:n], int(cfg.represent.max_length))
-        for i, (e, r) in enumerate(zip(diag["attn_entropy"], diag["resid_norm"])):
-            job.log_metrics({"attn_entropy": e, "resid_norm": r}, step=i)
-        values.update({"attn_entropy_mean": sum(diag["attn_entropy"]) / len(diag["attn_entropy"]),
+        for i, (e, ea, r) in enumerate(zip(diag["attn_entropy"], diag["attn_entropy_all"], diag["resid_norm"])):
+            job.log_metrics({k: v for k, v in (("attn_entropy", e), ("attn_entropy_all", ea), ("resid_norm", r))
+                             if v == v}, step=i)
+        live = [e for e in diag["attn_entropy"] if e == e]  # layers with a contributing head
+        values.update({"attn_entropy_mean": sum(live) / len(live) if live else float("nan"),
+                       "attn_entropy_all_heads_mean": sum(diag["attn_entropy_all"]) / len(diag["attn_entropy_all"]),
                        "resid_norm_final": diag["resid_norm"][-1]})
+    s = loaded.setup
+    if s.gqa_mismatched is not None:  # Truncate's prefix breaks the GQA pairing of some query heads (counted, logged)
+        values.update({"gqa_mismatched_heads": float(s.gqa_mismatched), "gqa_query_heads": float(s.shapes[0].heads)})
     if cfg.get("save"):
         from mergescope.adapt.save import save_model
 
@@ -56,6 +62,7 @@ def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
 def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "adapt") -> dict[str, Any]:
     return {"kind": kind, "route": "adapt", "operator": setup.operator.name, "mode": setup.mode, "ratio": ratio,
             "control": control, "protocol": setup.protocol, "small": setup.small_label, "large": setup.large_label,
+            "merge_dtype": setup.dtype,
             **pair_tags(cfg), "seed": cfg.adaptation.control_seed}
 
 
@@ -115,7 +122,7 @@ def _source_model(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str):
         loaded.ends.set(1.0 if side == "large" else 0.0)
         return loaded.ends.host, loaded.ends.tokenizer, True
     entry, ref = (setup.small, setup.refs[0]) if side == "small" else (setup.large, setup.refs[1])
-    m = models.load(entry, cfg.device, ref=ref, quiet=True)
+    m = models.load(entry, cfg.device, ref=ref, quiet=True, dtype=models.merge_dtype(entry.get("dtype")))
     return m.model, m.tokenizer, False
 
 

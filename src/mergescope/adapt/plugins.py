@@ -63,9 +63,32 @@ def source_of(name: str, role: Role, tgt: Shape, layer_src: dict[int, int]) -> s
     return role.in_layer(layer_src[role.layer]) if role.layer in layer_src else None
 
 
+def unused_sources(sd: Mapping[str, Tensor], used: set[str], family: str, layer_src: dict[int, int],
+                   allow_head: bool = False) -> list[str]:
+    """Source tensors no target tensor was made from. Exempt: the tensors of source layers the operator drops on
+    purpose (Truncate's layers beyond the target depth), and a tied source's head (the embedding's duplicate; with
+    ``allow_head``, any source head: the accepted untied-into-tied case)."""
+    kept = set(layer_src.values())
+    head, emb = head_name(family), embedding_name(family)
+    out = []
+    for name in sd:
+        if name in used:
+            continue
+        role = role_of(name, family)
+        if role.layer is not None and role.layer not in kept:
+            continue
+        if name == head and (allow_head or (emb in sd and sd[emb].shape == sd[name].shape and torch.equal(sd[emb], sd[name]))):
+            continue
+        out.append(name)
+    return out
+
+
 def walk(sd: Mapping[str, Tensor], tgt: Shape, targets: Mapping[str, torch.Size], layer_src: dict[int, int],
-         fill) -> Iterator[tuple[str, Tensor]]:
-    """For every target tensor: ``fill(source tensor, role, shape)``, or a residual identity in a new layer."""
+         fill, allow_head: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """For every target tensor: ``fill(source tensor, role, shape)``, or a residual identity in a new layer. When
+    every target is made, a source tensor that none of them used (``unused_sources``) is an error: nothing is
+    dropped silently (a source's biases into a target without them, say)."""
+    used: set[str] = set()
     for name, shape in targets.items():
         role = role_of(name, tgt.family)
         src_name = source_of(name, role, tgt, layer_src)
@@ -75,5 +98,10 @@ def walk(sd: Mapping[str, Tensor], tgt: Shape, targets: Mapping[str, torch.Size]
             continue
         if src_name not in sd:
             raise MergescopeError(f"the source model has no tensor '{src_name}' (needed for '{name}')")
+        used.add(src_name)
         kind = "embed" if src_name == embedding_name(tgt.family) else role.kind
         yield name, fill(sd[src_name], Role(name, role.layer, kind, role.axes), torch.Size(shape))
+    left = unused_sources(sd, used, tgt.family, layer_src, allow_head)
+    if left:
+        raise MergescopeError(f"{len(left)} source tensor(s) have no place in the target and would be dropped: "
+                              f"{', '.join(left[:4])}{' ...' if len(left) > 4 else ''}")

@@ -17,7 +17,8 @@ from mergescope import models
 from mergescope.adapt.evaluate import Text, load_texts
 from mergescope.adapt.plugins import adapt_state, resolve_adapter
 from mergescope.adapt.protocol import CONTROLS, Ends, host_state, materialize, targets_of
-from mergescope.adapt.shapes import Shape, expand_maps, repeat_maps, shape_of, truncate_maps
+from mergescope.adapt.shapes import (Shape, config_blockers, expand_maps, gqa_aligned_heads, gqa_mismatches, repeat_maps,
+                                     shape_of, truncate_maps)
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry
 
@@ -36,6 +37,8 @@ class Setup:
     shapes: tuple[Shape, Shape]
     langs: list[str]
     grid: list[float]
+    dtype: str = "float32"  # what the merges are computed and scored in (models.merge_dtype of the checkpoints')
+    gqa_mismatched: int | None = None  # Truncate(prefix): query heads paired with a KV head they were not trained with
 
     @property
     def small_label(self) -> str:
@@ -103,10 +106,22 @@ def check_adapt(cfg: DictConfig) -> Setup:
     a_small = order(sa, sb)
     small, large = (cfg.pair.a, cfg.pair.b) if a_small else (cfg.pair.b, cfg.pair.a)
     (rs, rl), (ss, sl) = ((ra, rb), (sa, sb)) if a_small else ((rb, ra), (sb, sa))
+    mismatched = None
     if entry.name == "expand":
         (expand_maps if kwargs.get("mode", "zero") == "zero" else repeat_maps)(ss, sl)
     else:
-        truncate_maps(sl, ss)
+        gqa = str(kwargs.get("gqa", "prefix"))
+        maps = truncate_maps(sl, ss, gqa)
+        if str(kwargs.get("select", "prefix")) == "prefix":
+            heads = gqa_aligned_heads(sl, ss) if gqa == "aligned" and sl.family != "gpt_neox" else None
+            mismatched = gqa_mismatches(sl, ss, heads)
+        del maps
+    untied = bool(kwargs.get("untied_into_tied", False))
+    cs, cl = config_of(rs), config_of(rl)
+    blockers = config_blockers(cs, cl, untied) if entry.name == "expand" else config_blockers(cl, cs, untied)
+    if blockers:
+        raise MergescopeError(f"cannot {entry.name} {rs.label if entry.name == 'expand' else rl.label} into "
+                              f"{rl.label if entry.name == 'expand' else rs.label}: " + "; ".join(blockers))
     check_tokenizers(rs, rl)
     langs = langs_of(cfg, small, large)
     splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
@@ -114,7 +129,9 @@ def check_adapt(cfg: DictConfig) -> Setup:
     union = entry.name == "expand"
     mode = str(kwargs.get("mode", "zero") if union else kwargs.get("select", "prefix"))
     grid = [float(r) for r in (cfg.adaptation.union_grid if union else cfg.adaptation.intersection_grid)]
-    return Setup(entry, kwargs, "union" if union else "intersection", mode, small, large, (rs, rl), (ss, sl), langs, grid)
+    dtype = max((models.merge_dtype(e.get("dtype")) for e in (small, large)), key=lambda d: d == "float64")
+    return Setup(entry, kwargs, "union" if union else "intersection", mode, small, large, (rs, rl), (ss, sl), langs, grid,
+                 dtype, mismatched)
 
 
 class Loaded:
@@ -133,15 +150,15 @@ class Loaded:
         self.texts = load_texts(cfg.data, s.langs, splits, cfg.adaptation.get("nll_sentences"),
                            str(cfg.adaptation.get("sample") or "first"))
         if s.protocol == "union":
-            small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True)
-            host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True)
+            small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True, dtype=s.dtype)
+            host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True, dtype=s.dtype)
             sd_small, targets = host_state(small.model), targets_of(host.model)
             self.ends = Ends(host.model, host.tokenizer,
                              lambda: adapt_state(s.operator, s.kwargs, sd_small, s.shapes[0], s.shapes[1], targets),
                              host_state(host.model))
         else:
-            host = models.load(s.small, cfg.device, ref=s.refs[0], quiet=True)
-            large = models.load(s.large, "cpu", ref=s.refs[1], quiet=True)
+            host = models.load(s.small, cfg.device, ref=s.refs[0], quiet=True, dtype=s.dtype)
+            large = models.load(s.large, "cpu", ref=s.refs[1], quiet=True, dtype=s.dtype)
             sd_small = host_state(host.model)
             t_large = materialize(adapt_state(s.operator, s.kwargs, host_state(large.model), s.shapes[1], s.shapes[0],
                                               targets_of(host.model)))

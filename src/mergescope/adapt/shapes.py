@@ -12,6 +12,7 @@ maps cannot keep is refused with one line naming what blocks it. :func:`truncate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,43 @@ def compatibility(s: Shape, t: Shape) -> list[str]:
     return []
 
 
+FUNCTION_FIELDS = ("hidden_act", "attention_bias", "mlp_bias", "use_parallel_residual", "sliding_window",
+                   "use_sliding_window", "rope_scaling", "rotary_pct", "rotary_emb_base", "partial_rotary_factor")
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    """The rotary settings of a config: transformers 5's ``rope_parameters`` and the older flat ``rope_theta``."""
+    out = dict(_get(config, "rope_parameters") or {})
+    if _get(config, "rope_theta") is not None:
+        out.setdefault("rope_theta", _get(config, "rope_theta"))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def config_blockers(src: Any, tgt: Any, allow_untied_into_tied: bool = False) -> list[str]:
+    """Every setting outside the shapes in which the source and target configs differ and that changes the function
+    of the adapted model: rotary settings, the activation, bias flags, parallel residual, sliding window, the
+    norm eps rule, and an untied source head into a tied target (its lm_head would be discarded; accepted only
+    with ``allow_untied_into_tied``, the paper's Qwen2.5-32B -> 3B Truncate). Each reason names the field."""
+    out = []
+    rs, rt = _rope(src), _rope(tgt)
+    for k in sorted(set(rs) | set(rt)):
+        if rs.get(k) != rt.get(k):
+            out.append(f"rope_parameters.{k} differs ({rs.get(k)} vs {rt.get(k)})")
+    for k in FUNCTION_FIELDS:
+        a, b = _get(src, k), _get(tgt, k)
+        if a != b:
+            out.append(f"{k} differs ({a} vs {b})")
+    ss, st = shape_of(src), shape_of(tgt)
+    if ss.eps > 0 and not (math.isclose(st.eps, ss.eps, rel_tol=1e-6) or
+                           math.isclose(st.eps, ss.eps * ss.hidden / st.hidden, rel_tol=1e-6)):
+        out.append(f"{'layer_norm_eps' if ss.norm == 'layer' else 'rms_norm_eps'} differs ({ss.eps:g} vs {st.eps:g}; "
+                   f"accepted: equal, or the eps rule {ss.eps * ss.hidden / st.hidden:g} = eps x h_s/h_t)")
+    if st.tied and not ss.tied and not allow_untied_into_tied:
+        out.append("tie_word_embeddings differs (an untied source into a tied target: its lm_head would be discarded; "
+                   "adapt.untied_into_tied=true accepts it)")
+    return out
+
+
 def expand_blockers(s: Shape, t: Shape) -> list[str]:
     """Every reason the zero-mode slot maps cannot place ``s`` inside ``t`` (empty: expandable)."""
     out = compatibility(s, t)
@@ -159,8 +197,41 @@ def repeat_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
             "qkv": tiled(s.heads, t.heads, 3 * d), "layers": slot_map(s.layers, t.layers)}
 
 
-def truncate_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
-    """Prefix slices: axis -> source index of each target coordinate (``arange``), and ``layers`` kept."""
+def gqa_aligned_heads(s: Shape, t: Shape) -> torch.Tensor:
+    """Source query head of each target query head when Truncate keeps the GQA pairing where it can: target KV head k
+    is source KV head k (the prefix), and its G_t query heads are taken first from source group k (in order), then,
+    when G_t > G_s, from the heads of later groups not used yet (those cannot keep their KV head)."""
+    if s.head_dim != t.head_dim:
+        raise MergescopeError(f"adapt.gqa=aligned needs one head_dim ({s.head_dim} vs {t.head_dim}): heads are kept whole")
+    used, out = set(), []
+    for k in range(t.kv_heads):
+        own = [k * s.group + r for r in range(min(s.group, t.group))]
+        used.update(own)
+        out.append(own)
+    spare = (h for h in range(s.heads) if h not in used)
+    for k in range(t.kv_heads):
+        while len(out[k]) < t.group:
+            h = next(spare)
+            used.add(h)
+            out[k].append(h)
+    return torch.tensor([h for grp in out for h in grp], dtype=torch.long)
+
+
+def gqa_mismatches(s: Shape, t: Shape, heads: torch.Tensor | None = None) -> int | None:
+    """How many of the target's query heads end up paired with a KV head they were not trained with, when the target
+    keeps source KV heads 0..K_t-1 and takes source query head ``heads[h]`` for its head h (default: the prefix).
+    None when the head_dims differ (the prefix then cuts rows, not heads) or the family has no separate KV heads."""
+    if s.head_dim != t.head_dim or s.family == "gpt_neox":
+        return None
+    heads = torch.arange(t.heads) if heads is None else heads
+    trained_with = torch.div(heads, s.group, rounding_mode="floor")
+    paired_with = torch.div(torch.arange(t.heads), t.group, rounding_mode="floor")
+    return int((trained_with != paired_with).sum())
+
+
+def truncate_maps(s: Shape, t: Shape, gqa: str = "prefix") -> dict[str, torch.Tensor]:
+    """Prefix slices: axis -> source index of each target coordinate (``arange``), and ``layers`` kept. With
+    ``gqa='aligned'`` the query heads are chosen by :func:`gqa_aligned_heads` instead of the prefix."""
     blockers = compatibility(s, t)
     # Sizes per axis (not head counts): a prefix slice needs rows, not whole heads, so a different head_dim
     # can still be truncated into (Qwen2.5-0.5B, head_dim 64, from the 128 of the larger sizes).
@@ -172,4 +243,7 @@ def truncate_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
         blockers.append("the target is larger in " + ", ".join(f"{k} ({a} > {b})" for k, a, b in larger))
     if blockers:
         raise MergescopeError(f"cannot truncate {s.text()} into {t.text()}: " + "; ".join(blockers))
-    return {**{a: torch.arange(t.size(a)) for a in AXES}, "layers": torch.arange(t.layers)}
+    maps = {**{a: torch.arange(t.size(a)) for a in AXES}, "layers": torch.arange(t.layers)}
+    if gqa == "aligned" and s.family != "gpt_neox":
+        maps["q"] = _blocks(gqa_aligned_heads(s, t), t.head_dim)
+    return maps

@@ -79,25 +79,25 @@ class Loaded:
 
     def __init__(self, cfg: DictConfig, need_base: bool):
         a, b = cfg.pair.a, cfg.pair.b
-        host = models.load(a, cfg.device, quiet=True)
+        host = models.load(a, cfg.device, quiet=True, dtype=models.merge_dtype(a.get("dtype")))  # merged in >= float32
         self.ref_a, self.host, self.tok, self.true_a = host.ref, host.model, host.tokenizer, host.true_config
         # a, b and the base are read tensor by tensor from their safetensors files (streamed_state) when they can
         # be: the host alone is held in memory; otherwise they are loaded whole, as before
         cache = cfg.paths.get("cache")
-        sa = streamed_state(host.ref, str(a.get("dtype") or "float32"), model=self.host, cache_root=cache)
+        sa = streamed_state(host.ref, models.merge_dtype(a.get("dtype")), model=self.host, cache_root=cache)
         self.sd_a = sa[0] if sa else {k: v.cpu().clone() for k, v in _state(self.host).items()}
         self.ref_b = models.resolve(b)
-        sb = streamed_state(self.ref_b, str(b.get("dtype") or "float32"), cache_root=cache)
+        sb = streamed_state(self.ref_b, models.merge_dtype(b.get("dtype")), cache_root=cache)
         if sb is None:
-            donor = models.load(b, "cpu", ref=self.ref_b, quiet=True)
+            donor = models.load(b, "cpu", ref=self.ref_b, quiet=True, dtype=models.merge_dtype(b.get("dtype")))
             sb = (_state(donor.model), donor.true_config)
         self.sd_b, self.true_b = sb
         self.sd_base = None
         be = base_entry(cfg)
         if need_base and be is not None:
             base_ref = models.resolve(be)
-            sbase = streamed_state(base_ref, str(be.dtype), cache_root=cache)
-            self.sd_base = sbase[0] if sbase else _state(models.load_model(base_ref, be.dtype, "cpu"))
+            sbase = streamed_state(base_ref, models.merge_dtype(be.dtype), cache_root=cache)
+            self.sd_base = sbase[0] if sbase else _state(models.load_model(base_ref, models.merge_dtype(be.dtype), "cpu"))
         self.coverage = coverage(self.sd_a, self.sd_b)
         if not self.coverage.shared:
             raise MergescopeError(f"{pair_label(cfg)} shares no tensor of the same name and shape; the native route is undefined")

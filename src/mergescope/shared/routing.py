@@ -1,6 +1,6 @@
 """Routing (the paper's §8) with bits per byte as the gradeable task: every sentence is scored by every
-model in bits per UTF-8 byte (comparable across tokenizers: each sentence starts from the model's BOS, or
-its EOS, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
+model in bits per UTF-8 byte (:mod:`mergescope.bpb`: comparable across tokenizers, each sentence starts from the
+model's BOS, or its EOS, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
 
 - ``always_best``: the model with the lowest mean bits per byte on the training fold;
 - ``space``: the majority label of the sentence's k nearest training-fold neighbours in the shared space
@@ -16,38 +16,12 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import torch
 
-from mergescope.errors import MergescopeError
-from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+from mergescope.bpb import bits_per_byte, start_id  # noqa: F401  (the project's one definition)
 from mergescope.shared.evaluate import fit_space
 from mergescope.shared.gpa import folds
 
 LN2 = float(np.log(2.0))
-
-
-def start_id(tokenizer) -> int:
-    for attr in ("bos_token_id", "eos_token_id"):
-        v = getattr(tokenizer, attr, None)
-        if v is not None:
-            return int(v)
-    raise MergescopeError("the tokenizer has neither a BOS nor an EOS token to start a sentence from")
-
-
-@torch.inference_mode()
-def bits_per_byte(model, tokenizer, sentences, batch_tokens="auto", max_length: int = 512) -> np.ndarray:
-    """(n,) bits per UTF-8 byte of each sentence, float64."""
-    device = next(model.parameters()).device
-    enc = tokenizer(list(sentences), add_special_tokens=False)["input_ids"]
-    ids = [[start_id(tokenizer), *e][: max_length] for e in enc]
-    nats = np.zeros(len(ids))
-    for b in length_batches(np.array([len(s) for s in ids]), batch_token_budget(batch_tokens, device)):
-        x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
-        logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits[:, :-1].double()
-        lp = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        nats[b] = (lp * m[:, 1:]).sum(dim=1).cpu().numpy()
-    nbytes = np.array([len(s.encode("utf-8")) for s in sentences], dtype=np.float64)
-    return nats / LN2 / nbytes
 
 
 def knn_labels(Q: np.ndarray, G: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:

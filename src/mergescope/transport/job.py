@@ -207,7 +207,7 @@ class _Host:
 
     def __init__(self, cfg: DictConfig, entry):
         self.cfg = cfg
-        self.lm = models.load(entry, cfg.device)
+        self.lm = models.load(entry, cfg.device, dtype=models.merge_dtype(entry.get("dtype")))  # fused in >= float32
         self.model, self.tok, self.true = self.lm.model, self.lm.tokenizer, self.lm.true_config
         self.snapshot: dict[str, torch.Tensor] = {}
 
@@ -262,7 +262,7 @@ def _fit(d: _Direction) -> _Fitted:
     """Load both models, probe them (cached), fit every plan once, and measure the unfused target."""
     cfg, s, progress = d.cfg, d.s, bool(d.cfg.progress)
     host = _Host(cfg, d.target)
-    donor = models.load(d.donor, cfg.device)
+    donor = models.load(d.donor, cfg.device, dtype=models.merge_dtype(d.donor.get("dtype")))
     t_ad, d_ad = itf.adapter_for(host.true["model_type"]), itf.adapter_for(donor.true_config["model_type"])
     tp = _probe_cached(cfg, host.lm, d.texts.probe_t, str(d.target.lang), t_ad)
     dp = _probe_cached(cfg, donor, d.texts.probe_d, str(d.donor.lang), d_ad)

@@ -50,11 +50,14 @@ def place_repeat(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tenso
 
 @adapters.register("expand", n_positional=4, check=_check, direction="up")
 def expand(sd: Mapping[str, Tensor], src: Shape, tgt: Shape, targets: Mapping[str, torch.Size],
-           mode: str = "zero", norm_scale: bool = True) -> Iterator[tuple[str, Tensor]]:
-    """Expand ``sd`` (shape ``src``) into the tensors ``targets`` of shape ``tgt``, one tensor at a time."""
+           mode: str = "zero", norm_scale: bool = True, untied_into_tied: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """Expand ``sd`` (shape ``src``) into the tensors ``targets`` of shape ``tgt``, one tensor at a time.
+    ``untied_into_tied``: accept an untied source into a tied target (its lm_head is discarded)."""
     maps = expand_maps(src, tgt) if mode == "zero" else repeat_maps(src, tgt)
     layer_src = {int(t): s for s, t in enumerate(maps["layers"].tolist())}
     c = norm_factor(src, tgt, mode, norm_scale)
     if mode == "zero":
-        return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_zero(w, role, shape, maps, c))
-    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_repeat(w, role, shape, maps, src, tgt))
+        return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_zero(w, role, shape, maps, c),
+                    untied_into_tied)
+    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: place_repeat(w, role, shape, maps, src, tgt),
+                untied_into_tied)

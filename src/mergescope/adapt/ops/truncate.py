@@ -23,9 +23,14 @@ from mergescope.errors import MergescopeError
 SELECTS = ("prefix", "slots")
 
 
+GQA = ("prefix", "aligned")
+
+
 def _check(kwargs: Mapping) -> None:
     if kwargs.get("select", "prefix") not in SELECTS:
         raise MergescopeError(f"adapt.select={kwargs.get('select')!r}: choose one of {', '.join(SELECTS)}")
+    if kwargs.get("gqa", "prefix") not in GQA:
+        raise MergescopeError(f"adapt.gqa={kwargs.get('gqa')!r}: choose one of {', '.join(GQA)}")
 
 
 def take(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tensor], c: float) -> Tensor:
@@ -38,13 +43,17 @@ def take(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tensor], c: f
 
 @adapters.register("truncate", n_positional=4, check=_check, direction="down")
 def truncate(sd: Mapping[str, Tensor], src: Shape, tgt: Shape, targets: Mapping[str, torch.Size],
-             select: str = "prefix", norm_scale: bool = True) -> Iterator[tuple[str, Tensor]]:
-    """Truncate ``sd`` (shape ``src``) into the tensors ``targets`` of the smaller shape ``tgt``."""
+             select: str = "prefix", norm_scale: bool = True, untied_into_tied: bool = False,
+             gqa: str = "prefix") -> Iterator[tuple[str, Tensor]]:
+    """Truncate ``sd`` (shape ``src``) into the tensors ``targets`` of the smaller shape ``tgt``.
+    ``untied_into_tied``: accept an untied source into a tied target (its lm_head is discarded). ``gqa``: which query
+    heads the prefix keeps (``prefix``: the paper's first heads; ``aligned``: heads chosen so that each keeps the KV head
+    it was trained with, see ``shapes.gqa_aligned_heads``)."""
     if select == "slots":
         maps = expand_maps(tgt, src)
         c = norm_factor(tgt, src, "zero", norm_scale)
     else:
-        maps, c = truncate_maps(src, tgt), 1.0
+        maps, c = truncate_maps(src, tgt, gqa), 1.0
     layer_src = {t: int(s) for t, s in enumerate(maps["layers"].tolist())} if select == "slots" else \
         {t: t for t in range(tgt.layers)}
-    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: take(w, role, shape, maps, c))
+    return walk(sd, tgt, targets, layer_src, lambda w, role, shape: take(w, role, shape, maps, c), untied_into_tied)
