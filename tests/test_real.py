@@ -197,3 +197,45 @@ def test_chat_template_special_tokens_are_not_pooled(lm):
     alone, _ = embed(lm.model, tok, SENTS[:1], pooling="mean", progress=False)
     padded, stats = embed(lm.model, tok, SENTS[:1] + SENTS[1:], pooling="mean", progress=False)
     assert stats["n_batches"] == 1 and np.abs(alone[0] - padded[0]).max() <= 1e-4 * np.abs(alone[0]).max()
+
+
+PT = [
+    "O gato dorme no sofá da sala.", "Eu gosto muito de café com leite.", "A cidade fica perto do mar.",
+    "Ele comprou um livro novo ontem.", "Nós vamos à praia no domingo.", "A menina está lendo uma história.",
+    "O trem chegou atrasado esta manhã.", "Minha mãe faz um bolo delicioso.", "Os alunos estudam na biblioteca.",
+    "Está chovendo muito hoje à tarde.", "Você quer ir ao cinema comigo?", "O médico trabalha no hospital.",
+    "A água do rio está muito fria.", "Eles moram numa casa amarela.", "O cachorro corre atrás da bola.",
+    "Preciso comprar pão e frutas.", "A professora explicou a lição.", "O vento forte derrubou a árvore.",
+    "Amanhã vou visitar meus avós.", "A música estava alta demais.",
+]
+
+
+@needs_real
+def test_five_step_finetune_from_the_real_base(lm, folder, tmp_path):
+    """train.init_from: the zoo's training loop continued from the real base (its weights and tokenizer), 5 AdamW steps
+    on Portuguese; step0 is the base, main/ loads like any model, and its NLL is finite and changed."""
+    from mergescope.zoo.train import train_model
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "por_Latn.txt").write_text("\n".join(PT * 3) + "\n", encoding="utf-8")
+    entry = {"name": "smollm2-135m-pt-test", "lang": "por_Latn",
+             "zoo": {"family": "llama", "vocab_size": 49152, "init_from": str(folder), "checkpoints": [5]}}
+    train = {"steps": 5, "batch_size": 4, "seq_len": 32, "lr": 2e-4, "min_lr_ratio": 0.1, "warmup_steps": 0,
+             "weight_decay": 0.0, "grad_clip": 1.0, "seed": 0, "max_lines": None, "drop_flagged": False,
+             "heldout_frac": 0.1, "eval_batches": 1}
+    out = tmp_path / "ft"
+    summary = train_model(entry, train, tmp_path / "text", out, progress=False)
+    assert summary["finished"] and summary["checkpoints"] == [0, 5] and summary["tokenizer_size"] == 49152
+    assert sorted(p.name for p in out.iterdir() if (p / "config.json").is_file()) == ["main", "step0", "step5"]
+    step0 = models.load(OmegaConf.create({"name_or_path": str(out), "revision": "step0"}), "cpu", quiet=True)
+    ft = models.load(OmegaConf.create({"name_or_path": str(out)}), "cpu", quiet=True)
+    for name, p in lm.model.state_dict().items():
+        assert torch.equal(step0.model.state_dict()[name], p), name
+    base_pt = token_nll(lm.model, lm.tokenizer, PT[:8], progress=False)["nll"]
+    ft_pt = token_nll(ft.model, ft.tokenizer, PT[:8], progress=False)["nll"]
+    ft_en = token_nll(ft.model, ft.tokenizer, SENTS, progress=False)["nll"]
+    assert np.isfinite([ft_pt, ft_en]).all() and ft_pt != base_pt
+    assert ft_pt < base_pt  # five steps on (these) Portuguese lines lower their NLL
+    assert ft.model.lm_head.weight.data_ptr() == ft.model.model.embed_tokens.weight.data_ptr()  # still tied
+    # the same entry again: a finished run is reused, not retrained
+    assert train_model(entry, train, tmp_path / "text", out, progress=False)["seconds"] == summary["seconds"]

@@ -59,6 +59,10 @@ TRAIN_KEYS = (
 )
 # Keys that change nothing about the trained weights (excluded from the run fingerprint).
 NON_TRAINING_KEYS = ("eval_batches", "log_every", "stop_after", "device", "num_threads")
+# Optional keys (``train.*`` or the entry's ``zoo.*``): ``init_from`` = a pretrained model folder to continue from
+# (its weights and tokenizer; a fine-tune of a real base), ``checkpoints`` = explicit checkpoint steps (0 and the last
+# step always kept) instead of the log-spaced schedule. Unset (or null), they leave a run's fingerprint as it was.
+OPTIONAL_KEYS = ("init_from", "checkpoints")
 
 Log = Callable[[dict[str, float], int], None]
 
@@ -101,8 +105,13 @@ def run_fingerprint(entry: dict, train: dict) -> str:
         "name": entry.get("name"),
         "lang": entry.get("lang"),
         "zoo": entry.get("zoo"),
-        "train": {k: v for k, v in sorted(train.items()) if k not in NON_TRAINING_KEYS},
+        "train": {k: v for k, v in sorted(train.items())
+                  if k not in NON_TRAINING_KEYS and not (k in OPTIONAL_KEYS and v is None)},
     }
+    if train.get("init_from"):  # the base's content identity (file names, sizes, mtimes), not only its path
+        from mergescope.models import fingerprint
+
+        keyed["init_from"] = fingerprint(_base_ref(train["init_from"]))
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -198,6 +207,26 @@ class _Trainer:
     t_start: float  # perf_counter() when this call started
 
 
+def _base_ref(init_from: str):
+    """The pretrained folder a fine-tune continues from (its ``main/`` when it holds checkpoints), checked."""
+    from omegaconf import OmegaConf
+
+    from mergescope.models import resolve
+
+    ref = resolve(OmegaConf.create({"name_or_path": str(init_from)}))
+    if not ref.local:
+        raise MergescopeError(f"train.init_from={init_from} must be a local model folder (a saved pretrained model)")
+    return ref
+
+
+def _checkpoints(train: dict) -> list[int]:
+    """The steps to checkpoint: ``train.checkpoints`` (with 0 and the last step) or the log-spaced schedule."""
+    steps = int(train["steps"])
+    if train.get("checkpoints"):
+        return sorted({0, steps} | {int(s) for s in train["checkpoints"] if 0 <= int(s) <= steps})
+    return checkpoint_steps(steps)
+
+
 def _finished_summary(out: Path, fingerprint: str) -> dict | None:
     """A finished run's saved summary (refusing one trained with other settings); None if unfinished."""
     if not is_trained(out):
@@ -227,13 +256,22 @@ def _load_state(plan: _Plan) -> dict | None:
 def _model_and_tokenizer(plan: _Plan, state: dict | None, train_lines: list[str], shared=None) -> tuple[Any, Any]:
     """A fresh tokenizer (or the family's ``shared`` one) and initialisation (seeding torch first), or the
     resumed checkpoint's."""
-    if state is None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if state is None and plan.train.get("init_from"):  # continue from a pretrained model: its weights and tokenizer
+        torch.manual_seed(plan.seed)
+        base = _base_ref(plan.train["init_from"]).location
+        tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, use_safetensors=True,
+                                                     trust_remote_code=False)
+        if int(model.config.vocab_size) != plan.vocab_size:
+            raise MergescopeError(f"{plan.name}: zoo.vocab_size={plan.vocab_size} but train.init_from={base} has "
+                                  f"vocab_size {model.config.vocab_size}; state the base's vocabulary size")
+    elif state is None:
         torch.manual_seed(plan.seed)
         tokenizer = shared if shared is not None else train_tokenizer(train_lines, plan.vocab_size)
         model = build_model(plan.zoo, plan.vocab_size, init_seed(plan.seed, plan.name), tokenizer.eos_token_id)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         ckpt = plan.out / f"step{int(state['step'])}"
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -408,8 +446,7 @@ def _train(entry: dict, train: dict, text_root: Path, out: Path, log: Log | None
     if (done := _finished_summary(out, fingerprint)) is not None:
         return done
     device = resolve_device(train.get("device") or "auto")
-    plan = _Plan(str(entry["name"]), str(entry["lang"]), zoo, train, out, fingerprint, device,
-                 checkpoint_steps(int(train["steps"])))
+    plan = _Plan(str(entry["name"]), str(entry["lang"]), zoo, train, out, fingerprint, device, _checkpoints(train))
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     text_kwargs = {"drop_flagged": bool(train["drop_flagged"]), "max_lines": train["max_lines"],
@@ -417,7 +454,7 @@ def _train(entry: dict, train: dict, text_root: Path, out: Path, log: Log | None
     train_lines, held_lines = load_training_texts(text_root, training_langs(entry), **text_kwargs)
     state = _load_state(plan)
     shared = None
-    if zoo.get("tokenizer") and state is None:  # one tokenizer for a family, beside the family's models
+    if zoo.get("tokenizer") and state is None and not train.get("init_from"):  # one tokenizer for a family, beside the family's models
         spec = dict(zoo["tokenizer"])
         shared = shared_tokenizer(spec, text_root, out.parent / f"tokenizer-{spec['name']}", plan.vocab_size, **text_kwargs)
     model, tokenizer = _model_and_tokenizer(plan, state, train_lines, shared)
@@ -455,7 +492,7 @@ def train_model(
 
     ``entry`` is a model entry (``name``, ``lang``, ``zoo: {family, vocab_size, ...arch}``);
     ``train`` holds the hyperparameters (:data:`TRAIN_KEYS`; optional: ``log_every`` (10),
-    ``device`` (auto), ``num_threads`` (CPU threads; null = torch's default) and
+    ``device`` (auto), ``num_threads`` (CPU threads; null = torch's default), :data:`OPTIONAL_KEYS` and
     ``stop_after`` (stop after that many steps, to simulate an interruption; the returned
     summary then has ``finished: False``)).
 
@@ -466,6 +503,9 @@ def train_model(
     entry, train = dict(unresolved_plain(entry)), dict(unresolved_plain(train))
     if (entry.get("zoo") or {}).get("steps"):  # a model that trains for its own number of steps
         train["steps"] = int(entry["zoo"]["steps"])
+    for key in OPTIONAL_KEYS:  # a fine-tune entry names its base (and its checkpoints) in its zoo block
+        if (entry.get("zoo") or {}).get(key) is not None:
+            train[key] = entry["zoo"][key]
     check_train(train)
     threads = torch.get_num_threads()
     if train.get("num_threads"):
