@@ -238,3 +238,65 @@ def test_the_adapt_arm_and_routing_share_the_definition(tok):
     nll, _ = sentence_nll(m, tok, TEXT)
     assert s["test_bpb"] == pytest.approx(nll.sum() / math.log(2) / sum(len(t.encode()) for t in TEXT), rel=1e-12)
     assert np.allclose(routing_bpb(m, tok, TEXT), bits_per_byte(m, tok, TEXT), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- item 2: the seesaw of the chosen model
+
+def _rec(run_id, ratio, tasks, **tags):
+    from mergescope.analysis.records import Rec
+
+    metrics = {"ratio": float(ratio), **{f"test_nll.{k}": v for k, v in tasks.items()}}
+    return Rec(run_id, 0, {"control": "none", "ratio": f"{ratio:g}", **tags}, metrics, {})
+
+
+def test_the_seesaw_is_read_at_the_ratio_chosen_on_dev_and_is_empty_without_one():
+    from mergescope.analysis.adapt import chosen_point, per_ratio_rows, seesaw_rows
+    from mergescope.analysis.records import Rec
+
+    key = ("s", "l", "union")
+    # no seesaw: every task improves a little at the chosen ratio; a far ratio (0.98) is worse on one task, which
+    # the old table reported as the "worst change" although no single model had it
+    pts = [_rec("r0", 0.0, {"eng": 3.0, "por": 3.2}), _rec("r02", 0.02, {"eng": 2.99, "por": 3.19}),
+           _rec("r98", 0.98, {"eng": 2.5, "por": 3.6}), _rec("r1", 1.0, {"eng": 2.4, "por": 3.7})]
+    best = Rec("best", 0, {"ratio": "best"}, {"best_ratio": 0.02}, {})
+    chosen = chosen_point([*pts, best], pts)
+    assert chosen.run_id == "r02"
+    rows, counts = seesaw_rows(key, pts, chosen)
+    assert counts == {"tasks": 2, "regressed": 0, "worse_than_both": 0}
+    assert [r[2] for r in rows] == ["eng", "por"] and rows[0][6] == "-0.0100"
+    # a real seesaw at the chosen ratio: one task better, the other worse than ratio 0
+    pts[1] = _rec("r02", 0.02, {"eng": 2.9, "por": 3.3})
+    _, counts = seesaw_rows(key, pts, chosen_point([*pts, best], pts))
+    assert counts["regressed"] == 1
+    assert seesaw_rows(key, pts, None) == ([], {})
+    assert per_ratio_rows(key, pts)[1] == ["union s ~ l", "por", "+0.1000", "+0.4000", "+0.5000"]
+
+
+# ---------------------------------------------------------------- item 13: the model-level null of 8b
+
+def test_the_mantel_null_permutes_model_labels_exactly():
+    import itertools
+
+    from scipy.stats import spearmanr
+
+    from mergescope.stats import mantel_table
+
+    models = ["m0", "m1", "m2", "m3", "m4"]
+    pairs = list(itertools.combinations(range(5), 2))
+    rng = np.random.default_rng(0)
+    size = rng.standard_normal(5)
+    x = np.array([size[i] + size[j] for i, j in pairs])  # a model-level effect: every pair of a big model is big
+    y = np.array([size[i] + size[j] for i, j in pairs]) + 0.01 * rng.standard_normal(10)
+    la, lb = [models[i] for i, _ in pairs], [models[j] for _, j in pairs]
+    out = mantel_table({"x": x, "y": y}, la, lb)[("x", "y")]
+    assert out["rho"] == pytest.approx(spearmanr(x, y)[0], abs=1e-12) and out["n_relabellings"] == 120
+    # independent formulation: relabel by every permutation, look the value up by the relabelled pair
+    val = {frozenset((models[i], models[j])): v for (i, j), v in zip(pairs, y)}
+    rhos = [spearmanr(x, [val[frozenset((models[p[i]], models[p[j]]))] for i, j in pairs])[0]
+            for p in itertools.permutations(range(5))]
+    want = np.mean(np.abs(rhos) >= abs(out["rho"]) - 1e-12)
+    assert out["p_mantel"] == pytest.approx(want, abs=1e-12)
+    # an incomplete design is not tested
+    y2 = y.copy()
+    y2[0] = np.nan
+    assert np.isnan(mantel_table({"x": x, "y": y2}, la, lb)[("x", "y")]["p_mantel"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -435,3 +435,59 @@ def _power_text(ps: dict, how: str) -> str:
            f"nothing short of {needs(ps['min_significant_rho'])} clears")
     return (f"n={n}. Spearman rho on {n} points has a 95% CI roughly +/-{ci} wide around 0; "
             f"{unc} an uncorrected two-sided permutation test at alpha={alpha:g}{bh}{how}.")
+
+
+def mantel_table(frame: Any, model_a: Sequence[str], model_b: Sequence[str], n_permutations: int = 20000,
+                 seed: int = 0, exact_max_models: int = 8) -> dict[tuple[str, str], dict[str, float]]:
+    """A model-level (Mantel-style) permutation null for a table whose rows are pairs of models.
+
+    Rows built from N models share models (10 pairs from 5 models), so shuffling rows as if they were independent
+    (``correlation_table``'s ``p_perm``) overstates the evidence. Here a cell's Spearman rho is recomputed after
+    relabelling the models of ONE column by a permutation of the N model labels: row (a, b) takes that column's
+    value at (pi(a), pi(b)), the structure of shared models kept. Exact over all N! relabellings for N <=
+    ``exact_max_models`` (p = #{|rho_pi| >= |rho|} / N!, the identity included), else ``n_permutations`` seeded
+    draws (p = (# + 1) / (draws + 1)).
+
+    A cell is tested only on a complete design: every unordered pair of the models that appear in it has a finite
+    value in both columns (otherwise p_mantel is NaN). Returns ``{(a, b): {"rho", "p_mantel", "n_models",
+    "n_relabellings"}}`` for every column pair a < b in column order.
+    """
+    cols = {k: np.asarray(v, dtype=np.float64) for k, v in (frame.items() if hasattr(frame, "items") else frame)}
+    names = list(cols)
+    la, lb = [str(x) for x in model_a], [str(x) for x in model_b]
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            x, y = cols[a], cols[b]
+            ok = np.isfinite(x) & np.isfinite(y)
+            rows = np.flatnonzero(ok)
+            labels = sorted({la[r] for r in rows} | {lb[r] for r in rows})
+            pos = {(frozenset((la[r], lb[r]))): k for k, r in enumerate(rows)}
+            n_m = len(labels)
+            complete = n_m >= 3 and len(pos) == len(rows) == n_m * (n_m - 1) // 2
+            res = {"rho": float("nan"), "p_mantel": float("nan"), "n_models": float(n_m), "n_relabellings": 0.0}
+            if complete:
+                rx, ry = _sps.rankdata(x[rows]), _sps.rankdata(y[rows])
+                rx, ry = rx - rx.mean(), ry - ry.mean()
+                den = float(np.sqrt((rx @ rx) * (ry @ ry)))
+                if den > 0:
+                    idx = {m: k for k, m in enumerate(labels)}
+                    ia = np.array([idx[la[r]] for r in rows])
+                    ib = np.array([idx[lb[r]] for r in rows])
+                    lookup = np.full((n_m, n_m), -1)
+                    for k in range(len(rows)):
+                        lookup[ia[k], ib[k]] = lookup[ib[k], ia[k]] = k
+                    if n_m <= exact_max_models:
+                        perms = np.array(list(itertools.permutations(range(n_m))))
+                    else:
+                        rng = np.random.default_rng(seed)
+                        perms = np.argsort(rng.random((int(n_permutations), n_m)), axis=1)
+                    moved = lookup[perms[:, ia], perms[:, ib]]  # (P, R): the row whose y value each row takes
+                    rho_obs = float(rx @ ry) / den
+                    rho_perm = (ry[moved] @ rx) / den
+                    hits = int(np.sum(np.abs(rho_perm) >= abs(rho_obs) - 1e-12))
+                    p = hits / len(perms) if n_m <= exact_max_models else (hits + 1) / (len(perms) + 1)
+                    res = {"rho": rho_obs, "p_mantel": float(p), "n_models": float(n_m),
+                           "n_relabellings": float(math.factorial(n_m) if n_m <= exact_max_models else len(perms))}
+            out[(a, b)] = res
+    return out

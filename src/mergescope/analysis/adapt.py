@@ -18,7 +18,7 @@ from mergescope.analysis.records import Rec
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, f3, short
 
-__all__ = ["adapt_section", "concentration", "gap_rows"]
+__all__ = ["adapt_section", "chosen_point", "concentration", "gap_rows", "per_ratio_rows", "seesaw_rows"]
 
 
 def _groups(runs: list[Rec]) -> dict[tuple[str, str, str], list[Rec]]:
@@ -39,7 +39,9 @@ def _curve_table(key, pts: list[Rec]) -> RTable:
     return RTable(f"{key[2]}: {key[0]} ~ {key[1]} ({'E(small)' if key[2] == 'union' else 'small'} at 0, "
                   f"{'large' if key[2] == 'union' else 'T(large)'} at 1)",
                   ["ratio", "val NLL", "test NLL", "test bits/byte", "attn entropy", "residual norm", "run"], rows,
-                  note="NLL in nats/token (one tokenizer), mean over the languages; attention entropy mean over layers")
+                  note="NLL in nats/token (one tokenizer; every token predicted from the start token), mean over the "
+                       "languages; attention entropy over the heads that reach the residual stream, mean over layers; "
+                       "residual norm = the last layer's output before the final norm")
 
 
 def _summary_row(key, runs: list[Rec], pts: list[Rec]) -> list[str] | None:
@@ -59,19 +61,45 @@ def _tasks(pts: list[Rec]) -> list[str]:
     return sorted({k[len("test_nll."):] for r in pts for k in r.metrics if k.startswith("test_nll.")})
 
 
-def _seesaw_rows(key, pts: list[Rec]) -> list[list[str]]:
-    anchor = next((r for r in pts if r.m("ratio") == 0.0), None)
-    merged = [r for r in pts if 0 < r.m("ratio") < 1]
-    if anchor is None or not merged:
-        return []
-    rows = []
+def chosen_point(runs: list[Rec], pts: list[Rec]) -> Rec | None:
+    """The point run at the ratio the summary run chose on the validation split (None without a summary)."""
+    best = next((r for r in runs if r.tags.get("ratio") == "best"), None)
+    if best is None:
+        return None
+    return next((r for r in pts if math.isclose(r.m("ratio"), best.m("best_ratio"), abs_tol=1e-12)), None)
+
+
+def seesaw_rows(key, pts: list[Rec], chosen: Rec | None) -> tuple[list[list[str]], dict[str, int]]:
+    """The seesaw of ONE model, the one chosen on the validation split: per task (language, FLORES domain), its test
+    NLL against both ends of the ratio axis. ``regressed`` = worse than the ratio-0 anchor; ``worse than both`` = a
+    task on which the merge is worse than either model it was built from."""
+    lo = next((r for r in pts if r.m("ratio") == 0.0), None)
+    hi = next((r for r in pts if r.m("ratio") == 1.0), None)
+    if chosen is None or lo is None or hi is None:
+        return [], {}
+    rows, counts = [], {"tasks": 0, "regressed": 0, "worse_than_both": 0}
     for task in _tasks(pts):
-        d = [(r.m(f"test_nll.{task}") - anchor.m(f"test_nll.{task}"), r) for r in merged]
-        best, worst = min(d, key=lambda x: x[0]), max(d, key=lambda x: x[0])
-        rows.append([f"{key[2]} {key[0]} ~ {key[1]}", task, f3(anchor.m(f"test_nll.{task}")),
-                     f"{best[0]:+.4f} @ {best[1].m('ratio'):g}", f"{worst[0]:+.4f} @ {worst[1].m('ratio'):g}",
-                     short(best[1].run_id)])
-    return rows
+        k = f"test_nll.{task}"
+        c, a, b = chosen.m(k), lo.m(k), hi.m(k)
+        if not all(math.isfinite(v) for v in (c, a, b)):
+            continue
+        counts["tasks"] += 1
+        counts["regressed"] += int(c > a)
+        counts["worse_than_both"] += int(c > max(a, b))
+        rows.append([f"{key[2]} {key[0]} ~ {key[1]}", f"{chosen.m('ratio'):g}", task, f3(a), f3(b), f3(c),
+                     f"{c - a:+.4f}", f"{c - b:+.4f}", "yes" if c > a else "no", "yes" if c > max(a, b) else "no",
+                     short(chosen.run_id)])
+    return rows, counts
+
+
+def per_ratio_rows(key, pts: list[Rec]) -> list[list[str]]:
+    """Every grid ratio's change against ratio 0 per task (test split): a view of the curve, not a selection."""
+    anchor = next((r for r in pts if r.m("ratio") == 0.0), None)
+    if anchor is None:
+        return []
+    return [[f"{key[2]} {key[0]} ~ {key[1]}", task, *(f"{r.m(f'test_nll.{task}') - anchor.m(f'test_nll.{task}'):+.4f}"
+                                                     for r in pts if r.m("ratio") > 0)]
+            for task in _tasks(pts)]
 
 
 def _count(v: float) -> str:
@@ -156,8 +184,8 @@ def _figure(groups) -> str:
         pts = _points(runs)
         xs = [r.m("ratio") for r in pts]
         label = f"{key[2]} {key[0]}~{key[1]}"
-        axes[0].plot(xs, [r.m("test_nll") for r in pts], "o-", label=label)
-        axes[1].plot(xs, [r.m("attn_entropy_mean") for r in pts], "o-", label=label)
+        axes[0].plot(xs, [r.m("test_nll") for r in pts], "o", label=label)  # measured ratios only: no line across the gap
+        axes[1].plot(xs, [r.m("attn_entropy_mean") for r in pts], "o", label=label)
         for r in runs:
             if r.tags.get("control") in ("scaling", "noise"):
                 axes[0].plot([r.m("ratio")], [r.m("test_nll")], "x" if r.tags["control"] == "noise" else "s", color="k", ms=5)
@@ -193,10 +221,29 @@ def adapt_section(b: Build) -> Section:
     for key, rs in groups.items():
         if _points(rs):
             sec.tables.append(_curve_table(key, _points(rs)))
-    seesaw = [row for key, rs in groups.items() for row in _seesaw_rows(key, _points(rs))]
-    sec.tables.append(RTable("Seesaw: per task (language, FLORES domain), best and worst change against ratio 0",
-                             ["protocol / pair", "task", "ratio-0 NLL", "best change @ ratio", "worst change @ ratio", "run"],
-                             seesaw, note="negative = better; a gain on one task can hide a loss on another"))
+    seesaw, verdicts = [], []
+    for key, rs in groups.items():
+        pts = _points(rs)
+        rows, counts = seesaw_rows(key, pts, chosen_point(rs, pts))
+        seesaw += rows
+        if counts:
+            verdicts.append(f"{key[2]} {key[0]} ~ {key[1]}: {counts['regressed']} of {counts['tasks']} tasks worse than "
+                            f"ratio 0, {counts['worse_than_both']} worse than both ends")
+    sec.tables.append(RTable("Seesaw of the model chosen on the validation split: per task, its test NLL against both ends",
+                             ["protocol / pair", "chosen ratio", "task", "ratio-0 NLL", "ratio-1 NLL", "chosen NLL",
+                              "vs ratio 0", "vs ratio 1", "regressed", "worse than both", "run"], seesaw,
+                             note="one model per protocol and pair (the ratio chosen on dev), scored on devtest; negative "
+                                  "= better; regressed = worse than the ratio-0 anchor on that task"))
+    if verdicts:
+        sec.text.append("Seesaw at the ratio chosen on the validation split: " + "; ".join(verdicts) + ".")
+    for key, rs in groups.items():
+        pts = _points(rs)
+        grid = [f"{r.m('ratio'):g}" for r in pts if r.m("ratio") > 0]
+        rows = per_ratio_rows(key, pts)
+        if rows:
+            sec.tables.append(RTable(f"Per-ratio view (every grid ratio, not a selection): {key[2]} {key[0]} ~ {key[1]}, "
+                                     "test NLL change against ratio 0 per task", ["protocol / pair", "task", *grid], rows,
+                                     note="each column is one measured ratio; the choice is made on dev, above"))
     if any(not math.isnan(r.m("test_nll")) for r in runs):
         sec.text.append(f"![ratio curves and attention entropy](data:image/png;base64,{_figure(groups)})")
     return sec

@@ -3,6 +3,7 @@ each with its power statement (:func:`mergescope.stats.power_statement`) and wha
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from mergescope.analysis.records import base_name
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, CROSS_DIAGNOSTICS, RTable, Section, csv_text, f3
-from mergescope.stats import correlation_table, power_statement
+from mergescope.stats import correlation_table, mantel_table, power_statement
 
 __all__ = ["correlation_section", "correlation_sections", "N_PERMUTATIONS"]
 
@@ -46,9 +47,36 @@ def _power(table, n_rows: int) -> tuple[Any, dict[str, Any]]:
     return tested, power
 
 
+MANTEL_COLUMNS = ["p_mantel", "q_mantel"]
+
+
+def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], list[str]], n_permutations: int) -> str:
+    """The model-level null beside the pair-level one (``stats.mantel_table``), with BH across the tested cells; the
+    sentence that says why."""
+    from scipy.stats import false_discovery_control
+
+    m = mantel_table({c: frame[c] for c in dict.fromkeys([*table["a"], *table["b"]])}, *models,
+                     n_permutations=n_permutations, seed=0)
+    table["p_mantel"] = [m.get((a, b), {}).get("p_mantel", np.nan) for a, b in zip(table["a"], table["b"])]
+    p = table["p_mantel"].to_numpy(dtype=np.float64)
+    q = np.full_like(p, np.nan)
+    ok = np.isfinite(p) & np.isfinite(table["p_perm"].to_numpy(dtype=np.float64))
+    if ok.any():
+        q[ok] = false_discovery_control(p[ok])
+    table["q_mantel"] = q
+    n_models = len(set(models[0]) | set(models[1]))
+    sig = int(np.sum(q[ok] < 0.05))
+    return (f"Dependence: the {len(models[0])} pairs are built from {n_models} models, so pairs that share a model are not "
+            f"independent and p_perm (row shuffles) treats them as if they were. p_mantel permutes the model labels "
+            f"instead (a Mantel-style null, exact over all {n_models}! relabellings; its smallest attainable p is "
+            f"about 1/{math.factorial(n_models) if n_models <= 8 else n_permutations}), q_mantel is BH across the "
+            f"table: {sig} cell(s) with q_mantel < 0.05.")
+
+
 def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_rows: int, n_permutations: int,
-                        intro: str) -> tuple[Section, Any, dict[str, Any]]:
-    """One correlation section: (the section, the correlation table or None when too small, the power statement)."""
+                        intro: str, models: tuple[list[str], list[str]] | None = None) -> tuple[Section, Any, dict[str, Any]]:
+    """One correlation section: (the section, the correlation table or None when too small, the power statement).
+    With ``models`` (each row's two models) the table also gets the model-level null (:func:`add_mantel`)."""
     sec = Section(key, title)
     usable, dropped = _usable(frame, n_rows)
     if n_rows < 4 or len(usable) < 2:
@@ -60,11 +88,16 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
     sec.text.append(intro)
     sec.text.append(f"Power: {power['text_full']} Permutation null: {n_permutations} label shuffles per cell; "
                     "q_bh is Benjamini-Hochberg across the whole table.")
+    cols = COLUMNS
+    if models is not None:
+        sec.text.append(add_mantel(table, frame, models, n_permutations))
+        cols = COLUMNS + MANTEL_COLUMNS
     if dropped:
         sec.missing.append(f"{title}: left out of the table, not measured or not varying: {', '.join(dropped)}")
     rows = sorted(table.to_dict("records"), key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0)
-    sec.tables.append(RTable(f"{title} (n={n_rows}, {len(tested)} cells)", COLUMNS,
-                             [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4)] for r in rows],
+    sec.tables.append(RTable(f"{title} (n={n_rows}, {len(tested)} cells)", cols,
+                             [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4),
+                               *(f3(r[c], 4) for c in cols[len(COLUMNS):])] for r in rows],
                              note=power["text_full"]))
     return sec, table, power
 
@@ -80,15 +113,18 @@ def correlation_sections(b: Build, n_permutations: int = N_PERMUTATIONS) -> list
               "correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "tables/checkpoint_correlations.csv"),
              ("cross", "corr_cross", "8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
               "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
-              "the two directions at each direction's best alpha.",
+              "the two directions at the headline alpha (merge.headline_alpha).",
               "correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
               "tables/cross_model_correlations.csv")]
     sections = []
+    pair_models = ([str(p["a"]) for p in b.pairs], [str(p["b"]) for p in b.pairs])
     for arm, key, title, n_rows, intro, figure, caption, csv_path in specs:
-        sec, table, power = correlation_section(key, title, b.frames[arm], n_rows, n_permutations, intro)
+        sec, table, power = correlation_section(key, title, b.frames[arm], n_rows, n_permutations, intro,
+                                                models=pair_models if arm == "cross" else None)
         if table is not None:
             sec.figures.append((figure, caption))
-            b.csv[csv_path] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
+            cols = COLUMNS + (MANTEL_COLUMNS if arm == "cross" else [])
+            b.csv[csv_path] = csv_text(cols, table[cols].itertuples(index=False, name=None))
             b.console_tables.append(sec.tables[0])
         b.correlations.update({arm: table, f"{arm}_power": power})
         sections.append(sec)

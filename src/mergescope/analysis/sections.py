@@ -216,7 +216,7 @@ def _quality_table(pairs: list[dict[str, Any]]) -> RTable:
                   note="nll_* = mean per-token NLL of each model on its own FLORES side (quality runs). "
                        "typ_* = URIEL cosine distances (lang2vec: syntax_knn / fam / syntax+phonology+inventory knn). "
                        "Weight columns only where a native route exists. transport_delta = fused minus unfused NLL "
-                       "on the target's language at the grid's best alpha (negative = helped); ot_minus_rand < 0 = the OT "
+                       "on the target's language at the headline alpha, merge.headline_alpha (negative = helped); ot_minus_rand < 0 = the OT "
                        "plan beat its shuffled-plan control; adapt_effect = fused-then-adapted minus adapted baseline.")
 
 

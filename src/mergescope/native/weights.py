@@ -192,7 +192,8 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
       dimension, Expand places whole heads); and a vocabulary difference, which makes the scope
       ``"transformer blocks (embeddings excluded)"``: the paper's pairs share one tokenizer, and
       slicing or zero-extending embedding rows of two different tokenizers would pair unrelated
-      tokens, so the host keeps its own embeddings. Equal scale and vocabulary make both maps
+      tokens: the adapt job refuses such a pair (one tokenizer needed), and one whose axes disagree,
+      so both are ``defined: False`` here, as the job decides. Equal scale and vocabulary make both maps
       the identity (adapt coincides with native). Note that two *different* tokenizers of the
       same size cannot be told apart from the true config; the caller must know.
     """
@@ -244,12 +245,15 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
             notes.append(f"head dimension differs ({hd_a} vs {hd_b}): heads cannot be placed whole")
         if scale:
             notes.append("scale differences: " + "; ".join(scale))
-        if vocab:
-            notes.append(f"{vocab}: the host keeps its own embeddings and output head")
+        blocked = []
+        if vocab:  # the adapt job's rule (adapt.setup.check_tokenizers): averaging needs one tokenizer
+            blocked.append(f"{vocab}: weighted averaging after Expand/Truncate needs one tokenizer")
+        if larger_a and larger_b:  # the adapt job's rule (adapt.setup.order)
+            blocked.append("the axes disagree: Expand/Truncate need one model no larger than the other on every axis")
         adapt = {
-            "defined": True,
-            "scope": EMBEDDINGS_EXCLUDED if vocab else ALL_TENSORS,
-            "blocked_by": None,
+            "defined": not blocked,
+            "scope": None if blocked else ALL_TENSORS,
+            "blocked_by": "; ".join(blocked) or None,
             "note": "; ".join(notes),
         }
     return {"native": native, "transport": transport, "adapt": adapt}
