@@ -168,7 +168,6 @@ def _private_yaml(cfg, path: Path) -> None:
 def guard_hydra() -> None:
     """Before Hydra runs: its output files (``.hydra/*.yaml``, ``multirun.yaml``) are written with secrets redacted and
     mode 600, and its own errors are one line (exit 2) that never echo a raw override."""
-    import hydra._internal.core_plugins.basic_sweeper as basic_sweeper
     import hydra._internal.utils as hydra_utils
     import hydra.core.utils as hydra_core
     from omegaconf import OmegaConf
@@ -177,14 +176,43 @@ def guard_hydra() -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         _private_yaml(cfg, Path(output_dir) / filename)
 
-    class RedactingOmegaConf(OmegaConf):
-        @staticmethod
-        def save(config, f, resolve: bool = False) -> None:  # the sweeper's multirun.yaml
-            _private_yaml(OmegaConf.create(OmegaConf.to_container(config, resolve=resolve)), Path(f))
+    plain_save = OmegaConf.save
 
+    def save(config, f, resolve: bool = False) -> None:  # the sweeper's multirun.yaml (its module is re-imported by
+        if isinstance(f, (str, Path)) and Path(f).name == "multirun.yaml":  # Hydra's plugin scan: patched here)
+            _private_yaml(OmegaConf.create(OmegaConf.to_container(config, resolve=resolve)), Path(f))
+        else:
+            plain_save(config, f, resolve)
+
+    if not getattr(OmegaConf.save, "_mergescope", False):
+        save._mergescope = True  # type: ignore[attr-defined]
+        OmegaConf.save = staticmethod(save)  # type: ignore[method-assign]
     hydra_core._save_config = save_config
-    basic_sweeper.OmegaConf = RedactingOmegaConf
     hydra_utils.run_and_report = _run_and_report
+    scrub_log_records()
+
+
+def scrub_log_records() -> None:
+    """Every log record (Hydra's launcher lists each job's overrides) has secret override values replaced."""
+    import logging
+
+    make = logging.getLogRecordFactory()
+    if getattr(make, "_mergescope", False):
+        return
+
+    def record(*args, **kwargs):
+        rec = make(*args, **kwargs)
+        try:
+            text = rec.getMessage()
+        except Exception:  # a malformed record: left to logging's own error report
+            return rec
+        clean = scrub(text)
+        if clean != text:
+            rec.msg, rec.args = clean, ()
+        return rec
+
+    record._mergescope = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(record)
 
 
 def task_overrides() -> list[str]:

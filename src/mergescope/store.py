@@ -162,8 +162,9 @@ def create_sqlite(path: Path) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service.utils import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
 
-    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
+    import uuid
+
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # a new name: a new engine
     try:
         store = SqlAlchemyStore(f"sqlite:///{tmp}", DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)
         store.engine.dispose()

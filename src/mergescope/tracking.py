@@ -17,6 +17,7 @@ from typing import Any
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one-line errors stay one line
 
 import yaml  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
