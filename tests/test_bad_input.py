@@ -110,7 +110,37 @@ def world(tiny_models, tmp_path):
         (tmp_path / name / "eng_Latn.txt").write_bytes(eng)
         (tmp_path / name / "por_Latn.txt").write_text("um\ndois\ntres\n")
     w["readonly"] = unwritable_folder(tmp_path)
+    w["shapes"] = broken_copy(en, m / "shapes", misfit_shapes)
+    w["unknown_type"] = broken_copy(en, m / "unknown_type", lambda f: edit_config(f, model_type="gpt_neoxx"))
+    flores = [(FLORES / "devtest" / f"{lang}.devtest").read_text(encoding="utf-8").splitlines() for lang in ("eng_Latn", "por_Latn")]
+    for name, eng, por in (("misaligned", flores[0][:80], flores[1][:79]), ("nul", flores[0][:N], flores[1][:N])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eng_Latn.txt").write_text("\n".join(eng) + "\n", encoding="utf-8")
+        (tmp_path / name / "por_Latn.txt").write_text("\n".join(por) + "\n", encoding="utf-8")
+    nul = tmp_path / "nul" / "eng_Latn.txt"
+    nul.write_bytes(nul.read_bytes().replace(b"\n", b"\x00\n", 3)[:-1] + b"\n")
+    (tmp_path / "artifacts_file").write_text("not a folder")
+    (tmp_path / "corrupt_db").mkdir()
+    (tmp_path / "corrupt_db" / "mlflow.db").write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
     return w
+
+
+def misfit_shapes(folder: Path) -> None:
+    """A safetensors header whose first tensor's shape no longer fits its byte range (same header length)."""
+    f = folder / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, t in header.items() if k != "__metadata__" and len(t["shape"]) == 2)
+    old = json.dumps(header[name]["shape"]).replace(" ", "")
+    text = data[8:8 + n].decode()
+    at = text.index(f'"{name}"')
+    i = text.index(old, at)
+    d = old[1:-1].split(",")[0]
+    new = "[" + str(int(d) + 1).rjust(len(d), "0")[-len(d):] + old[1 + len(d):]
+    assert len(new) == len(old) and new != old
+    data[8 + i:8 + i + len(old)] = new.encode()
+    f.write_bytes(bytes(data))
 
 
 def measure(w, a="en", *extra):
@@ -149,6 +179,37 @@ CASES = {
     "tracking.uri missing parent": ("inproc", lambda w: measure(w, "en", f"tracking.uri=sqlite:///{w['tmp']}/nope/deeper/mlflow.db"),
                                     "nope/deeper does not exist; create it (mkdir -p"),
     "custom code (auto_map)": ("launch", lambda w: measure(w, "custom"), "declares custom code (auto_map: AutoModelForCausalLM)"),
+    # issue 21 (5)-(9)
+    "data.max_sentences < 0": ("launch", lambda w: [*measure(w)[:-1], "data.max_sentences=-70"], "data.max_sentences=-70 must be"),
+    "native.nll_sentences < 0": ("inproc", lambda w: [*native(w, "en", "en", "pair.a.revision=step1", "pair.b.revision=step2")[:-1],
+                                                      "native.nll_sentences=-1000"], "native.nll_sentences=-1000 must be"),
+    "misaligned before the cut": ("inproc", lambda w: [*measure(w)[:-1], "data.max_sentences=50", "data=folder",
+                                                       f"data.root={w['tmp'] / 'misaligned'}"], "has 80 lines but"),
+    "NUL byte in a line": ("inproc", lambda w: measure(w, "en", "data=folder", f"data.root={w['tmp'] / 'nul'}"),
+                           "eng_Latn.txt line 1 holds a NUL byte"),
+    "unknown key added with +": ("launch", lambda w: measure(w, "en", "+represent.layr=2"), "unknown setting 'represent.layr'"),
+    "revision with ..": ("inproc", lambda w: measure(w, "en", f"pair.a.revision=../{w['pt'].name}"), "is not a revision"),
+    "mutual_knn k not an int": ("inproc", lambda w: measure(w, "en", "metric=mutual_knn", "metric.k=2.5"), "metric.k=2.5 must be an integer"),
+    "cka_debiased n_blocks > n": ("inproc", lambda w: measure(w, "en", "metric=cka_debiased", "metric.n_blocks=5000"),
+                                  f"metric.n_blocks=5000 must be in [2, {N}]"),
+    "cka_debiased n_blocks = 1": ("inproc", lambda w: measure(w, "en", "metric=cka_debiased", "metric.n_blocks=1"),
+                                  f"metric.n_blocks=1 must be in [2, {N}]"),
+    "merge.weights length": ("inproc", lambda w: ["task=merge", "merge=linear", "merge.weights=[1,2,3]", *native(w, "en", "en",
+                             "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "has 3 weights for 2 models"),
+    "tracking.artifacts is a file": ("inproc", lambda w: measure(w, "en", f"tracking.artifacts={w['tmp'] / 'artifacts_file'}"),
+                                     "is a file, not a folder"),
+    "safetensors shapes misfit": ("launch", lambda w: measure(w, "shapes"), "its header is corrupt: tensor"),
+    "unknown model_type": ("inproc", lambda w: measure(w, "unknown_type"), "has model_type 'gpt_neoxx'"),
+    "corrupt mlflow.db": ("launch", lambda w: measure(w, "en", f"tracking.uri=sqlite:///{w['tmp']}/corrupt_db/mlflow.db"),
+                          "is not a usable SQLite store"),
+    "cache folder unwritable": ("inproc", lambda w: measure(w, "en", f"paths.cache={w['readonly']}/cache"), "cannot be written"),
+    "Hydra override error": ("launch", lambda w: measure(w, "en", "represent.layr=2"), "Could not override 'represent.layr'"),
+    "side b bad (side a not cached)": ("inproc", lambda w: [*measure(w)[:5], f"pair.b.name_or_path={w['overflow']}",
+                                                            "pair.b.lang=eng_Latn", f"data.max_sentences={N}"],
+                                       "have NaN or infinite representations"),
+    "merge.marginal_tol < 0": ("inproc", lambda w: ["task=transport", "merge=transport", "merge.marginal_tol=-1", *measure(w)[2:]],
+                               "merge.marginal_tol must be a positive number (the largest marginal error"),
+    "dead tracking server": ("launch", lambda w: measure(w, "en", "tracking.uri=http://127.0.0.1:9"), "start it with `make server`"),
 }
 
 
