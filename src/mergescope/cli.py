@@ -14,7 +14,7 @@ from omegaconf.errors import InterpolationResolutionError
 from mergescope.config import CONF_DIR
 from mergescope.errors import MergescopeError, did_you_mean
 
-GROUPS = ("model", "pair", "metric", "merge", "data", "task", "study", "tracking")
+GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking")
 
 # task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on
 # use, so a bad command line fails before torch or MLflow are imported.

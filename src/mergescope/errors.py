@@ -15,6 +15,13 @@ class MergescopeError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+class NotConverged(MergescopeError):
+    """An iterative solver (entropic OT) whose result fails its checks: a result of a setting sweep, not bad input.
+    Runs it ends carry the tag ``outcome = not_converged``."""
+
+    outcome = "not_converged"
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' or a list of the valid names when nothing is close."""
     choices = sorted(set(choices))

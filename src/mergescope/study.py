@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
 from mergescope.config import conf_options, to_plain
-from mergescope.errors import MergescopeError
+from mergescope.errors import MergescopeError, NotConverged
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
 from mergescope.progress import console
@@ -242,9 +242,7 @@ def _run_sweep(jobs: list[StudyJob]) -> None:
     for i, j in enumerate(jobs, 1):
         try:
             r = j.run()
-        except MergescopeError as exc:
-            if "did not converge" not in str(exc):
-                raise
+        except NotConverged as exc:
             console.print(f"[{i}/{len(jobs)}] [yellow]transport setting did not converge[/]: {str(exc)[:200]}")
             _record_failure(j, exc)
             continue
@@ -259,7 +257,7 @@ def _record_failure(j: StudyJob, exc: Exception) -> None:
     target = str(j.cfg.merge.target)
     donor = "b" if target == "a" else "a"
     tags = {"kind": "transport", "target": model_label(j.cfg.pair[target]), "donor": model_label(j.cfg.pair[donor]),
-            "outcome": "did not converge"}
+            "outcome": NotConverged.outcome}
     try:
         with Tracker(j.cfg).start(j.cfg, f"transport {tags['target']} <- {tags['donor']} (did not converge)", tags, j.overrides):
             raise exc

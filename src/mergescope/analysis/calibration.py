@@ -84,7 +84,7 @@ def failed_settings(b: Build) -> dict[float, list[tuple[str, str, str]]]:
     out: dict[float, list[tuple[str, str, str]]] = {}
     for r in runs:
         err = r.data.tags.get("error", "")
-        if "did not converge" in err:
+        if r.data.tags.get("outcome") == "not_converged" or "did not converge" in err:  # the string: stores before the tag
             eps = float(r.data.params.get("merge.epsilon", "nan"))
             d = f"{r.data.tags.get('target')} <- {r.data.tags.get('donor')}"
             if all(d != x[1] for x in out.get(eps, [])):  # a relaunch retries and fails again: one per direction

@@ -10,7 +10,7 @@ from mergescope.config import conf_options, load_conf, plain_copy
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, resolve_preset
 from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
-from mergescope.runs import JobResult, pair_label, pair_tags, pair_text, run_once
+from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
 TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mergescope.errors import MergescopeError
+from mergescope.errors import MergescopeError, NotConverged
 
 
 @dataclass
@@ -121,7 +121,7 @@ def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1
         else:
             reasons.append(f"{name}: marginal error {err:.2e} after {log.get('niter', max_iter)} iterations"
                            if math.isfinite(err) else f"{name}: non-finite plan")
-    raise MergescopeError(
+    raise NotConverged(
         f"entropic OT did not converge for a {n}x{m} {what} at epsilon={epsilon} ({'; '.join(reasons)}); "
         f"raise merge.epsilon or merge.max_iter — fusing through this plan would be meaningless"
     )
@@ -137,14 +137,6 @@ def column_stochastic(Q: torch.Tensor) -> torch.Tensor:
     Each donor input neuron then reads a convex combination of target neurons, so a donor neuron split
     in two keeps its full input (``fusion.py``)."""
     return Q / Q.sum(0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
-
-
-def shuffle_rows(Q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The random-plan control: the plan's rows in a seeded random order. Under uniform marginals
-    every row sums to 1/n, so both marginals and the plan's scale are unchanged; only the learned
-    neuron correspondence is destroyed."""
-    perm = torch.randperm(Q.shape[0], generator=generator).to(Q.device)
-    return Q[perm]
 
 
 def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) -> dict[str, float]:
