@@ -1,8 +1,12 @@
-"""One registry type for plug-ins (metrics, merge operators).
+"""One registry type for plug-ins (metrics, merge operators, adaptation operators).
 
 A plug-in is a function registered under a stable name with a decorator; its keyword
-arguments (after the two positional data arguments) are its parameter schema, and the YAML
+arguments (after the positional data arguments) are its parameter schema, and the YAML
 file of the same name in ``conf/<group>/`` holds exactly those keys (plus ``name``).
+Its metadata travels with it, in the decorator: ``headline`` (the metric key the report
+reads), ``higher_is_better``, ``reference`` (paper or code URL), ``order`` (report columns),
+``needs_base`` (merges), ``check`` (its settings' own checks). The report's metric lists are
+derived from the registry, so a new plug-in is one ``.py`` and one ``.yaml``.
 Modules in a plug-in package are discovered automatically.
 """
 
@@ -24,6 +28,25 @@ class Entry:
     fn: Callable[..., Any]
     kind: str
     meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def headline(self) -> str:
+        """The metric key the report reads for this plug-in (``register(name, headline=...)``; default: its name)."""
+        return str(self.meta.get("headline", self.name))
+
+    @property
+    def higher_is_better(self) -> bool | None:
+        return self.meta.get("higher_is_better")
+
+    @property
+    def reference(self) -> str | None:
+        """Where the definition comes from (paper or code URL), kept beside the plug-in."""
+        return self.meta.get("reference")
+
+    @property
+    def order(self) -> float:
+        """Where the plug-in comes in the report's columns (``register(name, order=...)``; unset: after the rest)."""
+        return float(self.meta.get("order", 1e9))
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -107,6 +130,15 @@ class Registry:
     def names(self) -> list[str]:
         self.discover()
         return sorted(self._entries)
+
+    def entries(self) -> list[Entry]:
+        """Every registered plug-in, in report order (``order``, then name)."""
+        self.discover()
+        return sorted(self._entries.values(), key=lambda e: (e.order, e.name))
+
+    def unregister(self, name: str) -> None:
+        """Remove a plug-in (tests that register one of their own clean up with it)."""
+        self._entries.pop(name, None)
 
     def get(self, name: str) -> Entry:
         self.discover()

@@ -45,11 +45,22 @@ class StudyJob:
         return handler(self.task)(self.cfg, self.overrides)
 
 
+def every_metric() -> str:
+    """``metric: all`` in a study's sweep: every registered metric plug-in that has its conf/metric YAML, in report
+    order (a new metric is in every such sweep with no other edit)."""
+    from mergescope.registry import metrics
+
+    have = set(conf_options("metric"))
+    return ",".join(e.name for e in metrics.entries() if e.name in have)
+
+
 def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
-    """Cartesian product of the sweeper params, as lists of ``key=value`` overrides."""
+    """Cartesian product of the sweeper params, as lists of ``key=value`` overrides (``metric: all`` = every metric)."""
     parser = OverridesParser.create()
     axes = []
     for key, spec in params.items():
+        if key == "metric" and str(spec).strip() == "all":
+            spec = every_metric()
         ov = parser.parse_override(f"{key}={spec}")
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
         axes.append([f"{key}={v}" for v in values])

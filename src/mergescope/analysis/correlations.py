@@ -10,7 +10,7 @@ import numpy as np
 
 from mergescope.analysis.records import base_name
 from mergescope.analysis.sections import Build
-from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, CROSS_DIAGNOSTICS, RTable, Section, csv_text, f3
+from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, cross_diagnostics, csv_text, f3
 from mergescope.stats import correlation_table, mantel_table, power_statement
 
 __all__ = ["correlation_section", "correlation_sections", "N_PERMUTATIONS"]
@@ -106,7 +106,8 @@ def correlation_sections(b: Build, n_permutations: int = N_PERMUTATIONS) -> list
     """8a (one row per checkpoint pair) and 8b (one row per cross-model pair), with their heatmaps and CSV tables."""
     b.frames.update({
         "checkpoint": {c: np.array([r.m(c) for r in b.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS},
-        "cross": {c: np.array([p["values"].get(c, np.nan) for p in b.pairs], dtype=np.float64) for c in CROSS_DIAGNOSTICS}})
+        "cross": {c: np.array([p["values"].get(c, np.nan) for p in b.pairs], dtype=np.float64)
+                  for c in cross_diagnostics(b.pairs)}})
     n_pairs = len(b.pairs)
     specs = [("checkpoint", "corr_checkpoint", "8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm", len(b.checkpoint),
               "One row per checkpoint pair (native weight merging).",

@@ -15,7 +15,7 @@ import numpy as np
 
 from mergescope.analysis.pairs import build_pair_rows, cka_matrix
 from mergescope.analysis.records import Rec, Study, base_name, is_checkpoint_pair
-from mergescope.analysis.tables import REPR_METRICS, TYPOLOGY, RTable, Section, csv_text, f3, median, short
+from mergescope.analysis.tables import TYPOLOGY, RTable, Section, csv_text, f3, median, repr_metrics, short
 
 __all__ = ["Build", "config_check", "coverage", "cka_section", "pair_matrix", "per_model_quality", "TRUE_KEYS", "ZOO_DECLARED"]
 
@@ -180,7 +180,7 @@ def _with_sd(v: dict[str, Any], key: str) -> str:
 
 
 def _representation_table(pairs: list[dict[str, Any]]) -> RTable:
-    metric_cols = [k for _, k in REPR_METRICS]
+    metric_cols = [k for _, k in repr_metrics(pairs)]
     rows = []
     for p in pairs:
         v = p["values"]
@@ -240,12 +240,13 @@ def _pair_matrix_missing(b: Build, sec: Section) -> None:
 def pair_matrix(b: Build) -> Section:
     """4. The cross-model diagnostic matrix: representation metrics with controls, NLL, typology, weights, transport."""
     sec = Section("pairs", "4. The cross-model diagnostic matrix")
-    metric_cols = [k for _, k in REPR_METRICS]
+    metric_cols = [k for _, k in repr_metrics(b.pairs)]
     rep = _representation_table(b.pairs)
     sec.tables += [rep, _quality_table(b.pairs)]
     _pair_matrix_missing(b, sec)
-    b.console_tables.append(RTable("Matched / shuffled, every metric", ["pair", *metric_cols], [r[:6] for r in rep.rows]))
-    b.csv["tables/pairs_matched_shuffled.csv"] = csv_text(["pair", *metric_cols], [[r[0], *r[1:6]] for r in rep.rows])
+    k = 1 + len(metric_cols)
+    b.console_tables.append(RTable("Matched / shuffled, every metric", ["pair", *metric_cols], [r[:k] for r in rep.rows]))
+    b.csv["tables/pairs_matched_shuffled.csv"] = csv_text(["pair", *metric_cols], [[r[0], *r[1:k]] for r in rep.rows])
     keys = sorted({k for p in b.pairs for k in p["values"]})
     b.csv["tables/pair_matrix.csv"] = csv_text(
         ["pair", "model_a", "model_b", *keys, *[f"run_id.{k}" for k in keys]],

@@ -17,14 +17,38 @@ from rich.table import Table
 
 from mergescope.analysis.records import Rec
 
-__all__ = ["RTable", "Section", "Analysis", "csv_text", "f3", "short", "median", "tables_text", "REPR_METRICS",
-           "CHECKPOINT_DIAGNOSTICS", "CROSS_DIAGNOSTICS", "TYPOLOGY", "NATIVE_PAIR"]
+__all__ = ["RTable", "Section", "Analysis", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
+           "cross_diagnostics", "CHECKPOINT_DIAGNOSTICS", "PAIR_DIAGNOSTICS", "TYPOLOGY", "NATIVE_PAIR"]
 
-REPR_METRICS = [("cka", "cka"), ("procrustes", "procrustes"), ("svcca", "svcca"), ("retrieval", "retrieval_p1"), ("mutual_knn", "mutual_knn")]
 CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
                           "cka", "lmc_barrier", "merge_gain"]
-CROSS_DIAGNOSTICS = ["cka", "procrustes", "svcca", "retrieval_p1", "mutual_knn", "nll_mean", "typology_syntactic",
-                     "typology_genetic", "typology_featural", "transport_delta", "transport_ot_minus_rand"]
+PAIR_DIAGNOSTICS = ["nll_mean", "typology_syntactic", "typology_genetic", "typology_featural", "transport_delta",
+                    "transport_ot_minus_rand"]
+
+
+def repr_metrics(pairs: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
+    """(plug-in name, headline metric key) of every registered representation metric, in report order: derived from
+    the registry, so a new metric plug-in reaches sections 4 and 8 without an edit here. With ``pairs``, only the
+    metrics some pair has a value of (a study that did not measure one has no column for it)."""
+    from mergescope.registry import metrics
+
+    out = [(e.name, e.headline) for e in metrics.entries()]
+    if pairs is not None:
+        out = [(n, k) for n, k in out if any(k in p["values"] for p in pairs)]
+    return out
+
+
+def cross_diagnostics(pairs: list[dict[str, Any]] | None = None) -> list[str]:
+    """The cross-model correlation table's columns: every representation metric's headline, then the pair's others."""
+    return [k for _, k in repr_metrics(pairs)] + PAIR_DIAGNOSTICS
+
+
+def __getattr__(name: str):  # the former constants, now derived from the registry
+    if name == "REPR_METRICS":
+        return repr_metrics()
+    if name == "CROSS_DIAGNOSTICS":
+        return cross_diagnostics()
+    raise AttributeError(name)
 TYPOLOGY = ["typology_syntactic", "typology_genetic", "typology_featural"]
 NATIVE_PAIR = ["weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "lmc_barrier", "merge_gain"]
 

@@ -131,7 +131,8 @@ def check_cka(n: int, n_blocks: int = 50, **_: Any) -> None:
                               "sentences; lower metric.n_blocks or use more sentences")
 
 
-@metrics.register("cka", check=check_cka)
+@metrics.register("cka", check=check_cka, order=1, higher_is_better=True, headline="cka",
+                  reference="https://arxiv.org/abs/1905.00414")
 def cka_metric(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> dict[str, float]:
     est, lo, hi = cka_jackknife(X, Y, n_blocks=n_blocks, device=device)
     return {"cka": est, "cka_ci_low": lo, "cka_ci_high": hi}

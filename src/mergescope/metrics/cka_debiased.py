@@ -98,7 +98,8 @@ def check_cka_debiased(n: int, n_blocks: int = 50, **_: Any) -> None:
                               "replicate (the unbiased HSIC needs 4); raise metric.n_blocks or use more sentences")
 
 
-@metrics.register("cka_debiased", check=check_cka_debiased)
+@metrics.register("cka_debiased", check=check_cka_debiased, order=6, higher_is_better=True,
+                  reference="https://arxiv.org/abs/2202.07757")
 def cka_debiased_metric(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> dict[str, float]:
     est, lo, hi = debiased_cka_jackknife(X, Y, n_blocks=n_blocks, device=device)
     return {"cka_debiased": est, "cka_debiased_ci_low": lo, "cka_debiased_ci_high": hi}

@@ -36,6 +36,7 @@ def check_knn(n: int, k: int = 10, **_: Any) -> None:
                               "itself; lower metric.k or use more sentences")
 
 
-@metrics.register("mutual_knn", check=check_knn)
+@metrics.register("mutual_knn", check=check_knn, order=5, higher_is_better=True,
+                  reference="https://arxiv.org/abs/2405.07987")
 def mutual_knn_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
     return {"mutual_knn": mutual_knn(X, Y, k=k, device=device), "mutual_knn_chance": k / (len(X) - 1)}

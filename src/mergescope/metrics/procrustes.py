@@ -29,6 +29,6 @@ def procrustes_alignability(X: Any, Y: Any, device: str = "auto") -> float:
     return float(torch.linalg.svdvals(_unit(y).T @ _unit(x)).sum())
 
 
-@metrics.register("procrustes")
+@metrics.register("procrustes", order=2, higher_is_better=True, reference="https://arxiv.org/abs/2108.01661")
 def procrustes_metric(X: Any, Y: Any, device: str = "auto") -> dict[str, float]:
     return {"procrustes": procrustes_alignability(X, Y, device=device)}

@@ -88,7 +88,8 @@ def check_retrieval(n: int, train_frac: float = 0.5, ridge: float = 1e-2, **_: A
         raise MergescopeError(f"{n} sentences are too few for a metric.train_frac={train_frac} split (each half needs 2)")
 
 
-@metrics.register("retrieval", check=check_retrieval)
+@metrics.register("retrieval", check=check_retrieval, order=4, higher_is_better=True, headline="retrieval_p1",
+                  reference="https://arxiv.org/abs/2405.07987")
 def retrieval_metric(
     X: Any, Y: Any, train_frac: float = 0.5, ridge: float = 1e-2, seed: int = 0, device: str = "auto"
 ) -> dict[str, float]:

@@ -52,7 +52,8 @@ def check_svcca(n: int, var_explained: float = 0.99, max_dims: int = 64, **_: An
         raise MergescopeError(f"metric.max_dims={max_dims} must be at least 1")
 
 
-@metrics.register("svcca", check=check_svcca)
+@metrics.register("svcca", check=check_svcca, order=3, higher_is_better=True,
+                  reference="https://arxiv.org/abs/1706.05806")
 def svcca_metric(
     X: Any, Y: Any, var_explained: float = 0.99, max_dims: int = 64, device: str = "auto"
 ) -> dict[str, float]:

@@ -1,0 +1,75 @@
+"""Issue 23: a plug-in is one .py and one .yaml. A test-only metric, registered as its module would register it and
+given its YAML, appears in a `metric: all` sweep, in the report's representation table and in the cross-model
+correlation table, with no other edit; its metadata (headline, direction, reference) travels with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergescope.config import CONF_DIR
+from mergescope.registry import metrics
+
+NAME = "zz_test_overlap"
+
+
+@pytest.fixture
+def plugin():
+    """What `src/mergescope/metrics/<name>.py` + `conf/metric/<name>.yaml` would add, cleaned up afterwards."""
+    @metrics.register(NAME, order=99, headline="zz_overlap", higher_is_better=True, reference="https://example.org/paper")
+    def zz_metric(X, Y, scale: float = 1.0, device: str = "auto") -> dict[str, float]:
+        return {"zz_overlap": scale * float(np.mean(np.asarray(X) * np.asarray(Y)))}
+
+    yaml = CONF_DIR / "metric" / f"{NAME}.yaml"
+    yaml.write_text(f"name: {NAME}\nscale: 1.0\n")
+    try:
+        yield metrics.get(NAME)
+    finally:
+        yaml.unlink()
+        metrics.unregister(NAME)
+
+
+def test_the_plugin_carries_its_metadata(plugin):
+    assert plugin.headline == "zz_overlap" and plugin.higher_is_better is True
+    assert plugin.reference == "https://example.org/paper"
+    assert plugin.check_kwargs({"scale": 2.0}) == {"scale": 2.0}
+    assert metrics.get("retrieval").headline == "retrieval_p1" and metrics.get("cka").reference.startswith("https://")
+
+
+def test_a_new_metric_is_in_every_metric_all_sweep(plugin):
+    from mergescope.study import every_metric, sweep_jobs
+
+    names = every_metric().split(",")
+    assert names[:5] == ["cka", "procrustes", "svcca", "retrieval", "mutual_knn"] and names[-1] == NAME
+    jobs = sweep_jobs({"pair": "p1,p2", "metric": "all"})
+    assert ["pair=p1", f"metric={NAME}"] in jobs and len(jobs) == 2 * len(names)
+
+
+def _pairs(n_models=5, seed=0):
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for a, b in itertools.combinations(range(n_models), 2):
+        v = {k: float(rng.random()) for k in ("cka", "procrustes", "svcca", "retrieval_p1", "mutual_knn", "zz_overlap")}
+        v.update({f"{k}_shuffled": 0.0 for k in list(v)})
+        out.append({"pair": f"m{a}__m{b}", "a": f"m{a}", "b": f"m{b}", "values": v, "recs": {}, "src": {}})
+    return out
+
+
+def test_a_new_metric_reaches_the_report_and_the_correlation_table(plugin):
+    from mergescope.analysis.correlations import correlation_section
+    from mergescope.analysis.sections import _representation_table
+    from mergescope.analysis.tables import cross_diagnostics, repr_metrics
+
+    pairs = _pairs()
+    assert ("zz_test_overlap", "zz_overlap") in repr_metrics(pairs)
+    assert "zz_overlap" in _representation_table(pairs).columns
+    cols = cross_diagnostics(pairs)
+    assert "zz_overlap" in cols
+    frame = {c: np.array([p["values"].get(c, np.nan) for p in pairs]) for c in cols}
+    _, table, _ = correlation_section("x", "8b", frame, len(pairs), 200, "intro",
+                                      models=([p["a"] for p in pairs], [p["b"] for p in pairs]))
+    assert "zz_overlap" in set(table["a"]) | set(table["b"])
+    # a metric no pair measured has no column
+    assert "cka_debiased" not in [k for _, k in repr_metrics(pairs)]
