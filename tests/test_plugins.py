@@ -73,3 +73,23 @@ def test_a_new_metric_reaches_the_report_and_the_correlation_table(plugin):
     assert "zz_overlap" in set(table["a"]) | set(table["b"])
     # a metric no pair measured has no column
     assert "cka_debiased" not in [k for _, k in repr_metrics(pairs)]
+
+
+# ---------------------------------------------------------------- arms named explicitly
+
+def test_a_study_names_its_arms_and_a_bad_list_is_one_line(compose_cfg):
+    from mergescope.errors import MergescopeError
+    from mergescope.study import study_arms
+
+    cfg, _ = compose_cfg(["study=toy"])
+    assert study_arms(cfg) == ["representation", "native", "checkpoints", "transport", "shared_space", "adapt"]
+    cfg, _ = compose_cfg(["study=shared_space"])
+    assert "transport" not in study_arms(cfg) and "shared_space" in study_arms(cfg)
+    cfg, _ = compose_cfg(["study=adapt_full"])  # inherits study=adapt's list through its defaults
+    assert study_arms(cfg) == ["representation", "native", "adapt"]
+    cfg, _ = compose_cfg(["study=toy", "arms=[representation,transprot]"])
+    with pytest.raises(MergescopeError, match="unknown arm 'transprot': did you mean 'transport'"):
+        study_arms(cfg)
+    cfg, _ = compose_cfg(["study=crossarch_1b", "arms=[adapt]"])
+    with pytest.raises(MergescopeError, match="adaptation.pairs is empty"):
+        study_arms(cfg)

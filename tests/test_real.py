@@ -108,7 +108,7 @@ def test_true_config_and_quantisation(gguf_lm, lm):
 
 @needs_real
 def test_gguf_and_converted_folder_agree(gguf_lm, lm, folder):
-    rec = real._recorded(folder)
+    rec = real.recorded(folder)
     assert rec[real.GGUF_FILE] == models.file_sha256(str(real.package_gguf().resolve()))
     assert rec["model.safetensors"] == models.file_sha256(str(folder / "model.safetensors"))
     x = gguf_lm.tokenizer(SENTS, return_tensors="pt", padding=True)

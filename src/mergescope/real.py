@@ -47,7 +47,7 @@ def gguf_ref(path: Path):
     return ModelRef(name=NAME, location=str(path.parent), revision=None, local=True, gguf_file=path.name)
 
 
-def _recorded(out: Path) -> dict[str, str]:
+def recorded(out: Path) -> dict[str, str]:
     """``{file name: sha256}`` from ``out/gguf.sha256`` (sha256sum format), empty when absent."""
     f = out / SHA_FILE
     if not f.is_file():
@@ -101,7 +101,7 @@ def convert(root: str | Path = "real", quiet: bool = False) -> Path:
     _link(src, root)
     sha = file_sha256(str(src.resolve()))
     out = root / NAME
-    rec = _recorded(out)
+    rec = recorded(out)
     if rec:
         weights = out / "model.safetensors"
         if rec.get(src.name) == sha and weights.is_file() and rec.get("model.safetensors") == file_sha256(str(weights)):

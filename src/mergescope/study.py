@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
 from mergescope.config import conf_options, to_plain
-from mergescope.errors import MergescopeError, NotConverged
+from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
 from mergescope.progress import console
@@ -115,6 +115,27 @@ def model_override(base: list[str], entry: DictConfig) -> list[str]:
     return ["model=custom", *(f"{'' if k in custom else '+'}model.{k}={hydra_value(v)}" for k, v in to_plain(entry).items())]
 
 
+ARMS = ("representation", "native", "checkpoints", "transport", "transport_sweep", "shared_space", "adapt")
+ARM_NEEDS = {"checkpoints": ("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),
+             "transport_sweep": ("transport_sweep", lambda c: c.get("transport_sweep")),
+             "adapt": ("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs"))}
+
+
+def study_arms(cfg: DictConfig) -> list[str]:
+    """The arms a study runs, named explicitly (``arms: [...]``; the measure sweep's pairs feed every pair arm):
+    representation (the measure sweep, quality, typology), native (cross-model pairs that share a parameter space),
+    checkpoints, transport (both directions of every pair), transport_sweep, shared_space, adapt. An unknown arm, or
+    an arm whose inputs the study does not give, is one line."""
+    arms = [str(a) for a in (cfg.get("arms") or [])]
+    for a in arms:
+        if a not in ARMS:
+            raise MergescopeError(f"arms: unknown arm '{a}': {did_you_mean(a, ARMS)}")
+    for a in arms:
+        if a in ARM_NEEDS and not ARM_NEEDS[a][1](cfg):
+            raise MergescopeError(f"arms lists '{a}' but {ARM_NEEDS[a][0]} is empty: set it, or leave the arm out")
+    return arms
+
+
 class Plan:
     """A study's jobs, by what they are about."""
 
@@ -124,6 +145,7 @@ class Plan:
         if not params:
             raise MergescopeError("this study defines no sweep (hydra.sweeper.params); pick one with study=<name>")
         self.cfg = compose(config_name="config", overrides=overrides)
+        self.arms = study_arms(self.cfg)
         self.base = _without(overrides, "task")
         self.measures = [StudyJob("measure", ov, compose(config_name="config", overrides=ov))
                          for ov in (self.base + combo for combo in sweep_jobs(params))]
@@ -147,10 +169,10 @@ class Plan:
         return [job(task, [*self.base, *model_override(self.base, e), *train_steps(task, e)]) for e in self.entries.values()]
 
     def shared_jobs(self) -> list[StudyJob]:
-        """The shared-space arm (``shared.arm``): per probe set (``shared.data_sets``), agreement on every pair at
-        every depth and one shared-space job over ``shared.models``; routing on the first probe set."""
+        """The shared-space arm (``arms: [shared_space]``): per probe set (``shared.data_sets``), agreement on every
+        pair at every depth and one shared-space job over ``shared.models``; routing on the first probe set."""
         s = self.cfg.shared
-        if not s.get("arm"):
+        if "shared_space" not in self.arms:
             return []
         out = []
         for k, data in enumerate(s.data_sets):
@@ -171,6 +193,8 @@ class Plan:
         shared ``checkpoints.revisions`` per model; ``all`` = every stepN revision the model has)."""
         ck = self.cfg.get("checkpoints") or {}
         out = []
+        if "checkpoints" not in self.arms:
+            return out
         for m in ck.get("models") or []:
             model = compose(config_name="config", overrides=[*self.base, f"model={m}"]).model
             entry = OmegaConf.to_container(model)
@@ -193,7 +217,7 @@ class Plan:
         """``transport_sweep`` (a calibration study): the first ``directions`` transport directions (all when unset),
         once per entry of ``settings`` (each a list of overrides, e.g. ``[merge.epsilon=0.003]``)."""
         sw = self.cfg.get("transport_sweep")
-        if not sw:
+        if not sw or "transport_sweep" not in self.arms:
             return []
         dirs = self.transport_directions()
         dirs = dirs[: int(sw.directions)] if sw.get("directions") else dirs
@@ -203,6 +227,8 @@ class Plan:
         """The dimensional-adaptation arm: for every ``[small, large]`` of ``adaptation.pairs``, union (adapt=expand)
         and intersection (adapt=truncate)."""
         out = []
+        if "adapt" not in self.arms:
+            return out
         for small, large in (self.cfg.get("adaptation") or {}).get("pairs") or []:
             a, b = (compose(config_name="config", overrides=[*self.base, f"model={m}"]).model for m in (small, large))
             extra = (self.cfg.adaptation.get("operator_overrides") or {})
@@ -342,12 +368,13 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", parallel_workers(plan))
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
-    _run_all(plan.model_jobs("quality"), lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
-    _run_all(plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
-    _run_all(plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")
-    _run_all(plan.native_pairs(), lambda j, r: f"native pair {_pair_text(j)}")
+    rep = "representation" in plan.arms
+    _run_all(plan.model_jobs("quality") if rep else [], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
+    _run_all(plan.measures if rep else [], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
+    _run_all(plan.pair_jobs("typology") if rep else [], lambda j, r: f"typology {_pair_text(j)}")
+    _run_all(plan.native_pairs() if "native" in plan.arms else [], lambda j, r: f"native pair {_pair_text(j)}")
     _checkpoint_arm(plan)
-    _run_all(plan.transport_directions() if plan.cfg.get("study_transport", True) else [], _transport_text, parallel_workers(plan),
+    _run_all(plan.transport_directions() if "transport" in plan.arms else [], _transport_text, parallel_workers(plan),
              together=_target)  # one target's directions in one worker: its no-fusion baseline is made once
     _run_sweep(plan.transport_sweep())
     _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
