@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 
 def _fake_hub_cache(root: Path, repo: str, refs: dict[str, str], size: int = 1000) -> Path:

@@ -130,3 +130,16 @@ def test_all_step_revisions_of_a_local_run_in_step_order(tiny_models, tmp_path):
     (run / "step7").mkdir()  # no config.json: not a checkpoint
     assert step_revisions(resolve(OmegaConf.create({"name_or_path": str(run), "revision": None}))) == ["step1", "step2", "step10", "step100"]
     assert step_revisions(resolve(OmegaConf.create({"name_or_path": str(run), "revision": "step2"}))) == ["step1", "step2", "step10", "step100"]
+
+
+def test_ruff_passes():
+    """The project's ruff configuration (pyproject.toml [tool.ruff]) holds on the whole tree."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
+    out = subprocess.run([ruff, "check", "src", "tests", "benchmarks", "launch.py"], cwd=SRC.parents[1], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FLORES, make_tokenizer, save_tiny
+from conftest import FLORES, make_tokenizer
 
 from mergescope.errors import MergescopeError, NotConverged
 from mergescope.transport import fusion as fus
@@ -578,7 +578,7 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     from mergescope.transport.job import run_transport
 
     cfg, ov = compose_cfg(transport_job(tiny_models, target="b"))
-    r = run_transport(cfg, ov)
+    run_transport(cfg, ov)
     rs = runs(cfg.paths.root)
     assert {x.info.status for x in rs} == {"FINISHED"}
     tr = sorted([x for x in rs if x.data.tags["kind"] == "transport"], key=lambda x: x.data.metrics["alpha"])
