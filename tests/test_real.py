@@ -76,6 +76,8 @@ def test_gguf_fingerprint_covers_the_file(tmp_path):
 def test_missing_gguf_or_folder_names_the_setup_command(tmp_path):
     with pytest.raises(MergescopeError, match=r"GGUF file .*nope\.gguf does not exist; run `make real`"):
         models.resolve(OmegaConf.create({"name_or_path": str(tmp_path), "gguf_file": "nope.gguf", "setup": "make real"}))
+    with pytest.raises(MergescopeError, match=r"must be a \.gguf file's name"):
+        models.resolve(OmegaConf.create({"name_or_path": str(tmp_path), "gguf_file": "../elsewhere/m.gguf"}))
     with pytest.raises(MergescopeError, match=r"does not exist; run `make real`"):
         models.resolve(OmegaConf.create({"name_or_path": str(tmp_path / "absent"), "setup": "make real"}))
 

@@ -122,6 +122,8 @@ def resolve(entry: Any) -> ModelRef:
 def resolve_gguf(entry: Any, path: str, rev: Any, name: str) -> ModelRef:
     """A model entry with ``gguf_file``: the file inside a local folder (``revision`` = a sub-folder) or a hub repo."""
     gguf = str(entry.gguf_file)
+    if "/" in gguf.replace("\\", "/") or gguf in (".", "..") or not gguf.endswith(".gguf"):
+        raise MergescopeError(f"gguf_file='{gguf}' must be a .gguf file's name inside name_or_path (no folder part)")
     if _looks_local(path):
         folder = Path(path).expanduser().resolve() / (str(rev) if rev else "")
         if not (folder / gguf).is_file():
