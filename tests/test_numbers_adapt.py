@@ -219,7 +219,9 @@ def test_bits_per_byte_predicts_every_token_from_the_start_token_on_a_known_case
     m = _model("llama", tok, **SMALL)
     sent = ["Rain in the hills."]
     ids = sentence_ids(tok, sent)[0]
-    assert ids[0] == (tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
+    from mergescope.bpb import start_id
+
+    assert ids[0] == start_id(tok) == tok.get_vocab()["<|endoftext|>"]  # the zoo's document separator
     assert ids[1:] == tok(sent, add_special_tokens=False)["input_ids"][0]
     with torch.no_grad():
         logp = torch.log_softmax(m(torch.tensor([ids])).logits[0, :-1].double(), -1)
@@ -300,3 +302,33 @@ def test_the_mantel_null_permutes_model_labels_exactly():
     y2 = y.copy()
     y2[0] = np.nan
     assert np.isnan(mantel_table({"x": x, "y": y2}, la, lb)[("x", "y")]["p_mantel"])
+
+
+def test_the_start_token_is_the_document_separator_not_a_declared_chat_bos(tok):
+    """A tokenizer that adds no BOS but declares a chat-role marker as its BOS (SmolLM2: <|im_start|>) starts from
+    its document separator; one that adds its BOS itself starts from that."""
+    from mergescope.bpb import start_id
+
+    class Chat:  # SmolLM2's arrangement on the zoo tokenizer: a declared BOS that is never added
+        def __init__(self, base):
+            self.base = base
+            self.bos_token_id, self.eos_token_id = 5, 6
+            self.all_special_ids = [0, 5, 6]
+
+        def __call__(self, *a, **k):
+            return self.base(*a, **k)
+
+        def get_vocab(self):
+            return self.base.get_vocab()
+
+    assert start_id(Chat(tok)) == tok.get_vocab()["<|endoftext|>"]
+
+    class AddsBos(Chat):
+        def __call__(self, text, add_special_tokens=True, **k):
+            out = self.base(text, add_special_tokens=False, **k)
+            ids = out["input_ids"]
+            return {"input_ids": [7, *ids] if add_special_tokens else ids}
+
+    adds = AddsBos(tok)
+    adds.all_special_ids = [0, 5, 6, 7]
+    assert start_id(adds) == 7

@@ -236,6 +236,17 @@ def adapt_section(b: Build) -> Section:
                                   "= better; regressed = worse than the ratio-0 anchor on that task"))
     if verdicts:
         sec.text.append("Seesaw at the ratio chosen on the validation split: " + "; ".join(verdicts) + ".")
+    parts = []
+    for key, rs in groups.items():
+        best = next((r for r in rs if r.tags.get("ratio") == "best"), None)
+        if best is None:
+            continue
+        ctl = min((best.m(k) for k in ("test_nll_scaling", "test_nll_noise") if math.isfinite(best.m(k))), default=float("nan"))
+        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev) gains "
+                     f"{best.m('gain_vs_small'):+.4f} nats/token on test over ratio 0"
+                     + (f", {'beating' if best.m('best_test_nll') < ctl else 'not beating'} its best control ({ctl:.3f} vs "
+                        f"{best.m('best_test_nll'):.3f})" if math.isfinite(ctl) else "") + f" [run {short(best.run_id)}]")
+    sec.finding = "; ".join(parts) + "." if parts else ""
     for key, rs in groups.items():
         pts = _points(rs)
         grid = [f"{r.m('ratio'):g}" for r in pts if r.m("ratio") > 0]

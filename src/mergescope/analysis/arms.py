@@ -59,6 +59,10 @@ def checkpoint_arm(b: Build) -> Section:
     sec.figures.append(("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance"))
     b.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     b.metrics["checkpoint_pairs"] = float(len(ck))
+    beats = [r for r in ck if r.m("merge_beats_better_endpoint") == 1]
+    bar = median(r.m("lmc_barrier") for r in ck)
+    sec.finding = (f"Over {len(ck)} checkpoint pairs the median LMC barrier is {f3(bar)} nats/token and merging beats the "
+                   f"better endpoint in {len(beats)}/{len(ck)} (the endpoints are the control; runs in the table).")
     b.console_tables.append(sec.tables[0])
     return sec
 
@@ -103,6 +107,11 @@ def native_pair(b: Build) -> Section:
         sec.missing.append("native pair: not measured (no cross-model pair shares a parameter space, or its native run is missing)")
     for n in cross_native:
         _native_pair_tables(sec, n, b.study.kind("merge"), b.study.curves.get(n.run_id) or [])
+    if cross_native:
+        n = cross_native[0]
+        sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token, best merged NLL "
+                       f"{f3(n.m('best_merged_nll'))} against the better endpoint (merge gain {f3(n.m('merge_gain'))}; run "
+                       f"{short(n.run_id)}).")
     return sec
 
 
@@ -138,6 +147,9 @@ def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
     per_alpha = {}
     for r in runs:
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
+    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
+                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}"
+                   + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
     b.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})

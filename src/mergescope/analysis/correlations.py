@@ -85,6 +85,11 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
         return sec, None, {}
     table = correlation_table(usable, n_permutations=n_permutations, seed=0)
     tested, power = _power(table, n_rows)
+    top = tested.reindex(tested["rho"].abs().sort_values(ascending=False).index).head(1)
+    strongest = (f"; the strongest cell is {top['a'].iloc[0]} x {top['b'].iloc[0]}, rho {top['rho'].iloc[0]:+.2f} "
+                 f"(p_perm {top['p_perm'].iloc[0]:.3g})" if len(top) else "")
+    sec.finding = (f"{power['survivors']} of {len(tested)} diagnostic pairs survive BH at q<0.05 over n={n_rows} rows"
+                   f"{strongest}; at this n an uncorrected test needs |rho| >= {power['min_significant_rho']:.2f}.")
     sec.text.append(intro)
     sec.text.append(f"Power: {power['text_full']} Permutation null: {n_permutations} label shuffles per cell; "
                     "q_bh is Benjamini-Hochberg across the whole table.")
@@ -92,13 +97,16 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
     if models is not None:
         sec.text.append(add_mantel(table, frame, models, n_permutations))
         cols = COLUMNS + MANTEL_COLUMNS
+        sec.finding += f" With the model-level (Mantel) null, {int(np.sum(table['q_mantel'] < 0.05))} survive BH."
     if dropped:
         sec.missing.append(f"{title}: left out of the table, not measured or not varying: {', '.join(dropped)}")
     rows = sorted(table.to_dict("records"), key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0)
     sec.tables.append(RTable(f"{title} (n={n_rows}, {len(tested)} cells)", cols,
                              [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4),
                                *(f3(r[c], 4) for c in cols[len(COLUMNS):])] for r in rows],
-                             note=power["text_full"]))
+                             note="p_perm: two-sided permutation p (row shuffles); q_bh: Benjamini-Hochberg across the table"
+                                  + ("; p_mantel / q_mantel: the model-level null and its BH" if models is not None else "")
+                                  + " (power: in the text above)"))
     return sec, table, power
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from mergescope.analysis.tables import Analysis, RTable
 from mergescope.tracking import UI_MODE
 
-__all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown", "summary_lines", "not_measured_lines"]
+__all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown", "summary_lines", "not_measured_lines",
+           "slug", "toc_lines"]
 
 CSS = """body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}th,td{border:1px solid #ccc;padding:.25em .5em}
@@ -63,25 +64,34 @@ def _header(an: Analysis, run_id: str | None, tracking_uri: str | None) -> list[
             "first 8 characters; the run index at the end gives the full ids (also the artifact `inputs/runs.csv`).", ""]
 
 
+ARM_LABELS = (("cka", "Representation"), ("checkpoint", "Checkpoint merging"), ("native_pair", "Native cross-model pair"),
+              ("transport", "Transport fusion"), ("adapt", "Dimensional adaptation"), ("shared_space", "Shared space"),
+              ("corr_checkpoint", "Diagnostics, checkpoint arm (8a)"), ("corr_cross", "Diagnostics, cross-model arm (8b)"))
+
+
 def summary_lines(an: Analysis) -> list[str]:
-    """The summary: one line each for the CKA matrix, the checkpoint arm, transport and both correlation tables."""
-    summary = []
-    for key in ("cka", "checkpoint", "transport", "corr_checkpoint", "corr_cross"):
+    """The summary: one line per arm, its finding with its control and a run id (or why it was not measured)."""
+    out = []
+    for key, label in ARM_LABELS:
         s = next((s for s in an.sections if s.key == key), None)
         if s is None:
             continue
-        if key == "checkpoint" and s.tables:
-            rows = [r for r in s.tables[0].rows if r[0] == s.tables[0].rows[0][0]]
-            parts = [f"{r[1]}: n={r[2]}, median barrier {r[3]}, median merge gain {r[4]}, merging beats the better endpoint in {r[5]}"
-                     for r in rows if r[2] != "0"]
-            summary.append("Checkpoint arm -- " + "; ".join(parts) + ".")
-        elif key.startswith("corr") and s.text:
-            summary.append(s.title.split(": ", 1)[-1].capitalize() + ": " + s.text[-1].split(" Permutation null")[0].replace("Power: ", ""))
-        elif s.text:
-            summary.append(s.text[0] if key != "checkpoint" else "")
+        if s.finding:
+            out.append(f"**{label}**: {s.finding}")
         elif s.missing:
-            summary.append(s.missing[0])
-    return [x for x in summary if x]
+            out.append(f"**{label}**: {s.missing[0]}")
+    return out
+
+
+def slug(title: str) -> str:
+    """The heading's anchor, as GitHub and the HTML page both make it: lower case, punctuation dropped, spaces -> '-'."""
+    t = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return t.replace(" ", "-")
+
+
+def toc_lines(an: Analysis) -> list[str]:
+    heads = [s.title for s in an.sections] + ["Not measured (why)", "Run index"]
+    return ["## Contents", "", *(f"- [{h}](#{slug(h)})" for h in heads), ""]
 
 
 def not_measured_lines(an: Analysis) -> list[str]:
@@ -91,6 +101,8 @@ def not_measured_lines(an: Analysis) -> list[str]:
 
 def _section_markdown(an: Analysis, s) -> list[str]:
     lines = [f"## {s.title}", ""]
+    if s.finding:
+        lines += [f"**Finding.** {s.finding}", ""]
     if s.key == "figures":
         for name, cap in s.figures:
             lines += [f"![{cap}](figures/{name}.png)", "", f"*{cap}*", ""]
@@ -122,6 +134,7 @@ def build_markdown(an: Analysis, run_id: str | None = None, tracking_uri: str | 
     """The report as Markdown. Figures are referenced as ``figures/<name>.png``."""
     lines = _header(an, run_id, tracking_uri)
     lines += ["## Summary", ""] + [f"- {x}" for x in summary_lines(an)] + [""]
+    lines += toc_lines(an)
     for s in an.sections:
         lines += _section_markdown(an, s)
     missing = not_measured_lines(an)
@@ -163,8 +176,11 @@ def link_run_ids(md: str, run_ids: list[str], ui_url: str, experiment_id: str) -
 
 def markdown_to_html(md: str, title: str = "report") -> str:
     """The Markdown rendered (CommonMark + pipe tables, raw HTML escaped) as one standalone HTML page."""
+    body = _markdown().render(md)
+    body = re.sub(r"<h([23])>(.*?)</h\1>", lambda m: f'<h{m.group(1)} id="{slug(html.unescape(re.sub("<[^>]+>", "", m.group(2))))}">'
+                  f"{m.group(2)}</h{m.group(1)}>", body)  # anchors for the contents' links
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{CSS}</style></head><body>\n" + _markdown().render(md) + "</body></html>\n")
+            f"<style>{CSS}</style></head><body>\n" + body + "</body></html>\n")
 
 
 def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, tracking_uri: str | None = None,

@@ -161,6 +161,7 @@ def cka_section(b: Build) -> Section:
         ss = [r.m("cka_shuffled") for r in cka_recs]
         sec.text.append(f"Matched CKA is above its shuffled control for {n_above} of {len(cka_recs)} pairs: matched "
                         f"{min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) against shuffled {min(ss):.3f}-{max(ss):.3f}.")
+        sec.finding = sec.text[-1]
         sec.tables.append(RTable("CKA matrix (lower = matched, upper italic = shuffled)", ["", *models], rows,
                                  note="Runs: " + "; ".join(f"{r.tags['pair']} {short(r.run_id)}" for r in cka_recs)))
         sec.figures.append(("cka_matched_vs_shuffled", "matched vs shuffled last-layer CKA"))

@@ -91,6 +91,8 @@ class Section:
     tables: list[RTable] = field(default_factory=list)
     figures: list[tuple[str, str]] = field(default_factory=list)  # (figure name, caption)
     missing: list[str] = field(default_factory=list)  # "not measured (why)" lines
+    finding: str = ""  # the section's finding in one sentence, with its control and a run id (the report opens with it)
+    arm: str = ""      # the arm it summarises in the report's summary ("" = not an arm's headline section)
 
 
 @dataclass

@@ -98,6 +98,13 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         _log_analysis(job, an, study, out_dir, md_path, html_path)
     tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
     close_figures(an)
+    from rich.markup import escape
+
+    from mergescope.analysis.report import summary_lines
+
+    console.rule(f"[bold]{study.experiment}: findings")  # the terminal ends with the findings and the report's path
+    for line in summary_lines(an):
+        console.print("- " + escape(line.replace("**", "")), soft_wrap=True)
     print(f"report: {md_path}")
     print(f"        {html_path}")
     return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
