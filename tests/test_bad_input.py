@@ -189,7 +189,7 @@ CASES = {
                            "eng_Latn.txt line 1 holds a NUL byte"),
     "unknown key added with +": ("launch", lambda w: measure(w, "en", "+represent.layr=2"), "unknown setting 'represent.layr'"),
     "revision with ..": ("inproc", lambda w: measure(w, "en", f"pair.a.revision=../{w['pt'].name}"), "is not a revision"),
-    "mutual_knn k not an int": ("inproc", lambda w: measure(w, "en", "metric=mutual_knn", "metric.k=2.5"), "metric.k=2.5 must be an integer"),
+    "mutual_knn k not an int": ("inproc", lambda w: measure(w, "en", "metric=mutual_knn", "metric.k=2.5"), "k=2.5 is not an integer: set metric.k=<integer>"),
     "cka_debiased n_blocks > n": ("inproc", lambda w: measure(w, "en", "metric=cka_debiased", "metric.n_blocks=5000"),
                                   f"metric.n_blocks=5000 must be in [2, {N}]"),
     "cka_debiased n_blocks = 1": ("inproc", lambda w: measure(w, "en", "metric=cka_debiased", "metric.n_blocks=1"),

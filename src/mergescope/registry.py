@@ -71,7 +71,7 @@ class Entry:
                 f"{self.kind} '{self.name}' needs parameter '{missing[0]}': set {self.kind}.{missing[0]}=..."
             )
         for k, v in kwargs.items():
-            _check_type(f"{self.kind}.{k}", v, params[k].default)
+            _check_type(f"{self.kind} '{self.name}'", self.kind, k, v, params[k].default)
         return dict(kwargs)
 
     def check_data(self, n: int, kwargs: Mapping[str, Any]) -> None:
@@ -82,7 +82,7 @@ class Entry:
             check(n, **kwargs)
 
 
-def _check_type(key: str, value: Any, default: Any) -> None:
+def _check_type(what: str, kind: str, key: str, value: Any, default: Any) -> None:
     """A setting's value has the type of its parameter's default: an int for an int (``metric.k=2.5`` is refused
     here, not as a TypeError inside a run), a number for a float, true/false for a bool."""
     if value is None or default is None or default is inspect.Parameter.empty:
@@ -99,7 +99,7 @@ def _check_type(key: str, value: Any, default: Any) -> None:
     else:
         return
     if not ok:
-        raise MergescopeError(f"{key}={value!r} must be {want}")
+        raise MergescopeError(f"{what} {key}={value!r} is not {want}: set {kind}.{key}=<{want.removeprefix('a ').removeprefix('an ')}>")
 
 
 class Registry:
