@@ -20,7 +20,7 @@ def _check_linear(kwargs: Mapping, n_models: int | None) -> None:
             raise MergescopeError("merge 'linear' weights sum to 0 with normalize=true: change the weights or set normalize=false")
 
 
-@merges.register("linear", needs_base=False, check=_check_linear)
+@merges.register("linear", needs_base=False, check=_check_linear, reference="https://arxiv.org/abs/2203.05482", order=10)
 def linear(
     tensors: list[Tensor],
     base: Tensor | None,
@@ -53,7 +53,7 @@ def _check_slerp(kwargs: Mapping, n_models: int | None) -> None:
         raise MergescopeError("merge 'slerp' dot_threshold must be in (0, 1]: e.g. merge.dot_threshold=0.9995")
 
 
-@merges.register("slerp", needs_base=False, check=_check_slerp)
+@merges.register("slerp", needs_base=False, check=_check_slerp, reference="https://en.wikipedia.org/wiki/Slerp", order=11)
 def slerp(
     tensors: list[Tensor],
     base: Tensor | None,

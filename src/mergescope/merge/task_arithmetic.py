@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from mergescope.errors import MergescopeError
-from mergescope.merge._common import check_tensors, check_weights, work_dtype
+from mergescope.merge._common import check_choice, check_number, check_seed, check_tensors, check_weights, work_dtype
 from mergescope.merge.trim import magnitude_keep_mask
 from mergescope.registry import merges
 
@@ -39,14 +39,8 @@ CONSENSUS = ("none", "sign", "count")
 RESCALE = ("none", "density", "l1")
 
 
-def _choice(op: str, key: str, value, choices) -> None:
-    if value not in choices:
-        raise MergescopeError(f"merge '{op}' {key}={value!r} is not one of {', '.join(choices)}: set merge.{key}=<one of them>")
-
-
-def _check_number(op: str, key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MergescopeError(f"merge '{op}' {key}={value!r} is not a number: set merge.{key}=<number>")
+_choice = check_choice
+_check_number = check_number
 
 
 def _check_gta(kwargs: Mapping, n_models: int | None, op: str = "generalized_task_arithmetic") -> None:
@@ -64,9 +58,7 @@ def _check_gta(kwargs: Mapping, n_models: int | None, op: str = "generalized_tas
             f"merge '{op}' density={density} has no effect without sparsification: set merge.sparsification=magnitude|random or merge.density=1"
         )
     _check_number(op, "lambda_", kwargs.get("lambda_", 1.0))
-    seed = kwargs.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise MergescopeError(f"merge '{op}' seed={seed!r} is not an integer: set merge.seed=<int>")
+    check_seed(op, kwargs.get("seed", 0))
 
 
 def _rescale(d: Tensor, before_l1: Tensor | None, density: float, rescale: str, eps: float = 1e-7) -> None:
@@ -97,7 +89,54 @@ def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.
     _rescale(d, before, density, rescale)
 
 
-@merges.register("generalized_task_arithmetic", needs_base=True, check=_check_gta)
+def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor, consensus: str,
+                         normalize: bool, lambda_: float) -> Tensor:
+    """Steps 4-6 of the module doc on the weighted (and sparsified) task vectors ``deltas`` = w_i delta_i,
+    which it consumes (edited in place, the list emptied): base + lambda_ * (sign-elected) sum, divided when
+    ``normalize``. Shared by every task-vector operator (TIES, DARE, DELLA, Breadcrumbs)."""
+    dt = b.dtype
+    if consensus == "none":
+        mixed = deltas[0]
+        for d in deltas[1:]:
+            mixed.add_(d)
+        deltas.clear()
+        divisor = sum(w)
+        if normalize and abs(divisor) >= 1e-8:
+            mixed.div_(divisor)
+    else:
+        if consensus == "sign":
+            total = torch.zeros_like(b)
+            for d in deltas:
+                total.add_(d)
+        else:  # count
+            total = torch.zeros_like(b)
+            for d in deltas:
+                total.add_(torch.sign(d))
+        positive = total >= 0
+        del total
+        mixed = torch.zeros_like(b)
+        divisor = torch.zeros_like(b) if normalize else None
+        for i in range(len(deltas)):
+            d = deltas[i]
+            keep = torch.where(positive, d > 0, d < 0)
+            d.mul_(keep)
+            mixed.add_(d)
+            deltas[i] = d = None
+            if divisor is not None:
+                divisor.add_(keep.to(dt), alpha=w[i])
+            del keep
+        if divisor is not None:
+            divisor[divisor == 0] = 1
+            mixed.div_(divisor)
+            del divisor
+    if lambda_ != 1:
+        mixed.mul_(lambda_)
+    mixed.add_(b)
+    return mixed
+
+
+@merges.register("generalized_task_arithmetic", needs_base=True, check=_check_gta, order=30,
+                 reference="https://arxiv.org/abs/2306.01708 (TIES); https://arxiv.org/abs/2311.03099 (DARE)")
 def generalized_task_arithmetic(
     tensors: list[Tensor],
     base: Tensor | None,
@@ -137,43 +176,7 @@ def generalized_task_arithmetic(
             d.mul_(wi)
         deltas.append(d)
 
-    if consensus == "none":
-        mixed = deltas[0]
-        for d in deltas[1:]:
-            mixed.add_(d)
-        deltas.clear()
-        divisor = sum(w)
-        if normalize and abs(divisor) >= 1e-8:
-            mixed.div_(divisor)
-    else:
-        if consensus == "sign":
-            total = torch.zeros_like(b)
-            for d in deltas:
-                total.add_(d)
-        else:  # count
-            total = torch.zeros_like(b)
-            for d in deltas:
-                total.add_(torch.sign(d))
-        positive = total >= 0
-        del total
-        mixed = torch.zeros_like(b)
-        divisor = torch.zeros_like(b) if normalize else None
-        for i in range(len(deltas)):
-            d = deltas[i]
-            keep = torch.where(positive, d > 0, d < 0)
-            d.mul_(keep)
-            mixed.add_(d)
-            deltas[i] = d = None
-            if divisor is not None:
-                divisor.add_(keep.to(dt), alpha=w[i])
-            del keep
-        if divisor is not None:
-            divisor[divisor == 0] = 1
-            mixed.div_(divisor)
-            del divisor
-    if lambda_ != 1:
-        mixed.mul_(lambda_)
-    mixed.add_(b)
+    mixed = combine_task_vectors(deltas, w, b, consensus, normalize, lambda_)
     return mixed.to(base.dtype)
 
 
@@ -181,7 +184,7 @@ def _check_ta(kwargs: Mapping, n_models: int | None) -> None:
     _check_gta(kwargs, n_models, op="task_arithmetic")
 
 
-@merges.register("task_arithmetic", needs_base=True, check=_check_ta)
+@merges.register("task_arithmetic", needs_base=True, check=_check_ta, reference="https://arxiv.org/abs/2212.04089", order=20)
 def task_arithmetic(
     tensors: list[Tensor],
     base: Tensor | None,
