@@ -303,6 +303,36 @@ def test_tied_embeddings_counted_once():
     assert cov2.excluded == [] and "lm_head.weight" in cov2.shared
 
 
+def test_tied_embeddings_counted_once_when_streamed(tmp_path):
+    """The native arm reads its state dicts tensor by tensor (native.stream): every read is a new tensor, so a tied
+    model's head cannot be recognised by its storage. It was counted twice (SmolLM2-135M: 162.8M shared parameters of
+    134.5M); the streamed state names its ties, streamed or loaded on either side."""
+    from omegaconf import OmegaConf
+
+    from mergescope import models
+    from mergescope.native.stream import streamed_state
+
+    arch = {**LLAMA, "tie_word_embeddings": True}
+    a, b = _model(arch, 300, seed=0), _model(arch, 300, seed=1)
+    refs = []
+    from mergescope.zoo import sample_lines, train_tokenizer
+
+    tok = train_tokenizer(sample_lines("eng_Latn"), 300)
+    for name, m in (("a", a), ("b", b)):
+        m.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+        refs.append(models.resolve(OmegaConf.create({"name_or_path": str(tmp_path / name)})))
+    sa, _ = streamed_state(refs[0], "float32")
+    sb, _ = streamed_state(refs[1], "float32")
+    assert sa.ties == {"lm_head.weight": "model.embed_tokens.weight"}
+    want = [("lm_head.weight", "tied to model.embed_tokens.weight in both models (counted once)")]
+    for x, y in ((sa, sb), (sa, b.state_dict()), (a.state_dict(), sb)):
+        cov = weights.coverage(x, y)
+        assert cov.excluded == want and cov.shared_params == sum(p.numel() for p in a.parameters())
+    cov2 = weights.coverage(sa, _model(LLAMA, 300, seed=1).state_dict())  # untied on the other side: both shared
+    assert cov2.excluded == [] and "lm_head.weight" in cov2.shared
+
+
 def test_identical_task_vectors_and_model_pair(neox_pair):
     base, other = neox_pair
     sd_base = base.state_dict()

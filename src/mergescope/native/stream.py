@@ -28,9 +28,13 @@ class StreamedState(Mapping[str, torch.Tensor]):
     """``{name: tensor}`` read on access from safetensors files (``sources``: name -> (file, key)), each cast to its
     template dtype. Every access reads the file again (the page cache makes repeats cheap); nothing is kept."""
 
-    def __init__(self, sources: dict[str, tuple[Path, str]], dtypes: dict[str, torch.dtype]):
+    def __init__(self, sources: dict[str, tuple[Path, str]], dtypes: dict[str, torch.dtype],
+                 ties: dict[str, str] | None = None):
         self.sources = sources
         self.dtypes = dtypes
+        # name -> the first name of its tie group (``lm_head.weight`` -> ``model.embed_tokens.weight`` in a tied
+        # model): every access reads a new tensor, so ties cannot be seen from storage as in a loaded state dict
+        self.ties = dict(ties or {})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -143,5 +147,6 @@ def streamed_state(ref: models.ModelRef, dtype: str, model=None, cache_root: str
     if sources is None:
         return None
     models.check_weights(models.ModelRef(ref.name, str(folder), ref.revision, True), cache_root)
-    state = StreamedState(sources, {k: t.dtype for k, t in template.items()})
+    ties = {name: group[0] for name, group in _alias_groups(template).items() if group[0] != name}
+    state = StreamedState(sources, {k: t.dtype for k, t in template.items()}, ties)
     return state, models.true_config(net)

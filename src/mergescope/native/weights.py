@@ -75,6 +75,23 @@ def _storage_key(t) -> tuple | None:
         return None  # no storage to compare (empty, meta or not a tensor): never treated as tied
 
 
+def _tied_to(sd: Mapping[str, torch.Tensor], name: str, first: dict[tuple, str], key: tuple | None) -> str | None:
+    """The earlier shared name that ``name`` is tied to in ``sd``: from a streamed state's ``ties`` (each of its
+    reads is a new tensor), else from the storage of a loaded one."""
+    ties = getattr(sd, "ties", None)
+    if ties is not None:
+        partner = ties.get(name)
+        return partner if partner in first.values() else None
+    return first.get(key) if key is not None else None
+
+
+def _same_tensor(sd: Mapping[str, torch.Tensor], name: str, other: str) -> bool:
+    ties = getattr(sd, "ties", None)
+    if ties is not None:
+        return ties.get(name, name) == ties.get(other, other)
+    return _storage_key(sd[name]) == _storage_key(sd[other])
+
+
 def coverage(sd_a: Mapping[str, torch.Tensor], sd_b: Mapping[str, torch.Tensor]) -> Coverage:
     """The shared parameter space of two state dicts.
 
@@ -97,8 +114,8 @@ def coverage(sd_a: Mapping[str, torch.Tensor], sd_b: Mapping[str, torch.Tensor])
         tb = sd_b[name]
         sa, sb = _shape(ta), _shape(tb)
         key = _storage_key(ta)
-        tied = first_a.get(key) if key is not None else None
-        if tied is not None and _storage_key(tb) == _storage_key(sd_b[tied]):
+        tied = _tied_to(sd_a, name, first_a, key)
+        if tied is not None and _same_tensor(sd_b, name, tied):
             cov.excluded.append((name, f"tied to {tied} in both models (counted once)"))
         elif not (_is_float(ta) and _is_float(tb)):
             bad = ta.dtype if not _is_float(ta) else tb.dtype
