@@ -6,7 +6,8 @@ are averaged with the weights and normalised (m); each is projected onto the tan
 v_i = u_i - <u_i, m> m; their weighted sum v is mapped back by the exponential map,
 cos(|v|) m + sin(|v|) v / |v| (|v| + eps in both), and scaled by the weighted mean norm sum_i w_i |x_i|
 (plus the base). Two tensors whose weighted mean direction vanishes (|m| < eps: antipodal with equal
-weights) fall back to the weighted sum; more are refused. One tensor is returned as it is.
+weights) fall back to the weighted sum; more are refused, unless all of them are zero (every model equals the
+base at this position: the result is the base, where mergekit 0.1.5 raises). One tensor is returned as it is.
 
 This is mergekit 0.1.5's ``multislerp`` (its base is optional, as here: base-free unless a base is given).
 """
@@ -61,7 +62,7 @@ def multislerp(
     m = (units * w.view(-1, 1)).sum(0)
     mn = torch.linalg.vector_norm(m)
     if float(mn) < eps:
-        if x.shape[0] != 2:
+        if x.shape[0] != 2 and float(norms.max()) > eps:
             raise MergescopeError(
                 f"merge '{OP}': the weighted mean direction of the tensors is zero (antipodal tensors with balancing "
                 "weights): change merge.weights"

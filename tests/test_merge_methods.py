@@ -1,0 +1,320 @@
+"""mergekit's methods as mergescope plug-ins (issue 25): each equal to mergekit 0.1.5 on one tensor group.
+
+mergekit's own method objects are the oracle (``mergekit.merge_methods.registry.get(name)``), called on
+continuous random tensors (no ties in |delta|, where mergekit's argsort and our stable sort may keep
+different, equally valid, entries) and on a tiny Llama model through ``merge_state_dicts``. Every
+base-using method is checked with three models + base and per-model weights where the method has weights
+(SCE and Model Stock have none by definition). Stochastic methods (DELLA) are compared with the same
+Bernoulli draws: ``torch.manual_seed(seed)`` before mergekit's call, our private generator seeded with
+``seed``; where our default departs from mergekit (DELLA's rescale by keep probability, the paper's), the
+paper's definition is written out here independently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mergescope.errors import MergescopeError
+from mergescope.merge import merge_state_dicts, resolve_preset
+from mergescope.registry import merges
+
+mk = pytest.importorskip("mergekit.merge_methods.registry", reason="mergekit (dev dependency) not installed")
+from mergekit.merge_methods.base import TensorGroup  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def preset(name: str, **over):
+    cfg = yaml.safe_load(open(REPO / "conf" / "merge" / f"{name}.yaml"))
+    cfg.update(over)
+    return resolve_preset(cfg)
+
+
+def run(name: str, tensors, base, **over):
+    entry, kw = preset(name, **over)
+    return entry.fn(list(tensors), base, **kw)
+
+
+def rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def mergekit_merge(method: str, tensors, base=None, **params):
+    inputs = ([base] if base is not None else []) + list(tensors)
+    group = TensorGroup.from_tensors(inputs, base_index=0 if base is not None else None)
+    return mk.get(method)([group], parameters=params)[0]
+
+
+def per_model(values, offset=1):
+    return {i + offset: float(v) for i, v in enumerate(values)}
+
+
+def three(shape=(23, 19)):
+    return [rand(*shape, seed=s) for s in (1, 2, 3)], rand(*shape, seed=9)
+
+
+W3 = [1.0, 0.6, 0.3]
+NEW = ["breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock", "karcher", "multislerp", "nuslerp"]
+
+
+def test_every_new_method_is_a_plugin_with_a_reference():
+    for name in NEW:
+        entry, kw = preset(name)
+        assert entry.reference and entry.reference.startswith("http"), name
+        assert set(kw) == set(entry.params)
+    for name in merges.names():
+        assert merges.get(name).reference, name
+
+
+# ---------------------------------------------------------------- breadcrumbs
+
+
+@pytest.mark.parametrize("name", ["breadcrumbs", "breadcrumbs_ties"])
+@pytest.mark.parametrize("density,gamma", [(0.9, 0.01), (0.5, 0.1), (0.3, 0.8), (1.0, 0.05)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_breadcrumbs_matches_mergekit(name, density, gamma, normalize):
+    """(0.3, 0.8): density + gamma > 1, so the outlier drop shrinks to keep 30%; density 1 keeps all."""
+    xs, base = three()
+    ours = run(name, xs, base, weights=W3, density=density, gamma=gamma, normalize=normalize, lambda_=0.9)
+    ref = mergekit_merge(name, xs, base, weight=per_model(W3), density=per_model([density] * 3),
+                         gamma=per_model([gamma] * 3), normalize=normalize, **{"lambda": 0.9})
+    torch.testing.assert_close(ours, ref, **TOL)
+    ours = run(name, xs, base, weights=W3, density=density, gamma=gamma, rescale="l1")
+    ref = mergekit_merge(name, xs, base, weight=per_model(W3), density=per_model([density] * 3),
+                         gamma=per_model([gamma] * 3), rescale=True)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_breadcrumbs_drops_both_tails():
+    delta = torch.arange(1, 101, dtype=torch.float32) * torch.where(torch.arange(100) % 2 == 0, 1.0, -1.0)
+    out = run("breadcrumbs", [delta], torch.zeros(100), density=0.5, gamma=0.1, weights=[1.0])
+    kept = (out != 0).nonzero().reshape(-1) + 1  # |delta| = index + 1
+    assert kept.tolist() == list(range(41, 91))  # the 10 largest and the 40 smallest dropped
+
+
+# ---------------------------------------------------------------- della
+
+
+@pytest.mark.parametrize("name", ["della", "della_linear"])
+@pytest.mark.parametrize("density,epsilon", [(0.5, 0.15), (0.3, 0.2), (1.0, 0.1)])
+@pytest.mark.parametrize("shape", [(23, 19), (37,)])
+def test_della_matches_mergekit(name, density, epsilon, shape):
+    """Same masks (mergekit's global RNG seeded as our generator); rescale l1 = mergekit's rescale: true,
+    none = false, both exact. Rows are ranked per row (a 1-d tensor is one row)."""
+    xs, base = three(shape)
+    for ours_rescale, mk_rescale in [("l1", True), ("none", False)]:
+        for normalize in (True, False):
+            ours = run(name, xs, base, weights=W3, density=density, epsilon=epsilon, rescale=ours_rescale,
+                       normalize=normalize, lambda_=1.1, seed=7)
+            torch.manual_seed(7)
+            ref = mergekit_merge(name, xs, base, weight=per_model(W3), density=per_model([density] * 3),
+                                 epsilon=per_model([epsilon] * 3), rescale=mk_rescale, normalize=normalize,
+                                 **{"lambda": 1.1})
+            torch.testing.assert_close(ours, ref, **TOL)
+
+
+def _paper_keep_probs(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """DELLA's MagPrune keep probabilities written out: per row, rank r (0 = smallest |delta|) of n,
+    p = density - epsilon + 2 epsilon r / (n - 1)."""
+    rows = delta.reshape(1, -1) if delta.dim() == 1 else delta
+    n = rows.shape[1]
+    p = torch.empty_like(rows)
+    for i, row in enumerate(rows):
+        for r, j in enumerate(row.abs().argsort().tolist()):
+            p[i, j] = density - epsilon + 2 * epsilon * r / (n - 1)
+    return p.reshape(delta.shape)
+
+
+def test_della_paper_rescale_divides_by_keep_probability():
+    """Our default rescale (the paper's): kept entries / their keep probability. Same masks as rescale=none
+    (which equals mergekit above), so kept = none-output / p, and unbiased: E[result] = task arithmetic."""
+    x, base = rand(6, 9, seed=1), rand(6, 9, seed=9)
+    d = x - base
+    plain = run("della_linear", [x], base, weights=[1.0], rescale="none", seed=3) - base
+    paper = run("della_linear", [x], base, weights=[1.0], seed=3) - base
+    p = _paper_keep_probs(d, 0.5, 0.15)
+    torch.testing.assert_close(paper, plain / p, **TOL)
+    kept = plain != 0
+    torch.testing.assert_close(plain[kept], d[kept], rtol=0, atol=0)
+    n = 3000
+    mean = sum(run("della_linear", [x], base, weights=[1.0], seed=s) for s in range(n)) / n
+    assert (mean - x).abs().max() < 0.25 and (mean - x).abs().mean() < 0.05
+
+
+def test_della_refuses_epsilon_outside_density():
+    with pytest.raises(MergescopeError, match=r"density \+- epsilon must lie in \(0, 1\)"):
+        preset("della", density=0.1, epsilon=0.15)
+
+
+def test_della_per_tensor_seed_and_stochastic_flag():
+    entry, kw = preset("della")
+    assert entry.meta.get("stochastic") is True
+    m = [{"a": rand(8, 8, seed=s), "b": rand(8, 8, seed=s + 10)} for s in (1, 2, 3)]
+    o1 = merge_state_dicts(entry, kw, m[:2], m[2], ["a", "b"], device="cpu")
+    o2 = merge_state_dicts(entry, kw, m[:2], m[2], ["a", "b"], device="cpu")
+    torch.testing.assert_close(o1["a"], o2["a"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- sce
+
+
+@pytest.mark.parametrize("select_topk", [1.0, 0.5, 0.1])
+def test_sce_matches_mergekit(select_topk):
+    xs, base = three()
+    ours = run("sce", xs, base, select_topk=select_topk)
+    ref = mergekit_merge("sce", xs, base, select_topk=select_topk)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_sce_two_models_and_tiny_task_vectors():
+    xs, base = three((5, 7))
+    torch.testing.assert_close(run("sce", xs[:2], base), mergekit_merge("sce", xs[:2], base), **TOL)
+    tiny = [base + 1e-5 * (x - base) for x in xs]  # squared-norm sum below 1e-6: equal weights
+    torch.testing.assert_close(run("sce", tiny, base, select_topk=0.5), mergekit_merge("sce", tiny, base, select_topk=0.5), **TOL)
+
+
+# ---------------------------------------------------------------- model stock
+
+
+@pytest.mark.parametrize("filter_wise", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("shape", [(23, 19), (31,)])
+def test_model_stock_matches_mergekit(filter_wise, n, shape):
+    xs, base = three(shape)
+    # correlated fine-tunes, so that cos > 0 as in real checkpoints
+    xs = [base + 0.5 * (xs[0] - base) + 0.5 * (x - base) for x in xs][:n]
+    ours = run("model_stock", xs, base, filter_wise=filter_wise)
+    ref = mergekit_merge("model_stock", xs, base, filter_wise=filter_wise)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_model_stock_paper_ratio():
+    """Two task vectors at 60 degrees: t = 2 cos / (1 + cos) = 2/3 (the paper's N=2 formula)."""
+    base = torch.zeros(2)
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 3**0.5 / 2])
+    torch.testing.assert_close(run("model_stock", [a, b], base), (2 / 3) * (a + b) / 2)
+    with pytest.raises(MergescopeError, match="at least 2 models"):
+        run("model_stock", [a], base)
+
+
+# ---------------------------------------------------------------- karcher
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_karcher_matches_mergekit(n):
+    xs = [rand(17, 9, seed=s) for s in range(n)]
+    xs[1] = 2.0 * xs[1]
+    ours = run("karcher", xs, None)
+    ref = mergekit_merge("karcher", xs)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_karcher_weighted_matches_mergekits_weighted_form():
+    """mergekit's karcher method weighs equally; its ``karcher_merge_tensors`` takes weights (normalised here)."""
+    from mergekit.merge_methods.karcher import karcher_merge_tensors
+
+    xs = [rand(13, 11, seed=s) for s in (1, 2, 3)]
+    w = [0.5, 0.3, 0.2]
+    torch.testing.assert_close(run("karcher", xs, None, weights=w), karcher_merge_tensors(xs, w), **TOL)
+    torch.testing.assert_close(run("karcher", xs, None, weights=[5.0, 3.0, 2.0]), karcher_merge_tensors(xs, w), **TOL)
+
+
+def test_karcher_of_two_is_slerp_midpoint_direction():
+    """The Karcher mean of two unit vectors with equal weights is their great-circle midpoint."""
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    torch.testing.assert_close(run("karcher", [e1, e2], None), torch.tensor([2**-0.5, 2**-0.5]), **TOL)
+
+
+# ---------------------------------------------------------------- multislerp / nuslerp
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [1.0, 0.6, 0.3], [0.2, 0.5, 0.1, 0.9]])
+@pytest.mark.parametrize("normalize_weights", [True, False])
+def test_multislerp_matches_mergekit(with_base, weights, normalize_weights):
+    xs = [rand(15, 12, seed=s) for s in range(len(weights))]
+    base = rand(15, 12, seed=9) if with_base else None
+    ours = run("multislerp", xs, base, weights=weights, normalize_weights=normalize_weights)
+    ref = mergekit_merge("multislerp", xs, base, weight=per_model(weights, 1 if with_base else 0),
+                         normalize_weights=normalize_weights)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_multislerp_antipodal_pair_falls_back_to_linear():
+    a = rand(4, 4, seed=1)
+    torch.testing.assert_close(run("multislerp", [a, -a], None), mergekit_merge("multislerp", [a, -a], weight={0: 1.0, 1: 1.0}), **TOL)
+    with pytest.raises(MergescopeError, match="weighted mean direction"):
+        run("multislerp", [a, -a, a, -a], None)
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("flatten,row_wise", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [1.0, 1.0], [2.0, 0.5]])
+def test_nuslerp_matches_mergekit(with_base, flatten, row_wise, weights):
+    xs = [rand(15, 12, seed=s) for s in (1, 2)]
+    xs[1][0] = 3.0 * xs[0][0]  # one colinear row: the linear fallback, row by row
+    base = rand(15, 12, seed=9) if with_base else None
+    ours = run("nuslerp", xs, base, weights=weights, flatten=flatten, row_wise=row_wise)
+    ref = mergekit_merge("nuslerp", xs, base, weight=per_model(weights, 1 if with_base else 0),
+                         nuslerp_flatten=flatten, nuslerp_row_wise=row_wise)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_nuslerp_refuses_three_models():
+    with pytest.raises(MergescopeError, match="exactly 2 models"):
+        run("nuslerp", [rand(3), rand(3), rand(3)], None)
+
+
+# ---------------------------------------------------------------- a tiny Llama model, N = 3 + base
+
+
+def _tiny_llamas(n: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    sds = []
+    for s in range(n):
+        torch.manual_seed(s)
+        sds.append({k: v.detach().clone() for k, v in LlamaForCausalLM(cfg).state_dict().items()})
+    return sds
+
+
+CASES = [  # (preset, overrides, mergekit method, mergekit parameters with model ids 1..3 = fine-tunes)
+    ("breadcrumbs_ties", {"weights": W3, "density": 0.7, "gamma": 0.05},
+     "breadcrumbs_ties", {"weight": per_model(W3), "density": per_model([0.7] * 3), "gamma": per_model([0.05] * 3)}),
+    ("della", {"weights": W3, "rescale": "l1", "seed": 0}, "della",
+     {"weight": per_model(W3), "density": per_model([0.5] * 3), "epsilon": per_model([0.15] * 3)}),
+    ("sce", {"select_topk": 0.3}, "sce", {"select_topk": 0.3}),
+    ("model_stock", {}, "model_stock", {}),
+    ("multislerp", {"weights": W3}, "multislerp", {"weight": per_model(W3)}),
+    ("karcher", {}, "karcher", {}),
+]
+
+
+@pytest.mark.parametrize("name,over,mk_name,mk_params", CASES, ids=[c[0] for c in CASES])
+def test_tiny_llama_three_models_and_base_match_mergekit(name, over, mk_name, mk_params):
+    """Every tensor of a tiny Llama merged from 3 fine-tunes (+ base where the method takes one) through
+    merge_state_dicts equals mergekit's method on it (DELLA: per-tensor seeds, mergekit seeded the same)."""
+    from mergescope.merge import tensor_seed
+
+    base, *fts = _tiny_llamas(4)
+    fts = [{k: base[k] + 0.3 * (v - base[k]) + 0.1 * (fts[0][k] - base[k]) for k, v in ft.items()} for ft in fts]
+    entry, kw = preset(name, **over)
+    b = base if entry.meta["needs_base"] or name == "multislerp" else None
+    names = [k for k in base if base[k].is_floating_point()]
+    out = merge_state_dicts(entry, kw, fts, b, names, device="cpu")
+    for k in names:
+        if b is not None and all(torch.equal(ft[k], b[k]) for ft in fts):
+            torch.testing.assert_close(out[k], b[k], rtol=0, atol=0)  # no task vector (the norms): the base
+            if name == "multislerp":
+                continue  # mergekit's multislerp raises on all-zero task vectors (module doc)
+        if "seed" in kw:
+            torch.manual_seed(tensor_seed(kw["seed"], k))
+        ref = mergekit_merge(mk_name, [ft[k] for ft in fts], b[k] if b is not None else None, **mk_params)
+        torch.testing.assert_close(out[k], ref, **TOL, msg=lambda m: f"{name} {k}: {m}")
