@@ -318,3 +318,107 @@ def test_tiny_llama_three_models_and_base_match_mergekit(name, over, mk_name, mk
             torch.manual_seed(tensor_seed(kw["seed"], k))
         ref = mergekit_merge(mk_name, [ft[k] for ft in fts], b[k] if b is not None else None, **mk_params)
         torch.testing.assert_close(out[k], ref, **TOL, msg=lambda m: f"{name} {k}: {m}")
+
+
+# ---------------------------------------------------------------- the equivalent mergekit YAML, run by mergekit
+
+
+ROUND_TRIP = [  # deterministic merges whose YAML has no departures: mergekit's output must equal ours
+    ("ties", {"weights": [0.6, 0.4, 0.3], "density": 0.5}),
+    ("breadcrumbs_ties", {"weights": W3, "density": 0.7, "gamma": 0.05}),
+    ("della_linear", {"weights": W3, "density": 1.0}),
+    ("model_stock", {}),
+    ("sce", {"select_topk": 0.5}),
+    ("multislerp", {"weights": W3}),
+    ("karcher", {}),
+    ("linear", {"weights": [0.2, 0.3, 0.5]}),
+    ("task_arithmetic", {"weights": [0.5, 0.8, -0.2], "lambda_": 0.7}),
+    ("nuslerp", {"weights": [0.3, 0.7]}),  # two models, no base
+    ("slerp", {"t": 0.3}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dirs(tmp_path_factory):
+    """A base and three fine-tunes of a tiny Llama, saved as safetensors folders."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("mk")
+    dirs, sds = [], []
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg)
+    for i in range(4):
+        m = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for (k, p), (_, pb) in zip(m.named_parameters(), base.named_parameters()):
+                p.copy_(pb if i == 0 else pb + 0.05 * torch.randn_like(pb) + 0.02 * i)
+        d = root / f"m{i}"
+        m.save_pretrained(d, safe_serialization=True)
+        dirs.append(str(d))
+        sds.append({k: v.detach().clone() for k, v in m.state_dict().items()})
+    return dirs, sds
+
+
+def _mergekit_out(cfg_text: str, out, cli: bool):
+    from safetensors.torch import load_file
+
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(cfg_text)
+    if cli:
+        import os
+        import shutil
+        import subprocess
+
+        exe = shutil.which("mergekit-yaml") or str(Path(os.sys.executable).parent / "mergekit-yaml")
+        subprocess.run([exe, str(cfg_file), str(out), "--no-copy-tokenizer"], check=True, capture_output=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    else:  # what mergekit-yaml does, in process
+        from mergekit.config import MergeConfiguration
+        from mergekit.merge import run_merge
+        from mergekit.options import MergeOptions
+
+        run_merge(MergeConfiguration.model_validate(yaml.safe_load(cfg_text)), str(out),
+                  options=MergeOptions(copy_tokenizer=False), config_source=cfg_text)
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(f))
+    return got
+
+
+@pytest.mark.parametrize("name,over", ROUND_TRIP, ids=[c[0] for c in ROUND_TRIP])
+def test_mergekit_yaml_round_trip(name, over, tiny_model_dirs, tmp_path):
+    """The YAML a native merge run logs (mergekit_yaml), run by mergekit, gives our merged tensors (1e-6).
+    The first case goes through the ``mergekit-yaml`` command itself, the rest through its run_merge."""
+    from mergescope.merge import mergekit_config, mergekit_yaml
+
+    dirs, sds = tiny_model_dirs
+    entry, kw = preset(name, **over)
+    b = sds[0] if entry.meta["needs_base"] else None
+    n = 2 if name in ("nuslerp", "slerp") else 3
+    dirs, sds = dirs[: n + 1], sds[: n + 1]
+    cfg, notes = mergekit_config(entry, kw, dirs[1:], dirs[0] if b is not None else None)
+    assert cfg is not None and notes == [], notes
+    text = mergekit_yaml(entry, kw, dirs[1:], dirs[0] if b is not None else None)
+    got = _mergekit_out(text, tmp_path / "out", cli=name == ROUND_TRIP[0][0])
+    names = [k for k in sds[0] if sds[0][k].is_floating_point()]
+    ours = merge_state_dicts(entry, kw, sds[1:], b, names, device="cpu")
+    assert set(got) == set(names)
+    for k in names:
+        torch.testing.assert_close(ours[k], got[k], **TOL, msg=lambda m: f"{name} {k}: {m}")
+
+
+def test_mergekit_yaml_says_where_it_departs():
+    from mergescope.merge import mergekit_config, mergekit_yaml
+
+    entry, kw = preset("dare_ties")
+    cfg, notes = mergekit_config(entry, kw, ["a", "b"], "base")
+    assert cfg["merge_method"] == "dare_ties" and any("rescale=density" in n for n in notes)
+    assert "# NOT identical: rescale=density" in mergekit_yaml(entry, kw, ["a", "b"], "base")
+    entry, kw = preset("slerp", t=0.3)
+    cfg, notes = mergekit_config(entry, kw, ["a", "b"])
+    assert cfg["base_model"] == "a" and [m["model"] for m in cfg["models"]] == ["b"] and notes == []
+    entry, kw = preset("ties", consensus="count")
+    cfg, notes = mergekit_config(entry, kw, ["a", "b"], "base")
+    assert cfg is None and "consensus=count" in notes[0]

@@ -5,7 +5,8 @@ arguments are its parameter schema; a preset (``conf/merge/<name>.yaml``) names 
 sets those keywords. ``meta["check"]`` (optional) validates the keyword values before any model
 loads: ``check(kwargs, n_models=None)`` raises :class:`MergescopeError`.
 
-Public helpers: :func:`resolve_preset`, :func:`check_base`, :func:`merge_state_dicts`.
+Public helpers: :func:`resolve_preset`, :func:`check_base`, :func:`merge_state_dicts`, :func:`mergekit_yaml`
+(the equivalent mergekit config, from each operator's ``register(..., mergekit=fn)``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, merges
+from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 
 _PRESET_KEYS = ("name", "operator")
 
@@ -130,4 +132,4 @@ def merge_state_dicts(
     return out
 
 
-__all__ = ["check_base", "merge_state_dicts", "resolve_preset", "tensor_seed", "merges"]
+__all__ = ["check_base", "merge_state_dicts", "mergekit_config", "mergekit_yaml", "resolve_preset", "tensor_seed", "merges"]

@@ -32,6 +32,7 @@ from mergescope.merge._common import (
     keep_count_of,
     work_dtype,
 )
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.merge.task_arithmetic import _rescale, combine_task_vectors
 from mergescope.registry import merges
 
@@ -66,7 +67,17 @@ def breadcrumbs_keep_mask(delta: Tensor, density: float, gamma: float) -> Tensor
     return keep.view(delta.shape)
 
 
-@merges.register(OP, needs_base=True, check=_check, reference="https://arxiv.org/abs/2312.06795", order=40)
+def _mk(kw, n, has_base):
+    cons = kw.get("consensus", "none")
+    if cons == "count":
+        return MK(None, notes=["mergekit's breadcrumbs_ties elects signs by sum only (consensus=sign)"])
+    return MK("breadcrumbs_ties" if cons == "sign" else "breadcrumbs",
+              {"normalize": bool(kw.get("normalize", False)), "lambda": float(kw.get("lambda_", 1.0)),
+               "rescale": kw.get("rescale", "none") == "l1"},
+              per_model(n, weight=kw.get("weights") or 1.0, density=kw.get("density", 0.9), gamma=kw.get("gamma", 0.01)))
+
+
+@merges.register(OP, needs_base=True, check=_check, mergekit=_mk, reference="https://arxiv.org/abs/2312.06795", order=40)
 def breadcrumbs(
     tensors: list[Tensor],
     base: Tensor | None,

@@ -40,6 +40,7 @@ from mergescope.merge._common import (
     check_weights,
     work_dtype,
 )
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.merge.task_arithmetic import _rescale, combine_task_vectors
 from mergescope.registry import merges
 
@@ -77,7 +78,25 @@ def magprune_probs(delta: Tensor, density: float, epsilon: float) -> Tensor:
     return ((density - epsilon) + rank_norm * 2 * epsilon).reshape(delta.shape)
 
 
-@merges.register(OP, needs_base=True, check=_check, reference="https://arxiv.org/abs/2406.11617", order=50,
+def _mk(kw, n, has_base):
+    cons = kw.get("consensus", "sign")
+    if cons == "count":
+        return MK(None, notes=["mergekit's della elects signs by sum only (consensus=sign)"])
+    notes = []
+    if kw.get("rescale", "probability") == "probability" and float(kw.get("density", 0.5)) < 1:
+        notes.append("rescale=probability (DELLA paper: / keep probability) has no mergekit equivalent; "
+                     "mergekit's rescale: true rescales to the L1 norm")
+    if float(kw.get("density", 0.5)) < 1:
+        notes.append("random masks: mergekit draws them from its global RNG (mergekit-yaml --random-seed), "
+                     "mergescope per tensor from the seed and the tensor's name: same distribution, other draws")
+    return MK("della" if cons == "sign" else "della_linear",
+              {"normalize": bool(kw.get("normalize", True)), "lambda": float(kw.get("lambda_", 1.0)),
+               "rescale": kw.get("rescale", "probability") != "none"},
+              per_model(n, weight=kw.get("weights") or 1.0, density=kw.get("density", 0.5), epsilon=kw.get("epsilon", 0.15)),
+              notes=notes)
+
+
+@merges.register(OP, needs_base=True, check=_check, mergekit=_mk, reference="https://arxiv.org/abs/2406.11617", order=50,
                  stochastic=True)
 def della(
     tensors: list[Tensor],

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import as_weights, check_number, check_tensors, check_weights, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
 OP = "karcher"
@@ -38,7 +39,14 @@ def _check(kwargs: Mapping, n_models: int | None) -> None:
     check_number(OP, "tol", kwargs.get("tol", 1e-5))
 
 
-@merges.register(OP, needs_base=False, check=_check, reference="https://arxiv.org/abs/2603.04972", order=80)
+def _mk(kw, n, has_base):
+    w = kw.get("weights")
+    notes = [] if w is None or len({float(x) for x in w}) == 1 else ["mergekit's karcher weighs the models equally"]
+    return MK("karcher", {"max_iter": int(kw.get("max_iter", 10)), "tol": float(kw.get("tol", 1e-5))}, per_model(n),
+              base=None, notes=notes)
+
+
+@merges.register(OP, needs_base=False, check=_check, mergekit=_mk, reference="https://arxiv.org/abs/2603.04972", order=80)
 def karcher(
     tensors: list[Tensor],
     base: Tensor | None,

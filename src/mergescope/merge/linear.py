@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from mergescope.errors import MergescopeError
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.merge._common import check_tensors, check_weights, resolve_weights, work_dtype
 from mergescope.registry import merges
 
@@ -20,7 +21,17 @@ def _check_linear(kwargs: Mapping, n_models: int | None) -> None:
             raise MergescopeError("merge 'linear' weights sum to 0 with normalize=true: change the weights or set normalize=false")
 
 
-@merges.register("linear", needs_base=False, check=_check_linear, reference="https://arxiv.org/abs/2203.05482", order=10)
+def _mk_linear(kw, n, has_base):
+    return MK("linear", {"normalize": bool(kw.get("normalize", True))}, per_model(n, weight=kw.get("weights") or 1.0), base=None)
+
+
+def _mk_slerp(kw, n, has_base):
+    return MK("slerp", {"t": float(kw.get("t", 0.5))}, per_model(n), base="first",
+              notes=[] if float(kw.get("dot_threshold", 0.9995)) == 0.9995 and float(kw.get("eps", 1e-8)) == 1e-8
+              else ["mergekit's slerp has fixed dot_threshold 0.9995 and eps 1e-8"])
+
+
+@merges.register("linear", needs_base=False, check=_check_linear, mergekit=_mk_linear, reference="https://arxiv.org/abs/2203.05482", order=10)
 def linear(
     tensors: list[Tensor],
     base: Tensor | None,
@@ -53,7 +64,7 @@ def _check_slerp(kwargs: Mapping, n_models: int | None) -> None:
         raise MergescopeError("merge 'slerp' dot_threshold must be in (0, 1]: e.g. merge.dot_threshold=0.9995")
 
 
-@merges.register("slerp", needs_base=False, check=_check_slerp, reference="https://en.wikipedia.org/wiki/Slerp", order=11)
+@merges.register("slerp", needs_base=False, check=_check_slerp, mergekit=_mk_slerp, reference="https://en.wikipedia.org/wiki/Slerp", order=11)
 def slerp(
     tensors: list[Tensor],
     base: Tensor | None,

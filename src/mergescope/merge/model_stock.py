@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_n_models, check_tensors, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
 OP = "model_stock"
@@ -28,7 +29,11 @@ def _check(kwargs: Mapping, n_models: int | None) -> None:
     check_n_models(OP, n_models, 2, why=" besides the base: the angle between task vectors needs two of them")
 
 
-@merges.register(OP, needs_base=True, check=_check, reference="https://arxiv.org/abs/2403.19522", order=70)
+def _mk(kw, n, has_base):
+    return MK("model_stock", {"filter_wise": bool(kw.get("filter_wise", False))}, per_model(n))
+
+
+@merges.register(OP, needs_base=True, check=_check, mergekit=_mk, reference="https://arxiv.org/abs/2403.19522", order=70)
 def model_stock(tensors: list[Tensor], base: Tensor | None, filter_wise: bool = False) -> Tensor:
     """t * average + (1 - t) * base with t from the mean pairwise cosine of the task vectors (module doc)."""
     if base is None:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import as_weights, check_number, check_tensors, check_weights, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
 OP = "multislerp"
@@ -34,7 +35,12 @@ def _check(kwargs: Mapping, n_models: int | None) -> None:
     check_number(OP, "eps", kwargs.get("eps", 1e-8))
 
 
-@merges.register(OP, needs_base=False, check=_check, reference="https://goddard.blog/posts/multislerp-wow-what-a-cool-idea",
+def _mk(kw, n, has_base):
+    return MK("multislerp", {"normalize_weights": bool(kw.get("normalize_weights", True)), "eps": float(kw.get("eps", 1e-8))},
+              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base else None)
+
+
+@merges.register(OP, needs_base=False, check=_check, mergekit=_mk, reference="https://goddard.blog/posts/multislerp-wow-what-a-cool-idea",
                  order=90)
 def multislerp(
     tensors: list[Tensor],

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from mergescope.merge._common import as_weights, check_n_models, check_tensors, check_weights, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
 OP = "nuslerp"
@@ -40,7 +41,12 @@ def _slerp_vectors(t: float, v0: Tensor, v1: Tensor, eps: float = 1e-8) -> Tenso
     return torch.where(colinear, (1 - t) * v0 + t * v1, sph)
 
 
-@merges.register(OP, needs_base=False, check=_check, reference="https://github.com/arcee-ai/mergekit", order=95)
+def _mk(kw, n, has_base):
+    return MK("nuslerp", {"nuslerp_flatten": bool(kw.get("flatten", True)), "nuslerp_row_wise": bool(kw.get("row_wise", False))},
+              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base else None)
+
+
+@merges.register(OP, needs_base=False, check=_check, mergekit=_mk, reference="https://github.com/arcee-ai/mergekit", order=95)
 def nuslerp(
     tensors: list[Tensor],
     base: Tensor | None,

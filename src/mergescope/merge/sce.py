@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_fraction, check_tensors, keep_count_of, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
 OP = "sce"
@@ -47,7 +48,11 @@ def sce_select_mask(deltas: Tensor, share: float) -> Tensor:
     return keep.view(var.shape)
 
 
-@merges.register(OP, needs_base=True, check=_check, reference="https://arxiv.org/abs/2408.07990", order=60)
+def _mk(kw, n, has_base):
+    return MK("sce", {"select_topk": float(kw.get("select_topk", 1.0))}, per_model(n))
+
+
+@merges.register(OP, needs_base=True, check=_check, mergekit=_mk, reference="https://arxiv.org/abs/2408.07990", order=60)
 def sce(tensors: list[Tensor], base: Tensor | None, select_topk: float = 1.0) -> Tensor:
     """base + the SCE-weighted, sign-erased mean of the selected task vectors (module doc)."""
     if base is None:

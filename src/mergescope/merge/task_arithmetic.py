@@ -31,6 +31,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_choice, check_number, check_seed, check_tensors, check_weights, work_dtype
+from mergescope.merge._mergekit import MK, per_model
 from mergescope.merge.trim import magnitude_keep_mask
 from mergescope.registry import merges
 
@@ -135,7 +136,38 @@ def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor,
     return mixed
 
 
-@merges.register("generalized_task_arithmetic", needs_base=True, check=_check_gta, order=30,
+def _mk_rescale(kw) -> tuple[bool, list[str]]:
+    """mergekit's ``rescale`` (L1) from ours, and the departure where there is none."""
+    r = kw.get("rescale", "none")
+    if r == "density" and float(kw.get("density", 1.0)) < 1:
+        return True, ["rescale=density (DARE paper: / density) is mergekit's rescale: true only at density 1; "
+                      "mergekit rescales to the L1 norm"]
+    return r in ("l1", "density"), []
+
+
+def _mk_gta(kw, n, has_base):
+    sp, cons = kw.get("sparsification", "none"), kw.get("consensus", "none")
+    method = {("none", "none"): "task_arithmetic", ("magnitude", "sign"): "ties", ("random", "sign"): "dare_ties",
+              ("random", "none"): "dare_linear", ("none", "sign"): "ties"}.get((sp, cons))
+    if method is None:
+        return MK(None, notes=[f"mergekit has no method with sparsification={sp} and consensus={cons}"])
+    rescale, notes = _mk_rescale(kw)
+    shared = {"normalize": bool(kw.get("normalize", False)), "lambda": float(kw.get("lambda_", 1.0))}
+    if method != "task_arithmetic":
+        shared["rescale"] = rescale
+    per = per_model(n, weight=kw.get("weights") or 1.0, **({} if method == "task_arithmetic" else {"density": kw.get("density", 1.0)}))
+    if sp == "random" and float(kw.get("density", 1.0)) < 1:
+        notes.append("random masks: mergekit draws them from its global RNG (mergekit-yaml --random-seed), "
+                     "mergescope per tensor from the seed and the tensor's name: same distribution, other draws")
+    return MK(method, shared, per, notes=notes)
+
+
+def _mk_ta(kw, n, has_base):
+    return MK("task_arithmetic", {"normalize": bool(kw.get("normalize", False)), "lambda": float(kw.get("lambda_", 1.0))},
+              per_model(n, weight=kw.get("weights") or 1.0))
+
+
+@merges.register("generalized_task_arithmetic", needs_base=True, check=_check_gta, order=30, mergekit=_mk_gta,
                  reference="https://arxiv.org/abs/2306.01708 (TIES); https://arxiv.org/abs/2311.03099 (DARE)")
 def generalized_task_arithmetic(
     tensors: list[Tensor],
@@ -184,7 +216,7 @@ def _check_ta(kwargs: Mapping, n_models: int | None) -> None:
     _check_gta(kwargs, n_models, op="task_arithmetic")
 
 
-@merges.register("task_arithmetic", needs_base=True, check=_check_ta, reference="https://arxiv.org/abs/2212.04089", order=20)
+@merges.register("task_arithmetic", needs_base=True, check=_check_ta, mergekit=_mk_ta, reference="https://arxiv.org/abs/2212.04089", order=20)
 def task_arithmetic(
     tensors: list[Tensor],
     base: Tensor | None,

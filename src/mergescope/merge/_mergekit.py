@@ -1,0 +1,75 @@
+"""The mergekit (0.1.5) YAML equivalent of a mergescope merge: ``mergekit_config``.
+
+Each operator says how its settings read in mergekit in its registration, ``register(name, mergekit=fn)``:
+``fn(kwargs, n_models, has_base) -> MK`` (the method, its shared and per-model parameters, which input is
+mergekit's ``base_model``, and the departures: settings mergekit cannot express or defines otherwise). An
+operator without it, or whose settings have no mergekit method, gets ``None`` and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mergescope.registry import Entry
+
+
+@dataclass
+class MK:
+    method: str | None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    model_parameters: list[dict[str, Any]] = field(default_factory=list)
+    base: str | None = "base"  # "base": the merge's base; "first": models[0] (slerp); None: no base_model
+    notes: list[str] = field(default_factory=list)
+
+
+def per_model(n: int, **values: Sequence[float] | float | None) -> list[dict[str, Any]]:
+    """Per-model parameter dicts; a list gives one value per model, a scalar the same to every model."""
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, v in values.items():
+        for i in range(n):
+            out[i][key] = float(v[i]) if isinstance(v, (list, tuple)) else (float(v) if v is not None else None)
+    return out
+
+
+def mergekit_config(entry: Entry, kwargs: Mapping[str, Any], models: Sequence[str], base: str | None = None,
+                    dtype: str = "float32") -> tuple[dict[str, Any] | None, list[str]]:
+    """(mergekit YAML as a dict, departures) for merging ``models`` (mergekit model references: a path or
+    hub id, ``@revision`` allowed) onto ``base`` with a registered operator and its checked settings. The
+    dict is None when mergekit has no method for it (the list says why); departures mean the YAML is the
+    nearest mergekit merge, not the same one."""
+    fn = entry.meta.get("mergekit")
+    if fn is None:
+        return None, [f"mergekit has no equivalent of merge '{entry.name}'"]
+    mk = fn(dict(kwargs), len(models), base is not None)
+    if mk.method is None:
+        return None, mk.notes
+    if mk.base == "first":
+        base_model, listed, params = models[0], list(models[1:]), mk.model_parameters[1:]
+    else:
+        base_model = base if mk.base == "base" else None
+        listed, params = list(models), mk.model_parameters
+    cfg: dict[str, Any] = {"merge_method": mk.method}
+    if base_model is not None:
+        cfg["base_model"] = base_model
+    cfg["models"] = [{"model": m, **({"parameters": p} if p else {})} for m, p in zip(listed, params or [{}] * len(listed))]
+    if mk.parameters:
+        cfg["parameters"] = dict(mk.parameters)
+    cfg["dtype"] = dtype
+    return cfg, list(mk.notes)
+
+
+def mergekit_yaml(entry: Entry, kwargs: Mapping[str, Any], models: Sequence[str], base: str | None = None,
+                  dtype: str = "float32", extra_notes: Sequence[str] = ()) -> str:
+    """The YAML text of :func:`mergekit_config`, its departures as a comment header (or the reason there is none)."""
+    import yaml
+
+    cfg, notes = mergekit_config(entry, kwargs, models, base, dtype)
+    notes = list(notes) + list(extra_notes)
+    head = "# mergekit 0.1.5 equivalent of this mergescope merge (mergekit-yaml this.yaml OUT_DIR)\n"
+    if notes:
+        head += "".join(f"# NOT identical: {n}\n" for n in notes)
+    if cfg is None:
+        return head + "# no mergekit config\n"
+    return head + yaml.safe_dump(cfg, sort_keys=False)
