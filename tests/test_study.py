@@ -36,6 +36,17 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert len(merges) == 15 * 6 + 2
     assert {r.data.tags["merge"] for r in merges if r.data.tags["pair"] == "zoo-neox-en__zoo-neox-zh"} == {"linear", "slerp"}
     assert kinds.count("analysis") == 1 and all(r.info.status == "FINISHED" for r in rs)
+    # one study run per launch, every job of the launch nested under it; MLflow's standard source tags on every run
+    study_runs = [r for r in rs if r.data.tags["kind"] == "study"]
+    assert len(study_runs) == 1 and study_runs[0].data.tags["arms"].split(",") == [
+        "representation", "native", "checkpoints", "transport", "shared_space", "adapt"]
+    parent = study_runs[0].info.run_id
+    assert all(r.data.tags.get("mlflow.parentRunId") == parent for r in rs if r.info.run_id != parent)
+    assert all(r.data.tags["mlflow.source.name"] == "launch.py" and r.data.tags["mlflow.user"] and
+               r.data.tags.get("mlflow.note.content") for r in rs)
+    assert {"wall_s.training", "wall_s.transport", "wall_s.adapt", "wall_s.all_jobs"} <= set(study_runs[0].data.metrics)
+    assert "wall time per arm" in p.stdout + p.stderr
+    kinds = [k for k in kinds if k != "study"]
     # the transport arm: all 20 directions with the control, the adaptation runs and their 5 baselines
     tr = [r for r in rs if r.data.tags["kind"] == "transport"]
     assert len({r.data.tags["direction"] for r in tr}) == 20 and len(tr) == 20
@@ -89,6 +100,8 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     p2 = launch(MICRO, tmp_path)
     assert p2.returncode == 0, p2.stderr[-3000:]
     kinds2 = [r.data.tags["kind"] for r in runs(tmp_path, "toy")]
-    assert kinds2.count("measure") == 81 and kinds2.count("train") == 7 and kinds2.count("analysis") == 2
+    # the same runs and the same code: the report is reused (no new analysis run), only a new study run
+    assert kinds2.count("measure") == 81 and kinds2.count("train") == 7 and kinds2.count("analysis") == 1
+    assert kinds2.count("study") == 2 and "report reused" in p2.stdout + p2.stderr
     assert kinds2.count("adapt") == 21 and kinds2.count("merge") == 95 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
     assert kinds2.count("agreement") == 10 and kinds2.count("shared_space") == 1

@@ -54,6 +54,29 @@ def pair_tags(cfg: DictConfig) -> dict[str, Any]:
 
 
 _LEDGERS: list[list[JobResult]] = []
+_ONLY_IF_DONE: list[bool] = []
+
+
+class WouldRun(Exception):
+    """Raised inside :func:`only_if_done` by a job that is not done yet, before it does any work."""
+
+
+@contextmanager
+def only_if_done() -> Iterator[None]:
+    """Inside this block a job whose FINISHED run exists returns it as usual, and any other job raises
+    :class:`WouldRun` before its work starts: a study finds what is left to run in-process, and starts worker
+    processes for that alone (none when every job of a phase is done)."""
+    _ONLY_IF_DONE.append(True)
+    try:
+        yield
+    finally:
+        _ONLY_IF_DONE.pop()
+
+
+def would_run() -> None:
+    """Called where a job is about to do its work: raises :class:`WouldRun` inside :func:`only_if_done`."""
+    if _ONLY_IF_DONE:
+        raise WouldRun()
 PARAM_UNSAFE = re.compile(r"[^\w./ -]")  # characters an MLflow param key may not hold
 
 
@@ -164,6 +187,7 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
         if nested is not None:
             nested()
         return done
+    would_run()
     with claim(cfg, h):  # two launches of one job: the second waits here, then finds the first's run
         if done is None and not cfg.get("rerun"):
             done = finished(cfg, tracker, h)

@@ -15,8 +15,13 @@ Every job is composed from its own override list, and that list is what its run 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from hydra import compose
@@ -24,7 +29,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
-from mergescope.config import conf_options, to_plain
+from mergescope.config import CONF_DIR, conf_options, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
@@ -90,9 +95,51 @@ def hydra_value(v: Any) -> str:
     return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+_COMPOSE_CACHE: list[Path] = []  # the study's compose cache folder (set by Plan from its paths.cache)
+
+
+@lru_cache(maxsize=1)
+def _conf_digest() -> str:
+    """SHA-256 of every file under conf/ (names and bytes): a composed config is a function of these and the overrides."""
+    h = hashlib.sha256()
+    for f in sorted(CONF_DIR.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(CONF_DIR)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def composed(overrides: list[str]) -> DictConfig:
+    """``compose(config_name="config", overrides=...)``, cached on disk by (conf/ digest, overrides, Hydra and
+    OmegaConf versions): a study composes one config per job (~0.3 s each, 166 in the default study), and a cached
+    relaunch needs them only to decide that every job is done. The entry is the unresolved YAML (interpolations kept,
+    so it is independent of the machine's paths), checksummed (``mergescope.integrity``), struct mode restored."""
+    import hydra
+    import omegaconf
+
+    from mergescope import integrity
+
+    if not _COMPOSE_CACHE:
+        return compose(config_name="config", overrides=list(overrides))
+    key = hashlib.sha256(json.dumps([_conf_digest(), list(overrides), hydra.__version__, omegaconf.__version__]).encode()).hexdigest()
+    path = _COMPOSE_CACHE[0] / f"{key}.yaml"
+    blob = integrity.read_entry(path)
+    if blob is not None:
+        cfg = OmegaConf.create(blob.decode("utf-8"))
+        OmegaConf.set_struct(cfg, True)
+        return cfg
+    cfg = compose(config_name="config", overrides=list(overrides))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        integrity.write_entry(path, OmegaConf.to_yaml(cfg).encode("utf-8"))
+    except OSError:  # an unwritable cache only costs time
+        pass
+    return cfg
+
+
 def job(task: str, overrides: list[str]) -> StudyJob:
     ov = [*_without(overrides, "task"), f"task={task}"]
-    return StudyJob(task, ov, compose(config_name="config", overrides=ov, return_hydra_config=False))
+    return StudyJob(task, ov, composed(ov))
 
 
 def pair_override(a: DictConfig, b: DictConfig) -> list[str]:
@@ -108,10 +155,10 @@ def model_override(base: list[str], entry: DictConfig) -> list[str]:
     """``model=<name>`` when that config option is this entry, else the entry's values over ``model=custom``."""
     name = str(entry.get("name") or "")
     if name and not entry.get("revision"):
-        trial = compose(config_name="config", overrides=[*base, f"model={name}"]) if name in conf_options("model") else None
+        trial = composed([*base, f"model={name}"]) if name in conf_options("model") else None
         if trial is not None and to_plain(trial.model) == to_plain(entry):
             return [f"model={name}"]
-    custom = to_plain(compose(config_name="config", overrides=[*base, "model=custom"]).model)
+    custom = to_plain(composed([*base, "model=custom"]).model)
     return ["model=custom", *(f"{'' if k in custom else '+'}model.{k}={hydra_value(v)}" for k, v in to_plain(entry).items())]
 
 
@@ -145,9 +192,10 @@ class Plan:
         if not params:
             raise MergescopeError("this study defines no sweep (hydra.sweeper.params); pick one with study=<name>")
         self.cfg = compose(config_name="config", overrides=overrides)
+        _COMPOSE_CACHE[:] = [Path(str(self.cfg.paths.cache)) / "compose"]
         self.arms = study_arms(self.cfg)
         self.base = _without(overrides, "task")
-        self.measures = [StudyJob("measure", ov, compose(config_name="config", overrides=ov))
+        self.measures = [StudyJob("measure", ov, composed(ov))
                          for ov in (self.base + combo for combo in sweep_jobs(params))]
         self.pairs: dict[str, list[str]] = {}  # pair label -> the overrides that select the pair
         self.entries: dict[str, DictConfig] = {}  # model label -> entry, first-seen order
@@ -159,7 +207,7 @@ class Plan:
                 self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
         for names in (self.cfg.get("adaptation") or {}).get("pairs") or []:  # the adapt arm's models are trained (and
             for name in names:                                                # scored) like the sweep's
-                e = compose(config_name="config", overrides=[*self.base, f"model={name}"]).model
+                e = composed([*self.base, f"model={name}"]).model
                 self.entries.setdefault(model_label(e), e)
 
     def pair_jobs(self, task: str, extra: list[str] = ()) -> list[StudyJob]:
@@ -196,7 +244,7 @@ class Plan:
         if "checkpoints" not in self.arms:
             return out
         for m in ck.get("models") or []:
-            model = compose(config_name="config", overrides=[*self.base, f"model={m}"]).model
+            model = composed([*self.base, f"model={m}"]).model
             entry = OmegaConf.to_container(model)
             for ra, rb in itertools.combinations(checkpoint_revisions(ck, str(m), model), 2):
                 a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
@@ -230,7 +278,7 @@ class Plan:
         if "adapt" not in self.arms:
             return out
         for small, large in (self.cfg.get("adaptation") or {}).get("pairs") or []:
-            a, b = (compose(config_name="config", overrides=[*self.base, f"model={m}"]).model for m in (small, large))
+            a, b = (composed([*self.base, f"model={m}"]).model for m in (small, large))
             extra = (self.cfg.adaptation.get("operator_overrides") or {})
             out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
                     for op in ("expand", "truncate")]
@@ -261,15 +309,38 @@ def _run_all(jobs: list[StudyJob], describe, workers: int = 1, together=None) ->
     jobs of equal ``together(job)`` one after another in one of them."""
     out = []
     if workers > 1 and len(jobs) > 1:
-        groups = group_by(jobs, together)
-        jobs = [j for g in groups for j in g]
-        results = (r for rs in run_groups(groups, workers) for r in rs)
+        done, todo = _done_pass(jobs)  # worker processes only for what is left to run (none on a cached relaunch)
+        for i, (j, r) in enumerate(done, 1):
+            console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
+        out += done
+        if len(todo) > 1:
+            groups = group_by(todo, together)
+            todo = [j for g in groups for j in g]
+            results = (r for rs in run_groups(groups, workers) for r in rs)
+        else:
+            results = (j.run() for j in todo)
+        start = len(done)
     else:
-        results = (j.run() for j in jobs)
-    for i, (j, r) in enumerate(zip(jobs, results), 1):
+        todo, results, start = jobs, (j.run() for j in jobs), 0
+    for i, (j, r) in enumerate(zip(todo, results), start + 1):
         console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
         out.append((j, r))
     return out
+
+
+def _done_pass(jobs: list[StudyJob]) -> tuple[list[tuple[StudyJob, JobResult]], list[StudyJob]]:
+    """Each job run in-process under ``runs.only_if_done``: the done ones return their FINISHED runs, the others stop
+    before any work (``WouldRun``) and are returned to be run."""
+    from mergescope.runs import WouldRun, only_if_done
+
+    done, todo = [], []
+    with only_if_done():
+        for j in jobs:
+            try:
+                done.append((j, j.run()))
+            except WouldRun:
+                todo.append(j)
+    return done, todo
 
 
 def _run_sweep(jobs: list[StudyJob]) -> None:
@@ -350,16 +421,67 @@ def evict_checkpoints(jobs: list[StudyJob]) -> dict[str, int]:
 
 
 def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    """Every job of the study, nested under one kind=study run of this launch (MLflow's parent run), then the analysis.
+    The study run logs each arm's wall time (``wall_s.<arm>``), printed at the end and shown in the report. A launch
+    refused on bad input before any job ran leaves no run (its study run is deleted)."""
+    import time
+
     from mergescope.analysis import run_analyze
+    from mergescope.tracking import PARENT_ENV, Tracker
 
     plan = Plan(overrides)
+    tracker = Tracker(cfg)
+    started = time.perf_counter()
+    previous = os.environ.get(PARENT_ENV)
+    parent = None
     with recording() as ledger:
-        _run_jobs(plan)
-    return run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger])  # tables, figures and the report, from MLflow
+        try:
+            with tracker.start(cfg, f"study {cfg.tracking.experiment}", {"kind": "study", "study": cfg.tracking.experiment,
+                                                                           "arms": ",".join(plan.arms)}, overrides) as parent:
+                os.environ[PARENT_ENV] = parent.run_id
+                times = _run_jobs(plan)
+                times["all jobs"] = time.perf_counter() - started
+                parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
+                parent.log_metrics({"jobs": float(len(ledger)), "jobs_run": float(sum(not r.skipped for r in ledger))})
+                _print_times(times)
+                result = run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger], timings=times)
+        except MergescopeError:
+            if parent is not None and not any(not r.skipped for r in ledger):
+                tracker.client.delete_run(parent.run_id)  # refused before any job ran: no run is left behind
+            raise
+        finally:
+            if previous is None:
+                os.environ.pop(PARENT_ENV, None)
+            else:
+                os.environ[PARENT_ENV] = previous
+    return result
 
 
-def _run_jobs(plan: Plan) -> None:
+def _print_times(times: dict[str, float]) -> None:
+    from rich.table import Table
+
+    t = Table(title="wall time per arm (this launch)")
+    t.add_column("arm")
+    t.add_column("seconds", justify="right")
+    for k, v in times.items():
+        t.add_row(k, f"{v:.1f}")
+    console.print(t)
+
+
+def _run_jobs(plan: Plan) -> dict[str, float]:
+    """Every phase in order; returns each arm's wall time in seconds (skipped jobs included: a cached arm is fast)."""
+    import time
+
     from mergescope.zoo import is_trained
+
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        now = time.perf_counter()
+        times[name] = times.get(name, 0.0) + now - t0
+        t0 = now
 
     trains = [j for j in plan.model_jobs("train") if j.cfg.model.get("zoo") is not None]
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
@@ -368,14 +490,23 @@ def _run_jobs(plan: Plan) -> None:
     _run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", parallel_workers(plan))
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
+    lap("training")
     rep = "representation" in plan.arms
     _run_all(plan.model_jobs("quality") if rep else [], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
     _run_all(plan.measures if rep else [], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
     _run_all(plan.pair_jobs("typology") if rep else [], lambda j, r: f"typology {_pair_text(j)}")
+    lap("representation")
     _run_all(plan.native_pairs() if "native" in plan.arms else [], lambda j, r: f"native pair {_pair_text(j)}")
+    lap("native")
     _checkpoint_arm(plan)
+    lap("checkpoints")
     _run_all(plan.transport_directions() if "transport" in plan.arms else [], _transport_text, parallel_workers(plan),
              together=_target)  # one target's directions in one worker: its no-fusion baseline is made once
     _run_sweep(plan.transport_sweep())
+    lap("transport")
     _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
+    lap("shared_space")
     _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")
+    lap("adapt")
+    return {k: v for k, v in times.items() if k in ("training", "representation") or k in plan.arms or
+            (k == "transport" and "transport_sweep" in plan.arms)}

@@ -180,6 +180,7 @@ class Tracker:
         extra = cfg.get("tags") or {}
         tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
+        tags.update(source_tags(tags, run_name))
         with killed_on_sigterm():
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
             job = Job(self.client, run.info.run_id)
@@ -216,6 +217,40 @@ class Tracker:
                             text = yaml.safe_dump(redact(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
                         (Path(d) / f.name).write_text(text)
                 self.client.log_artifacts(job.run_id, d, ".hydra")
+
+
+PARENT_ENV = "MERGESCOPE_PARENT_RUN"  # a study launch's run id: every job of the launch is nested under it
+
+
+def source_tags(tags: dict[str, str], run_name: str) -> dict[str, str]:
+    """MLflow's standard tags, which its UI shows: the source (``launch.py``, local, the git commit), the user, the
+    parent run of a study launch (``mlflow.parentRunId``, from ``MERGESCOPE_PARENT_RUN``: the runs table opens on one
+    row per launch that expands), and a one-line description of what the run measured (``mlflow.note.content``)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in the environment (a container)
+        user = "unknown"
+    out = {"mlflow.source.name": "launch.py", "mlflow.source.type": "LOCAL", "mlflow.user": user,
+           "mlflow.source.git.commit": tags.get("git_sha", "")}
+    parent = os.environ.get(PARENT_ENV)
+    if parent and tags.get("kind") != "study":
+        out["mlflow.parentRunId"] = parent
+    if "mlflow.note.content" not in tags:
+        what = {"measure": "a representation metric on one pair, with its shuffled control",
+                "quality": "one model's mean per-token NLL on its own side of the data",
+                "typology": "URIEL typological distances between a pair's languages",
+                "native": "weight-space diagnostics, LMC and merges of a pair that shares a parameter space",
+                "merge": "one merged model's NLL", "transport": "OT fusion of one direction at one alpha, with its random-plan control",
+                "transport_adapt": "post-fusion fine-tuning against its no-fusion baseline",
+                "adapt": "one model of the dimensional-adaptation arm (Expand / Truncate then averaging)",
+                "agreement": "probe-level agreement of one pair at every relative depth, with permutation nulls",
+                "shared_space": "a GPA shared space against pairwise maps", "routing": "routing by the shared space",
+                "train": "a zoo model's training", "analysis": "the study report, from the study's runs",
+                "study": "one study launch: every job of the launch is nested under this run"}.get(tags.get("kind", ""), "")
+        out["mlflow.note.content"] = f"{run_name}: {what}." if what else run_name
+    return out
 
 
 class Terminated(SystemExit):

@@ -8,10 +8,13 @@ kind=analysis run through :mod:`mergescope.tracking` (CSV tables, figures, the r
 
 from __future__ import annotations
 
+import hashlib
+import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mergescope.analysis.build import build_analysis
 from mergescope.analysis.correlations import N_PERMUTATIONS
@@ -21,9 +24,65 @@ from mergescope.analysis.report import run_url, write_report
 from mergescope.analysis.tables import Analysis, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console
-from mergescope.tracking import Job, Tracker
+from mergescope.tracking import Job, Tracker, read_artifact_text
 
 __all__ = ["run_analyze", "main"]
+
+
+SUMMARY_ARTIFACT = "report/summary.txt"
+
+
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """SHA-256 of the package's source files: a report made by other code is never reused."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def analysis_key(cfg: DictConfig, job_runs: list[str]) -> str:
+    """What an analysis of a study launch is a function of: the study's run ids, the code, and its own settings."""
+    parts = {"runs": sorted(set(job_runs)), "code": code_digest(), "experiment": str(cfg.tracking.experiment),
+             "analysis": OmegaConf.to_container(cfg.analysis, resolve=True) if cfg.get("analysis") else {},
+             "ui_url": str((cfg.get("report") or {}).get("ui_url") or "")}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def reuse_analysis(cfg: DictConfig, job_runs: list[str] | None) -> dict[str, Any] | None:
+    """A study launch whose runs and code are those of the latest analysis run (``analysis_key``), with its report
+    still on disk, reuses that report: its findings are printed again and nothing is rebuilt (``rerun=true`` rebuilds).
+    None when there is nothing to reuse."""
+    if not job_runs or cfg.get("rerun"):
+        return None
+    key = analysis_key(cfg, job_runs)
+    tracker = Tracker(cfg)
+    found = tracker.runs(f"tags.kind = 'analysis' and tags.analysis_inputs = '{key}'")
+    if not found:
+        return None
+    run = found[0]
+    md = Path(str(run.data.params.get("report", "")))
+    html_path = md.with_suffix(".html")
+    if not (md.is_file() and html_path.is_file()):
+        return None
+    if hashlib.sha256(md.read_bytes()).hexdigest() != run.data.params.get("report_sha256"):
+        return None  # the report on disk is another analysis's now: rebuild
+    try:
+        lines = read_artifact_text(tracker.client, run.info.run_id, SUMMARY_ARTIFACT).splitlines()
+    except Exception:  # an analysis run from before the summary artifact: rebuild
+        return None
+    console.rule(f"[bold]{cfg.tracking.experiment}: findings[/] (report reused: same runs and code as analysis run "
+                 f"{run.info.run_id[:8]})")
+    from rich.markup import escape
+
+    for line in lines:
+        console.print("- " + escape(line.replace("**", "")), soft_wrap=True)
+    print(f"report: {md}")
+    print(f"        {html_path}")
+    return {"run_id": run.info.run_id, "report_md": md, "report_html": html_path, "reused": True,
+            "pairs": int(run.data.metrics.get("pairs_cka", 0)), "pairs_above": int(run.data.metrics.get("pairs_cka_above_shuffled", 0))}
 
 
 def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: Path, html_path: Path) -> None:
@@ -73,7 +132,8 @@ def experiment_description(study: Study, md_path: Path, run_id: str, run_link: s
     return "\n".join(lines)
 
 
-def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: list[str] | None = None) -> dict[str, Any]:
+def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: list[str] | None = None,
+                timings: dict[str, float] | None = None) -> dict[str, Any]:
     """task=analyze: read the study's runs, build tables, figures and the report, log one kind=analysis run.
 
     ``job_runs``: the run ids of the study's jobs (the study passes them). Without them, the job list
@@ -83,9 +143,19 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     "analysis"}``. Raises MergescopeError (before any run exists) when the experiment has nothing to analyse.
     """
     Tracker(cfg).reap_gone()  # RUNNING runs whose process is gone are marked KILLED (and printed) before reading
+    reused = reuse_analysis(cfg, job_runs)
+    if reused is not None:
+        return reused
     study = load_study(cfg, job_runs)
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
     an = build_analysis(study, n_permutations=n_perm)
+    if timings:  # the launch's wall time per arm (the study passes it): a section of its own, after the findings
+        from mergescope.analysis.tables import RTable, Section
+
+        sec = Section("timing", "Time per arm (this launch)")
+        sec.tables.append(RTable("Wall time per arm", ["arm", "seconds"], [[k, f"{v:.1f}"] for k, v in timings.items()],
+                                 note="this launch's wall time, jobs reused from earlier launches included (they are fast)"))
+        an.sections.insert(0, sec)
     make_figures(an, study)
     for t in an.console_tables:
         console.print(t.rich())
@@ -93,9 +163,16 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     tags = {"kind": "analysis", "study": study.experiment, "study_jobs": len(study.records)}
     tracker = Tracker(cfg)
     ui = (str((cfg.get("report") or {}).get("ui_url") or DEFAULT_UI_URL), tracker.experiment_id)
+    key = analysis_key(cfg, job_runs) if job_runs else None
+    if key:
+        tags["analysis_inputs"] = key  # (a tag named *key* would be redacted as a secret)
     with tracker.start(cfg, f"analysis {study.experiment}", tags, overrides) as job:
         md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri, ui=ui)
         _log_analysis(job, an, study, out_dir, md_path, html_path)
+        from mergescope.analysis.report import summary_lines as _lines
+
+        job.log_text("\n".join(_lines(an)), SUMMARY_ARTIFACT)
+        job.log_params({"report_sha256": hashlib.sha256(Path(md_path).read_bytes()).hexdigest()})
     tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
     close_figures(an)
     from rich.markup import escape

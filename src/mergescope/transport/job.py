@@ -37,7 +37,7 @@ from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
-from mergescope.runs import JobResult, finished, model_label, pair_label, run_once
+from mergescope.runs import JobResult, finished, model_label, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
 from mergescope.transport import adapt as adapt_mod
 from mergescope.transport import fusion as fus
@@ -249,7 +249,7 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
         if s.adapt is not None:  # the reused adaptation's no-fusion baseline is one of the study's runs too
             finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
         return _summary(done, adapt_done, s.headline_alpha, skipped=True)
-
+    would_run()  # a study's done-check pass (runs.only_if_done) stops here: this direction has work to do
     f = _fit(d)
     results = {a: r if r is not None else _alpha_run(d, f, a, hashes[a]) for a, r in done.items()}
     if s.adapt and adapt_done is None:
