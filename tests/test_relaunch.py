@@ -1,0 +1,72 @@
+"""Issue 26: what makes a cached relaunch fast is exact. The compose cache gives back the config Hydra composes, and
+a phase whose jobs are all done starts no worker process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+
+def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path):
+    from hydra import compose
+
+    from mergescope import study
+
+    compose_cfg([])  # initialises Hydra on conf/
+    study._COMPOSE_CACHE[:] = [tmp_path / "compose"]
+    try:
+        for ov in (["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"],
+                   ["task=adapt", "adapt=truncate", "adapt.untied_into_tied=true", "study=toy"],
+                   ["task=transport", "merge=transport", "merge.target=b", "merge.epsilon=0.02"]):
+            first, again = study.composed(ov), study.composed(ov)  # the second is read from the cache
+            fresh = compose(config_name="config", overrides=ov)
+            assert OmegaConf.to_yaml(again) == OmegaConf.to_yaml(fresh)
+            assert OmegaConf.to_container(again, resolve=True) == OmegaConf.to_container(fresh, resolve=True)
+            assert OmegaConf.is_struct(again)
+            with pytest.raises(Exception):
+                again.no_such_key  # noqa: B018  struct mode: a typo is an error, as in Hydra's config
+        entries = list((tmp_path / "compose").glob("*.yaml"))
+        assert len(entries) == 3
+        entries[0].write_bytes(b"garbage")  # a bad entry is recomputed, never used
+        for ov in (["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"],):
+            assert OmegaConf.to_yaml(study.composed(ov)) == OmegaConf.to_yaml(compose(config_name="config", overrides=ov))
+    finally:
+        study._COMPOSE_CACHE[:] = []
+
+
+def test_a_phase_whose_jobs_are_done_starts_no_worker(monkeypatch):
+    from mergescope import study
+    from mergescope.runs import JobResult, would_run
+
+    class Job:
+        def __init__(self, done):
+            self.done, self.ran = done, 0
+
+        def run(self):
+            if not self.done:
+                would_run()
+                self.ran += 1
+            return JobResult("r" * 32, self.done, {}, "h")
+
+    started = []
+    monkeypatch.setattr(study, "run_groups", lambda groups, workers: started.append(groups) or [[j.run() for j in g] for g in groups])
+    jobs = [Job(True) for _ in range(4)]
+    assert len(study._run_all(jobs, lambda j, r: "x", workers=2)) == 4 and not started
+    jobs = [Job(True), Job(False), Job(True), Job(False)]
+    out = study._run_all(jobs, lambda j, r: "x", workers=2)
+    assert len(out) == 4 and len(started) == 1 and sorted(sum(started[0], []), key=id) == sorted([jobs[1], jobs[3]], key=id)
+    assert [j.ran for j in jobs] == [0, 1, 0, 1]  # each pending job ran once, after the done-check pass stopped it
+
+
+def test_the_analysis_key_covers_runs_code_and_settings(compose_cfg):
+    from mergescope.analysis.task import analysis_key
+
+    cfg, _ = compose_cfg(["task=analyze"])
+    k = analysis_key(cfg, ["a" * 32, "b" * 32])
+    assert k == analysis_key(cfg, ["b" * 32, "a" * 32, "a" * 32])  # order and duplicates do not matter
+    assert k != analysis_key(cfg, ["a" * 32])
+    cfg2, _ = compose_cfg(["task=analyze", "report.ui_url=http://127.0.0.1:5001"])
+    assert k != analysis_key(cfg2, ["a" * 32, "b" * 32])
+    assert Path(__file__).exists()
