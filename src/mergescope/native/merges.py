@@ -8,7 +8,7 @@ from omegaconf import DictConfig, open_dict
 
 from mergescope.config import conf_options, load_conf, plain_copy
 from mergescope.errors import MergescopeError, did_you_mean
-from mergescope.merge import check_base, merge_state_dicts, resolve_preset
+from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
 from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 
@@ -50,8 +50,9 @@ def check_merge(cfg: DictConfig):
 
 
 def stochastic(kwargs: dict) -> bool:
-    """A seeded random operator (DARE's random drop): its merged NLL is replicated over seeds."""
-    return "seed" in kwargs and kwargs.get("sparsification") == "random"
+    """A seeded random operator (DARE's random drop, DELLA): its merged NLL is replicated over seeds. An operator
+    with a seed is random unless its ``sparsification`` says otherwise (TIES' magnitude trim)."""
+    return "seed" in kwargs and kwargs.get("sparsification", "random") == "random"
 
 
 def same_as_linear(entry, kwargs: dict) -> bool:
@@ -90,6 +91,27 @@ def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float
     return nll0, nll1
 
 
+def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
+    """The equivalent mergekit YAML of this merge (logged as ``merge/mergekit.yaml``), departures as comments."""
+    from mergescope import models
+
+    def ref(r) -> str:
+        return r.location if r.local or not r.revision else f"{r.location}@{r.revision}"
+
+    be = base_entry(cfg) if pair.sd_base is not None else None
+    base = ref(models.resolve(be)) if be is not None else None
+    notes = [f"model {side} is a GGUF file, which mergekit does not read" for side, r in (("a", pair.ref_a), ("b", pair.ref_b))
+             if getattr(r, "gguf_file", None)]
+    if pair.coverage.excluded:
+        notes.append(f"mergescope merges the {len(pair.coverage.shared)} shared tensors into model a and keeps a's other "
+                     f"{len(pair.coverage.excluded)}; mergekit needs every tensor in every model")
+    if stochastic(kwargs) and int(cfg.native.get("merge_seeds", 1)) > 1:
+        notes.append(f"mergescope's NLL is the mean over {int(cfg.native.merge_seeds)} seeds; this YAML is one merge")
+    return mergekit_yaml(entry, kwargs, [ref(pair.ref_a), ref(pair.ref_b)], base,
+                         dtype=dt if (dt := models.merge_dtype(cfg.pair.a.get("dtype"))) in ("float32", "float64") else "float32",
+                         extra_notes=notes)
+
+
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
               endpoints: tuple[float, float] | None = None) -> JobResult:
     """One merged model's NLL on the host's language: its own run (kind=merge, route=native)."""
@@ -101,6 +123,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         sentences = nll_sentences(cfg)
         nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
         res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
+        job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
         return {**res, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
                 "same_as_linear": float(same_as_linear(entry, kwargs)),
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
