@@ -239,7 +239,7 @@ def test_karcher_of_two_is_slerp_midpoint_direction():
 def test_multislerp_matches_mergekit(with_base, weights, normalize_weights):
     xs = [rand(15, 12, seed=s) for s in range(len(weights))]
     base = rand(15, 12, seed=9) if with_base else None
-    ours = run("multislerp", xs, base, weights=weights, normalize_weights=normalize_weights)
+    ours = run("multislerp", xs, base, weights=weights, normalize_weights=normalize_weights, task_vectors=with_base)
     ref = mergekit_merge("multislerp", xs, base, weight=per_model(weights, 1 if with_base else 0),
                          normalize_weights=normalize_weights)
     torch.testing.assert_close(ours, ref, **TOL)
@@ -259,7 +259,7 @@ def test_nuslerp_matches_mergekit(with_base, flatten, row_wise, weights):
     xs = [rand(15, 12, seed=s) for s in (1, 2)]
     xs[1][0] = 3.0 * xs[0][0]  # one colinear row: the linear fallback, row by row
     base = rand(15, 12, seed=9) if with_base else None
-    ours = run("nuslerp", xs, base, weights=weights, flatten=flatten, row_wise=row_wise)
+    ours = run("nuslerp", xs, base, weights=weights, flatten=flatten, row_wise=row_wise, task_vectors=with_base)
     ref = mergekit_merge("nuslerp", xs, base, weight=per_model(weights, 1 if with_base else 0),
                          nuslerp_flatten=flatten, nuslerp_row_wise=row_wise)
     torch.testing.assert_close(ours, ref, **TOL)
@@ -292,7 +292,7 @@ CASES = [  # (preset, overrides, mergekit method, mergekit parameters with model
      {"weight": per_model(W3), "density": per_model([0.5] * 3), "epsilon": per_model([0.15] * 3)}),
     ("sce", {"select_topk": 0.3}, "sce", {"select_topk": 0.3}),
     ("model_stock", {}, "model_stock", {}),
-    ("multislerp", {"weights": W3}, "multislerp", {"weight": per_model(W3)}),
+    ("multislerp", {"weights": W3, "task_vectors": True}, "multislerp", {"weight": per_model(W3)}),
     ("karcher", {}, "karcher", {}),
 ]
 
@@ -330,6 +330,7 @@ ROUND_TRIP = [  # deterministic merges whose YAML has no departures: mergekit's 
     ("model_stock", {}),
     ("sce", {"select_topk": 0.5}),
     ("multislerp", {"weights": W3}),
+    ("multislerp", {"weights": W3, "task_vectors": True}),  # base_model in the YAML
     ("karcher", {}),
     ("linear", {"weights": [0.2, 0.3, 0.5]}),
     ("task_arithmetic", {"weights": [0.5, 0.8, -0.2], "lambda_": 0.7}),
@@ -387,7 +388,7 @@ def _mergekit_out(cfg_text: str, out, cli: bool):
     return got
 
 
-@pytest.mark.parametrize("name,over", ROUND_TRIP, ids=[c[0] for c in ROUND_TRIP])
+@pytest.mark.parametrize("name,over", ROUND_TRIP, ids=[c[0] + ("-tv" if c[1].get("task_vectors") else "") for c in ROUND_TRIP])
 def test_mergekit_yaml_round_trip(name, over, tiny_model_dirs, tmp_path):
     """The YAML a native merge run logs (mergekit_yaml), run by mergekit, gives our merged tensors (1e-6).
     The first case goes through the ``mergekit-yaml`` command itself, the rest through its run_merge."""
@@ -395,7 +396,7 @@ def test_mergekit_yaml_round_trip(name, over, tiny_model_dirs, tmp_path):
 
     dirs, sds = tiny_model_dirs
     entry, kw = preset(name, **over)
-    b = sds[0] if entry.meta["needs_base"] else None
+    b = sds[0] if entry.meta["needs_base"] or kw.get("task_vectors") else None
     n = 2 if name in ("nuslerp", "slerp") else 3
     dirs, sds = dirs[: n + 1], sds[: n + 1]
     cfg, notes = mergekit_config(entry, kw, dirs[1:], dirs[0] if b is not None else None)
@@ -422,3 +423,12 @@ def test_mergekit_yaml_says_where_it_departs():
     entry, kw = preset("ties", consensus="count")
     cfg, notes = mergekit_config(entry, kw, ["a", "b"], "base")
     assert cfg is None and "consensus=count" in notes[0]
+
+
+def test_multislerp_and_nuslerp_use_a_base_only_when_asked():
+    xs, base = three((6, 5))
+    torch.testing.assert_close(run("multislerp", xs, base), run("multislerp", xs, None), rtol=0, atol=0)
+    assert not torch.allclose(run("multislerp", xs, base, task_vectors=True), run("multislerp", xs, None))
+    torch.testing.assert_close(run("nuslerp", xs[:2], base), run("nuslerp", xs[:2], None), rtol=0, atol=0)
+    with pytest.raises(MergescopeError, match="task_vectors=true needs a common base"):
+        run("nuslerp", xs[:2], None, task_vectors=True)

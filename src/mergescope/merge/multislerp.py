@@ -9,7 +9,8 @@ cos(|v|) m + sin(|v|) v / |v| (|v| + eps in both), and scaled by the weighted me
 weights) fall back to the weighted sum; more are refused, unless all of them are zero (every model equals the
 base at this position: the result is the base, where mergekit 0.1.5 raises). One tensor is returned as it is.
 
-This is mergekit 0.1.5's ``multislerp`` (its base is optional, as here: base-free unless a base is given).
+This is mergekit 0.1.5's ``multislerp``. A base is used only with ``task_vectors=true`` (mergekit: whenever
+``base_model`` is set), so that the result never depends on whether the caller happened to load one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _check(kwargs: Mapping, n_models: int | None) -> None:
 
 def _mk(kw, n, has_base):
     return MK("multislerp", {"normalize_weights": bool(kw.get("normalize_weights", True)), "eps": float(kw.get("eps", 1e-8))},
-              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base else None)
+              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base and kw.get("task_vectors") else None)
 
 
 @merges.register(OP, needs_base=False, check=_check, mergekit=_mk, reference="https://goddard.blog/posts/multislerp-wow-what-a-cool-idea",
@@ -48,8 +49,12 @@ def multislerp(
     weights: list[float] | None = None,
     normalize_weights: bool = True,
     eps: float = 1e-8,
+    task_vectors: bool = False,
 ) -> Tensor:
     """Spherical barycentre of the tensors (task vectors with a base), scaled by the weighted mean norm."""
+    if task_vectors and base is None:
+        raise MergescopeError(f"merge '{OP}' task_vectors=true needs a common base model: set native.base (or task_vectors=false)")
+    base = base if task_vectors else None
     check_tensors(OP, tensors, base)
     _check({"weights": weights, "normalize_weights": normalize_weights, "eps": eps}, len(tensors))
     if len(tensors) == 1:

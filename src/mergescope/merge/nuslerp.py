@@ -1,13 +1,14 @@
 """NuSLERP: SLERP of two models set by their weights, whole tensor, row by row or column by column.
 
-t = w_2 / (w_1 + w_2) (0.5 when the weights sum to ~0, |sum| < 1e-6). With a base the two task vectors
+t = w_2 / (w_1 + w_2) (0.5 when the weights sum to ~0, |sum| < 1e-6). With ``task_vectors`` (and a base) the two task vectors
 v_i = x_i - base are interpolated and the base added back; without, the tensors themselves. The vectors:
 the whole tensor (``flatten``, default), else its rows (the last dimension) or, with ``row_wise``, its
 columns (the first dimension) -- mergekit's naming. Per vector pair: cos = <v_1/|v_1|, v_2/|v_2|> (norms
 floored at 1e-7), theta = arccos(cos), result = (sin((1-t) theta) v_1 + sin(t theta) v_2) / sin(theta) on the
 unnormalised vectors; (anti)colinear pairs (1 - cos^2 <= 1e-16) are interpolated linearly.
 
-This is mergekit 0.1.5's ``nuslerp`` (``nuslerp_flatten``, ``nuslerp_row_wise`` there). Exactly two models.
+This is mergekit 0.1.5's ``nuslerp`` (``nuslerp_flatten``, ``nuslerp_row_wise`` there; its base is used whenever
+``base_model`` is set, ours only with ``task_vectors=true``). Exactly two models.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from mergescope.errors import MergescopeError
 from mergescope.merge._common import as_weights, check_n_models, check_tensors, check_weights, work_dtype
 from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
@@ -43,7 +45,7 @@ def _slerp_vectors(t: float, v0: Tensor, v1: Tensor, eps: float = 1e-8) -> Tenso
 
 def _mk(kw, n, has_base):
     return MK("nuslerp", {"nuslerp_flatten": bool(kw.get("flatten", True)), "nuslerp_row_wise": bool(kw.get("row_wise", False))},
-              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base else None)
+              per_model(n, weight=kw.get("weights") or 1.0), base="base" if has_base and kw.get("task_vectors") else None)
 
 
 @merges.register(OP, needs_base=False, check=_check, mergekit=_mk, reference="https://github.com/arcee-ai/mergekit", order=95)
@@ -53,8 +55,12 @@ def nuslerp(
     weights: list[float] | None = None,
     flatten: bool = True,
     row_wise: bool = False,
+    task_vectors: bool = False,
 ) -> Tensor:
     """SLERP of the two tensors (their task vectors with a base) at t = w_2 / (w_1 + w_2) (module doc)."""
+    if task_vectors and base is None:
+        raise MergescopeError(f"merge '{OP}' task_vectors=true needs a common base model: set native.base (or task_vectors=false)")
+    base = base if task_vectors else None
     check_tensors(OP, tensors, base)
     _check({"weights": weights}, len(tensors))
     w = as_weights(weights, 2)
