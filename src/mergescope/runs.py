@@ -154,6 +154,8 @@ def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:
                   if (CONF_DIR / "model" / f"{m}.yaml").is_file()]
     if "adaptation.langs" in keys:
         langs += [str(x) for x in sel("adaptation.langs") or []]
+    if any(k.split(".")[0] == "native" for k in keys):  # native.nll_langs: the native arm's other languages (absent: none)
+        langs += [str(x) for x in sel("native.nll_langs") or []]
     splits = [str(sel("data.split"))]
     if sel("merge.probe_split") and any(k.split(".")[0] == "merge" for k in keys):
         splits.append(str(sel("merge.probe_split")))

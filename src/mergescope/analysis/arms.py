@@ -94,9 +94,41 @@ def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tup
                       f3(r.m("merge_gain"), 4), short(r.run_id)])
     if mrows:
         sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run"], mrows))
+    by_lang = _by_language(n, [r for r in merges if r.tags.get("pair") == pair])
+    if by_lang is not None:
+        sec.tables.append(by_lang)
     if curve:
         sec.tables.append(RTable(f"{pair}: linear interpolation NLL((1-t) a + t b) (metric steps lmc_t / lmc_nll of run {short(n.run_id)})",
                                  ["t", *[f3(t, 2) for t, _ in curve]], [["nll", *[f3(v) for _, v in curve]]]))
+
+
+def nll_langs_of(n: Rec) -> list[str]:
+    """The languages of ``native.nll_langs`` a native run scored on (its ``nll_a_<lang>`` metrics)."""
+    return sorted(k[len("nll_a_"):] for k in n.metrics if k.startswith("nll_a_"))
+
+
+def _by_language(n: Rec, merges: list[Rec]) -> RTable | None:
+    """``native.nll_langs``: each expert, the base and every merged model on every language (does the merge keep
+    both languages?), with the merged model's distance to the better expert there."""
+    langs = nll_langs_of(n)
+    if not langs:
+        return None
+    a, b = n.tags.get("model_a", "a"), n.tags.get("model_b", "b")
+    rows = [[f"expert a ({a})", *[f3(n.m(f"nll_a_{x}"), 4) for x in langs], "", short(n.run_id)],
+            [f"expert b ({b})", *[f3(n.m(f"nll_b_{x}"), 4) for x in langs], "", short(n.run_id)]]
+    if all(f"nll_base_{x}" in n.metrics for x in langs):
+        rows.append([f"base ({n.params.get('task_vector_base', 'native.base')})",
+                     *[f3(n.m(f"nll_base_{x}"), 4) for x in langs], "", short(n.run_id)])
+    for r in sorted(merges, key=lambda r: r.tags.get("merge", "")):
+        if not all(f"nll_{x}" in r.metrics for x in langs):
+            continue
+        gap = [r.m(f"nll_{x}") - min(n.m(f"nll_a_{x}"), n.m(f"nll_b_{x}")) for x in langs]
+        rows.append([r.tags.get("merge", ""), *[f3(r.m(f"nll_{x}"), 4) for x in langs],
+                     ", ".join(f"{x} {g:+.3f}" for x, g in zip(langs, gap)), short(r.run_id)])
+    return RTable(f"{n.tags.get('pair', '')}: NLL by language (native.nll_langs; nats/token)", ["model", *langs,
+                  "merged - better expert", "run"], rows,
+                  note="Each language's first native.nll_sentences FLORES sentences, scored by the host's tokenizer. "
+                       "merged - better expert > 0: the merge is worse there than the better of the two experts.")
 
 
 def native_pair(b: Build) -> Section:
@@ -156,6 +188,25 @@ def _fusion_table(b: Build, sec: Section, runs: list[Rec]) -> None:
     if head:
         sec.tables.append(role_table(head, at))
         b.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
+    ident = [r for r in runs if "plan_diagonal_share" in r.metrics]
+    if ident:
+        cols = ["plan_diagonal_share", "plan_control_diagonal_share", "plan_chance_diagonal_share",
+                "plan_layer_diagonal_share", "plan_layer_diagonal_kept", "plan_layer_chance"]
+        seen = {}
+        for r in sorted(ident, key=lambda r: (direction(r), r.m("alpha"))):
+            seen.setdefault(direction(r), r)  # the plans are the same in every alpha's run of a direction
+        sec.tables.append(RTable("Same architecture: how near the plans are to the identity",
+                                 ["direction", *cols, "run"],
+                                 [[d, *[f3(r.m(c), 4) for c in cols], short(r.run_id)] for d, r in seen.items()],
+                                 note="plan_diagonal_share: share of the rows of the same-layer neuron plans whose maximum is "
+                                      "on the diagonal (1 = the identity matching; chance 1/width); the control's is the "
+                                      "shuffled-plan control's rows. plan_layer_diagonal_share: target layers whose P_eff "
+                                      "maximum is the same layer; _kept: whose kept donor layers include it."))
+        r = next(iter(seen.values()))
+        sec.text.append(f"Same-architecture plans ({len(seen)} directions): {f3(r.m('plan_diagonal_share'), 3)} of the "
+                        f"same-layer rows peak on the diagonal (control {f3(r.m('plan_control_diagonal_share'), 3)}, chance "
+                        f"{f3(r.m('plan_chance_diagonal_share'), 4)}); layer plan on the diagonal for "
+                        f"{f3(r.m('plan_layer_diagonal_share'), 3)} of the target layers (run {short(r.run_id)}).")
     sec.figures.append(("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control"))
     b.csv["tables/transport.csv"] = sec.tables[0].csv()
     b.console_tables.append(sec.tables[0])

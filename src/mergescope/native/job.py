@@ -15,10 +15,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.native.merges import merge_configs, preset_config, run_merge
-from mergescope.native.pair import Loaded, check_lmc_points, check_pair, lmc_curve, nll_sentences, no_base_reason, same_run, step_of
+from mergescope.native.pair import (Loaded, base_entry, check_lmc_points, check_pair, lang_endpoints, lmc_curve, nll_sentences,
+                                    no_base_reason, same_run, step_of)
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
-from mergescope.runs import JobResult, pair_label, pair_tags, pair_text, run_once
+from mergescope.runs import JobResult, model_label, pair_label, pair_tags, pair_text, run_once
 
 NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
 
@@ -51,10 +52,11 @@ def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences) -> dict[str, fl
             "lmc_midpoint_nll": float(curve[np.flatnonzero(ts == 0.5)[0]]), "n_sentences": float(len(sentences))}
 
 
-def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple[float, float]) -> dict[str, float]:
+def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple[float, float],
+                  lang_ends: dict[str, float]) -> dict[str, float]:
     merges = []
     for mc in merge_configs(cfg):
-        r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints)
+        r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints, lang_ends=lang_ends)
         merges.append((mc.merge.name, r))
         console.print(f"  merge {mc.merge.name} {pair_label(cfg)}: nll={r.metrics['nll']:.4f}{' (done before)' if r.skipped else ''}")
     independent = [(n, r) for n, r in merges if not r.metrics.get("same_as_linear")]
@@ -89,8 +91,13 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         values = _weight_values(cfg, loaded)
         if loaded.sd_base is None:
             job.log_params({"task_vectors": f"not measured: {no_base_reason(cfg)}"})
+        else:
+            job.log_params({"task_vector_base": f"{model_label(base_entry(cfg))}"
+                                                f"{'@' + str(base_entry(cfg).revision) if base_entry(cfg).get('revision') else ''}"})
         values.update(_lmc_values(cfg, loaded, job, nll_sentences(cfg)))
-        values.update(_merge_values(cfg, loaded, job, overrides, (values["nll_a"], values["nll_t1"])))
+        lang_ends = lang_endpoints(cfg, loaded)  # native.nll_langs: each expert and the base on every language
+        values.update(lang_ends)
+        values.update(_merge_values(cfg, loaded, job, overrides, (values["nll_a"], values["nll_t1"]), lang_ends))
         if same_run(cfg):
             values["cka"] = checkpoint_cka(cfg, overrides)
         return values

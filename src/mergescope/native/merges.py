@@ -9,7 +9,8 @@ from omegaconf import DictConfig, open_dict
 from mergescope.config import conf_options, load_conf, plain_copy
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
-from mergescope.native.pair import Loaded, base_entry, check_pair, host_nll, nll_sentences, no_base_reason
+from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
+                                    nll_sentences, no_base_reason)
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
@@ -70,17 +71,22 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
     (seed, seed+1, ...), each seed's NLL a metric step."""
     n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
-    nlls = []
+    texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
+    nlls, by_lang = [], {lang: [] for lang in texts}
     for i in range(n):
         kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs
         for name in pair.coverage.shared:  # tensor by tensor into the host: no second whole model in memory
             pair.set_shared(merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device))
-        nlls.append(host_nll(cfg, pair, sentences, f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")))
+        what = f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")
+        nlls.append(host_nll(cfg, pair, sentences, what))
+        for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
+            by_lang[lang].append(nlls[-1] if tuple(t) == tuple(sentences) else host_nll(cfg, pair, t, f"{what} {lang}"))
         pair.restore()
         if n > 1:
             job.log_metrics({"nll_by_seed": nlls[-1]}, step=i)
     a = np.asarray(nlls, dtype=np.float64)
-    return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n)}
+    return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n),
+            **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}}
 
 
 def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:
@@ -113,18 +119,21 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
 
 
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
-              endpoints: tuple[float, float] | None = None) -> JobResult:
-    """One merged model's NLL on the host's language: its own run (kind=merge, route=native)."""
+              endpoints: tuple[float, float] | None = None, lang_ends: dict[str, float] | None = None) -> JobResult:
+    """One merged model's NLL on the host's language (and on every language of ``native.nll_langs``, beside each
+    expert's and the base's there: ``lang_ends``, computed when not given): its own run (kind=merge, route=native)."""
     refs = check_pair(cfg)
     entry, kwargs = check_merge(cfg)
+    langs = nll_langs(cfg)
 
     def body(job) -> dict[str, float]:
-        pair = loaded or Loaded(cfg, need_base=entry.meta.get("needs_base", False))
+        pair = loaded or Loaded(cfg, need_base=entry.meta.get("needs_base", False) or bool(langs))
         sentences = nll_sentences(cfg)
         nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
+        ends = lang_ends if lang_ends is not None else lang_endpoints(cfg, pair)
         res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
         job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
-        return {**res, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
+        return {**res, **ends, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
                 "same_as_linear": float(same_as_linear(entry, kwargs)),
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
                 "n_sentences": float(len(sentences))}
@@ -132,7 +141,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
     return run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
-                    reads=refs)
+                    reads=refs, extra={"nll_langs": langs} if langs else None)  # unset: every earlier hash unchanged
 
 
 def merge_configs(cfg: DictConfig) -> list[DictConfig]:

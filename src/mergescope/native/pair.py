@@ -37,15 +37,45 @@ def same_run(cfg: DictConfig) -> bool:
 
 
 def base_entry(cfg: DictConfig) -> Any | None:
-    """The task-vector base: for checkpoints of one run, that run at ``native.base``; else none."""
-    if not same_run(cfg) or not cfg.native.get("base"):
+    """The task-vector base: ``native.base`` given as a model entry (``defaults: [/model@native.base: <name>]``: the
+    pretrained model both sides were fine-tuned from, for any pair); else, for checkpoints of one run, that run at the
+    revision ``native.base``; else none."""
+    base = cfg.native.get("base")
+    if isinstance(base, DictConfig):
+        return None if base_is_a_side(cfg, base) else plain_copy(base)
+    if not same_run(cfg) or not base:
         return None
     e = plain_copy(cfg.pair.a)
     e.revision = str(cfg.native.base)
     return e
 
 
+def base_is_a_side(cfg: DictConfig, base: DictConfig) -> bool:
+    """The base entry is one of the pair's own models (base x its fine-tune): no task vector of that side, so none."""
+    try:
+        where = models.resolve(base)
+        return any((where.location, where.revision) == (r.location, r.revision)
+                   for r in (models.resolve(cfg.pair.a), models.resolve(cfg.pair.b)))
+    except MergescopeError:
+        return False  # a missing base is reported where it is read
+
+
+def base_blockers(shared: list[str], sd_a, sd_base) -> list[str]:
+    """Why a base cannot serve the pair's task vectors: a shared tensor it lacks, or holds in another shape."""
+    out = []
+    for n in shared:
+        if n not in sd_base:
+            out.append(f"{n} is not in the base")
+        elif tuple(sd_base[n].shape) != tuple(sd_a[n].shape):
+            out.append(f"{n} has shape {tuple(sd_base[n].shape)} in the base, {tuple(sd_a[n].shape)} in model a")
+    return out
+
+
 def no_base_reason(cfg: DictConfig) -> str:
+    base = cfg.native.get("base")
+    if isinstance(base, DictConfig):
+        return (f"native.base ({model_label(base)}) is one of the pair's own models: its task vector is zero, so "
+                "task-vector diagnostics and base-requiring merges are left out")
     if same_run(cfg):
         return "native.base is null"
     return (f"{model_label(cfg.pair.a)} and {model_label(cfg.pair.b)} were trained separately, with no shared "
@@ -62,7 +92,8 @@ def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
             f"the native route is undefined for {pair_label(cfg)}: {native['blocked_by']}; "
             "weight-space operators need a shared parameter space (use the transport or adapt route)"
         )
-    data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
+    for lang in [str(cfg.pair.a.lang), *nll_langs(cfg)]:  # every language it scores on is in the data
+        data_mod.load_side(cfg.data, lang)
     be = base_entry(cfg)
     refs = (ra, rb) if be is None else (ra, rb, models.resolve(be))
     for ref in refs:  # NaN or infinite weights fail here, before the run (read once per checkpoint, then remembered)
@@ -101,6 +132,9 @@ class Loaded:
         self.coverage = coverage(self.sd_a, self.sd_b)
         if not self.coverage.shared:
             raise MergescopeError(f"{pair_label(cfg)} shares no tensor of the same name and shape; the native route is undefined")
+        if self.sd_base is not None and (bad := base_blockers(self.coverage.shared, self.sd_a, self.sd_base)):
+            raise MergescopeError(f"native.base {model_label(be)} is not a base of {pair_label(cfg)}: {'; '.join(bad[:3])}"
+                                  f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}")
 
     def set_shared(self, values: dict[str, Any]) -> None:
         """Write the given shared tensors into the host, in place, tensor by tensor."""
@@ -123,6 +157,38 @@ def nll_sentences(cfg: DictConfig) -> tuple[str, ...]:
     side = data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
     k = cfg.native.get("nll_sentences")
     return side.sentences[: int(k)] if k else side.sentences
+
+
+def nll_langs(cfg: DictConfig) -> list[str]:
+    """``native.nll_langs``: languages every merged model (and each expert and the base) is also scored on, beside the
+    host's (a multilingual merge: does it keep both languages?). Absent or empty: the host's language only."""
+    return [str(x) for x in (cfg.native.get("nll_langs") or [])]
+
+
+def lang_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
+    """The first ``native.nll_sentences`` sentences of one language's side of the evaluation data."""
+    side = data_mod.load_side(cfg.data, lang)
+    k = cfg.native.get("nll_sentences")
+    return side.sentences[: int(k)] if k else side.sentences
+
+
+def lang_endpoints(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
+    """Each expert's and the base's NLL on every language of ``native.nll_langs``: ``nll_a_<lang>`` (the host),
+    ``nll_b_<lang>`` (every shared tensor from b: model b itself when all its tensors are shared) and
+    ``nll_base_<lang>`` (every shared tensor from the task-vector base, when there is one)."""
+    langs = nll_langs(cfg)
+    if not langs:
+        return {}
+    texts = {lang: lang_sentences(cfg, lang) for lang in langs}
+    out = {f"nll_a_{lang}": host_nll(cfg, loaded, t, f"nll a {lang}") for lang, t in texts.items()}
+    loaded.interpolate(1.0)
+    out.update({f"nll_b_{lang}": host_nll(cfg, loaded, t, f"nll b {lang}") for lang, t in texts.items()})
+    if loaded.sd_base is not None:
+        for n in loaded.coverage.shared:
+            loaded.set_shared({n: loaded.sd_base[n]})
+        out.update({f"nll_base_{lang}": host_nll(cfg, loaded, t, f"nll base {lang}") for lang, t in texts.items()})
+    loaded.restore()
+    return out
 
 
 def host_nll(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> float:

@@ -265,6 +265,9 @@ def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tenso
     f.infos.append(info)
     for k, v in tot.plan_diagnostics(Q, C).items():
         c.diag.setdefault(f"{k}_{iface}", []).append(v)
+    if l == m and Q.shape[0] == Q.shape[1]:  # same depth, same width: how near the plan is to the identity
+        for k, v in diagonal_shares(Q, perm).items():
+            c.diag.setdefault(f"{k}_{iface}", []).append(v)
     del C
     scaled = c.s.plan_scale == "row_stochastic"
     out = out_r = phi_in = None
@@ -275,6 +278,17 @@ def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tenso
     if as_input:
         phi_in = tot.column_stochastic(Q) if scaled else Q
     return _PairPlan(out, out_r, phi_in)
+
+
+def diagonal_shares(Q: torch.Tensor, perm: torch.Tensor) -> dict[str, float]:
+    """A square plan between the same layer of two models of one architecture (two fine-tunes of one base): the share
+    of its rows whose maximum is on the diagonal (``diagonal_share``: 1 = the identity matching, 1/n = chance), and the
+    same for the random-plan control's rows (row r of the control is row perm[r] of the plan: ``control_diagonal_share``)."""
+    idx = torch.arange(Q.shape[0], device=Q.device)
+    top = Q.argmax(1)
+    return {"diagonal_share": float((top == idx).double().mean()),
+            "control_diagonal_share": float((top[perm.to(Q.device)] == idx).double().mean()),
+            "chance_diagonal_share": 1.0 / Q.shape[0]}
 
 
 def _width(p: Probe, iface: str, layer: int) -> int:
@@ -333,7 +347,8 @@ def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adap
             _fuse_layer(c, f, l, t_sd, t_adapter)
             pb.advance(task)
     f.diagnostics = {k: float(np.mean(v)) for k, v in c.diag.items()}
-    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max", "cost_mean", "cost_sd"):
+    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max", "cost_mean", "cost_sd",
+                 "diagonal_share", "control_diagonal_share", "chance_diagonal_share"):
         vals = [v for k, vs in c.diag.items() if k.startswith(base + "_") for v in vs]
         if vals:
             f.diagnostics[base] = float(np.mean(vals))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -310,8 +311,20 @@ def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, floa
         "n_fused_tensors": float(len(fusion.original)),
         "fused_params": float(sum(w.numel() for w in fusion.original.values())),
         "masked_params": float(sum(int(fusion.masks[n].sum()) * (w.numel() // w.shape[0]) for n, w in fusion.original.items())),
-        **{f"plan_{k}": v for k, v in diag.items() if k.split("_")[0] in ("row", "cost")},
+        **{f"plan_{k}": v for k, v in diag.items() if k.split("_")[0] in ("row", "cost", "diagonal", "control", "chance")},
+        **layer_diagonal(align),
     }
+
+
+def layer_diagonal(align: fus.LayerAlignment) -> dict[str, float]:
+    """Two models of one depth: the share of target layers whose P_eff row maximum is the same layer
+    (``plan_layer_diagonal_share``; 1/L = chance) and whose kept donor layers include it (``plan_layer_diagonal_kept``)."""
+    P, kept = np.asarray(align.plan), np.asarray(align.kept)
+    if P.shape[0] != P.shape[1]:
+        return {}
+    idx = np.arange(P.shape[0])
+    return {"plan_layer_diagonal_share": float(np.mean(P.argmax(1) == idx)),
+            "plan_layer_diagonal_kept": float(np.mean(kept[idx, idx] > 0)), "plan_layer_chance": 1.0 / P.shape[0]}
 
 
 def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:

@@ -506,6 +506,11 @@ def train_model(
     for key in OPTIONAL_KEYS:  # a fine-tune entry names its base (and its checkpoints) in its zoo block
         if (entry.get("zoo") or {}).get(key) is not None:
             train[key] = entry["zoo"][key]
+    for key, value in ((entry.get("zoo") or {}).get("train") or {}).items():  # the entry's own hyperparameters
+        if key not in (*TRAIN_KEYS, *OPTIONAL_KEYS, *NON_TRAINING_KEYS):  # (a fine-tune's lr, batch, seq_len)
+            raise MergescopeError(f"model {entry.get('name')}: zoo.train.{key} is not a train setting "
+                                  f"({', '.join(TRAIN_KEYS)})")
+        train[key] = value
     check_train(train)
     threads = torch.get_num_threads()
     if train.get("num_threads"):
