@@ -432,3 +432,42 @@ def test_multislerp_and_nuslerp_use_a_base_only_when_asked():
     torch.testing.assert_close(run("nuslerp", xs[:2], base), run("nuslerp", xs[:2], None), rtol=0, atol=0)
     with pytest.raises(MergescopeError, match="task_vectors=true needs a common base"):
         run("nuslerp", xs[:2], None, task_vectors=True)
+
+
+def test_native_merge_run_logs_a_mergekit_yaml_that_mergekit_reproduces(compose_cfg, tmp_path):
+    """task=merge on a checkpoint pair (base: its step1) logs merge/mergekit.yaml; mergekit run on that very file
+    gives the tensors merge_state_dicts gives on the three folders' weights (1e-6). A tiny Llama run: mergekit
+    0.1.5's GPT-NeoX architecture asks for ``attention.masked_bias``, which transformers no longer saves."""
+    from conftest import save_tiny
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    from mergescope.native.merges import run_merge
+
+    p = str(save_tiny(tmp_path / "llama_run", "llama", "eng_Latn", seed=4, revisions=("step1", "step2")))
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", "merge.weights=[0.6,0.4]", "pair=custom",
+                           f"pair.a.name_or_path={p}", "pair.a.revision=step2", "pair.a.lang=eng_Latn",
+                           f"pair.b.name_or_path={p}", "pair.b.revision=null", "pair.b.lang=eng_Latn",
+                           "native.base=step1", "native.nll_sentences=4"])
+    res = run_merge(cfg, ov)
+    client = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    text = Path(client.download_artifacts(res.run_id, "merge/mergekit.yaml", str(tmp_path))).read_text()
+    assert "NOT identical" not in text, text
+    mk_cfg = yaml.safe_load(text)
+    assert mk_cfg["merge_method"] == "ties" and len(mk_cfg["models"]) == 2
+
+    def weights(folder):
+        sd = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            sd.update(load_file(f))
+        return sd
+
+    got = _mergekit_out(text, tmp_path / "out", cli=False)
+    sds = [weights(m["model"]) for m in mk_cfg["models"]]
+    base = weights(mk_cfg["base_model"])
+    entry, kw = preset("ties", weights=[0.6, 0.4])
+    names = [k for k in got if k in base and base[k].is_floating_point()]
+    assert names
+    ours = merge_state_dicts(entry, kw, sds, base, names, device="cpu")
+    for k in names:
+        torch.testing.assert_close(ours[k], got[k], **TOL, msg=lambda m: f"{k}: {m}")
