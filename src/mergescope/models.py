@@ -535,7 +535,14 @@ def show_true_config(name: str, tc: dict[str, Any]) -> None:
     """One line per loaded model: what its config really says (cards can lie)."""
     from mergescope.progress import console
 
-    console.print(f"[bold]{name}[/] true config: " + ", ".join(f"{k}={v}" for k, v in tc.items()))
+    line = ", ".join(f"{k}={v}" for k, v in tc.items())
+    if _SHOWN.get(name) == line:  # once per model and process: a study loads each model many times
+        return
+    _SHOWN[name] = line
+    console.print(f"[bold]{name}[/] true config: " + line, soft_wrap=True)
+
+
+_SHOWN: dict[str, str] = {}
 
 
 @dataclass
