@@ -471,3 +471,41 @@ def test_native_merge_run_logs_a_mergekit_yaml_that_mergekit_reproduces(compose_
     ours = merge_state_dicts(entry, kw, sds, base, names, device="cpu")
     for k in names:
         torch.testing.assert_close(ours[k], got[k], **TOL, msg=lambda m: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------- passthrough (layer stacking)
+
+
+def test_passthrough_stack_layers_matches_mergekit(tmp_path):
+    """Layers [0, 2) of model 1 then [1, 3) of model 2 (3-layer tiny Llamas): a 4-layer model equal to mergekit's
+    passthrough on the same slices, tensor for tensor, and its config's depth."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mergescope.merge.passthrough import stack_layers
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    dirs, sds = [], []
+    for s in (1, 2):
+        torch.manual_seed(s)
+        m = LlamaForCausalLM(cfg)
+        d = tmp_path / f"m{s}"
+        m.save_pretrained(d, safe_serialization=True)
+        dirs.append(str(d))
+        sds.append({k: v.detach().clone() for k, v in m.state_dict().items()})
+    text = yaml.safe_dump({"slices": [{"sources": [{"model": dirs[0], "layer_range": [0, 2]}]},
+                                      {"sources": [{"model": dirs[1], "layer_range": [1, 3]}]}],
+                           "merge_method": "passthrough", "dtype": "float32"})
+    got = _mergekit_out(text, tmp_path / "out", cli=False)
+    ours, out_cfg = stack_layers([(sds[0], 0, 2), (sds[1], 1, 3)], cfg.to_dict())
+    assert out_cfg["num_hidden_layers"] == 4 and cfg.num_hidden_layers == 3
+    assert set(ours) == set(got)
+    for k in ours:
+        torch.testing.assert_close(ours[k], got[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    assert torch.equal(ours["model.layers.3.mlp.up_proj.weight"], sds[1]["model.layers.2.mlp.up_proj.weight"])
+    assert torch.equal(ours["lm_head.weight"], sds[1]["lm_head.weight"])  # after the layers: the last slice's
+    assert torch.equal(ours["model.embed_tokens.weight"], sds[0]["model.embed_tokens.weight"])
+    model = LlamaForCausalLM(LlamaConfig(**out_cfg))
+    model.load_state_dict(ours, strict=True)  # a loadable 4-layer model
+    with pytest.raises(MergescopeError, match=r"layers \[2, 4\) of a model with 3"):
+        stack_layers([(sds[0], 2, 4)], cfg.to_dict())
