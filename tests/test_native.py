@@ -176,3 +176,42 @@ def test_a_reused_native_run_records_its_nested_runs(tiny_models, compose_cfg):
     assert r.skipped and len(first) == 4  # the native run, two merges, the checkpoints' CKA
     assert sorted(x.run_id for x in again) == sorted(x.run_id for x in first) and all(x.skipped for x in again)
     assert len(runs(Path(cfg.paths.root))) == 4
+
+
+def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
+    """native.base given as a model entry (study=real: the pretrained model two fine-tunes continue from) serves any
+    pair, not only checkpoints of one run; native.nll_langs scores each expert, the base and every merged model on
+    more languages (checked against one plain forward per sentence). A base that is one of the pair's sides gives no
+    task vectors, and base-requiring merges are left out."""
+    from mergescope import data as data_mod
+    from mergescope.native.job import run_native
+    from mergescope.native.weights import coverage
+
+    root = tiny_models["neox_en"]
+    base = f"{{name:base,name_or_path:'{root}',lang:eng_Latn,dtype:float32}}"
+    pair = ["task=native", "pair=custom", f"pair.a.name_or_path={root / 'step1'}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={root / 'step2'}", "pair.b.lang=eng_Latn", "native.merges=[linear,ties]",
+            "native.lmc_points=3", f"native.nll_sentences={N}", "+native.nll_langs=[eng_Latn,por_Latn]"]
+    cfg, ov = compose_cfg([*pair, f"native.base={base}"])
+    r = run_native(cfg, ov)
+    assert np.isfinite(r.metrics["tv_cosine"]) and "ties_sign_agreement" in r.metrics
+    from transformers import AutoModelForCausalLM
+
+    sds = {k: AutoModelForCausalLM.from_pretrained(p).state_dict() for k, p in (("a", root / "step1"), ("b", root / "step2"),
+                                                                              ("base", root))}
+    pt = list(data_mod.load_side(cfg.data, "por_Latn").sentences[:N])
+    for who in ("a", "b", "base"):
+        assert r.metrics[f"nll_{who}_por_Latn"] == pytest.approx(outside_nll(sds[who], root / "step1", pt), rel=1e-5), who
+    merged = {x.data.tags["merge"]: x for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge"}
+    assert sorted(merged) == ["linear", "ties"]
+    lin = merged["linear"].data.metrics
+    assert lin["nll_eng_Latn"] == lin["nll"]  # the host's own sentences: the same number
+    names = coverage(sds["a"], sds["b"]).shared
+    mid = {k: (sds["a"][k] + sds["b"][k]) / 2 if k in names else v for k, v in sds["a"].items()}
+    assert lin["nll_por_Latn"] == pytest.approx(outside_nll(mid, root / "step1", pt), rel=1e-5)
+    assert lin["nll_base_por_Latn"] == r.metrics["nll_base_por_Latn"]
+    # the base is model a itself: no task vector, no base-requiring merge
+    cfg, ov = compose_cfg([*pair, f"native.base={{name:a,name_or_path:'{root / 'step1'}',lang:eng_Latn,dtype:float32}}",
+                           "native.merges=[linear,ties]"])
+    r2 = run_native(cfg, ov)
+    assert "tv_cosine" not in r2.metrics and "nll_base_por_Latn" not in r2.metrics
