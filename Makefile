@@ -29,7 +29,7 @@ test: install
 	$(PY) -m pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not heavy"
 
 # Copy the shared offline data into ./data (ignored by git), or say what to put where.
 data:

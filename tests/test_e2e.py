@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import FLORES, REPO, SHARED
 
-pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")]
 N = 150
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from conftest import FLORES, REPO, SHARED
 
-pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")]
 N = 60
 
 

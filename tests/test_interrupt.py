@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import FLORES, REPO, SHARED
 
-pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")]
 METRICS = ["cka", "procrustes", "svcca", "retrieval", "mutual_knn"]
 
 

@@ -13,6 +13,8 @@ from conftest import FLORES, REPO, SHARED
 
 needs_data = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
 
+pytestmark = pytest.mark.heavy  # starts processes (servers, worker pools)
+
 
 def sweep(root: Path, models, launcher: list[str]) -> subprocess.CompletedProcess:
     args = ["-m", *launcher, "task=measure", "metric=cka,procrustes", "pair=custom",

@@ -19,6 +19,8 @@ from mergescope.config import flatten, redact
 PAIRS = ["zoo-neox-en__zoo-neox-zh", "zoo-neox-en__zoo-llama-pt", "zoo-llama-pt__zoo-mistral-it"]
 WRITERS = 4
 
+pytestmark = pytest.mark.heavy  # starts processes (servers, worker pools)
+
 
 def _why_not() -> str | None:
     missing = server.missing_binaries()
