@@ -923,3 +923,27 @@ def test_a_sweep_setting_that_does_not_converge_is_recorded_and_the_sweep_goes_o
     with pytest.raises(MergescopeError, match="plain bad input"):  # any other error stops the sweep: it is not a result
         study._run_sweep([type("Bad", (), {"run": lambda self: (_ for _ in ()).throw(MergescopeError("plain bad input")),
                                            "cfg": cfg, "overrides": ov})()])
+
+
+def test_diagonal_shares_of_a_same_architecture_plan():
+    """study=real's transport between two fine-tunes of one base: the identity plan has every row maximum on the
+    diagonal, its shuffled control about chance; P_eff on the diagonal counts each layer."""
+    from mergescope.transport import fusion as fus
+    from mergescope.transport.job import layer_diagonal
+
+    n = 64
+    Q = torch.eye(n, dtype=torch.float64) / n + 1e-6
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    d = fus.diagonal_shares(Q, perm)
+    assert d["diagonal_share"] == 1.0 and d["chance_diagonal_share"] == 1 / n
+    assert d["control_diagonal_share"] == float((perm == torch.arange(n)).double().mean()) < 0.2
+    shifted = torch.roll(Q, 1, dims=1)
+    assert fus.diagonal_shares(shifted, perm)["diagonal_share"] == 0.0
+    P = np.eye(4) * 0.7 + 0.1
+    P[3] = [0.1, 0.1, 0.7, 0.1]
+    kept = np.eye(4)
+    kept[3] = [0, 0, 1, 0]
+    align = fus.LayerAlignment(np.zeros((4, 4)), np.zeros((4, 4)), P, kept)
+    assert layer_diagonal(align) == {"plan_layer_diagonal_share": 0.75, "plan_layer_diagonal_kept": 0.75,
+                                     "plan_layer_chance": 0.25}
+    assert layer_diagonal(fus.LayerAlignment(np.zeros((4, 3)), np.zeros((4, 3)), np.ones((4, 3)), np.ones((4, 3)))) == {}
