@@ -332,3 +332,17 @@ def test_train_job_logs_one_run_and_reuses_it_while_the_model_exists(corpus, com
     shutil.rmtree(Path(cfg.model.name_or_path) / "main")  # the model is gone: a finished run is not enough
     third = run_train(cfg, ov)
     assert not third.skipped and third.run_id != first.run_id and is_trained(cfg.model.name_or_path)
+
+
+def test_an_entry_may_carry_its_own_train_settings_and_a_typo_is_refused(corpus, tmp_path):
+    """zoo.train: a fine-tune's own lr / batch / seq_len over train.* (conf/model/smollm2-135m-pt.yaml); a key that is
+    no train setting is one line naming it, before anything is trained."""
+    entry = {**MICRO_ENTRY, "zoo": {**MICRO_ENTRY["zoo"], "train": {"lr_typo": 1e-4}}}
+    with pytest.raises(MergescopeError, match="zoo.train.lr_typo is not a train setting"):
+        train_model(entry, {"steps": 3}, corpus, tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+    from mergescope.zoo.train import TRAIN_KEYS
+
+    for name in ("smollm2-135m-pt", "smollm2-135m-it"):
+        z = OmegaConf.to_container(OmegaConf.load(MODEL_CONF / f"{name}.yaml"))["zoo"]
+        assert set(z["train"]) <= set(TRAIN_KEYS) and z["init_from"].endswith("/real/smollm2-135m")
