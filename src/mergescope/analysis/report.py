@@ -71,15 +71,19 @@ ARM_LABELS = (("cka", "Representation"), ("checkpoint", "Checkpoint merging"), (
 
 def summary_lines(an: Analysis) -> list[str]:
     """The summary: one line per arm, its finding with its control and a run id (or why it was not measured)."""
-    out = []
+    out, absent = [], []
     for key, label in ARM_LABELS:
         s = next((s for s in an.sections if s.key == key), None)
         if s is None:
             continue
         if s.finding:
             out.append(f"**{label}**: {s.finding}")
-        elif s.missing:
-            out.append(f"**{label}**: {s.missing[0]}")
+        elif s.tables:  # measured, without a one-sentence finding: its first text line says what it holds
+            out.append(f"**{label}**: " + (s.text[0] if s.text else "see its section"))
+        else:
+            absent.append(label.lower())
+    if absent:
+        out.append("Not measured in this study: " + ", ".join(absent) + " (why: the \"Not measured\" list).")
     return out
 
 
