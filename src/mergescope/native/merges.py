@@ -121,7 +121,13 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
               endpoints: tuple[float, float] | None = None, lang_ends: dict[str, float] | None = None) -> JobResult:
     """One merged model's NLL on the host's language (and on every language of ``native.nll_langs``, beside each
-    expert's and the base's there: ``lang_ends``, computed when not given): its own run (kind=merge, route=native)."""
+    expert's and the base's there: ``lang_ends``, computed when not given): its own run (kind=merge, route=native).
+    With ``+merge.models=[...]`` (or ``merge=mergekit merge.config=...``) it merges those models instead of the pair
+    (:mod:`mergescope.native.multi`)."""
+    from mergescope.native.multi import is_multi, run_merge_n
+
+    if is_multi(cfg):
+        return run_merge_n(cfg, overrides)
     refs = check_pair(cfg)
     entry, kwargs = check_merge(cfg)
     langs = nll_langs(cfg)

@@ -1,0 +1,286 @@
+"""``task=merge`` on a base and any number of models (``+merge.models=[...]``, per-model ``merge.weights``), or on a
+mergekit YAML (``merge=mergekit merge.config=path.yaml``, :mod:`mergescope.native.mergekit_in`): one run
+(kind=merge, route=native).
+
+The host is the first model, loaded once with its tokenizer; every model and the base are read tensor by tensor
+from their safetensors files (:func:`mergescope.native.stream.streamed_state`), so the merge needs the host plus
+one tensor position of each model in memory. The merged tensors are those every model (and the base) holds with
+one name and shape; the host keeps its others. Scored on every model's language (and ``native.nll_langs``):
+``nll_<lang>`` for the merged model, ``nll_m<i>_<lang>`` for model i, ``nll_base_<lang>``; ``nll`` and
+``merge_gain`` (best single model's NLL - merged NLL) on the host's language, ``merge_gain_<lang>`` on each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from mergescope import models
+from mergescope.config import CONF_DIR, to_plain
+from mergescope.errors import MergescopeError, did_you_mean
+from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
+from mergescope.native.pair import host_nll, lang_sentences, nll_langs
+from mergescope.native.stream import streamed_state
+from mergescope.progress import console
+from mergescope.runs import JobResult, model_label, run_once
+
+MULTI_ONLY = ("models", "base", "config", "lang")  # merge.* keys that are no operator keyword
+MULTI_KEYS = ["merge", "data", "native.nll_sentences", "native.nll_langs", "native.merge_seeds", "represent.max_length"]
+
+
+@dataclass
+class Spec:
+    """What an N-model merge merges: the operator preset, the models, the base, and where it came from."""
+
+    preset: dict[str, Any]
+    entries: list[DictConfig]
+    base: DictConfig | None
+    source: str = "merge.models"
+    notes: list[str] = field(default_factory=list)
+
+
+def is_multi(cfg: DictConfig) -> bool:
+    m = cfg.get("merge")
+    return m is not None and (m.get("models") is not None or m.get("name") == "mergekit")
+
+
+def model_entry(cfg: DictConfig, m: Any, what: str, lang: str | None = None) -> DictConfig:
+    """A model given as a conf/model name, a folder path or hub id (``path@revision`` allowed), or a full entry ->
+    a resolved model entry (``name_or_path``, ``revision``, ``lang``, ``dtype``)."""
+    names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+    if isinstance(m, str):
+        if m in names:
+            m = OmegaConf.load(CONF_DIR / "model" / f"{m}.yaml")
+        else:
+            path, _, rev = m.partition("@") if "@" in m and not Path(m).exists() else (m, "", "")
+            if not (Path(path).expanduser().exists() or path.count("/") == 1):
+                raise MergescopeError(f"{what}: '{m}' is neither a conf/model name ({did_you_mean(m, names)}) nor a model "
+                                      "folder nor a hub id")
+            m = {"name_or_path": path, "revision": rev or None}
+    node = OmegaConf.create({"paths": OmegaConf.to_container(cfg.paths, resolve=True), "entry": m})
+    e = OmegaConf.create(OmegaConf.to_container(node, resolve=True)["entry"])
+    if not e.get("name_or_path"):
+        raise MergescopeError(f"{what}: a model entry needs name_or_path")
+    for key, default in (("revision", None), ("dtype", "float32"), ("lang", lang or cfg.merge.get("lang") or "eng_Latn")):
+        if e.get(key) is None:
+            e[key] = default
+    return e
+
+
+def spec_of(cfg: DictConfig) -> Spec:
+    if cfg.merge.get("name") == "mergekit":
+        from mergescope.native.mergekit_in import read_mergekit
+
+        return read_mergekit(cfg)
+    ms = cfg.merge.models
+    if isinstance(ms, str) or len(ms) < 1:
+        raise MergescopeError("merge.models must be a list of models: +merge.models=[<conf/model name or path>, ...]")
+    entries = [model_entry(cfg, m, f"merge.models[{i}]") for i, m in enumerate(ms)]
+    base = cfg.merge.get("base")
+    base_e = model_entry(cfg, base, "merge.base") if base is not None else None
+    preset = {k: v for k, v in to_plain(cfg.merge).items() if k not in MULTI_ONLY}
+    return Spec(preset, entries, base_e)
+
+
+def check_spec(cfg: DictConfig, spec: Spec):
+    entry, kwargs = resolve_preset(spec.preset)
+    check = entry.meta.get("check")
+    if check is not None:
+        check(kwargs, len(spec.entries))
+    check_base(entry, spec.base is not None, "no merge.base given (+merge.base=<the models' common base>)")
+    refs = [models.resolve(e) for e in spec.entries]
+    seen = {}
+    for r in refs:
+        if (r.location, r.revision) in seen:
+            raise MergescopeError(f"merge.models lists {r.label} twice")
+        seen[(r.location, r.revision)] = r
+    uses_base = bool(entry.meta.get("needs_base") or kwargs.get("task_vectors"))
+    base_ref = models.resolve(spec.base) if spec.base is not None and uses_base else None
+    for lang in langs_of(cfg, spec):
+        from mergescope import data as data_mod
+
+        data_mod.load_side(cfg.data, lang)
+    for r in [*refs, *([base_ref] if base_ref else [])]:
+        models.check_weights(r, cfg.paths.cache)
+    return entry, kwargs, refs, base_ref
+
+
+def langs_of(cfg: DictConfig, spec: Spec) -> list[str]:
+    out: list[str] = []
+    for lang in [*(str(e.lang) for e in spec.entries), *nll_langs(cfg)]:
+        if lang not in out:
+            out.append(lang)
+    return out
+
+
+def _state(model) -> dict[str, Any]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+class Stack:
+    """The host (models[0]) loaded with its tokenizer; every model's and the base's state dict streamed."""
+
+    def __init__(self, cfg: DictConfig, spec: Spec, refs, base_ref):
+        e0 = spec.entries[0]
+        host = models.load(e0, cfg.device, ref=refs[0], quiet=True, dtype=models.merge_dtype(e0.dtype))
+        self.host, self.tok, self.true_config = host.model, host.tokenizer, host.true_config
+        cache = cfg.paths.get("cache")
+        self.sds = []
+        for i, (e, r) in enumerate(zip(spec.entries, refs)):
+            s = streamed_state(r, models.merge_dtype(e.dtype), model=self.host if i == 0 else None, cache_root=cache)
+            if s is None:
+                s = (_state(models.load_model(r, models.merge_dtype(e.dtype), "cpu")), None)
+            self.sds.append(s[0])
+        self.sd_base = None
+        if base_ref is not None:
+            s = streamed_state(base_ref, models.merge_dtype(spec.base.dtype), cache_root=cache)
+            self.sd_base = s[0] if s else _state(models.load_model(base_ref, models.merge_dtype(spec.base.dtype), "cpu"))
+        self.shared, self.excluded = shared_names(self.sds, self.sd_base)
+        if not self.shared:
+            raise MergescopeError("the models share no tensor of one name and shape: the native route is undefined for them")
+
+    def set(self, values) -> None:
+        sd = self.host.state_dict()
+        for name, v in values.items():
+            sd[name].copy_(v.to(sd[name].device, sd[name].dtype))
+
+    def load_from(self, sd) -> None:
+        for n in self.shared:
+            self.set({n: sd[n]})
+
+    def restore(self) -> None:
+        self.load_from(self.sds[0])
+
+    def merge_into_host(self, entry, kwargs: dict, device) -> None:
+        for name in self.shared:  # tensor by tensor: one position of each model in memory at a time
+            self.set(merge_state_dicts(entry, kwargs, self.sds, self.sd_base, [name], device))
+
+
+def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
+    """Names every model (and the base) holds as a floating-point tensor of one shape, in model 0's order (a tensor
+    tied to an earlier one in model 0 is merged once, through its partner); the others with the reason."""
+    first = sds[0]
+    ties = getattr(first, "ties", {}) or {}
+    shared, excluded = [], []
+    for name in first:
+        if name in ties:
+            excluded.append((name, f"tied to {ties[name]} (merged once)"))
+            continue
+        t0 = first[name]
+        shape = tuple(t0.shape)
+        bad = next((f"not in model {i}" for i, sd in enumerate(sds) if name not in sd), None)
+        if bad is None and base is not None and name not in base:
+            bad = "not in the base"
+        if bad is None and not t0.is_floating_point():
+            bad = f"not a floating-point tensor ({str(t0.dtype).replace('torch.', '')})"
+        if bad is None:
+            other = [(f"model {i}", sd[name]) for i, sd in enumerate(sds[1:], 1)] + ([("the base", base[name])] if base is not None else [])
+            bad = next((f"shape {tuple(t.shape)} in {w}, {shape} in model 0" for w, t in other if tuple(t.shape) != shape), None)
+        (excluded.append((name, bad)) if bad else shared.append(name))
+    return shared, excluded
+
+
+def stochastic(kwargs: dict) -> bool:
+    from mergescope.native.merges import stochastic as one
+
+    return one(kwargs)
+
+
+def labels(spec: Spec) -> list[str]:
+    return [model_label(e) for e in spec.entries]
+
+
+def mergekit_text(spec: Spec, refs, base_ref, entry, kwargs: dict, stack: Stack) -> str:
+    def ref(r) -> str:
+        return r.location if r.local or not r.revision else f"{r.location}@{r.revision}"
+
+    notes = list(spec.notes)
+    if stack.excluded:
+        notes.append(f"mergescope merges the {len(stack.shared)} tensors every model holds into model 0 and keeps its other "
+                     f"{len(stack.excluded)}; mergekit needs every tensor in every model")
+    return mergekit_yaml(entry, kwargs, [ref(r) for r in refs], ref(base_ref) if base_ref is not None else None,
+                         extra_notes=notes)
+
+
+def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    """One merged model of N models (``+merge.models``) or of a mergekit YAML (``merge=mergekit``): its own run.
+    ``save=true`` writes the merged model under ``paths.merged/<run id>/``; ``eval=lm_eval`` scores it with
+    lm-evaluation-harness afterwards, one kind=eval run tagged ``merge_run``."""
+    spec = spec_of(cfg)
+    entry, kwargs, refs, base_ref = check_spec(cfg, spec)
+    langs = langs_of(cfg, spec)
+    names = labels(spec)
+    host_lang = str(spec.entries[0].lang)
+    held: dict[str, Stack] = {}
+
+    def body(job) -> dict[str, float]:
+        stack = held["stack"] = Stack(cfg, spec, refs, base_ref)
+        texts = {lang: lang_sentences(cfg, lang) for lang in langs}
+        job.log_params({"models": names, "weights": kwargs.get("weights"), "merge_base": model_label(spec.base) if base_ref else None,
+                        "source": spec.source, "excluded_reasons": dict(stack.excluded[:50]), "model_0.true": stack.true_config})
+        values: dict[str, float] = {}
+        for i, sd in enumerate(stack.sds):  # each model alone on every language (the host = model 0)
+            stack.load_from(sd)
+            values.update({f"nll_m{i}_{lang}": host_nll(cfg, stack, t, f"nll m{i} {lang}") for lang, t in texts.items()})
+        if stack.sd_base is not None:
+            stack.load_from(stack.sd_base)
+            values.update({f"nll_base_{lang}": host_nll(cfg, stack, t, f"nll base {lang}") for lang, t in texts.items()})
+        n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
+        by_lang: dict[str, list[float]] = {lang: [] for lang in langs}
+        for s in range(n):
+            kw = {**kwargs, "seed": int(kwargs["seed"]) + s} if stochastic(kwargs) else kwargs
+            stack.merge_into_host(entry, kw, cfg.device)
+            for lang, t in texts.items():
+                by_lang[lang].append(host_nll(cfg, stack, t, f"nll {cfg.merge.name} {lang}" + (f" seed {kw['seed']}" if n > 1 else "")))
+            if n > 1:
+                job.log_metrics({"nll_by_seed": by_lang[host_lang][-1]}, step=s)
+            if s == 0 and cfg.get("save"):
+                from mergescope.native.save import save_merged
+
+                job.log_params({"saved_to": save_merged(cfg, stack.host, stack.tok, job.run_id, entry, kwargs, names,
+                                                        model_label(spec.base) if base_ref is not None else None, spec.source)})
+        stack.restore()
+        for lang in langs:
+            values[f"nll_{lang}"] = float(np.mean(by_lang[lang]))
+            values[f"merge_gain_{lang}"] = min(values[f"nll_m{i}_{lang}"] for i in range(len(stack.sds))) - values[f"nll_{lang}"]
+        a = np.asarray(by_lang[host_lang])
+        values.update({"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n),
+                       "merge_gain": values[f"merge_gain_{host_lang}"], "n_models": float(len(refs)),
+                       "n_shared_tensors": float(len(stack.shared)), "n_sentences": float(len(texts[host_lang]))})
+        job.log_text(mergekit_text(spec, refs, base_ref, entry, kwargs, stack), "merge/mergekit.yaml")
+        console.print(f"  merge {cfg.merge.name} of {len(refs)} models: nll={values['nll']:.4f} ({host_lang})")
+        return values
+
+    tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, "pair": "+".join(names),
+            "models": ",".join(names), "n_models": len(names), "model_a": names[0], "lang_a": host_lang,
+            "langs": ",".join(langs), "base": model_label(spec.base) if base_ref is not None else None,
+            "seed": kwargs.get("seed", cfg.seed), "source": spec.source}
+    extra = {"spec": {"operator": entry.name, "kwargs": kwargs, "models": [to_plain(e) for e in spec.entries],
+                      "base": to_plain(spec.base) if base_ref is not None else None}}
+    if cfg.get("save"):
+        extra["save"] = True
+    from mergescope import data as data_mod
+
+    extra["merge_data"] = data_mod.content_digest(cfg.data, langs, [str(cfg.data.get("split"))])
+    reads = [*refs, *([base_ref] if base_ref is not None else [])]
+    res = run_once(cfg, f"merge {cfg.merge.name} {' + '.join(names)}", tags, overrides, body, task="merge_n",
+                   keys=[k for k in MULTI_KEYS if k != "merge"], reads=reads, extra=extra)
+    if _lm_eval(cfg):
+        from mergescope.native.save import run_native_lm_eval
+
+        def merged():  # the merged model in the host: from the run just done, else merged again
+            stack = held.get("stack") or Stack(cfg, spec, refs, base_ref)
+            stack.merge_into_host(entry, kwargs, cfg.device)
+            return stack.host, stack.tok
+
+        run_native_lm_eval(cfg, merged, langs, res, overrides, reads,
+                           {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
+    return res
+
+
+def _lm_eval(cfg: DictConfig) -> bool:
+    return cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"

@@ -1,0 +1,61 @@
+"""A native merge's merged model: ``save=true`` writes it (safetensors, config, tokenizer, a model card) under
+``paths.merged/<run id>/``; ``eval=lm_eval`` scores it in memory with lm-evaluation-harness (the adapt arm's
+offline FLORES tasks, :mod:`mergescope.adapt.lmeval`), one kind=eval run tagged ``merge_run``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mergescope.config import to_plain
+from mergescope.runs import JobResult, run_once
+
+
+def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[str], base: str | None, run_id: str,
+         source: str = "") -> str:
+    """The saved model's README.md: how it was made (operator, its settings, the models and their weights, base,
+    the MLflow run)."""
+    w = kwargs.get("weights")
+    lines = ["---", "library_name: transformers", "tags: [merge, mergescope]", "---", "",
+             f"# Merged with mergescope ({preset})", "",
+             f"- operator: `{operator}` (preset `{preset}`)",
+             f"- settings: `{json.dumps({k: v for k, v in kwargs.items() if k != 'weights'}, default=str)}`",
+             f"- base: {base or 'none'}", "- models (weight):"]
+    lines += [f"  - {m} ({w[i] if w is not None else 1.0})" for i, m in enumerate(models)]
+    lines += [f"- MLflow run id: `{run_id}`" + (f"; from {source}" if source else ""), "",
+              "Tensors every model holds with one name and shape are merged; the rest are the first model's.", ""]
+    return "\n".join(lines)
+
+
+def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: dict, models: Sequence[str],
+                base: str | None, source: str = "") -> str:
+    from mergescope.adapt.save import save_model
+
+    return save_model(cfg, model, tokenizer, run_id, card(entry.name, str(cfg.merge.name), kwargs, models, base, run_id, source))
+
+
+def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], langs: list[str], merge: JobResult,
+                       overrides, reads, tags: dict[str, Any]) -> JobResult:
+    """lm-eval on a native merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only
+    when the eval runs): one kind=eval, route=native run tagged ``merge_run``; its identity is the merge run's."""
+    from mergescope.adapt.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
+
+    check_lm_eval()
+    folder = Path(str(cfg.paths.cache)) / "lm_eval_tasks"
+    tasks = [str(t) for t in cfg.eval.tasks] if cfg.eval.get("tasks") else \
+        local_tasks(str(cfg.data.root), str(cfg.eval.split), langs, folder)
+
+    def body(job) -> dict[str, float]:
+        model, tok = merged()
+        res = evaluate(model, tok, tasks, None if cfg.eval.get("tasks") else folder, cfg.eval.batch_size, cfg.eval.get("limit"))
+        job.log_text(json.dumps(res.get("results", {}), indent=1, default=str), "results.json")
+        return flat_metrics(res.get("results", {}))
+
+    t = {"kind": "eval", "route": "native", "merge_run": merge.run_id, "seed": cfg.seed, **tags}
+    return run_once(cfg, f"eval:lm_eval:{tags.get('merge', 'merge')}", t, overrides, body, task="native_eval",
+                    keys=["eval"], reads=reads, extra={"merge": merge.cfg_hash, "tasks": tasks, "langs": langs,
+                                                       "data": to_plain(cfg.data)})

@@ -1,0 +1,162 @@
+"""N-model merges in ``task=merge`` (issue 25): a base and three tiny Llama fine-tunes of it, streamed tensor by
+tensor; a mergekit YAML in (``merge=mergekit merge.config=...``); ``save=true`` and ``eval=lm_eval`` on the native
+route. The oracles: ``merge_state_dicts`` on the folders' own state dicts, and mergekit 0.1.5 on the YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import make_model, make_tokenizer
+
+from mergescope.errors import MergescopeError
+from mergescope.merge import merge_state_dicts, mergekit_yaml, resolve_preset
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(rtol=1e-6, atol=1e-6)
+LANGS = ["eng_Latn", "por_Latn", "ita_Latn"]
+W = [0.5, 0.3, 0.2]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """base + three fine-tunes (base + a small perturbation each, seeds 1..3), one tokenizer, safetensors folders."""
+    from mergescope.zoo import sample_lines
+
+    root = tmp_path_factory.mktemp("family")
+    tok = make_tokenizer(sample_lines("eng_Latn") + sample_lines("por_Latn"), vocab_size=320)
+    base = make_model("llama", len(tok), 0)
+    dirs = []
+    for i in range(4):
+        m = make_model("llama", len(tok), 0)
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p, pb in zip(m.parameters(), base.parameters()):
+                p.copy_(pb if i == 0 else pb + 0.05 * torch.randn(pb.shape, generator=g))
+        d = root / ("base" if i == 0 else f"ft{i}")
+        m.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        dirs.append(str(d))
+    return dirs
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+def preset(name, **over):
+    cfg = yaml.safe_load(open(REPO / "conf" / "merge" / f"{name}.yaml"))
+    cfg.update(over)
+    return resolve_preset(cfg)
+
+
+def n_merge(compose_cfg, family, *extra, models=None):
+    base, *fts = family
+    models = models or fts
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", f"merge.weights=[{','.join(map(str, W))}]",
+                           f"+merge.models=[{','.join('{name_or_path:' + m + ',lang:' + lang + '}' for m, lang in zip(models, LANGS))}]",
+                           f"+merge.base={base}", "native.nll_sentences=4", *extra])
+    return cfg, ov
+
+
+def artifact(cfg, run_id, path, tmp):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    return client, Path(client.download_artifacts(run_id, path, str(tmp))).read_text()
+
+
+def test_ties_of_three_equals_merge_state_dicts_and_mergekit(compose_cfg, family, tmp_path):
+    """TIES of three fine-tunes onto their base through task=merge (+merge.models, merge.weights): the saved merged
+    model equals merge_state_dicts on the folders' state dicts and mergekit run on the logged YAML (1e-6); every
+    model's language scored; the models in tags and params; the saved folder reloads with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from mergescope.native.merges import run_merge
+    pytest.importorskip("mergekit")
+    from test_merge_methods import _mergekit_out
+
+    cfg, ov = n_merge(compose_cfg, family, "save=true")
+    res = run_merge(cfg, ov)
+    m = res.metrics
+    for lang in LANGS:
+        assert {f"nll_{lang}", f"nll_base_{lang}", f"merge_gain_{lang}", *(f"nll_m{i}_{lang}" for i in range(3))} <= set(m)
+    assert m["nll"] == m["nll_eng_Latn"] and m["n_models"] == 3.0
+    client, text = artifact(cfg, res.run_id, "merge/mergekit.yaml", tmp_path)
+    run = client.get_run(res.run_id)
+    assert run.data.tags["models"] == "ft1,ft2,ft3" and run.data.tags["n_models"] == "3" and run.data.tags["kind"] == "merge"
+    assert "ft3" in run.data.params["models"] and run.data.params["weights"] == str(W)
+    saved = Path(run.data.params["saved_to"])
+    assert saved == Path(cfg.paths.merged) / res.run_id
+    card = (saved / "README.md").read_text()
+    assert "generalized_task_arithmetic" in card and res.run_id in card and "ft2 (0.3)" in card
+
+    base, *fts = family
+    entry, kw = preset("ties", weights=W)
+    sds, b = [weights(d) for d in fts], weights(base)
+    got = weights(saved)
+    names = [k for k in b if b[k].is_floating_point()]
+    ours = merge_state_dicts(entry, kw, sds, b, names, device="cpu")
+    assert set(names) <= set(got)
+    for k in names:
+        torch.testing.assert_close(got[k], ours[k], **TOL, msg=lambda s: f"{k}: {s}")
+    assert "NOT identical" not in text, text
+    mk = _mergekit_out(text, tmp_path / "mk", cli=False)
+    for k in names:
+        torch.testing.assert_close(got[k], mk[k], **TOL, msg=lambda s: f"mergekit {k}: {s}")
+
+    # the saved folder is a standard model: reloaded, its logits are those of the merged state dict
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=False).eval()
+    ref = AutoModelForCausalLM.from_pretrained(fts[0], trust_remote_code=False).eval()
+    ref.load_state_dict({**ref.state_dict(), **ours})
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_identity_covers_every_model(compose_cfg, family, tmp_path):
+    """Run again: reused. Another third model (or another weight): a new cfg_hash, run again."""
+    from mergescope.native.merges import run_merge
+
+    cfg, ov = n_merge(compose_cfg, family)
+    first = run_merge(cfg, ov)
+    assert run_merge(cfg, ov).skipped
+    base, *fts = family
+    other = tmp_path / "ft3b"
+    import shutil
+
+    shutil.copytree(fts[2], other)
+    w = weights(other)
+    from safetensors.torch import save_file
+
+    save_file({k: v + 0.01 for k, v in w.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    cfg2, ov2 = n_merge(compose_cfg, family, models=[fts[0], fts[1], str(other)])
+    second = run_merge(cfg2, ov2)
+    assert not second.skipped and second.cfg_hash != first.cfg_hash and second.metrics["nll"] != first.metrics["nll"]
+    cfg3, ov3 = n_merge(compose_cfg, family, "merge.weights=[0.4,0.4,0.2]")
+    assert run_merge(cfg3, ov3).cfg_hash != first.cfg_hash
+
+
+def test_refusals_name_the_fix(compose_cfg, family):
+    from mergescope.native.merges import run_merge
+
+    base, *fts = family
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", "merge.weights=[1,1]", f"+merge.models=[{fts[0]},{fts[1]},{fts[2]}]",
+                           f"+merge.base={base}"])
+    with pytest.raises(MergescopeError, match="2 weights for 3 models"):
+        run_merge(cfg, ov)
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", f"+merge.models=[{fts[0]},{fts[1]}]"])
+    with pytest.raises(MergescopeError, match="needs a common base.*merge.base"):
+        run_merge(cfg, ov)
+    cfg, ov = compose_cfg(["task=merge", "merge=linear", "+merge.models=[zoo-llama-enn]"])
+    with pytest.raises(MergescopeError, match="did you mean 'zoo-llama-en'"):
+        run_merge(cfg, ov)
+
