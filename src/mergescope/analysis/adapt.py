@@ -244,8 +244,9 @@ def adapt_section(b: Build) -> Section:
         ctl = min((best.m(k) for k in ("test_nll_scaling", "test_nll_noise") if math.isfinite(best.m(k))), default=float("nan"))
         parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev) gains "
                      f"{best.m('gain_vs_small'):+.4f} nats/token on test over ratio 0"
-                     + (f", {'beating' if best.m('best_test_nll') < ctl else 'not beating'} its best control ({ctl:.3f} vs "
-                        f"{best.m('best_test_nll'):.3f})" if math.isfinite(ctl) else "") + f" [run {short(best.run_id)}]")
+                     + (f", {'beating' if best.m('best_test_nll') < ctl else 'not beating'} its best control (merge "
+                        f"{best.m('best_test_nll'):.3f} vs control {ctl:.3f})" if math.isfinite(ctl) else "")
+                     + f" (run {short(best.run_id)})")
     sec.finding = "; ".join(parts) + "." if parts else ""
     for key, rs in groups.items():
         pts = _points(rs)

@@ -333,7 +333,7 @@ def shared_space_section(b: Build) -> Section:
         if not sec.finding and math.isfinite(g) and math.isfinite(pw):
             sec.finding = (f"At the final layer, held-out retrieval in pools of 32 (chance 0.031) is {g:.3f} in the GPA shared "
                            f"space against {pw:.3f} for pairwise ridge maps fitted per pair (ridge chosen inside each training "
-                           f"fold) on {r.tags.get('data')} [run {short(r.run_id)}].")
+                           f"fold) on {r.tags.get('data')} (run {short(r.run_id)}).")
         sec.tables += _space_tables(client, r)
         fig = _space_figures(client, r)
         if fig:
