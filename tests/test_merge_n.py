@@ -259,3 +259,64 @@ def test_mergekit_config_refusals_name_the_key(change, msg):
     with pytest.raises(MergescopeError, match=msg) as err:
         parse(yaml.safe_dump(cfg), "x.yaml")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- save=true and eval=lm_eval on the native pair route
+
+
+def test_pair_merge_save_true_reloads_with_the_same_logits(compose_cfg, tmp_path):
+    """The two-model pair form with save=true: the merged model (TIES onto the run's step1) written under
+    paths.merged/<run id>/ with a card; AutoModelForCausalLM loads it, its logits are the merged state dict's."""
+    from conftest import save_tiny
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM
+
+    from mergescope.native.merges import run_merge
+
+    p = save_tiny(tmp_path / "llama_run", "llama", "eng_Latn", seed=4, revisions=("step1", "step2"))
+    over = ["task=merge", "merge=ties", "merge.weights=[0.6,0.4]", "pair=custom", f"pair.a.name_or_path={p}",
+            "pair.a.revision=step2", "pair.a.lang=eng_Latn", f"pair.b.name_or_path={p}", "pair.b.revision=null",
+            "pair.b.lang=eng_Latn", "native.base=step1", "native.nll_sentences=4"]
+    cfg, ov = compose_cfg([*over, "save=true"])
+    res = run_merge(cfg, ov)
+    run = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db").get_run(res.run_id)
+    saved = Path(run.data.params["saved_to"])
+    assert saved == Path(cfg.paths.merged) / res.run_id and res.run_id in (saved / "README.md").read_text()
+    plain, _ = compose_cfg(over)
+    assert run_merge(plain, _).cfg_hash != res.cfg_hash  # save=true is its own run (a reused run would save nothing)
+    entry, kw = preset("ties", weights=[0.6, 0.4])
+    a, b, base = weights(p / "step2"), weights(p), weights(p / "step1")
+    names = [k for k in base if base[k].is_floating_point()]
+    merged = merge_state_dicts(entry, kw, [a, b], base, names, device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(p / "step2", trust_remote_code=False).eval()
+    ref.load_state_dict({**ref.state_dict(), **merged})
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=False).eval()
+    ids = torch.arange(1, 20).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_transport_save_true_writes_the_fused_model(tiny_models, compose_cfg):
+    """transport with save=true: each alpha's fused target saved under paths.merged/<run id>/ with a card; reloaded
+    with AutoModelForCausalLM, its NLL on the direction's evaluation sentences is the run's nll_target_lang."""
+    from test_e2e import runs
+    from test_transport import transport_job
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergescope.represent import token_nll
+    from mergescope.transport.job import check, run_transport, sides, texts
+
+    cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=("merge.alphas=[0.1]", "save=true")))
+    run_transport(cfg, ov)
+    tr = [x for x in runs(cfg.paths.root) if x.data.tags["kind"] == "transport"]
+    assert len(tr) == 1
+    saved = Path(tr[0].data.params["saved_to"])
+    assert saved == Path(cfg.paths.merged) / tr[0].info.run_id and "alpha: 0.1" in (saved / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=False).eval()
+    tok = AutoTokenizer.from_pretrained(saved)
+    c, s = check(cfg)
+    target, donor = sides(c)
+    eval_t = texts(c, s, str(target.lang), str(donor.lang)).eval_t
+    nll = token_nll(model, tok, eval_t, batch_tokens=c.represent.batch_tokens, max_length=int(c.represent.max_length),
+                    progress=False)["nll"]
+    assert nll == pytest.approx(tr[0].data.metrics["nll_target_lang"], abs=1e-6)

@@ -139,6 +139,10 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         ends = lang_ends if lang_ends is not None else lang_endpoints(cfg, pair)
         res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
         job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
+        if cfg.get("save"):  # the merged model (seed 0) as a standard folder under paths.merged/<run id>/
+            from mergescope.native.save import save_pair
+
+            job.log_params({"saved_to": save_pair(cfg, pair, entry, kwargs, job.run_id)})
         return {**res, **ends, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
                 "same_as_linear": float(same_as_linear(entry, kwargs)),
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
@@ -146,8 +150,10 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
 
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
-    return run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
-                    reads=refs, extra={"nll_langs": langs} if langs else None)  # unset: every earlier hash unchanged
+    extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {})}
+    res = run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
+                   reads=refs, extra=extra or None)  # unset: every earlier hash unchanged
+    return res
 
 
 def merge_configs(cfg: DictConfig) -> list[DictConfig]:

@@ -59,3 +59,44 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
     return run_once(cfg, f"eval:lm_eval:{tags.get('merge', 'merge')}", t, overrides, body, task="native_eval",
                     keys=["eval"], reads=reads, extra={"merge": merge.cfg_hash, "tasks": tasks, "langs": langs,
                                                        "data": to_plain(cfg.data)})
+
+
+def _merge_pair_into_host(cfg: DictConfig, pair, entry, kwargs: dict) -> None:
+    from mergescope.merge import merge_state_dicts
+
+    for name in pair.coverage.shared:  # tensor by tensor into the host
+        pair.set_shared(merge_state_dicts(entry, kwargs, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device))
+
+
+def _pair_models(cfg: DictConfig) -> list[str]:
+    from mergescope.runs import model_label
+
+    return [model_label(cfg.pair.a), model_label(cfg.pair.b)]
+
+
+def save_pair(cfg: DictConfig, pair, entry, kwargs: dict, run_id: str) -> str:
+    """A pair's merged model (the host with every shared tensor merged; a stochastic operator at its first seed)
+    saved under ``paths.merged/<run_id>/``; the host is restored after."""
+    from mergescope.native.pair import base_entry
+    from mergescope.runs import model_label
+
+    _merge_pair_into_host(cfg, pair, entry, kwargs)
+    try:
+        base = model_label(base_entry(cfg)) if pair.sd_base is not None else None
+        return save_merged(cfg, pair.host, pair.tok, run_id, entry, kwargs, _pair_models(cfg), base,
+                           f"the native pair {cfg.pair.a.name_or_path} x {cfg.pair.b.name_or_path}")
+    finally:
+        pair.restore()
+
+
+def save_transport(cfg: DictConfig, model, tokenizer, run_id: str, direction: str, alpha: float) -> str:
+    """transport's fused target at ``alpha`` (the target's architecture and tokenizer, its fused tensors)."""
+    from mergescope.adapt.save import save_model
+
+    text = "\n".join(["---", "library_name: transformers", "tags: [merge, mergescope, transport]", "---", "",
+                      "# Fused with mergescope's transport operator", "",
+                      f"- direction (target <- donor): {direction}", f"- alpha: {alpha:g}",
+                      "- method: Cui et al., Transport and Merge (arXiv 2602.05495): the donor's neurons transported onto the "
+                      "target's by optimal-transport plans fitted on activations, mixed at alpha",
+                      f"- MLflow run id: `{run_id}`", ""])
+    return save_model(cfg, model, tokenizer, run_id, text)

@@ -242,7 +242,9 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     d = _Direction(cfg, s, overrides, target, donor, texts(cfg, s, str(target.lang), str(donor.lang)))
     tracker = Tracker(cfg)
     reads = [target, donor]
-    hashes = {a: _hash("transport", _alpha_cfg(cfg, a), TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha) for a in s.alphas}
+    saving = {"save": True} if cfg.get("save") else {}  # save=true: each alpha's fused model written (its own runs)
+    hashes = {a: _hash("transport", _alpha_cfg(cfg, a), TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha, **saving)
+              for a in s.alphas}
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
     adapt_hash = _hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
@@ -341,6 +343,11 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             values[f"{prefix}nll_donor_lang"] = host.nll(d.eval_d, f"{prefix}fused a={a:g} donor lang")
             agg, per_tensor["control" if ctl else "ot"] = f.fusion.weight_stats(a, control=ctl)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
+        if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
+            from mergescope.native.save import save_transport
+
+            host.set(f.fusion.weights(a, control=False))
+            job.log_params({"saved_to": save_transport(d.cfg, host.model, host.tok, job.run_id, d.label, a)})
         host.set(f.fusion.original)
         for lang in ("target_lang", "donor_lang"):
             values[f"delta_{lang}"] = values[f"nll_{lang}"] - values[f"base_nll_{lang}"]
