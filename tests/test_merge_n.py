@@ -296,6 +296,48 @@ def test_pair_merge_save_true_reloads_with_the_same_logits(compose_cfg, tmp_path
         torch.testing.assert_close(reloaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
 
+def test_eval_lm_eval_on_a_native_merge(compose_cfg, family, tmp_path):
+    """eval=lm_eval on an N-model merge: one kind=eval run tagged merge_run = the merge run, lm-eval's rolling
+    log-likelihood on the local FLORES task of every model's language (the merged model in memory)."""
+    pytest.importorskip("lm_eval")
+    from mlflow.tracking import MlflowClient
+
+    from mergescope.native.merges import run_merge
+
+    cfg, ov = n_merge(compose_cfg, family, "eval=lm_eval", "eval.limit=3", "eval.batch_size=2")
+    res = run_merge(cfg, ov)
+    client = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    evals = [r for r in client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+             if r.data.tags.get("kind") == "eval"]
+    assert len(evals) == 1
+    ev = evals[0]
+    assert ev.data.tags["merge_run"] == res.run_id and ev.data.tags["route"] == "native" and ev.data.tags["models"] == "ft1,ft2,ft3"
+    for lang in LANGS:
+        bpb = ev.data.metrics[f"mergescope_flores_{lang}_devtest.bits_per_byte"]
+        assert 0 < bpb < 20
+    assert run_merge(cfg, ov).skipped  # done before: the merge and its eval are reused
+
+
+
+def test_eval_lm_eval_on_a_pair_merge(compose_cfg, tmp_path):
+    """eval=lm_eval on the two-model pair form: one kind=eval run (route=native) tagged merge_run = the merge run."""
+    pytest.importorskip("lm_eval")
+    from conftest import save_tiny
+    from mlflow.tracking import MlflowClient
+
+    from mergescope.native.merges import run_merge
+
+    p = save_tiny(tmp_path / "llama_run", "llama", "eng_Latn", seed=4, revisions=("step1", "step2"))
+    cfg, ov = compose_cfg(["task=merge", "merge=linear", "pair=custom", f"pair.a.name_or_path={p}", "pair.a.revision=step2",
+                           "pair.a.lang=eng_Latn", f"pair.b.name_or_path={p}", "pair.b.revision=null", "pair.b.lang=eng_Latn",
+                           "native.base=step1", "native.nll_sentences=4", "eval=lm_eval", "eval.limit=2", "eval.batch_size=2"])
+    res = run_merge(cfg, ov)
+    client = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db")
+    evals = [r for r in client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+             if r.data.tags.get("kind") == "eval"]
+    assert len(evals) == 1 and evals[0].data.tags["merge_run"] == res.run_id and evals[0].data.tags["route"] == "native"
+    assert "mergescope_flores_eng_Latn_devtest.bits_per_byte" in evals[0].data.metrics
+
 def test_transport_save_true_writes_the_fused_model(tiny_models, compose_cfg):
     """transport with save=true: each alpha's fused target saved under paths.merged/<run id>/ with a card; reloaded
     with AutoModelForCausalLM, its NLL on the direction's evaluation sentences is the run's nll_target_lang."""

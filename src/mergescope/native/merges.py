@@ -153,6 +153,10 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {})}
     res = run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
                    reads=refs, extra=extra or None)  # unset: every earlier hash unchanged
+    if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":  # lm-eval on the merged model, own run
+        from mergescope.native.save import pair_lm_eval
+
+        pair_lm_eval(cfg, loaded, entry, kwargs, res, overrides, refs)
     return res
 
 

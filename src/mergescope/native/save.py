@@ -39,7 +39,7 @@ def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: d
 
 
 def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], langs: list[str], merge: JobResult,
-                       overrides, reads, tags: dict[str, Any]) -> JobResult:
+                       overrides, reads, tags: dict[str, Any], restore: Callable[[], None] | None = None) -> JobResult:
     """lm-eval on a native merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only
     when the eval runs): one kind=eval, route=native run tagged ``merge_run``; its identity is the merge run's."""
     from mergescope.adapt.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
@@ -51,7 +51,11 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
 
     def body(job) -> dict[str, float]:
         model, tok = merged()
-        res = evaluate(model, tok, tasks, None if cfg.eval.get("tasks") else folder, cfg.eval.batch_size, cfg.eval.get("limit"))
+        try:
+            res = evaluate(model, tok, tasks, None if cfg.eval.get("tasks") else folder, cfg.eval.batch_size, cfg.eval.get("limit"))
+        finally:
+            if restore is not None:
+                restore()
         job.log_text(json.dumps(res.get("results", {}), indent=1, default=str), "results.json")
         return flat_metrics(res.get("results", {}))
 
@@ -87,6 +91,25 @@ def save_pair(cfg: DictConfig, pair, entry, kwargs: dict, run_id: str) -> str:
                            f"the native pair {cfg.pair.a.name_or_path} x {cfg.pair.b.name_or_path}")
     finally:
         pair.restore()
+
+
+def pair_lm_eval(cfg: DictConfig, loaded, entry, kwargs: dict, merge: JobResult, overrides, refs) -> JobResult:
+    """``eval=lm_eval`` on a pair's merged model: lm-eval on the languages of both sides (and ``native.nll_langs``)."""
+    from mergescope.native.pair import Loaded, nll_langs
+    from mergescope.runs import pair_tags
+
+    langs = list(dict.fromkeys([str(cfg.pair.a.lang), str(cfg.pair.b.lang), *nll_langs(cfg)]))
+
+    held = {}
+
+    def merged():
+        pair = held["pair"] = loaded or Loaded(cfg, need_base=bool(entry.meta.get("needs_base", False)))
+        _merge_pair_into_host(cfg, pair, entry, kwargs)
+        return pair.host, pair.tok
+
+    return run_native_lm_eval(cfg, merged, langs, merge, overrides, refs,
+                              {"merge": str(cfg.merge.name), "operator": entry.name, **pair_tags(cfg)},
+                              restore=lambda: held["pair"].restore())  # a native job's pair serves its next merges
 
 
 def save_transport(cfg: DictConfig, model, tokenizer, run_id: str, direction: str, alpha: float) -> str:
