@@ -218,21 +218,43 @@ PT = [
 ]
 
 
+TRAIN = {"steps": 5, "batch_size": 2, "seq_len": 32, "lr": 2e-4, "min_lr_ratio": 0.1, "warmup_steps": 0,
+         "weight_decay": 0.0, "grad_clip": 1.0, "seed": 0, "max_lines": None, "drop_flagged": False,
+         "heldout_frac": 0.1, "eval_batches": 1}
+IT = [
+    "Il gatto dorme sul divano.", "Oggi il cielo è molto azzurro.", "Mia sorella studia medicina a Roma.",
+    "Abbiamo mangiato la pizza ieri sera.", "Il treno parte alle otto.", "La finestra della cucina è aperta.",
+    "Non ho capito la domanda.", "Il libro è sul tavolo.", "Domani andiamo al mare.", "Questa strada è molto lunga.",
+    "L'acqua del fiume è fredda.", "Loro abitano in una casa gialla.", "Il cane corre dietro alla palla.",
+    "Devo comprare il pane e la frutta.", "La maestra ha spiegato la lezione.", "Il vento forte ha abbattuto l'albero.",
+]
+
+
+def _finetune(folder, root, name: str, lang: str, lines: list[str], steps: int):
+    from mergescope.zoo.train import train_model
+
+    (root / "text").mkdir(exist_ok=True)
+    (root / "text" / f"{lang}.txt").write_text("\n".join(lines * 3) + "\n", encoding="utf-8")
+    entry = {"name": name, "lang": lang,
+             "zoo": {"family": "llama", "vocab_size": 49152, "init_from": str(folder), "checkpoints": [steps]}}
+    train = {**TRAIN, "steps": steps}
+    out = root / name
+    return entry, train, out, train_model(entry, train, root / "text", out, progress=False)
+
+
+@pytest.fixture(scope="module")
+def pt_finetune(folder, tmp_path_factory):
+    """5 AdamW steps on Portuguese, continued from the real base (used by the fine-tune and the merge tests)."""
+    return _finetune(folder, tmp_path_factory.mktemp("ft"), "smollm2-135m-pt-test", "por_Latn", PT, 5)
+
+
 @needs_real
-def test_five_step_finetune_from_the_real_base(lm, folder, tmp_path):
+def test_five_step_finetune_from_the_real_base(lm, folder, pt_finetune):
     """train.init_from: the zoo's training loop continued from the real base (its weights and tokenizer), 5 AdamW steps
     on Portuguese; step0 is the base, main/ loads like any model, and its NLL is finite and changed."""
     from mergescope.zoo.train import train_model
 
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "por_Latn.txt").write_text("\n".join(PT * 3) + "\n", encoding="utf-8")
-    entry = {"name": "smollm2-135m-pt-test", "lang": "por_Latn",
-             "zoo": {"family": "llama", "vocab_size": 49152, "init_from": str(folder), "checkpoints": [5]}}
-    train = {"steps": 5, "batch_size": 2, "seq_len": 32, "lr": 2e-4, "min_lr_ratio": 0.1, "warmup_steps": 0,
-             "weight_decay": 0.0, "grad_clip": 1.0, "seed": 0, "max_lines": None, "drop_flagged": False,
-             "heldout_frac": 0.1, "eval_batches": 1}
-    out = tmp_path / "ft"
-    summary = train_model(entry, train, tmp_path / "text", out, progress=False)
+    entry, train, out, summary = pt_finetune
     assert summary["finished"] and summary["checkpoints"] == [0, 5] and summary["tokenizer_size"] == 49152
     assert sorted(p.name for p in out.iterdir() if (p / "config.json").is_file()) == ["main", "step0", "step5"]
     step0 = models.load(OmegaConf.create({"name_or_path": str(out), "revision": "step0"}), "cpu", quiet=True)
@@ -246,4 +268,99 @@ def test_five_step_finetune_from_the_real_base(lm, folder, tmp_path):
     assert ft_pt < base_pt  # five steps on (these) Portuguese lines lower their NLL
     assert ft.model.lm_head.weight.data_ptr() == ft.model.model.embed_tokens.weight.data_ptr()  # still tied
     # the same entry again: a finished run is reused, not retrained
-    assert train_model(entry, train, tmp_path / "text", out, progress=False)["seconds"] == summary["seconds"]
+    assert train_model(entry, train, out.parent / "text", out, progress=False)["seconds"] == summary["seconds"]
+
+
+@needs_real
+def test_ties_merge_of_two_real_finetunes(lm, folder, pt_finetune, tmp_path):
+    """TIES (the ties preset, task vectors against the real base) of a 5-step Portuguese and a 3-step Italian fine-tune,
+    through the native arm's streamed state dicts: the tied head counted once, the merged model's NLL finite on both
+    languages and different from each expert's and the base's."""
+    from mergescope.config import load_conf
+    from mergescope.merge import merge_state_dicts, resolve_preset
+    from mergescope.native.stream import streamed_state
+    from mergescope.native.weights import coverage
+
+    _, _, pt_out, _ = pt_finetune
+    _, _, it_out, it_sum = _finetune(folder, tmp_path, "smollm2-135m-it-test", "ita_Latn", IT, 3)
+    assert it_sum["finished"]
+    refs = [models.resolve(OmegaConf.create({"name_or_path": str(p)})) for p in (pt_out, it_out, folder)]
+    sd_pt, sd_it, sd_base = (streamed_state(r, "float32")[0] for r in refs)
+    cov = coverage(sd_pt, sd_it)
+    assert cov.shared_params == 134_515_008 and [n for n, _ in cov.excluded] == ["lm_head.weight"]
+    entry, kwargs = resolve_preset(load_conf("merge", "ties"))
+    merged = merge_state_dicts(entry, {**kwargs, "weights": [0.5, 0.5]}, [sd_pt, sd_it], sd_base, cov.shared, "cpu")
+    host = models.load(OmegaConf.create({"name_or_path": str(pt_out)}), "cpu", quiet=True)
+    experts = {"pt": {}, "it": {}, "base": {}}
+    texts = {"pt": PT[:8], "it": IT[:8]}
+    for who, path in (("pt", pt_out), ("it", it_out), ("base", folder)):
+        m = host.model if who == "pt" else models.load(OmegaConf.create({"name_or_path": str(path)}), "cpu", quiet=True).model
+        experts[who] = {lang: token_nll(m, host.tokenizer, t, progress=False)["nll"] for lang, t in texts.items()}
+    with torch.no_grad():
+        sd = host.model.state_dict()
+        for n, v in merged.items():
+            sd[n].copy_(v)
+    assert host.model.lm_head.weight.data_ptr() == host.model.model.embed_tokens.weight.data_ptr()
+    got = {lang: token_nll(host.model, host.tokenizer, t, progress=False)["nll"] for lang, t in texts.items()}
+    assert np.isfinite(list(got.values())).all()
+    for who in experts:
+        for lang in texts:
+            assert got[lang] != experts[who][lang], (who, lang)
+    assert experts["it"]["it"] < experts["base"]["it"] and experts["pt"]["pt"] < experts["base"]["pt"]
+
+
+def _wide_llama(config, **changes):
+    """A wider Llama of the real model's kind (meta device: shapes only)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**{**config.to_dict(), **changes})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+
+
+@needs_real
+def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
+    """Expand(zero) of SmolLM2-135M (30 x 576, 9 / 3 heads, FFN 1536, tied) into a wider, deeper Llama (32 x 768,
+    12 / 4 heads, FFN 1600) keeps its logits in float64 once the target's rms_norm_eps is eps x h_s/h_t (the GGUF's eps
+    is 9.9999997e-06, a float32 value); the config check accepts that eps (and refuses one that is neither equal nor the rule); Truncate(select=slots) gives the
+    real weights back bitwise (the norm gains x c then / c to one ulp; bitwise without the norm scale)."""
+    from mergescope.adapt import adapters, shape_of
+    from mergescope.adapt.shapes import config_blockers
+
+    src = lm.model.config
+    eps = float(src.rms_norm_eps)
+    assert eps == pytest.approx(1e-5, rel=1e-6) and eps != 1e-5  # the float32 value the GGUF stores
+    wide = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=1600,
+                num_hidden_layers=32, rms_norm_eps=eps * 576 / 768)
+    tgt = _wide_llama(src, **wide)
+    assert config_blockers(src, tgt.config) == []
+    assert config_blockers(src, _wide_llama(src, **{**wide, "rms_norm_eps": 1e-6}).config) != []  # neither equal nor the rule
+    small = models.load(OmegaConf.create({"name_or_path": lm.ref.location, "dtype": "float64"}), "cpu", quiet=True).model
+    theta = small.state_dict()
+    targets = {k: v.shape for k, v in tgt.state_dict().items()}
+    expand = adapters.get("expand")
+    big_sd = dict(expand.fn(theta, shape_of(src), shape_of(tgt.config), targets))
+    from transformers import AutoModelForCausalLM
+
+    tgt = AutoModelForCausalLM.from_config(tgt.config, dtype=torch.float64)  # on the CPU now (buffers such as RoPE's)
+    tgt.load_state_dict(big_sd, strict=True)
+    tgt.eval()
+    enc = lm.tokenizer(SENTS[:3], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        la = small(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+        lb = tgt(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+    keep = enc.attention_mask.bool()
+    assert float((la - lb)[keep].abs().max()) < 1e-4
+    assert torch.equal(la[keep].argmax(-1), lb[keep].argmax(-1))
+    truncate = adapters.get("truncate")
+    back = dict(truncate.fn(big_sd, shape_of(tgt.config), shape_of(src), {k: v.shape for k, v in theta.items()},
+                            select="slots"))
+    for k, v in theta.items():
+        if "norm" in k:
+            assert torch.allclose(back[k], v, rtol=4e-16, atol=0), k
+        else:
+            assert torch.equal(back[k], v), k
+    plain = dict(expand.fn(theta, shape_of(src), shape_of(tgt.config), targets, norm_scale=False))
+    back = dict(truncate.fn(plain, shape_of(tgt.config), shape_of(src), {k: v.shape for k, v in theta.items()},
+                            select="slots", norm_scale=False))
+    assert all(torch.equal(back[k], v) for k, v in theta.items())
