@@ -33,7 +33,7 @@ from mergescope.merge._common import (
     work_dtype,
 )
 from mergescope.merge._mergekit import MK, per_model
-from mergescope.merge.task_arithmetic import _rescale, combine_task_vectors
+from mergescope.merge.task_arithmetic import rescale_kept, combine_task_vectors
 from mergescope.registry import merges
 
 OP = "breadcrumbs"
@@ -105,7 +105,7 @@ def breadcrumbs(
         if density < 1:
             before = d.abs().sum() if rescale == "l1" else None
             d.mul_(breadcrumbs_keep_mask(d, float(density), float(gamma)))
-            _rescale(d, before, float(density), rescale)
+            rescale_kept(d, before, float(density), rescale)
         if wi != 1.0:
             d.mul_(wi)
         deltas.append(d)

@@ -41,7 +41,7 @@ from mergescope.merge._common import (
     work_dtype,
 )
 from mergescope.merge._mergekit import MK, per_model
-from mergescope.merge.task_arithmetic import _rescale, combine_task_vectors
+from mergescope.merge.task_arithmetic import rescale_kept, combine_task_vectors
 from mergescope.registry import merges
 
 OP = "della"
@@ -131,7 +131,7 @@ def della(
             if rescale == "probability":
                 d.div_(probs)
             else:
-                _rescale(d, before, float(density), rescale)
+                rescale_kept(d, before, float(density), rescale)
             del probs, keep
         if wi != 1.0:
             d.mul_(wi)

@@ -62,7 +62,7 @@ def _check_gta(kwargs: Mapping, n_models: int | None, op: str = "generalized_tas
     check_seed(op, kwargs.get("seed", 0))
 
 
-def _rescale(d: Tensor, before_l1: Tensor | None, density: float, rescale: str, eps: float = 1e-7) -> None:
+def rescale_kept(d: Tensor, before_l1: Tensor | None, density: float, rescale: str, eps: float = 1e-7) -> None:
     if rescale == "density":
         d.div_(density)
     elif rescale == "l1":
@@ -87,7 +87,7 @@ def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.
         keep = torch.bernoulli(torch.full(d.shape, float(density), dtype=torch.float32), generator=gen)
         d.mul_(keep.to(device=d.device, dtype=torch.bool))
     del keep
-    _rescale(d, before, density, rescale)
+    rescale_kept(d, before, density, rescale)
 
 
 def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor, consensus: str,
