@@ -142,7 +142,7 @@ def _run_and_report(func: Callable):
         from omegaconf.errors import OmegaConfBaseException
 
         if isinstance(ex, (HydraException, OmegaConfBaseException)):
-            print(f"error: {_hydra_one_line(ex)} (Hydra: key=value sets, +key=value adds, see README 'Configuration')",
+            print(f"error: {_hydra_one_line(ex)} (Hydra: key=value sets, +key=value adds, see docs/configuration.md)",
                   file=sys.stderr)
             sys.exit(MergescopeError.exit_code)
         print(scrub(traceback.format_exc()), file=sys.stderr, end="")
