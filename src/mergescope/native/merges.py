@@ -4,9 +4,9 @@ with its NLL on the host's language and its gain over the better endpoint."""
 from __future__ import annotations
 
 import numpy as np
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from mergescope.config import conf_options, load_conf, plain_copy
+from mergescope.config import conf_options, load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
@@ -164,15 +164,14 @@ def merge_configs(cfg: DictConfig) -> list[DictConfig]:
     """The merge jobs of a native pair: every preset in native.merges at every mix weight; base-requiring
     presets are left out (with the reason logged) when the pair has no common base."""
     out = []
+    plain = to_plain(cfg)  # resolved once: each merge's config is this plus its preset (a study relaunch builds many)
+    has_base = base_entry(cfg) is not None
     for name in cfg.native.merges:
         preset = preset_config(str(name))
         entry, _ = resolve_preset(preset)
-        if entry.meta.get("needs_base") and base_entry(cfg) is None:
+        if entry.meta.get("needs_base") and not has_base:
             continue
         for mix in cfg.native.mix:
-            c = plain_copy(cfg)
-            with open_dict(c):
-                c.merge = with_mix(preset, float(mix))
-                c.task = {"name": "merge"}
+            c = OmegaConf.create({**plain, "merge": to_plain(with_mix(preset, float(mix))), "task": {"name": "merge"}})
             out.append(c)
     return out
