@@ -122,7 +122,11 @@ def test_save_true_writes_a_folder_that_reloads_to_the_same_nll(scale, compose_c
 def test_lm_eval_local_tasks_and_metric_names(tmp_path):
     from mergescope.adapt.lmeval import flat_metrics, local_tasks
 
-    root = Path(__file__).resolve().parents[2] / "shared" / "data" / "flores200"
+    from conftest import FLORES
+
+    if not FLORES.is_dir():
+        pytest.skip("FLORES data not found (set MERGESCOPE_DATA)")
+    root = FLORES
     names = local_tasks(str(root), "devtest", ["eng_Latn"], tmp_path)
     text = (tmp_path / f"{names[0]}.yaml").read_text()
     assert "loglikelihood_rolling" in text and "bits_per_byte" in text and "{{text}}" in text
