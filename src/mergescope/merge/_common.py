@@ -91,3 +91,11 @@ def keep_count_of(numel: int, share: float) -> int:
     import math
 
     return max(0, min(int(numel), math.floor(round(float(share) * int(numel), 6))))
+
+
+def task_vector_base(op: str, base, task_vectors: bool):
+    """The base a spherical operator works around: the given base with ``task_vectors=true`` (refused without one), else
+    none (the operator then interpolates the weights themselves, whether or not the caller loaded a base)."""
+    if task_vectors and base is None:
+        raise MergescopeError(f"merge '{op}' task_vectors=true needs a common base model: set native.base (or task_vectors=false)")
+    return base if task_vectors else None

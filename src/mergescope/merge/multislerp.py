@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mergescope.errors import MergescopeError
-from mergescope.merge._common import as_weights, check_number, check_tensors, check_weights, work_dtype
+from mergescope.merge._common import as_weights, check_number, check_tensors, check_weights, task_vector_base, work_dtype
 from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
@@ -52,9 +52,7 @@ def multislerp(
     task_vectors: bool = False,
 ) -> Tensor:
     """Spherical barycentre of the tensors (task vectors with a base), scaled by the weighted mean norm."""
-    if task_vectors and base is None:
-        raise MergescopeError(f"merge '{OP}' task_vectors=true needs a common base model: set native.base (or task_vectors=false)")
-    base = base if task_vectors else None
+    base = task_vector_base(OP, base, task_vectors)
     check_tensors(OP, tensors, base)
     _check({"weights": weights, "normalize_weights": normalize_weights, "eps": eps}, len(tensors))
     if len(tensors) == 1:

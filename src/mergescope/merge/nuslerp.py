@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from mergescope.errors import MergescopeError
-from mergescope.merge._common import as_weights, check_n_models, check_tensors, check_weights, work_dtype
+from mergescope.merge._common import (as_weights, check_n_models, check_tensors, check_weights, task_vector_base,
+                                      work_dtype)
 from mergescope.merge._mergekit import MK, per_model
 from mergescope.registry import merges
 
@@ -58,9 +58,7 @@ def nuslerp(
     task_vectors: bool = False,
 ) -> Tensor:
     """SLERP of the two tensors (their task vectors with a base) at t = w_2 / (w_1 + w_2) (module doc)."""
-    if task_vectors and base is None:
-        raise MergescopeError(f"merge '{OP}' task_vectors=true needs a common base model: set native.base (or task_vectors=false)")
-    base = base if task_vectors else None
+    base = task_vector_base(OP, base, task_vectors)
     check_tensors(OP, tensors, base)
     _check({"weights": weights}, len(tensors))
     w = as_weights(weights, 2)
