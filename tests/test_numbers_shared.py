@@ -54,11 +54,22 @@ def test_a_linear_relation_plus_small_noise_is_retrieved_by_the_pairwise_map():
     assert r <= 1e-2
 
 
-def test_select_ridge_never_sees_the_held_out_rows():
-    xa, xb = _linear_relation(n=400, d=10)
-    poisoned_a, poisoned_b = xa.copy(), xb.copy()
-    poisoned_b[300:] = np.random.default_rng(9).standard_normal((100, 10)) * 1e6  # the "held-out" rows, garbage
-    assert select_ridge(xa[:300], xb[:300], [1e-4, 1e-2, 1.0]) == select_ridge(poisoned_a[:300], poisoned_b[:300], [1e-4, 1e-2, 1.0])
+def test_the_ridge_of_a_fold_never_depends_on_its_held_out_rows():
+    """retrieval_eval picks each fold's ridge on that fold's training rows: garbage in the held-out fold's gallery side
+    changes its scores but not the chosen ridges or lambdas."""
+    from mergescope.shared.gpa import folds
+
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((300, 10))
+    Xs = [z @ rng.standard_normal((10, 12)) + 0.3 * rng.standard_normal((300, 12)) for _ in range(2)]
+    clean = retrieval_eval(Xs, dim=10, k=3, sizes=(32,), seed=0, ridges=[1e-4, 1e-2, 1.0, 30.0])
+    held = folds(300, 3, 0)[0]
+    poisoned = [Xs[0], Xs[1].copy()]
+    poisoned[1][held] = rng.standard_normal((len(held), 12)) * 50
+    dirty = retrieval_eval(poisoned, dim=10, k=3, sizes=(32,), seed=0, ridges=[1e-4, 1e-2, 1.0, 30.0])
+    assert np.array_equal(clean.ridges[0], dirty.ridges[0], equal_nan=True)
+    assert np.allclose(clean.lambdas[0], dirty.lambdas[0], equal_nan=True)
+    assert not np.allclose(clean.mats["pairwise@32"], dirty.mats["pairwise@32"], equal_nan=True)
 
 
 def test_retrieval_eval_gives_the_pairwise_baseline_a_fair_ridge_on_planted_latents():

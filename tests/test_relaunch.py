@@ -3,7 +3,6 @@ a phase whose jobs are all done starts no worker process."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -70,4 +69,3 @@ def test_the_analysis_key_covers_runs_code_and_settings(compose_cfg):
     assert k != analysis_key(cfg, ["a" * 32])
     cfg2, _ = compose_cfg(["task=analyze", "report.ui_url=http://127.0.0.1:5001"])
     assert k != analysis_key(cfg2, ["a" * 32, "b" * 32])
-    assert Path(__file__).exists()

@@ -102,10 +102,11 @@ def check_adapt(cfg: DictConfig) -> Setup:
     entry, kwargs = resolve_adapter(cfg.get("adapt"))
     _check_settings(cfg)
     ra, rb = models.resolve_pair(cfg.pair)
-    sa, sb = shape_of(config_of(ra)), shape_of(config_of(rb))
+    ca, cb = config_of(ra), config_of(rb)
+    sa, sb = shape_of(ca), shape_of(cb)
     a_small = order(sa, sb)
     small, large = (cfg.pair.a, cfg.pair.b) if a_small else (cfg.pair.b, cfg.pair.a)
-    (rs, rl), (ss, sl) = ((ra, rb), (sa, sb)) if a_small else ((rb, ra), (sb, sa))
+    (rs, rl), (ss, sl), (cs, cl) = ((ra, rb), (sa, sb), (ca, cb)) if a_small else ((rb, ra), (sb, sa), (cb, ca))
     mismatched = None
     if entry.name == "expand":
         (expand_maps if kwargs.get("mode", "zero") == "zero" else repeat_maps)(ss, sl)
@@ -117,7 +118,6 @@ def check_adapt(cfg: DictConfig) -> Setup:
             mismatched = gqa_mismatches(sl, ss, heads)
         del maps
     untied = bool(kwargs.get("untied_into_tied", False))
-    cs, cl = config_of(rs), config_of(rl)
     blockers = config_blockers(cs, cl, untied) if entry.name == "expand" else config_blockers(cl, cs, untied)
     if blockers:
         raise MergescopeError(f"cannot {entry.name} {rs.label if entry.name == 'expand' else rl.label} into "

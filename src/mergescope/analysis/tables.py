@@ -42,13 +42,6 @@ def cross_diagnostics(pairs: list[dict[str, Any]] | None = None) -> list[str]:
     """The cross-model correlation table's columns: every representation metric's headline, then the pair's others."""
     return [k for _, k in repr_metrics(pairs)] + PAIR_DIAGNOSTICS
 
-
-def __getattr__(name: str):  # the former constants, now derived from the registry
-    if name == "REPR_METRICS":
-        return repr_metrics()
-    if name == "CROSS_DIAGNOSTICS":
-        return cross_diagnostics()
-    raise AttributeError(name)
 TYPOLOGY = ["typology_syntactic", "typology_genetic", "typology_featural"]
 NATIVE_PAIR = ["weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "lmc_barrier", "merge_gain"]
 

@@ -24,6 +24,16 @@ def main_pooling(cfg: DictConfig) -> str:
     return p
 
 
+def ridges(cfg: DictConfig) -> list[float]:
+    """The pairwise maps' ridge grid (``shared.ridges``), chosen per fold inside its training rows; checked."""
+    from mergescope.shared.evaluate import DEFAULT_RIDGES
+
+    grid = [float(r) for r in cfg.shared.get("ridges", DEFAULT_RIDGES)]
+    if not grid or any(not r > 0 for r in grid):
+        raise MergescopeError(f"shared.ridges must be a non-empty list of positive ridges, got {grid}")
+    return grid
+
+
 def poolings(cfg: DictConfig) -> list[str]:
     """The main pooling first, then the ablation's others."""
     main = main_pooling(cfg)
@@ -56,9 +66,7 @@ def check_shared(cfg: DictConfig) -> None:
         raise MergescopeError(f"shared.permutations must be at least 1, got {s.permutations}")
     if int(s.folds) < 2:
         raise MergescopeError(f"shared.folds must be at least 2, got {s.folds}")
-    grid = list(s.get("ridges", [1e-3]))
-    if not grid or any(not float(r) > 0 for r in grid):
-        raise MergescopeError(f"shared.ridges must be a non-empty list of positive ridges, got {grid}")
+    ridges(cfg)
     main_pooling(cfg)
     if int(s.dim) < 1 or any(int(d) < 1 for d in s.dims):
         raise MergescopeError(f"shared.dim and shared.dims must be positive, got {s.dim} and {list(s.dims)}")

@@ -19,8 +19,8 @@ from mergescope.shared.agreement_job import write_csv
 from mergescope.shared.content import content_types, type_transfer
 from mergescope.shared.depth import depth_layers, distinct_depths
 from mergescope.shared.domains import domains
-from mergescope.shared.evaluate import DEFAULT_RIDGES, domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
-from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare
+from mergescope.shared.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
+from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare, ridges
 from mergescope.shared.space import save_space
 
 SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
@@ -28,14 +28,6 @@ SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"
 
 def pool_sizes(cfg: DictConfig) -> list[int | None]:
     return [*(int(p) for p in cfg.shared.pools), None]
-
-
-def ridges(cfg: DictConfig) -> list[float]:
-    """The pairwise maps' ridge grid (``shared.ridges``), chosen per fold inside its training rows."""
-    grid = [float(r) for r in cfg.shared.get("ridges", DEFAULT_RIDGES)]
-    if not grid or any(not r > 0 for r in grid):
-        raise MergescopeError(f"shared.ridges must be a non-empty list of positive ridges, got {grid}")
-    return grid
 
 
 def matrix_rows(res, labels: list[str], **extra) -> list[dict]:
