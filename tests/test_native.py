@@ -202,6 +202,11 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
     pt = list(data_mod.load_side(cfg.data, "por_Latn").sentences[:N])
     for who in ("a", "b", "base"):
         assert r.metrics[f"nll_{who}_por_Latn"] == pytest.approx(outside_nll(sds[who], root / "step1", pt), rel=1e-5), who
+    # the host's language reuses the LMC curve's ends (no second forward), and they are the right ends
+    en = list(data_mod.load_side(cfg.data, "eng_Latn").sentences[:N])
+    assert (r.metrics["nll_a_eng_Latn"], r.metrics["nll_b_eng_Latn"]) == (r.metrics["nll_a"], r.metrics["nll_t1"])
+    assert r.metrics["nll_b_eng_Latn"] == pytest.approx(outside_nll(sds["b"], root / "step1", en), rel=1e-5)
+    assert r.metrics["nll_base_eng_Latn"] == pytest.approx(outside_nll(sds["base"], root / "step1", en), rel=1e-5)
     merged = {x.data.tags["merge"]: x for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge"}
     assert sorted(merged) == ["linear", "ties"]
     lin = merged["linear"].data.metrics

@@ -209,6 +209,14 @@ class Plan:
             for name in names:                                                # scored) like the sweep's
                 e = composed([*self.base, f"model={name}"]).model
                 self.entries.setdefault(model_label(e), e)
+        unknown = sorted(set(map(str, self.cfg.get("native_pairs") or [])) - set(self.pairs))
+        if unknown:  # refused before any job runs
+            raise MergescopeError(f"native_pairs names {unknown[0]!r}, not a pair of this study: "
+                                  f"{did_you_mean(unknown[0], list(self.pairs))}")
+        if "shared_space" in self.arms:  # and so are the shared space's models (study=real: the real model beside the
+            for name in self.cfg.shared.models:  # English toy family, which its sweep does not otherwise train)
+                e = composed([*self.base, f"model={name}"]).model
+                self.entries.setdefault(model_label(e), e)
 
     def pair_jobs(self, task: str, extra: list[str] = ()) -> list[StudyJob]:
         return [job(task, [*self.base, *sel, *extra]) for sel in self.pairs.values()]
@@ -229,9 +237,13 @@ class Plan:
         return out
 
     def native_pairs(self) -> list[StudyJob]:
-        """The study's pairs that share a parameter space (decided from each model's config.json)."""
+        """The study's pairs that share a parameter space (decided from each model's config.json); ``native_pairs``
+        (pair names ``a__b``) keeps only those."""
+        keep = self.cfg.get("native_pairs")
         out = []
-        for j in self.pair_jobs("native"):
+        for label, j in zip(self.pairs, self.pair_jobs("native")):
+            if keep is not None and label not in set(map(str, keep)):
+                continue
             if routes(load_config(resolve(j.cfg.pair.a)), load_config(resolve(j.cfg.pair.b)))["native"]["defined"]:
                 out.append(j)
         return out
@@ -248,7 +260,7 @@ class Plan:
             entry = OmegaConf.to_container(model)
             for ra, rb in itertools.combinations(checkpoint_revisions(ck, str(m), model), 2):
                 a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
-                out.append(job("native", [*self.base, *pair_override(a, b)]))
+                out.append(job("native", [*self.base, *pair_override(a, b), *(str(o) for o in ck.get("overrides") or [])]))
         return out
 
     def transport_directions(self) -> list[StudyJob]:

@@ -94,8 +94,10 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         else:
             job.log_params({"task_vector_base": f"{model_label(base_entry(cfg))}"
                                                 f"{'@' + str(base_entry(cfg).revision) if base_entry(cfg).get('revision') else ''}"})
-        values.update(_lmc_values(cfg, loaded, job, nll_sentences(cfg)))
-        lang_ends = lang_endpoints(cfg, loaded)  # native.nll_langs: each expert and the base on every language
+        sentences = nll_sentences(cfg)
+        values.update(_lmc_values(cfg, loaded, job, sentences))
+        # native.nll_langs: each expert and the base on every language (the host's language: the LMC curve's ends)
+        lang_ends = lang_endpoints(cfg, loaded, (sentences, values["nll_a"], values["nll_t1"]))
         values.update(lang_ends)
         values.update(_merge_values(cfg, loaded, job, overrides, (values["nll_a"], values["nll_t1"]), lang_ends))
         if same_run(cfg):

@@ -172,17 +172,26 @@ def lang_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
     return side.sentences[: int(k)] if k else side.sentences
 
 
-def lang_endpoints(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
+def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...], float, float] | None = None) -> dict[str, float]:
     """Each expert's and the base's NLL on every language of ``native.nll_langs``: ``nll_a_<lang>`` (the host),
     ``nll_b_<lang>`` (every shared tensor from b: model b itself when all its tensors are shared) and
-    ``nll_base_<lang>`` (every shared tensor from the task-vector base, when there is one)."""
+    ``nll_base_<lang>`` (every shared tensor from the task-vector base, when there is one).
+
+    ``host``: (sentences, NLL at t=0, NLL at t=1) already measured on the host's sentences (the LMC curve's ends);
+    a language whose sentences are exactly those takes them instead of a second forward of the same models."""
     langs = nll_langs(cfg)
     if not langs:
         return {}
     texts = {lang: lang_sentences(cfg, lang) for lang in langs}
-    out = {f"nll_a_{lang}": host_nll(cfg, loaded, t, f"nll a {lang}") for lang, t in texts.items()}
+
+    def known(t, end: int) -> float | None:
+        return host[1 + end] if host is not None and tuple(t) == tuple(host[0]) else None
+
+    out = {f"nll_a_{lang}": v if (v := known(t, 0)) is not None else host_nll(cfg, loaded, t, f"nll a {lang}")
+           for lang, t in texts.items()}
     loaded.interpolate(1.0)
-    out.update({f"nll_b_{lang}": host_nll(cfg, loaded, t, f"nll b {lang}") for lang, t in texts.items()})
+    out.update({f"nll_b_{lang}": v if (v := known(t, 1)) is not None else host_nll(cfg, loaded, t, f"nll b {lang}")
+                for lang, t in texts.items()})
     if loaded.sd_base is not None:
         for n in loaded.coverage.shared:
             loaded.set_shared({n: loaded.sd_base[n]})
