@@ -93,3 +93,28 @@ def test_a_study_names_its_arms_and_a_bad_list_is_one_line(compose_cfg):
     cfg, _ = compose_cfg(["study=crossarch_1b", "arms=[adapt]"])
     with pytest.raises(MergescopeError, match="adaptation.pairs is empty"):
         study_arms(cfg)
+
+
+def test_study_real_native_pairs_checkpoint_overrides_and_shared_models(compose_cfg, monkeypatch):
+    """study=real's plan: the native arm on the one pair named in native_pairs (a name that is not a pair of the study
+    is refused when the plan is made, before any job), checkpoint pairs carrying checkpoints.overrides, and the
+    shared space's models (the English toy family beside the real base) trained and scored like the sweep's."""
+    import mergescope.study as study_mod
+    from mergescope.errors import MergescopeError
+
+    compose_cfg([])  # Hydra initialised on conf/
+    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
+    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
+    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": True}})
+    plan = study_mod.Plan(["study=real"])
+    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.native_pairs()] == ["smollm2-135m-pt__smollm2-135m-it"]
+    assert len(study_mod.Plan(["study=real", "native_pairs=null"]).native_pairs()) == 4  # null: every shared-space pair
+    ck = plan.checkpoint_pairs()
+    assert [(j.cfg.pair.a.revision, j.cfg.pair.b.revision) for j in ck] == [("step2", "step16"), ("step2", "step48"),
+                                                                             ("step16", "step48")]
+    assert all(list(j.cfg.native.merges) == ["linear", "ties"] and list(j.cfg.native.nll_langs) == [] for j in ck)
+    assert list(plan.cfg.native.nll_langs) == ["por_Latn", "ita_Latn", "eng_Latn"]  # the native pair keeps its languages
+    assert {"zoo-pythia-en", "zoo-mamba-en", "smollm2-135m"} <= set(plan.entries)
+    assert [j.task for j in plan.shared_jobs()].count("shared_space") == 1
+    with pytest.raises(MergescopeError, match="native_pairs names 'pt__it', not a pair of this study"):
+        study_mod.Plan(["study=real", "native_pairs=[pt__it]"])
