@@ -118,3 +118,37 @@ def test_study_real_native_pairs_checkpoint_overrides_and_shared_models(compose_
     assert [j.task for j in plan.shared_jobs()].count("shared_space") == 1
     with pytest.raises(MergescopeError, match="native_pairs names 'pt__it', not a pair of this study"):
         study_mod.Plan(["study=real", "native_pairs=[pt__it]"])
+
+
+def test_a_pair_is_two_model_names(compose_cfg, tmp_path):
+    """pair=<a>__<b> composes the two model entries for any two models of conf/model/ with no pair YAML (adding a
+    model is one file); an unknown pair name is one line with a did-you-mean; a pair YAML takes its name over."""
+    from mergescope.cli import check_argv
+    from mergescope.config import conf_options, register_pairs
+    from mergescope.errors import MergescopeError
+
+    cfg, _ = compose_cfg(["task=measure", "pair=smollm2-135m__zoo-mamba-en"])
+    assert (cfg.pair.a.name, cfg.pair.b.name, cfg.pair.b.lang) == ("smollm2-135m", "zoo-mamba-en", "eng_Latn")
+    cfg, _ = compose_cfg(["task=measure", "pair=zoo-mamba-en__smollm2-135m"])  # the order is the sides' order
+    assert (cfg.pair.a.name, cfg.pair.b.name) == ("zoo-mamba-en", "smollm2-135m")
+    models = conf_options("model")
+    assert len([n for n in conf_options("pair") if n != "custom"]) == len(models) * (len(models) - 1)
+    with pytest.raises(MergescopeError, match="unknown pair 'zoo-neox-en__zoo-lama-pt': did you mean 'zoo-neox-en__zoo-llama-pt'"):
+        check_argv(["pair=zoo-neox-en__zoo-lama-pt"])
+    with pytest.raises(MergescopeError, match="unknown pair"):
+        check_argv(["pair=zoo-neox-en__zoo-neox-en"])  # a model with itself is not a pair
+    # a YAML of its own (settings beside the two models) is not shadowed by the generated name
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "pair").mkdir()
+    for m in ("x", "y"):
+        (conf / "model" / f"{m}.yaml").write_text("name: " + m + "\n")
+    (conf / "pair" / "x__y.yaml").write_text("defaults:\n  - /model@a: x\n  - /model@b: y\n")
+    try:
+        assert register_pairs(conf) == 1  # y__x only
+        from hydra.core.config_store import ConfigStore
+
+        group = ConfigStore.instance().repo["pair"]
+        assert "y__x.yaml" in group and "x__y.yaml" not in group
+    finally:
+        register_pairs()

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
-from mergescope.config import CONF_DIR
+from mergescope.config import CONF_DIR, conf_options
 from mergescope.errors import MergescopeError, did_you_mean
 
 GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking")
@@ -44,7 +44,7 @@ def handler(task: str) -> Callable:
 
 
 def options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
-    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    return conf_options(group, conf_dir)
 
 
 def check_argv(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
