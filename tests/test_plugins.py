@@ -152,3 +152,47 @@ def test_a_pair_is_two_model_names(compose_cfg, tmp_path):
         assert "y__x.yaml" in group and "x__y.yaml" not in group
     finally:
         register_pairs()
+
+
+def test_one_check_signature_and_one_resolver_for_every_kind():
+    """Metrics, merge operators and adaptation operators: one resolver (Registry.resolve) and one check(kwargs, context)
+    signature; a check sees what is known (rows of data, models merged) and None before it is."""
+    from mergescope.adapt.plugins import adapters, resolve_adapter
+    from mergescope.errors import MergescopeError
+    from mergescope.merge import resolve_preset
+    from mergescope.registry import merges
+
+    seen = []
+
+    def check(kwargs, context):
+        seen.append((dict(kwargs), dict(context)))
+        if context["n"] is not None and kwargs.get("scale", 1.0) * context["n"] > 100:
+            raise MergescopeError("too many")
+
+    @metrics.register("zz_checked", check=check)
+    def zz(X, Y, scale: float = 1.0) -> dict[str, float]:
+        return {"zz_checked": 0.0}
+
+    try:
+        entry, kw = metrics.resolve({"name": "zz_checked", "scale": 2.0}, "no metric")
+        assert kw == {"scale": 2.0} and seen[-1] == ({"scale": 2.0}, {"n": None, "n_models": None})
+        entry.check(kw, n=10)
+        assert seen[-1][1]["n"] == 10
+        with pytest.raises(MergescopeError, match="too many"):
+            entry.check(kw, n=60)
+        with pytest.raises(MergescopeError, match="no metric"):
+            metrics.resolve(None, "no metric")
+    finally:
+        metrics.unregister("zz_checked")
+    # merges: the weights are checked against the number of models once it is known
+    e, kw = resolve_preset({"name": "lin3", "operator": "linear", "weights": [0.2, 0.3, 0.5]})
+    assert e.name == "linear" and kw["weights"] == [0.2, 0.3, 0.5]
+    with pytest.raises(MergescopeError, match="weights"):
+        resolve_preset({"name": "lin3", "operator": "linear", "weights": [0.2, 0.3, 0.5]}, n_models=2)
+    with pytest.raises(MergescopeError, match="weights"):
+        merges.get("linear").check({"weights": [0.5, 0.5]}, n_models=3)
+    # adaptation operators: the same resolver and signature
+    e, kw = resolve_adapter({"name": "expand", "mode": "zero"})
+    assert e is adapters.get("expand") and kw == {"mode": "zero"}
+    with pytest.raises(MergescopeError, match="adapt.mode='nope'"):
+        resolve_adapter({"name": "expand", "mode": "nope"})

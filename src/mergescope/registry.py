@@ -74,12 +74,14 @@ class Entry:
             _check_type(f"{self.kind} '{self.name}'", self.kind, k, v, params[k].default)
         return dict(kwargs)
 
-    def check_data(self, n: int, kwargs: Mapping[str, Any]) -> None:
-        """The plug-in's own checks of its settings against ``n`` rows of data (``register(name, check=fn)``,
-        ``fn(n, **kwargs)`` raising MergescopeError), run before any model is loaded or any run exists."""
+    def check(self, kwargs: Mapping[str, Any], **context: Any) -> None:
+        """The plug-in's own checks of its settings (``register(name, check=fn)``), one signature for every kind:
+        ``fn(kwargs, context)`` raising MergescopeError before any model is loaded or any run exists. ``context``
+        holds what the settings are checked against, None where not known yet: ``n`` (rows of data, metrics) and
+        ``n_models`` (models merged, merge operators)."""
         check = self.meta.get("check")
         if check is not None:
-            check(n, **kwargs)
+            check(dict(kwargs), {"n": None, "n_models": None, **context})
 
 
 def _check_type(what: str, kind: str, key: str, value: Any, default: Any) -> None:
@@ -100,6 +102,18 @@ def _check_type(what: str, kind: str, key: str, value: Any, default: Any) -> Non
         return
     if not ok:
         raise MergescopeError(f"{what} {key}={value!r} is not {want}: set {kind}.{key}=<{want.removeprefix('a ').removeprefix('an ')}>")
+
+
+PRESET_KEYS = ("name", "operator")
+"""The keys of a preset (``conf/<group>/<name>.yaml``) that name the plug-in; every other key is a keyword argument."""
+
+
+def _plain(preset: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(preset, DictConfig):
+        return dict(OmegaConf.to_container(preset, resolve=True))  # type: ignore[arg-type]
+    return dict(preset)
 
 
 class Registry:
@@ -126,6 +140,22 @@ class Registry:
             if not info.name.startswith("_"):
                 importlib.import_module(f"{self.package}.{info.name}")
         self._discovered = True
+
+    def resolve(self, preset: Any, missing: str, **context: Any) -> tuple[Entry, dict[str, Any]]:
+        """The one preset resolver: a preset (``name``, optional ``operator``, keyword arguments) -> (registered
+        entry, checked kwargs). ``operator`` defaults to ``name``; an unknown one fails with a did-you-mean, unknown
+        or missing keywords and wrong types via :meth:`Entry.check_kwargs`, values via the plug-in's ``check`` with
+        ``context``. ``missing``: the one-line error when no preset is given."""
+        if preset is None:
+            raise MergescopeError(missing)
+        cfg = _plain(preset)
+        op = cfg.get("operator", cfg.get("name"))
+        if not op:
+            raise MergescopeError(f"{self.kind} preset has neither 'operator' nor 'name': set {self.kind}.operator=<operator>")
+        entry = self.get(str(op))
+        kwargs = entry.check_kwargs({k: v for k, v in cfg.items() if k not in PRESET_KEYS})
+        entry.check(kwargs, **context)
+        return entry, kwargs
 
     def names(self) -> list[str]:
         self.discover()

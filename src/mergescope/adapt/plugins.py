@@ -15,25 +15,16 @@ from torch import Tensor
 
 from mergescope.adapt.roles import Role, embedding_name, head_name, role_of
 from mergescope.adapt.shapes import Shape
-from mergescope.config import to_plain
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, Registry
 
 adapters = Registry("adapt", "mergescope.adapt.ops")
-PRESET_KEYS = ("name", "operator")
 
 
 def resolve_adapter(preset: Any) -> tuple[Entry, dict[str, Any]]:
-    """An adapt preset (``name``, ``operator``, keyword args) -> (registered operator, checked kwargs)."""
-    if preset is None:
-        raise MergescopeError("no adaptation operator given: add adapt=expand or adapt=truncate (conf/adapt/)")
-    cfg = dict(to_plain(preset))
-    entry = adapters.get(str(cfg.get("operator", cfg.get("name"))))
-    kwargs = entry.check_kwargs({k: v for k, v in cfg.items() if k not in PRESET_KEYS})
-    check = entry.meta.get("check")
-    if check is not None:
-        check(kwargs)
-    return entry, kwargs
+    """An adapt preset (``name``, ``operator``, keyword args) -> (registered operator, checked kwargs): the registry's
+    one resolver (:meth:`mergescope.registry.Registry.resolve`)."""
+    return adapters.resolve(preset, "no adaptation operator given: add adapt=expand or adapt=truncate (conf/adapt/)")
 
 
 def adapt_state(entry: Entry, kwargs: Mapping[str, Any], sd: Mapping[str, Tensor], src: Shape, tgt: Shape,

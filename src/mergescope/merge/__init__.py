@@ -3,7 +3,7 @@
 An operator merges ONE tensor position: ``fn(tensors, base, **kwargs) -> Tensor``. Its keyword
 arguments are its parameter schema; a preset (``conf/merge/<name>.yaml``) names the operator and
 sets those keywords. ``meta["check"]`` (optional) validates the keyword values before any model
-loads: ``check(kwargs, n_models=None)`` raises :class:`MergescopeError`.
+loads: ``check(kwargs, context)`` (``context["n_models"]``: None until known) raises :class:`MergescopeError`.
 
 Public helpers: :func:`resolve_preset`, :func:`check_base`, :func:`merge_state_dicts`, :func:`mergekit_yaml`
 (the equivalent mergekit config, from each operator's ``register(..., mergekit=fn)``).
@@ -23,38 +23,10 @@ from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, merges
 from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 
-_PRESET_KEYS = ("name", "operator")
-
-
-def _plain(cfg: Mapping) -> dict[str, Any]:
-    try:  # a Hydra/OmegaConf node -> plain containers (lists stay lists)
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(cfg)
-
-
-def resolve_preset(cfg_merge: Mapping) -> tuple[Entry, dict[str, Any]]:
-    """A merge preset (``name``, ``operator``, keyword args) -> (registered entry, checked kwargs).
-
-    ``operator`` defaults to ``name``. Unknown operators fail with a did-you-mean; unknown or
-    missing keywords fail via ``Entry.check_kwargs``; values via the operator's ``check``.
-    """
-    if cfg_merge is None:
-        raise MergescopeError("no merge preset given: set merge=<preset> (e.g. merge=linear)")
-    cfg = _plain(cfg_merge)
-    op = cfg.get("operator", cfg.get("name"))
-    if not op:
-        raise MergescopeError("merge preset has neither 'operator' nor 'name': set merge.operator=<operator>")
-    entry = merges.get(str(op))
-    kwargs = entry.check_kwargs({k: v for k, v in cfg.items() if k not in _PRESET_KEYS})
-    check = entry.meta.get("check")
-    if check is not None:
-        check(kwargs, None)
-    return entry, kwargs
+def resolve_preset(cfg_merge: Mapping | None, n_models: int | None = None) -> tuple[Entry, dict[str, Any]]:
+    """A merge preset (``name``, ``operator``, keyword args) -> (registered entry, checked kwargs): the registry's one
+    resolver (:meth:`mergescope.registry.Registry.resolve`), the operator's ``check`` told ``n_models`` when known."""
+    return merges.resolve(cfg_merge, "no merge preset given: set merge=<preset> (e.g. merge=linear)", n_models=n_models)
 
 
 def check_base(entry: Entry, has_base: bool, why_no_base: str = "") -> None:
@@ -93,9 +65,7 @@ def merge_state_dicts(
     if not sds:
         raise MergescopeError("merge needs at least one model's state dict")
     check_base(entry, base is not None)
-    check = entry.meta.get("check")
-    if check is not None:
-        check(dict(kwargs), len(sds))
+    entry.check(kwargs, n_models=len(sds))
     dev = resolve_device(device)
     has_seed = "seed" in entry.params
     out: dict[str, Tensor] = {}

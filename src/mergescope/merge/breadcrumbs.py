@@ -41,7 +41,8 @@ CONSENSUS = ("none", "sign", "count")
 RESCALE = ("none", "l1")
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_weights(OP, kwargs.get("weights"), n_models)
     check_fraction(OP, "density", kwargs.get("density", 0.9))
     gamma = kwargs.get("gamma", 0.01)
@@ -94,8 +95,7 @@ def breadcrumbs(
     if base is None:
         raise MergescopeError(f"merge '{OP}' needs a common base model (task vectors theta - theta_base): use linear or slerp")
     check_tensors(OP, tensors, base)
-    _check(dict(weights=weights, density=density, gamma=gamma, consensus=consensus, rescale=rescale, lambda_=lambda_),
-           len(tensors))
+    _check(dict(weights=weights, density=density, gamma=gamma, consensus=consensus, rescale=rescale, lambda_=lambda_), {"n_models": len(tensors)})
     dt = work_dtype(base)
     b = base.to(dt)
     w = as_weights(weights, len(tensors))

@@ -49,7 +49,8 @@ CONSENSUS = ("none", "sign", "count")
 RESCALE = ("none", "probability", "l1")
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_weights(OP, kwargs.get("weights"), n_models)
     density, eps = kwargs.get("density", 0.5), kwargs.get("epsilon", 0.15)
     check_fraction(OP, "density", density)
@@ -115,7 +116,7 @@ def della(
         raise MergescopeError(f"merge '{OP}' needs a common base model (task vectors theta - theta_base): use linear or slerp")
     check_tensors(OP, tensors, base)
     _check(dict(weights=weights, density=density, epsilon=epsilon, consensus=consensus, rescale=rescale,
-                lambda_=lambda_, seed=seed), len(tensors))
+                lambda_=lambda_, seed=seed), {"n_models": len(tensors)})
     dt = work_dtype(base)
     b = base.to(dt)
     w = as_weights(weights, len(tensors))

@@ -28,7 +28,8 @@ from mergescope.registry import merges
 OP = "karcher"
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_weights(OP, kwargs.get("weights"), n_models)
     w = kwargs.get("weights")
     if w is not None and (any(float(x) < 0 for x in w) or sum(float(x) for x in w) <= 0):
@@ -56,7 +57,7 @@ def karcher(
 ) -> Tensor:
     """Weighted Karcher mean of the directions times the weighted mean norm (module doc)."""
     check_tensors(OP, tensors)
-    _check({"weights": weights, "max_iter": max_iter, "tol": tol}, len(tensors))
+    _check({"weights": weights, "max_iter": max_iter, "tol": tol}, {"n_models": len(tensors)})
     if len(tensors) == 1:
         return tensors[0]
     dt = work_dtype(tensors[0])

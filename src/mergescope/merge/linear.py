@@ -14,7 +14,8 @@ from mergescope.merge._common import check_tensors, check_weights, resolve_weigh
 from mergescope.registry import merges
 
 
-def _check_linear(kwargs: Mapping, n_models: int | None) -> None:
+def _check_linear(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_weights("linear", kwargs.get("weights"), n_models)
     if kwargs.get("normalize", True) and kwargs.get("weights") is not None:
         if abs(sum(float(x) for x in kwargs["weights"])) < 1e-12:
@@ -43,7 +44,7 @@ def linear(
     Same definition as mergekit's ``linear``. ``base`` is ignored.
     """
     check_tensors("linear", tensors)
-    _check_linear({"weights": weights, "normalize": normalize}, len(tensors))
+    _check_linear({"weights": weights, "normalize": normalize}, {"n_models": len(tensors)})
     dt = work_dtype(tensors[0])
     w = resolve_weights("linear", weights, len(tensors), dt, "cpu").tolist()
     out = torch.zeros(tensors[0].shape, dtype=dt, device=tensors[0].device)
@@ -54,7 +55,8 @@ def linear(
     return out.to(tensors[0].dtype)
 
 
-def _check_slerp(kwargs: Mapping, n_models: int | None) -> None:
+def _check_slerp(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     t = kwargs.get("t", 0.5)
     if not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
         raise MergescopeError(f"merge 'slerp' t={t!r} is outside [0, 1]: set merge.t to a number in [0, 1]")
@@ -80,7 +82,7 @@ def slerp(
     ``slerp`` (0.1.5) with ``tensors[0]`` in the role of its base model.
     """
     check_tensors("slerp", tensors)
-    _check_slerp({"t": t, "dot_threshold": dot_threshold}, len(tensors))
+    _check_slerp({"t": t, "dot_threshold": dot_threshold}, {"n_models": len(tensors)})
     dt = work_dtype(tensors[0])
     a, b = tensors[0].to(dt), tensors[1].to(dt)
     t = float(t)

@@ -25,7 +25,8 @@ from mergescope.registry import merges
 OP = "model_stock"
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_n_models(OP, n_models, 2, why=" besides the base: the angle between task vectors needs two of them")
 
 
@@ -39,7 +40,7 @@ def model_stock(tensors: list[Tensor], base: Tensor | None, filter_wise: bool = 
     if base is None:
         raise MergescopeError(f"merge '{OP}' needs a common base model (task vectors theta - theta_base): use linear or slerp")
     check_tensors(OP, tensors, base)
-    _check({}, len(tensors))
+    _check({}, {"n_models": len(tensors)})
     dt = work_dtype(base)
     b = base.to(dt)
     shape = b.shape

@@ -28,7 +28,8 @@ from mergescope.registry import merges
 OP = "multislerp"
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_weights(OP, kwargs.get("weights"), n_models)
     w = kwargs.get("weights")
     if kwargs.get("normalize_weights", True) and w is not None and abs(sum(float(x) for x in w)) < 1e-12:
@@ -54,7 +55,7 @@ def multislerp(
     """Spherical barycentre of the tensors (task vectors with a base), scaled by the weighted mean norm."""
     base = task_vector_base(OP, base, task_vectors)
     check_tensors(OP, tensors, base)
-    _check({"weights": weights, "normalize_weights": normalize_weights, "eps": eps}, len(tensors))
+    _check({"weights": weights, "normalize_weights": normalize_weights, "eps": eps}, {"n_models": len(tensors)})
     if len(tensors) == 1:
         return tensors[0]
     dt = work_dtype(tensors[0])

@@ -26,7 +26,8 @@ from mergescope.registry import merges
 OP = "nuslerp"
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
+    n_models = context.get("n_models")
     check_n_models(OP, n_models, 2, 2, why=": use multislerp or karcher for more")
     check_weights(OP, kwargs.get("weights"), n_models if n_models is not None else 2)
 
@@ -60,7 +61,7 @@ def nuslerp(
     """SLERP of the two tensors (their task vectors with a base) at t = w_2 / (w_1 + w_2) (module doc)."""
     base = task_vector_base(OP, base, task_vectors)
     check_tensors(OP, tensors, base)
-    _check({"weights": weights}, len(tensors))
+    _check({"weights": weights}, {"n_models": len(tensors)})
     w = as_weights(weights, 2)
     t = 0.5 if abs(sum(w)) < 1e-6 else w[1] / sum(w)
     dt = work_dtype(tensors[0])

@@ -31,7 +31,7 @@ from mergescope.registry import merges
 OP = "sce"
 
 
-def _check(kwargs: Mapping, n_models: int | None) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
     check_fraction(OP, "select_topk", kwargs.get("select_topk", 1.0))
 
 
@@ -58,7 +58,7 @@ def sce(tensors: list[Tensor], base: Tensor | None, select_topk: float = 1.0) ->
     if base is None:
         raise MergescopeError(f"merge '{OP}' needs a common base model (task vectors theta - theta_base): use linear or slerp")
     check_tensors(OP, tensors, base)
-    _check({"select_topk": select_topk}, len(tensors))
+    _check({"select_topk": select_topk}, {"n_models": len(tensors)})
     dt = work_dtype(base)
     b = base.to(dt)
     deltas = torch.stack([x.to(dt) - b for x in tensors])

@@ -44,7 +44,8 @@ _choice = check_choice
 _check_number = check_number
 
 
-def _check_gta(kwargs: Mapping, n_models: int | None, op: str = "generalized_task_arithmetic") -> None:
+def _check_gta(kwargs: Mapping, context: Mapping, op: str = "generalized_task_arithmetic") -> None:
+    n_models = context.get("n_models")
     check_weights(op, kwargs.get("weights"), n_models)
     sp = kwargs.get("sparsification", "none")
     _choice(op, "sparsification", sp, SPARSIFICATION)
@@ -192,9 +193,7 @@ def generalized_task_arithmetic(
     check_tensors(op, tensors, base)
     _check_gta(
         dict(weights=weights, density=density, sparsification=sparsification, consensus=consensus,
-             rescale=rescale, lambda_=lambda_, seed=seed),
-        len(tensors),
-    )
+             rescale=rescale, lambda_=lambda_, seed=seed), {"n_models": len(tensors)})
     dt = work_dtype(base)
     b = base.to(dt)
     w = [1.0] * len(tensors) if weights is None else [float(x) for x in weights]
@@ -212,8 +211,8 @@ def generalized_task_arithmetic(
     return mixed.to(base.dtype)
 
 
-def _check_ta(kwargs: Mapping, n_models: int | None) -> None:
-    _check_gta(kwargs, n_models, op="task_arithmetic")
+def _check_ta(kwargs: Mapping, context: Mapping) -> None:
+    _check_gta(kwargs, context, op="task_arithmetic")
 
 
 @merges.register("task_arithmetic", needs_base=True, check=_check_ta, mergekit=_mk_ta, reference="https://arxiv.org/abs/2212.04089", order=20)

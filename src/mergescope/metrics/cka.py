@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -125,8 +126,9 @@ def cka_jackknife(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> t
     return estimate, estimate - Z95 * se, estimate + Z95 * se
 
 
-def check_cka(n: int, n_blocks: int = 50, **_: Any) -> None:
-    if not 2 <= int(n_blocks) <= n:
+def check_cka(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
+    n, n_blocks = context.get("n"), kwargs.get("n_blocks", 50)
+    if n is not None and not 2 <= int(n_blocks) <= n:
         raise MergescopeError(f"metric.n_blocks={n_blocks} must be in [2, {n}]: the jackknife deletes blocks of the {n} "
                               "sentences; lower metric.n_blocks or use more sentences")
 

@@ -15,6 +15,7 @@ by n x g products for all g blocks at once, equal to the submatrix recomputation
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -89,9 +90,12 @@ def debiased_cka_jackknife(X: Any, Y: Any, n_blocks: int = 50, device: str = "au
     return estimate, estimate - Z95 * se, estimate + Z95 * se
 
 
-def check_cka_debiased(n: int, n_blocks: int = 50, **_: Any) -> None:
+def check_cka_debiased(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
     """n_blocks in [2, n], and every jackknife replicate keeps at least 4 sentences (the unbiased HSIC needs 4)."""
-    check_cka(n, n_blocks)
+    check_cka(kwargs, context)
+    n, n_blocks = context.get("n"), kwargs.get("n_blocks", 50)
+    if n is None:
+        return
     largest = max(s.stop - s.start for s in block_slices(n, int(n_blocks)))
     if largest > n - 4:
         raise MergescopeError(f"metric.n_blocks={n_blocks} leaves fewer than 4 of the {n} sentences in a jackknife "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,8 +31,9 @@ def mutual_knn(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
     return float(both.sum(dim=1).double().mean() / k)
 
 
-def check_knn(n: int, k: int = 10, **_: Any) -> None:
-    if not 1 <= int(k) < n:
+def check_knn(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
+    n, k = context.get("n"), kwargs.get("k", 10)
+    if n is not None and not 1 <= int(k) < n:
         raise MergescopeError(f"metric.k={k} must be in [1, {n - 1}]: neighbours among {n} sentences exclude the sentence "
                               "itself; lower metric.k or use more sentences")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -77,12 +78,15 @@ def retrieval_p1(
     return retrieval_scores(X, Y, train_frac=train_frac, ridge=ridge, seed=seed, device=device)["retrieval_p1"]
 
 
-def check_retrieval(n: int, train_frac: float = 0.5, ridge: float = 1e-2, **_: Any) -> None:
+def check_retrieval(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
+    n, train_frac, ridge = context.get("n"), kwargs.get("train_frac", 0.5), kwargs.get("ridge", 1e-2)
     if not (isinstance(ridge, (int, float)) and not isinstance(ridge, bool) and 0 <= ridge < float("inf")):
         raise MergescopeError(f"metric.ridge={ridge} must be a finite number >= 0 (the ridge penalty, relative to the mean "
                               "eigenvalue); use e.g. metric.ridge=0.01")
     if not 0 < float(train_frac) < 1:
         raise MergescopeError(f"metric.train_frac={train_frac} must be in (0, 1)")
+    if n is None:
+        return
     n_train = int(round(float(train_frac) * n))
     if n_train < 2 or n - n_train < 2:
         raise MergescopeError(f"{n} sentences are too few for a metric.train_frac={train_frac} split (each half needs 2)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,7 +46,8 @@ def svcca(X: Any, Y: Any, var_explained: float = 0.99, max_dims: int = 64, devic
     return float(canonical_correlations(xr, yr).mean())
 
 
-def check_svcca(n: int, var_explained: float = 0.99, max_dims: int = 64, **_: Any) -> None:
+def check_svcca(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
+    var_explained, max_dims = kwargs.get("var_explained", 0.99), kwargs.get("max_dims", 64)
     if not 0 < float(var_explained) <= 1:
         raise MergescopeError(f"metric.var_explained={var_explained} must be in (0, 1]")
     if int(max_dims) < 1:

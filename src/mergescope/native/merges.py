@@ -42,10 +42,7 @@ def check_merge(cfg: DictConfig):
         raise MergescopeError("task=merge needs an operator: add merge=<name> (see conf/merge/)")
     if cfg.merge.get("name") == "transport":
         raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
-    entry, kwargs = resolve_preset(cfg.merge)
-    check = entry.meta.get("check")
-    if check is not None:  # a pair merges two models: one weight per model, checked before any run exists
-        check(kwargs, 2)
+    entry, kwargs = resolve_preset(cfg.merge, n_models=2)  # a pair merges two models: one weight per model
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     return entry, kwargs
 

@@ -87,10 +87,7 @@ def spec_of(cfg: DictConfig) -> Spec:
 
 
 def check_spec(cfg: DictConfig, spec: Spec):
-    entry, kwargs = resolve_preset(spec.preset)
-    check = entry.meta.get("check")
-    if check is not None:
-        check(kwargs, len(spec.entries))
+    entry, kwargs = resolve_preset(spec.preset, n_models=len(spec.entries))
     check_base(entry, spec.base is not None, "no merge.base given (+merge.base=<the models' common base>)")
     refs = [models.resolve(e) for e in spec.entries]
     seen = {}

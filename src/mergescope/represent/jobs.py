@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mergescope import data as data_mod
 from mergescope import models
@@ -110,16 +110,14 @@ def check_measure(cfg: DictConfig):
     """Everything a measure job needs, validated before any run: (metric entry, kwargs, refs, sides)."""
     a, b = cfg.pair.a, cfg.pair.b
     refs = models.resolve_pair(cfg.pair)
-    entry = metric_registry.get(str(cfg.metric.name))
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.metric, resolve=True).items() if k != "name"}
-    kwargs = entry.check_kwargs(kwargs)
+    entry, kwargs = metric_registry.resolve(cfg.metric, "no metric given: set metric=<name> (conf/metric/)")
     check_represent(cfg)
     sides = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
     n = len(sides[0].sentences)
     if n < 3:
         raise MergescopeError(f"{sides[0].source} gives {n} sentences (data.max_sentences={cfg.data.get('max_sentences')}); "
                               "a measure needs at least 3")
-    entry.check_data(n, kwargs)
+    entry.check(kwargs, n=n)
     needs_model(cfg, a, refs[0], sides[0])
     needs_model(cfg, b, refs[1], sides[1])
     return entry, kwargs, refs, sides

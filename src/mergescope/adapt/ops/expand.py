@@ -24,7 +24,7 @@ from mergescope.errors import MergescopeError
 MODES = ("zero", "repeat")
 
 
-def _check(kwargs: Mapping) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
     if kwargs.get("mode", "zero") not in MODES:
         raise MergescopeError(f"adapt.mode={kwargs.get('mode')!r}: choose one of {', '.join(MODES)}")
 

@@ -26,7 +26,7 @@ SELECTS = ("prefix", "slots")
 GQA = ("prefix", "aligned")
 
 
-def _check(kwargs: Mapping) -> None:
+def _check(kwargs: Mapping, context: Mapping) -> None:
     if kwargs.get("select", "prefix") not in SELECTS:
         raise MergescopeError(f"adapt.select={kwargs.get('select')!r}: choose one of {', '.join(SELECTS)}")
     if kwargs.get("gqa", "prefix") not in GQA:
