@@ -258,6 +258,9 @@ def _model_and_tokenizer(plan: _Plan, state: dict | None, train_lines: list[str]
     resumed checkpoint's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mergescope.models import quiet_transformers
+
+    quiet_transformers()  # no "Loading weights" bar per load, no kernel-fallback warnings (the Mamba reference path)
     if state is None and plan.train.get("init_from"):  # continue from a pretrained model: its weights and tokenizer
         torch.manual_seed(plan.seed)
         base = _base_ref(plan.train["init_from"]).location
