@@ -947,3 +947,22 @@ def test_diagonal_shares_of_a_same_architecture_plan():
     assert layer_diagonal(align) == {"plan_layer_diagonal_share": 0.75, "plan_layer_diagonal_kept": 0.75,
                                      "plan_layer_chance": 0.25}
     assert layer_diagonal(fus.LayerAlignment(np.zeros((4, 3)), np.zeros((4, 3)), np.ones((4, 3)), np.ones((4, 3)))) == {}
+
+
+def test_the_top_k_clamp_line_is_said_once():
+    """merge.top_k wider than an interface clamps it (the logged value is the width) and says so once per process
+    and width set, not once per direction (the default study printed it 20 times)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mergescope.progress import console
+    from mergescope.transport import job as tjob
+
+    tjob._CLAMP_SAID.clear()
+    probe = SimpleNamespace(magnitude={"mlp.0": [torch.zeros(48)], "attn.0": [torch.zeros(256)]})
+    with console.capture() as cap:
+        first = tjob.top_k_effective(probe, 128, "a <- b")
+        again = tjob.top_k_effective(probe, 128, "b <- a")
+    assert first == again == {"top_k_effective.mlp.0": 48.0, "top_k_effective.attn.0": 128.0}
+    assert cap.get().count("is wider than") == 1 and "mlp.0 (48)" in cap.get()

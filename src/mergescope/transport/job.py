@@ -288,10 +288,15 @@ def top_k_effective(tp: fus.Probe, top_k: int, label: str) -> dict[str, float]:
     widths = {iface: int(mags[0].shape[0]) for iface, mags in tp.magnitude.items()}
     out = {f"top_k_effective.{iface}": float(min(top_k, w)) for iface, w in widths.items()}
     clamped = sorted(i for i, w in widths.items() if w < top_k)
-    if clamped:
+    said = (top_k, tuple((i, widths[i]) for i in clamped))
+    if clamped and said not in _CLAMP_SAID:  # once per process and width set, not once per direction and alpha
+        _CLAMP_SAID.add(said)
         console.print(f"  {label}: merge.top_k={top_k} is wider than {', '.join(f'{i} ({widths[i]})' for i in clamped)}; "
-                      "every neuron of those interfaces is fused (logged as top_k_effective.<interface>)")
+                      "every neuron of those interfaces is fused (logged as top_k_effective.<interface>; said once)")
     return out
+
+
+_CLAMP_SAID: set = set()
 
 
 def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, float]:
