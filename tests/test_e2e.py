@@ -132,6 +132,7 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
     assert "reproduced: all metrics agree" in p3.stdout
     new = [r for r in runs(tmp_path) if r.data.tags.get("reproduces") == rid]
     assert len(new) == 1 and new[0].data.metrics["svcca"] == pytest.approx(by["svcca"].data.metrics["svcca"], abs=1e-12)
+    assert new[0].info.run_name == f"reproduce {by['svcca'].info.run_name} of {rid[:8]}"  # named as a reproduction
     assert new[0].data.params["cache_a"] == new[0].data.params["cache_b"] == "off"  # no cached representation was read
     assert not (tmp_path / "elsewhere" / "mlruns").exists()
 

@@ -143,3 +143,19 @@ def test_ruff_passes():
         pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
     out = subprocess.run([ruff, "check", "src", "tests", "benchmarks", "launch.py"], cwd=SRC.parents[1], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_one_run_name_grammar():
+    """Every run name is '<kind> <details> <subject>': words separated by spaces (no 'adapt:intersection:...' or
+    'agreement:a__b' grammars beside 'measure cka a x b'), the job kind first, a pair as 'a x b'."""
+    import re
+
+    names = []
+    for path in SRC.rglob("*.py"):
+        names += re.findall(r"run_once\(\s*[^,]+,\s*(f?\"[^\"]*\")", path.read_text())
+    names += re.findall(r"\.start\(\s*[^,]+,\s*(f?\"[^\"]*\")", (SRC / "study.py").read_text())
+    assert len(names) >= 15
+    for n in names:
+        literal = re.sub(r"\{[^}]*\}", "X", n.lstrip("f").strip('"'))
+        assert ":" not in literal and "~" not in literal, n
+        assert re.fullmatch(r"[a-z_-]+( \S+)*", literal), n

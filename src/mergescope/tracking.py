@@ -180,6 +180,8 @@ class Tracker:
         extra = cfg.get("tags") or {}
         tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
+        if tags.get("reproduces") and not run_name.startswith("reproduce "):  # named as what it is, not as its original
+            run_name = f"reproduce {run_name} of {tags['reproduces'][:8]}"
         tags.update(source_tags(tags, run_name))
         with killed_on_sigterm():
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})

@@ -77,7 +77,7 @@ def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, contr
         loaded.ends.set(0.0)
         return {**values, "ratio": float(ratio)}
 
-    name = f"adapt:{setup.protocol}:{control}:{ratio:g}:{setup.small_label}~{setup.large_label}"
+    name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}"
     return run_once(cfg, name, _tags(cfg, setup, f"{ratio:g}", control), overrides, body, task="adapt",
                     keys=CHILD_KEYS, reads=setup.refs, extra={"ratio": float(ratio), "control": control,
                                                               "seed": seed if control == "noise" else None})
@@ -110,7 +110,7 @@ def run_compare(cfg: DictConfig, setup: Setup, loaded: Loaded, name: str, ratio:
         return {**values, "ratio": float(ratio)}
 
     tags = {**_tags(cfg, setup, f"{ratio:g}", "none", kind="merge"), "merge": name}
-    return run_once(cfg, f"adapt-merge:{name}:{ratio:g}:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+    return run_once(cfg, f"adapt-merge {name} r={ratio:g} {setup.small_label} x {setup.large_label}", tags, overrides, body,
                     task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset})
 
 
@@ -145,7 +145,7 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
     tags = {"kind": "adapt", "route": "adapt", "ratio": "source", "control": "source", "protocol": "source",
             "source": side, "small": setup.small_label, "large": setup.large_label,
             "pair": f"{setup.small_label}__{setup.large_label}"}  # by size, whichever protocol scored it first
-    return run_once(cfg, f"adapt:source:{side}:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+    return run_once(cfg, f"adapt source {side} {setup.small_label} x {setup.large_label}", tags, overrides, body,
                     task="adapt_source", keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs})
 
 
@@ -192,7 +192,7 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
     children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
     tags = {**_tags(cfg, setup, "best", "none"), "competence": overlap.competence,
             "small_better_tasks": ",".join(overlap.small_better) or "none"}
-    return run_once(cfg, f"adapt:{setup.protocol}:best:{setup.small_label}~{setup.large_label}", tags, overrides, body,
+    return run_once(cfg, f"adapt {setup.protocol} best {setup.small_label} x {setup.large_label}", tags, overrides, body,
                     task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
                     extra={"children": sorted(r.cfg_hash for r in children)})
 

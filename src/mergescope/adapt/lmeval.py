@@ -92,5 +92,5 @@ def run_lm_eval(cfg: DictConfig, setup, loaded, ratio: float, merge_run: str, ov
 
     tags = {"kind": "eval", "route": "adapt", "merge_run": merge_run, "protocol": setup.protocol, "ratio": f"{ratio:g}",
             "small": setup.small_label, "large": setup.large_label, **pair_tags(cfg), "seed": cfg.seed}
-    return run_once(cfg, f"eval:lm_eval:{setup.protocol}:{ratio:g}", tags, overrides, body, task="adapt_eval",
+    return run_once(cfg, f"eval lm_eval {setup.protocol} r={ratio:g} {setup.small_label} x {setup.large_label}", tags, overrides, body, task="adapt_eval",
                     keys=["pair", "adapt", "eval", "data"], reads=setup.refs, extra={"ratio": float(ratio), "tasks": tasks})

@@ -60,7 +60,7 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
         return flat_metrics(res.get("results", {}))
 
     t = {"kind": "eval", "route": "native", "merge_run": merge.run_id, "seed": cfg.seed, **tags}
-    return run_once(cfg, f"eval:lm_eval:{tags.get('merge', 'merge')}", t, overrides, body, task="native_eval",
+    return run_once(cfg, f"eval lm_eval {tags.get('merge', 'merge')}", t, overrides, body, task="native_eval",
                     keys=["eval"], reads=reads, extra={"merge": merge.cfg_hash, "tasks": tasks, "langs": langs,
                                                        "data": to_plain(cfg.data)})
 

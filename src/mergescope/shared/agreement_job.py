@@ -15,7 +15,7 @@ from mergescope import models
 from mergescope.metrics import linear_cka
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.jobs import check_represent
-from mergescope.runs import JobResult, pair_label, pair_tags, run_once
+from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
 from mergescope.shared.centroids import centroid_rows, flores_topics
 from mergescope.shared.depth import depth_layers, distinct_depths
@@ -175,5 +175,5 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
 
     tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": cfg.shared.seed,
             "data": cfg.data.name, "split": cfg.data.split}
-    return run_once(cfg, f"agreement:{pair_label(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
+    return run_once(cfg, f"agreement {pair_text(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
                     reads=(ref_a, ref_b))

@@ -51,5 +51,5 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         return out
 
     tags = models_tags(cfg, "routing", labels)
-    return run_once(cfg, f"routing:{len(labels)} models", tags, overrides, body, task="routing", keys=ROUTING_KEYS,
+    return run_once(cfg, f"routing {len(labels)} models", tags, overrides, body, task="routing", keys=ROUTING_KEYS,
                     reads=tuple(refs))

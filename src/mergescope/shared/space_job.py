@@ -150,5 +150,5 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
                 "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
 
     tags = models_tags(cfg, "shared_space", labels)
-    return run_once(cfg, f"shared_space:{len(labels)} models", tags, overrides, body, task="shared_space",
+    return run_once(cfg, f"shared_space {len(labels)} models", tags, overrides, body, task="shared_space",
                     keys=SPACE_KEYS, reads=tuple(refs))

@@ -366,7 +366,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
         return values
 
     tags = d.tags("transport", alpha=a, headline_alpha=d.s.headline_alpha)
-    r = run_once(_alpha_cfg(d.cfg, a), f"transport {d.label} a={a:g}", tags, d.overrides, body, cfg_hash=h)
+    r = run_once(_alpha_cfg(d.cfg, a), f"transport a={a:g} {d.label}", tags, d.overrides, body, cfg_hash=h)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
                   f"(control {v['rand_delta_target_lang']:+.4f}), donor lang {v['delta_donor_lang']:+.4f}")
@@ -452,7 +452,7 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
         return v
 
-    r = run_once(d.cfg, f"transport-adapt {d.label} a={a:g}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
+    r = run_once(d.cfg, f"transport-adapt a={a:g} {d.label}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
                  cfg_hash=h)
     host.set(host.snapshot)
     m = r.metrics
