@@ -202,6 +202,16 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
     pt = list(data_mod.load_side(cfg.data, "por_Latn").sentences[:N])
     for who in ("a", "b", "base"):
         assert r.metrics[f"nll_{who}_por_Latn"] == pytest.approx(outside_nll(sds[who], root / "step1", pt), rel=1e-5), who
+    # the data it read are the run's MLflow dataset inputs: each side once, named by its file, with its sentences' digest
+    from mlflow import MlflowClient
+
+    from mergescope.tracking import store_uri
+
+    inputs = MlflowClient(store_uri(cfg)[0]).get_run(r.run_id).inputs.dataset_inputs
+    got = {i.dataset.name: i.dataset.digest for i in inputs}
+    por = data_mod.load_side(cfg.data, "por_Latn")
+    assert got[f"{Path(por.source).parent.name}/{Path(por.source).name}"] == por.digest
+    assert len(got) == 2 and all(i.tags[0].value == "probe" for i in inputs)
     # the host's language reuses the LMC curve's ends (no second forward), and they are the right ends
     en = list(data_mod.load_side(cfg.data, "eng_Latn").sentences[:N])
     assert (r.metrics["nll_a_eng_Latn"], r.metrics["nll_b_eng_Latn"]) == (r.metrics["nll_a"], r.metrics["nll_t1"])

@@ -7,6 +7,8 @@ the line index, so sides that are not line-aligned are an error.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -136,10 +138,32 @@ def _cut(side: Side, limit: int | None) -> Side:
     return side if limit is None else Side(lang=side.lang, sentences=side.sentences[:limit], source=side.source)
 
 
+_RECORDERS: list[list[Side]] = []
+
+
+@contextmanager
+def recording_reads() -> Iterator[list[Side]]:
+    """Every side loaded (``load_side`` / ``load_parallel``) while the block runs, in order: what a job read, logged
+    as its MLflow dataset inputs (``runs.run_once``). Recorders nest (a native job and its merge runs)."""
+    seen: list[Side] = []
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
+
+
+def _noted(*sides: Side) -> None:
+    for rec in _RECORDERS:
+        rec.extend(sides)
+
+
 def load_side(cfg: Any, lang: str) -> Side:
     """One language's side of the parallel data described by a ``data`` config (its first ``max_sentences``)."""
     limit = sentence_limit(cfg)
-    return _cut(_full_side(cfg, lang), limit)
+    side = _cut(_full_side(cfg, lang), limit)
+    _noted(side)
+    return side
 
 
 def load_parallel(cfg: Any, lang_a: str, lang_b: str) -> tuple[Side, Side]:
@@ -152,7 +176,9 @@ def load_parallel(cfg: Any, lang_a: str, lang_b: str) -> tuple[Side, Side]:
             f"parallel sides are misaligned: {a.source} has {len(a.sentences)} lines but {b.source} has "
             f"{len(b.sentences)}; give line-aligned files (line i = the same sentence in every language)"
         )
-    return _cut(a, limit), _cut(b, limit)
+    a, b = _cut(a, limit), _cut(b, limit)
+    _noted(a, b)
+    return a, b
 
 
 def content_digest(cfg: Any, langs: list[str], splits: list[str]) -> dict[str, str]:

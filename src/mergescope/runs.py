@@ -197,15 +197,17 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
                 if nested is not None:
                     nested()
                 return done
-        if prepare is not None:
-            prepare()
-        tracker.reap_stale(h)
-        with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
-            commits = {r.label: models.hub_commit(r) for r in reads if not r.local}
-            if commits:  # the commit each hub revision pointed at, beside the revision (it is in the cfg_hash)
-                job.log_params({"commit." + PARAM_UNSAFE.sub("_", k): v or "unresolved" for k, v in commits.items()})
-            values = body(job)
-            job.log_metrics(values)
+        with data_mod.recording_reads() as read:  # the data sides it reads: the run's dataset inputs
+            if prepare is not None:
+                prepare()
+            tracker.reap_stale(h)
+            with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
+                commits = {r.label: models.hub_commit(r) for r in reads if not r.local}
+                if commits:  # the commit each hub revision pointed at, beside the revision (it is in the cfg_hash)
+                    job.log_params({"commit." + PARAM_UNSAFE.sub("_", k): v or "unresolved" for k, v in commits.items()})
+                values = body(job)
+                job.log_datasets(read)
+                job.log_metrics(values)
     return _record(JobResult(job.run_id, False, values, h))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -313,6 +314,27 @@ class Job:
         ps = [Param(k, str(v)[:6000]) for k, v in flatten(redact(values)).items()]
         for i in range(0, len(ps), 100):
             self.client.log_batch(self.run_id, params=ps[i : i + 100])
+
+    def log_datasets(self, sides) -> None:
+        """The data sides the job read, as MLflow dataset inputs (the UI's Datasets column): one per distinct side, named
+        by its file (``devtest/por_Latn.devtest``) or hub id, with the digest of its sentences (``data.Side.digest``) and
+        its row count; context ``probe``."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        seen, inputs = set(), []
+        for side in sides:
+            key = (side.source, side.digest)
+            if key in seen:
+                continue
+            seen.add(key)
+            local = Path(side.source).exists()
+            name = f"{Path(side.source).parent.name}/{Path(side.source).name}" if local else str(side.source)
+            ds = Dataset(name=name[:500], digest=side.digest, source_type="local" if local else "hub",
+                         source=json.dumps({"uri": str(side.source)}),
+                         profile=json.dumps({"num_rows": len(side.sentences), "lang": side.lang}))
+            inputs.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", "probe")]))
+        if inputs:
+            self.client.log_inputs(self.run_id, datasets=inputs)
 
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
