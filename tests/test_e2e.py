@@ -98,6 +98,9 @@ def test_sweep_readback_reproduce(tiny_models, tmp_path):
         assert r.data.tags["kind"] == "measure" and r.data.tags["cfg_hash"]
         assert r.data.params["pair.a.lang"] == "eng_Latn" and r.data.params["model_a.true.model_type"] == "gpt_neox"
         assert r.data.params["model_b.true.model_type"] == "llama"
+        # params are the job's identity (and what the command line set): its metric's settings, not other arms'
+        assert r.data.params["metric.name"] == r.data.tags["metric"] and "represent.pooling" in r.data.params
+        assert not [k for k in r.data.params if k.split(".")[0] in ("adaptation", "shared", "train", "native", "merge")]
     # one forward pass per side for the whole sweep: every later job read the representation cache
     assert sorted(r.data.params["cache_a"] for r in rs) == ["hit"] * 4 + ["miss"]
     assert sorted(r.data.params["cache_b"] for r in rs) == ["hit"] * 4 + ["miss"]

@@ -201,7 +201,7 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
             if prepare is not None:
                 prepare()
             tracker.reap_stale(h)
-            with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides) as job:
+            with tracker.start(cfg, run_name, {**tags, "cfg_hash": h}, overrides, param_keys=keys) as job:
                 commits = {r.label: models.hub_commit(r) for r in reads if not r.local}
                 if commits:  # the commit each hub revision pointed at, beside the revision (it is in the cfg_hash)
                     job.log_params({"commit." + PARAM_UNSAFE.sub("_", k): v or "unresolved" for k, v in commits.items()})

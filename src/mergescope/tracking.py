@@ -175,7 +175,8 @@ class Tracker:
         return self.reap_stale(None)
 
     @contextmanager
-    def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None) -> Iterator[Job]:
+    def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None,
+              param_keys: list[str] | None = None) -> Iterator[Job]:
         """Create a run (tagged with its host and pid), log config, yield a Job; FINISHED on success, KILLED on
         SIGTERM or Ctrl-C (the process then exits), FAILED on any other exception."""
         extra = cfg.get("tags") or {}
@@ -188,7 +189,7 @@ class Tracker:
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
             job = Job(self.client, run.info.run_id)
             try:
-                self._log_config(job, cfg, overrides)
+                self._log_config(job, cfg, overrides, param_keys)
                 yield job
             except BaseException as exc:
                 killed = isinstance(exc, (Terminated, KeyboardInterrupt))
@@ -199,12 +200,20 @@ class Tracker:
             else:
                 self.client.set_terminated(job.run_id, status="FINISHED")
 
-    def _log_config(self, job: Job, cfg: DictConfig, overrides: list[str] | None) -> None:
-        """Params, config/resolved.yaml, config/overrides.yaml, .hydra/ and pip freeze: secrets redacted in all."""
+    def _log_config(self, job: Job, cfg: DictConfig, overrides: list[str] | None, param_keys: list[str] | None = None) -> None:
+        """Params, config/resolved.yaml, config/overrides.yaml, .hydra/ and pip freeze: secrets redacted in all.
+
+        With ``param_keys`` (the job's identity keys) the params are the config under those keys, ``task`` and
+        ``seed``, and every key the overrides name (what the user set is visible, redacted where secret): a CKA run
+        shows its CKA settings, not ``adaptation.*``. The whole resolved config is the artifact either way."""
         from mlflow.entities import Param
 
         plain = redact(to_plain(cfg))
-        params = [Param(k, v) for k, v in flatten(plain).items()]
+        flat = flatten(plain)
+        if param_keys is not None:
+            wanted = [*param_keys, "task", "seed", *(o.split("=", 1)[0].lstrip("+~") for o in overrides or [] if "=" in o)]
+            flat = {k: v for k, v in flat.items() if any(k == w or k.startswith(w + ".") for w in wanted)}
+        params = [Param(k, v) for k, v in flat.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(job.run_id, params=params[i : i + 100])
         job.log_text(yaml.safe_dump(plain, sort_keys=False, allow_unicode=True), "config/resolved.yaml")
