@@ -190,6 +190,10 @@ def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scal
     assert gap.rows[0][4] == f"{sizes['large'] / sizes['small']:.2f}" and gap.rows[0][5:7] == ["2.00", "1.50"]
     assert any(t.startswith("Whether the merge gains concentrate on intersecting pairs") for t in sec.text)
     assert not any("source" in t.title.split(":")[0] for t in sec.tables)
+    # its figure is one PNG like every other (no inline base64 in the text): measured ratios as points, no lines
+    assert [n for n, _ in sec.figures] == ["adapt_ratio_curves"] and not any("data:image" in t for t in sec.text)
+    ax = sec.drawn["adapt_ratio_curves"].axes[0]
+    assert ax.lines and all(line.get_linestyle() == "None" for line in ax.lines)
 
 
 def _section(cfg):

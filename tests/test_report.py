@@ -291,17 +291,26 @@ def test_report_sections_and_numbers(built):
     assert "n=20. Spearman rho on 20 points has a 95% CI" in md and "n=6. Spearman rho on 6 points" in md
     assert re.search(r"Here (nothing survives BH|\d+ of \d+ cells survive BH)", md)
 
-    # figures beside the report, linked relatively
+    # one figure policy: a PNG beside the report (linked relatively from the Markdown) and shown once, in its section;
+    # section 9 is an index of them, not a second copy
     for name in ("cka_matched_vs_shuffled", "correlations_checkpoint", "correlations_cross_model", "checkpoint_vs_distance",
                  "transport_deltas"):
         assert (root / "reports" / "synth" / "figures" / f"{name}.png").stat().st_size > 1000
-        assert f"(figures/{name}.png)" in md
+        assert md.count(f"](figures/{name}.png)") == 1 and f"(`figures/{name}.png`)" in md.split("## 9. Figures")[1]
+    assert "![" not in md.split("## 9. Figures")[1].split("\n## ")[0]
     # every input run is in the run index
     for rid in [*ids["quality"].values(), *ids["measure"].values(), *ids["transport"].values(), ids["native"]]:
         assert f"`{rid}`" in md
 
     html = html_path.read_text()
-    assert html.startswith("<!DOCTYPE html>") and html.count("<table>") == md.count("\n|---") and '<img src="figures/transport_deltas.png"' in html
+    assert html.startswith("<!DOCTYPE html>") and html.count("<table>") == md.count("\n|---")
+    # the HTML is self-contained: every figure embedded as the PNG file's bytes (readable in MLflow's artifact viewer)
+    import base64
+
+    srcs = re.findall(r'<img src="([^"]+)"', html)
+    assert len(srcs) == md.count("](figures/") >= 5 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    png = (root / "reports" / "synth" / "figures" / "transport_deltas.png").read_bytes()
+    assert f"data:image/png;base64,{base64.b64encode(png).decode()}" in html
     assert '<h2 id="7-transport-based-cross-architecture-merging">7. Transport-based cross-architecture merging</h2>' in html
     assert '<a href="#7-transport-based-cross-architecture-merging">' in html  # the contents link to the anchor
 
@@ -413,7 +422,7 @@ window.addEventListener('load', () => {
   document.title = `imgs=${imgs.length} loaded=${ok} overflow=${wide}`;
 });
 </script></body>"""))
-    # the figures are linked relatively: put the probe beside them
+    # the figures are embedded: the probe loads them wherever it lies (it is put beside them all the same)
     target = page.parent / "probe.html"
     target.write_text(probe.read_text())
     try:

@@ -158,10 +158,16 @@ def test_the_report_section_shows_centroids_state_space_gap_and_content_types(en
                            "shared.dim=8", "shared.folds=2", "shared.depths=[1.0]"])
     ids.append(run_shared_space(cfg, ov).run_id)
     cfg, ov = compose_cfg(["task=analyze"])
-    text = run_analyze(cfg, ov, job_runs=ids)["report_md"].read_text()
+    out = run_analyze(cfg, ov, job_runs=ids)
+    text = out["report_md"].read_text()
     assert "Category-centroid agreement at the final layer against random partitions" in text
     assert ("Random partitions agree as strongly" in text) != ("agree more than random partitions" in text)
     gap = text[text.index("State-space model pairs against transformer-only pairs"):]
     assert "| 1.00 | 1 | 1 |" in gap[:3000]  # one pair with Mamba, one without, at the final depth
     assert "Unseen content types" in text and "| number_dense" in text and "| long |" in text
-    assert text.count("data:image/png") >= 3  # agreement by depth, the CKA heatmaps, retrieval matrices + D sweep
+    # agreement by depth, the CKA heatmaps, retrieval matrices + D sweep: PNG files shown once in the section (and
+    # embedded in the HTML)
+    shared = text.split("## 7c.")[1].split("\n## ")[0]
+    for name in ("shared_agreement_by_depth", "shared_layer_cka", "shared_space_flores200"):
+        assert shared.count(f"](figures/{name}.png)") == 1, name
+    assert out["report_html"].read_text().count("data:image/png;base64,") >= 3

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from mergescope.analysis.records import Rec, Study, base_name, direction, is_checkpoint_pair
+from mergescope.analysis.report import slug
 from mergescope.analysis.tables import Analysis
 
 __all__ = ["pyplot", "figure_cka", "figure_correlation", "figure_checkpoint", "figure_transport", "make_figures", "close_figures"]
@@ -180,13 +181,15 @@ def _draw(an: Analysis, study: Study, wanted: set[str]) -> dict[str, Any]:
 def make_figures(an: Analysis, study: Study) -> dict[str, Any]:
     """The figures the sections ask for, as matplotlib Figures keyed by name; section 9 lists them (and what was not drawn)."""
     figs = _draw(an, study, {name for s in an.sections for name, _ in s.figures})
-    sec = an.section("figures")
     for s in an.sections:
+        figs.update(s.drawn)
+    sec = an.section("figures")
+    for s in an.sections:  # an index, not a second copy: each figure is shown once, in its section
         if s is sec:
             continue
         for name, cap in s.figures:
             if name in figs:
-                sec.figures.append((name, cap))
+                sec.text.append(f"- {cap}: [{s.title}](#{slug(s.title)}) (`figures/{name}.png`)")
     for name, cap in FIGURES:
         if name not in figs:
             sec.missing.append(f"figure '{cap}': not drawn (its section was not measured; see above)")

@@ -1,8 +1,9 @@
 """The study report: one Markdown file and its HTML rendering per study, from an :class:`~mergescope.analysis.tables.Analysis`.
 
 ``write_report(analysis, out_dir, run_id)`` writes ``<out_dir>/report.md``, ``report.html`` and the
-figures as ``<out_dir>/figures/<name>.png`` (linked relatively, so the folder can be moved or opened
-from the MLflow artifact tree, where the analysis run logs the same layout). Sections follow the
+figures as ``<out_dir>/figures/<name>.png`` (linked relatively from the Markdown; embedded in the HTML, which is
+self-contained; the analysis run logs the same layout). One figure policy: every figure is a PNG file and artifact,
+shown once, in its own section; section 9 is an index of them. Sections follow the
 spec: summary, config check, coverage, CKA matrix, the pair matrix, per-model NLL, checkpoint arm, native
 pair, transport, correlation tables, figures, then every "not measured (why)" line and the run index that
 maps each short run id in the tables to its full MLflow run id.
@@ -107,20 +108,34 @@ def _section_markdown(an: Analysis, s) -> list[str]:
     lines = [f"## {s.title}", ""]
     if s.finding:
         lines += [f"**Finding.** {s.finding}", ""]
-    if s.key == "figures":
-        for name, cap in s.figures:
-            lines += [f"![{cap}](figures/{name}.png)", "", f"*{cap}*", ""]
-    else:
-        for p in s.text:
-            lines += [p, ""]
-        for t in s.tables:
-            lines += table_markdown(t)
-        for name, cap in s.figures:
-            if name in an.figures:
-                lines += [f"![{cap}](figures/{name}.png)", ""]
+    for p in s.text:
+        lines += [p, ""]
+    for t in s.tables:
+        lines += table_markdown(t)
+    for name, cap in s.figures:  # one figure policy: a PNG file (and artifact) each, shown once, in its section
+        if name in an.figures:
+            lines += [f"![{_alt(cap)}](figures/{name}.png)", "", f"Figure: {_cell(cap)}", ""]
     for m in s.missing:
         lines += [f"> {m}", ""]
     return lines
+
+
+def _alt(caption: str) -> str:
+    return re.sub(r"[\[\]*_`]", "", caption)
+
+
+def embed_figures(md: str, figdir: Path) -> str:
+    """Every ``figures/<name>.png`` image of the Markdown as a data URI of that file: the HTML page is self-contained
+    (it shows its figures opened alone, e.g. in MLflow's artifact viewer, where relative links break)."""
+    import base64
+
+    def sub(m: re.Match) -> str:
+        path = figdir / f"{m.group(2)}.png"
+        if not path.is_file():
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\(figures/([\w.-]+)\.png\)", sub, md)
 
 
 def _run_index(an: Analysis) -> list[str]:
@@ -204,5 +219,5 @@ def write_report(an: Analysis, out_dir: str | Path, run_id: str | None = None, t
     md_path.write_text(md, encoding="utf-8")
     if ui is not None:
         md = link_run_ids(md, [r.run_id for r in an.inputs] + ([run_id] if run_id else []), *ui)
-    html_path.write_text(markdown_to_html(md, title=f"mergescope report: {an.experiment}"), encoding="utf-8")
+    html_path.write_text(markdown_to_html(embed_figures(md, figdir), title=f"mergescope report: {an.experiment}"), encoding="utf-8")
     return md_path, html_path

@@ -4,7 +4,6 @@ categories, PUD for its second probe set, bits per byte for its gradeable tasks.
 
 from __future__ import annotations
 
-import base64
 import csv
 import io
 import math
@@ -32,16 +31,7 @@ def _table(client, r: Rec, name: str) -> list[dict]:
         return []
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return f"![figure](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})"
-
-
-def _depth_figure(client, runs: list[Rec]) -> str:
+def _depth_figure(client, runs: list[Rec]):
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
@@ -55,7 +45,7 @@ def _depth_figure(client, runs: list[Rec]) -> str:
         ax.set_xlabel("relative depth")
         ax.set_title(f"{t}; band = 95% permutation null", fontsize=9)
     axes[1].legend(fontsize=6)
-    return _png(fig)
+    return fig
 
 
 def _pyplot():
@@ -67,7 +57,7 @@ def _pyplot():
     return plt
 
 
-def _cka_heatmaps(client, runs: list[Rec]) -> str | None:
+def _cka_heatmaps(client, runs: list[Rec]):
     """Every pair's L_a x L_b linear-CKA matrix (from its tables/cka_layers.csv), one panel per pair."""
     mats = []
     for r in runs:
@@ -92,10 +82,10 @@ def _cka_heatmaps(client, runs: list[Rec]) -> str | None:
         ax.set_ylabel(f"{a} layer", fontsize=6)
         ax.tick_params(labelsize=5)
     fig.colorbar(im, ax=list(axes.flat), shrink=0.6, label="linear CKA")
-    return _png(fig)
+    return fig
 
 
-def _space_figures(client, r: Rec) -> str | None:
+def _space_figures(client, r: Rec):
     """GPA and pairwise held-out retrieval per ordered pair (final depth, pool 32) as matrices, and the D sweep."""
     rows, dims = _table(client, r, "retrieval"), _table(client, r, "dim_sweep")
     if not rows:
@@ -126,7 +116,7 @@ def _space_figures(client, r: Rec) -> str | None:
     axes[2].set_xlabel("D (common PCA dimension)", fontsize=7)
     axes[2].set_title(f"D sweep, final layer [{short(r.run_id)}, {r.tags.get('data')}]", fontsize=8)
     axes[2].legend(fontsize=6)
-    return _png(fig)
+    return fig
 
 
 def _agreement_tables(runs: list[Rec]) -> list[RTable]:
@@ -317,10 +307,11 @@ def shared_space_section(b: Build) -> Section:
     client = client_for(b.study.uri)
     sec.tables += _agreement_tables(ag)
     if ag:
-        sec.text.append(_depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag))
+        sec.add_figure("shared_agreement_by_depth", _depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag),
+                       "RSA and nearest-neighbour match by relative depth, per pair; band = 95% permutation null")
         heat = _cka_heatmaps(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag)
-        if heat:
-            sec.text.append(heat)
+        if heat is not None:
+            sec.add_figure("shared_layer_cka", heat, "layer-by-layer linear CKA, one panel per pair")
         flores = [r for r in ag if r.tags.get("data") == "flores200"] or ag
         tables, text = _centroid_table(client, flores)
         sec.tables += tables
@@ -336,8 +327,9 @@ def shared_space_section(b: Build) -> Section:
                            f"fold) on {r.tags.get('data')} (run {short(r.run_id)}).")
         sec.tables += _space_tables(client, r)
         fig = _space_figures(client, r)
-        if fig:
-            sec.text.append(fig)
+        if fig is not None:
+            sec.add_figure(f"shared_space_{r.tags.get('data', 'data')}", fig, f"GPA vs pairwise retrieval (P@1, pool 32, final "
+                           f"layer) per ordered pair, and the D sweep, on {r.tags.get('data')}")
         content = _content_table(client, r)
         if content is not None:
             sec.tables.append(content)

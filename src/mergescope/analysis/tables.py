@@ -83,6 +83,12 @@ class Section:
     text: list[str] = field(default_factory=list)
     tables: list[RTable] = field(default_factory=list)
     figures: list[tuple[str, str]] = field(default_factory=list)  # (figure name, caption)
+    drawn: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure the section drew itself
+
+    def add_figure(self, name: str, fig: Any, caption: str) -> None:
+        """A figure this section draws from its own reading (shared space, adaptation): one PNG like every other."""
+        self.drawn[name] = fig
+        self.figures.append((name, caption))
     missing: list[str] = field(default_factory=list)  # "not measured (why)" lines
     finding: str = ""  # the section's finding in one sentence, with its control and a run id (the report opens with it)
     arm: str = ""      # the arm it summarises in the report's summary ("" = not an arm's headline section)
