@@ -196,3 +196,17 @@ def test_one_check_signature_and_one_resolver_for_every_kind():
     assert e is adapters.get("expand") and kw == {"mode": "zero"}
     with pytest.raises(MergescopeError, match="adapt.mode='nope'"):
         resolve_adapter({"name": "expand", "mode": "nope"})
+
+
+def test_hydra_unknown_key_errors_get_a_did_you_mean():
+    """Hydra's own 'Key ... is not in struct' (metric.rige=, pari=, represent.layr=) gets the project's did-you-mean,
+    the keys read from the section, or from the group option the command line picks (metric=retrieval has 'ridge')."""
+    from mergescope.cli import key_choices, key_hint
+
+    line = "Could not override '{}'. Key '{}' is not in struct"
+    assert key_hint(line.format("metric.rige", "rige"), ["metric=retrieval"]) == "did you mean 'ridge'?"
+    assert "ridge" not in key_hint(line.format("metric.rige", "rige"), ["metric=cka"])  # cka has no ridge
+    assert key_hint(line.format("pari", "pari"), []) == "did you mean 'pair'?"
+    assert key_hint(line.format("represent.layr", "layr"), []) == "did you mean 'layer'?"
+    assert {"pooling", "layer", "max_length"} <= set(key_choices("represent", []))
+    assert key_hint("some other Hydra error", []) == ""

@@ -120,6 +120,41 @@ def precheck(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
 
 
+def key_choices(path: str, argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
+    """The keys that exist under ``path`` (dotted; "" = the top level) of the config a command line composes: the
+    top-level sections and groups, a section's keys in conf/config.yaml, or a group option's keys (the option the
+    command line picks, else the default)."""
+    from omegaconf import OmegaConf
+
+    top = OmegaConf.to_container(OmegaConf.load(conf_dir / "config.yaml"), resolve=False)
+    parts = [p for p in path.split(".") if p]
+    if not parts:
+        return sorted({k for k in top if k != "defaults"} | set(GROUPS))
+    node: object = top
+    if parts[0] in GROUPS and parts[0] not in top:
+        picked = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+~") == parts[0] and "=" in a]
+        default = [next(iter(d.values())) for d in top.get("defaults", []) if isinstance(d, dict) and next(iter(d)) == parts[0]]
+        option = (picked or default or [None])[0]
+        if option is None or not (conf_dir / parts[0] / f"{option}.yaml").is_file():
+            return []
+        node, parts = OmegaConf.to_container(OmegaConf.load(conf_dir / parts[0] / f"{option}.yaml"), resolve=False), parts[1:]
+    for p in parts:
+        if not isinstance(node, dict) or p not in node:
+            return []
+        node = node[p]
+    return sorted(k for k in node if k != "defaults") if isinstance(node, dict) else []
+
+
+def key_hint(line: str, argv: list[str], conf_dir: Path = CONF_DIR) -> str:
+    """A did-you-mean for Hydra's 'Could not override 'a.b'. Key 'b' is not in struct' (an unknown key)."""
+    m = re.search(r"Could not override '([^']+)'\. Key '([^']+)' is not in struct", line)
+    if not m:
+        return ""
+    parent = m.group(1).rpartition(".")[0]
+    choices = key_choices(parent, argv, conf_dir)
+    return did_you_mean(m.group(2), choices) if choices else ""
+
+
 def _hydra_one_line(ex: BaseException) -> str:
     """Hydra's or OmegaConf's own error (a bad override, a missing key) as one line, secrets scrubbed."""
     lines = [ln.strip() for e in (ex, ex.__cause__) if e is not None for ln in str(e).splitlines() if ln.strip()]
@@ -142,8 +177,10 @@ def _run_and_report(func: Callable):
         from omegaconf.errors import OmegaConfBaseException
 
         if isinstance(ex, (HydraException, OmegaConfBaseException)):
-            print(f"error: {_hydra_one_line(ex)} (Hydra: key=value sets, +key=value adds, see docs/configuration.md)",
-                  file=sys.stderr)
+            line = _hydra_one_line(ex)
+            hint = key_hint(line, sys.argv[1:])
+            print(f"error: {line}{': ' + hint if hint else ''} (Hydra: key=value sets, +key=value adds, see "
+                  "docs/configuration.md)", file=sys.stderr)
             sys.exit(MergescopeError.exit_code)
         print(scrub(traceback.format_exc()), file=sys.stderr, end="")
         sys.exit(1)
