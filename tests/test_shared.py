@@ -188,3 +188,26 @@ def test_pca_reduce_pads_beyond_the_rank_and_pooled_p1_is_at_chance_for_noise():
     q, g = rng.standard_normal((3200, 5)), rng.standard_normal((3200, 5))
     assert pooled_p1(q, g, 10) == pytest.approx(0.1, abs=0.02)
     assert pooled_p1(q, q, 32) == 1.0
+
+
+def test_gram_side_pca_equals_the_svd():
+    """n < d: the top components from the n x n Gram matrix are the SVD's (values to 1e-9 relative, vectors up to
+    sign), and the reduction gives the same reduced rows up to each column's sign; a planted rank is kept exactly."""
+    from mergescope.shared.gpa import pca_reduce, top_components
+
+    rng = np.random.default_rng(3)
+    n, d, dim = 120, 400, 30
+    x = rng.standard_normal((n, 20)) * np.linspace(5, 0.5, 20) @ rng.standard_normal((20, d)) + 0.01 * rng.standard_normal((n, d))
+    xc = x - x.mean(0)
+    s, vt = top_components(xc, dim)
+    _, s_ref, vt_ref = np.linalg.svd(xc, full_matrices=False)
+    assert np.allclose(s, s_ref[:dim], rtol=1e-9)
+    assert np.allclose(np.abs(np.sum(vt * vt_ref[:dim], axis=1)), 1.0, atol=1e-8)
+    _, z = pca_reduce(x, dim)
+    z_ref = xc @ vt_ref[:dim].T
+    z_ref /= np.linalg.norm(z_ref)
+    assert np.allclose(np.abs(z), np.abs(z_ref), atol=1e-10)
+    low = rng.standard_normal((n, 7)) @ rng.standard_normal((7, d))  # rank 7 (6 after centring may keep 7)
+    red, zl = pca_reduce(low, dim)
+    rank = np.linalg.matrix_rank(low - low.mean(0))
+    assert int((np.abs(red.basis).sum(0) > 0).sum()) == rank and np.allclose(zl[:, rank:], 0)

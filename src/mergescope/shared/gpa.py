@@ -34,12 +34,32 @@ class Reduction:
         return (np.asarray(X, dtype=np.float64) - self.mean) @ self.basis / self.scale
 
 
+def top_components(xc: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The leading singular values (descending) and right singular vectors (rows) of the centred ``xc`` (n, d), at
+    most ``dim`` of them. Where n < d (1012 sentences x 2048 features), from the n x n Gram matrix: only its top
+    ``dim`` eigenpairs (v_i = xc^T u_i / s_i), O(n^2 d) instead of a full SVD; else the SVD itself. The two agree on
+    every component above the rank cut (tests/test_shared.py); the Gram side loses the components below ~1e-7 of the
+    largest singular value, which the rank cut leaves out."""
+    n, d = xc.shape
+    if n >= d or dim >= n:
+        _, s, vt = np.linalg.svd(xc, full_matrices=False)
+        return s[:dim], vt[:dim]
+    from scipy.linalg import eigh
+
+    lam, u = eigh(xc @ xc.T, subset_by_index=[n - dim, n - 1])
+    lam, u = lam[::-1], u[:, ::-1]
+    s = np.sqrt(np.clip(lam, 0.0, None))
+    keep = s > (s[0] * 1e-7 if s.size and s[0] > 0 else 0.0)
+    vt = (xc.T @ u[:, keep] / s[keep]).T
+    return s[keep], vt
+
+
 def pca_reduce(X: np.ndarray, dim: int) -> tuple[Reduction, np.ndarray]:
     """Fit the reduction on X and return it with the reduced X (n, dim)."""
     x = np.asarray(X, dtype=np.float64)
     mean = x.mean(axis=0)
     xc = x - mean
-    _, s, vt = np.linalg.svd(xc, full_matrices=False)
+    s, vt = top_components(xc, dim)
     rank = int(min(dim, vt.shape[0], max(x.shape[0] - 1, 1), int(np.sum(s > s[0] * 1e-10)) if s.size else 0))
     basis = np.zeros((x.shape[1], dim))
     basis[:, :rank] = vt[:rank].T
