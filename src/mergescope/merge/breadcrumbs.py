@@ -33,6 +33,7 @@ from mergescope.merge._common import (
     work_dtype,
 )
 from mergescope.merge._mergekit import MK, per_model
+from mergescope.merge.trim import zero_where_not
 from mergescope.merge.task_arithmetic import rescale_kept, combine_task_vectors
 from mergescope.registry import merges
 
@@ -104,7 +105,7 @@ def breadcrumbs(
         d = torch.sub(x.to(dt), b)
         if density < 1:
             before = d.abs().sum() if rescale == "l1" else None
-            d.mul_(breadcrumbs_keep_mask(d, float(density), float(gamma)))
+            zero_where_not(d, breadcrumbs_keep_mask(d, float(density), float(gamma)))
             rescale_kept(d, before, float(density), rescale)
         if wi != 1.0:
             d.mul_(wi)

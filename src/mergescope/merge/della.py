@@ -41,6 +41,7 @@ from mergescope.merge._common import (
     work_dtype,
 )
 from mergescope.merge._mergekit import MK, per_model
+from mergescope.merge.trim import zero_where_not
 from mergescope.merge.task_arithmetic import rescale_kept, combine_task_vectors
 from mergescope.registry import merges
 
@@ -128,7 +129,7 @@ def della(
             probs = magprune_probs(d, float(density), float(epsilon))
             keep = bernoulli_mask(probs, gen)
             before = d.abs().sum() if rescale == "l1" else None
-            d.mul_(keep)
+            zero_where_not(d, keep)
             if rescale == "probability":
                 d.div_(probs)
             else:

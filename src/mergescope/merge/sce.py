@@ -26,6 +26,7 @@ from torch import Tensor
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_fraction, check_tensors, keep_count_of, work_dtype
 from mergescope.merge._mergekit import MK, per_model
+from mergescope.merge.trim import zero_where_not
 from mergescope.registry import merges
 
 OP = "sce"
@@ -63,7 +64,7 @@ def sce(tensors: list[Tensor], base: Tensor | None, select_topk: float = 1.0) ->
     b = base.to(dt)
     deltas = torch.stack([x.to(dt) - b for x in tensors])
     if select_topk < 1:
-        deltas.mul_(sce_select_mask(deltas, float(select_topk)))
+        zero_where_not(deltas, sce_select_mask(deltas, float(select_topk)))
     n = deltas.shape[0]
     w = deltas.square().reshape(n, -1).mean(dim=1)
     total = float(w.sum())

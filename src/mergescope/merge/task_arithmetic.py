@@ -32,7 +32,7 @@ from torch import Tensor
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_choice, check_number, check_seed, check_tensors, check_weights, work_dtype
 from mergescope.merge._mergekit import MK, per_model
-from mergescope.merge.trim import magnitude_keep_mask
+from mergescope.merge.trim import magnitude_trim_, zero_where_not
 from mergescope.registry import merges
 
 SPARSIFICATION = ("none", "magnitude", "random")
@@ -80,13 +80,13 @@ def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.
     if method == "magnitude":
         # the one TIES trim rule (mergescope.merge.trim): k = max(1, floor(density * numel)), all entries
         # tied with the k-th largest |delta| kept, where mergekit's argsort keeps an arbitrary k of them
-        keep = magnitude_keep_mask(d, density)
-        d.mul_(keep)
+        magnitude_trim_(d, density)
+        keep = None
     elif method == "random":
         # float32 Bernoulli on CPU: the same draws as mergekit's torch.bernoulli(full_like(.., density))
         # under torch.manual_seed(seed), whatever the device and input dtype
         keep = torch.bernoulli(torch.full(d.shape, float(density), dtype=torch.float32), generator=gen)
-        d.mul_(keep.to(device=d.device, dtype=torch.bool))
+        zero_where_not(d, keep.to(device=d.device, dtype=torch.bool))
     del keep
     rescale_kept(d, before, density, rescale)
 
@@ -121,7 +121,7 @@ def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor,
         for i in range(len(deltas)):
             d = deltas[i]
             keep = torch.where(positive, d > 0, d < 0)
-            d.mul_(keep)
+            zero_where_not(d, keep)
             mixed.add_(d)
             deltas[i] = d = None
             if divisor is not None:

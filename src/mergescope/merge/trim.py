@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 
-__all__ = ["keep_count", "magnitude_keep_mask"]
+__all__ = ["keep_count", "magnitude_keep_mask", "magnitude_trim_", "zero_where_not"]
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -40,17 +40,42 @@ def keep_count(numel: int, density: float) -> int:
     return min(int(numel), max(1, math.floor(round(float(density) * int(numel), 6))))
 
 
-def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:
-    """Boolean mask (shape of ``tau``) of the entries the TIES trim keeps; the rule is in the module doc.
+def _threshold(a: Tensor, k: int) -> Tensor:
+    """The k-th largest entry of ``a`` (|tau|): on CPU numpy's introselect (``np.partition``, ~4x faster than
+    ``torch.kthvalue`` on 1M entries here); elsewhere ``torch.kthvalue`` (on CPU for MPS tensors, which lack it)."""
+    n = a.numel()
+    flat = a.reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+        import numpy as np
 
-    The threshold is the k-th largest |value| (``torch.kthvalue``, a quickselect, ~10x faster than
-    ``topk`` on CPU; computed on CPU for MPS tensors, which lack it); the mask is ``|tau| >= threshold``.
-    """
+        return torch.tensor(np.partition(flat.numpy(), n - k)[n - k], dtype=a.dtype)
+    return torch.kthvalue(flat.cpu() if flat.device.type == "mps" else flat, n - k + 1).values.to(a.device)
+
+
+def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:
+    """Boolean mask (shape of ``tau``) of the entries the TIES trim keeps; the rule is in the module doc: the
+    threshold is the k-th largest |value| (:func:`_threshold`), the mask ``|tau| >= threshold``."""
     n = tau.numel()
     k = keep_count(n, density) if n else 0
     if k >= n:
         return torch.ones_like(tau, dtype=torch.bool)
     a = tau.abs()
-    flat = a.reshape(-1)
-    thr = torch.kthvalue(flat.cpu() if flat.device.type == "mps" else flat, n - k + 1).values
-    return a >= thr.to(a.device)
+    return a >= _threshold(a, k).to(a.device)
+
+
+def magnitude_trim_(tau: Tensor, density: float) -> Tensor:
+    """The TIES trim in place: every entry the mask of :func:`magnitude_keep_mask` drops set to zero (one boolean
+    scratch tensor, no float copy of the mask)."""
+    n = tau.numel()
+    k = keep_count(n, density) if n else 0
+    if k >= n:
+        return tau
+    a = tau.abs()
+    thr = _threshold(a, k).to(a.device)
+    return tau.masked_fill_(torch.lt(a, thr, out=torch.empty_like(a, dtype=torch.bool)), 0)
+
+
+def zero_where_not(t: Tensor, keep: Tensor) -> Tensor:
+    """``t`` with the entries outside the boolean ``keep`` set to zero, in place: what ``t.mul_(keep)`` means, without
+    its bool-to-float promotion (10x slower on CPU here). Zeros are +0 where the product gave -0 for negative entries."""
+    return t.masked_fill_(keep.logical_not(), 0)
