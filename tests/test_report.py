@@ -435,3 +435,27 @@ window.addEventListener('load', () => {
     m = re.search(r"<title>imgs=(\d+) loaded=(\d+) overflow=(\w+)</title>", p.stdout)
     assert m, p.stderr[-2000:]
     assert int(m.group(1)) >= 3 and m.group(1) == m.group(2) and m.group(3) == "false"
+
+
+def test_merge_tables_show_the_lm_eval_columns_of_the_merged_models():
+    """eval=lm_eval runs (kind=eval, merge_run = the merge run) appear as columns of the native merge table, with
+    their run id; a merged model that was not evaluated shows '—' (not a copied or interpolated number)."""
+    from mergescope.analysis.arms import _native_pair_tables
+    from mergescope.analysis.records import Rec
+    from mergescope.analysis.tables import Section
+
+    n = Rec("n" * 32, 0, {"kind": "measure", "metric": "native", "pair": "a__b"},
+             {"nll_a": 4.0, "n_shared_tensors": 3.0, "shared_params": 30.0}, {})
+    m1 = Rec("1" * 32, 0, {"kind": "merge", "merge": "linear", "pair": "a__b"}, {"nll": 4.1, "merge_gain": -0.1}, {})
+    m2 = Rec("2" * 32, 0, {"kind": "merge", "merge": "ties", "pair": "a__b"}, {"nll": 4.2, "merge_gain": -0.2}, {})
+    ev = Rec("e" * 32, 0, {"kind": "eval", "merge_run": m2.run_id},
+             {"flores_eng.bits_per_byte": 1.2345, "flores_eng.bits_per_byte_stderr": 0.01}, {})
+    sec = Section("native", "6. native")
+    _native_pair_tables(sec, n, [m1, m2], [], [ev])
+    t = next(t for t in sec.tables if "merged models" in t.title)
+    assert t.columns[-2:] == ["flores_eng.bits_per_byte", "eval run"]
+    rows = {r[0]: r for r in t.rows}
+    assert rows["ties"][-2:] == ["1.2345", "eeeeeeee"] and rows["linear"][-2:] == ["—", "—"]
+    sec = Section("native", "6. native")
+    _native_pair_tables(sec, n, [m1, m2], [], [])
+    assert next(t for t in sec.tables if "merged models" in t.title).columns[-1] == "run"  # no eval: no empty columns

@@ -71,7 +71,21 @@ NATIVE_QUANTITIES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosin
                      "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "best_merged_nll", "merge_gain")
 
 
-def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tuple[float, float]]) -> None:
+def eval_columns(merge_runs: list[Rec], evals: list[Rec]) -> tuple[list[str], dict[str, list[str]]]:
+    """lm-eval results beside the merged models they scored (``eval=lm_eval``: kind=eval runs, ``merge_run`` tag):
+    the metric names any of them logged, and per merge run its values and the eval run id ("—" where not run)."""
+    by_merge = {e.tags.get("merge_run"): e for e in evals}
+    names = sorted({k for r in merge_runs if r.run_id in by_merge for k in by_merge[r.run_id].metrics
+                    if "." in k and not k.endswith("_stderr")})
+    cells = {}
+    for r in merge_runs:
+        e = by_merge.get(r.run_id)
+        cells[r.run_id] = [f3(e.m(k), 4) if e is not None else "—" for k in names] + [short(e.run_id) if e else "—"]
+    return names, cells
+
+
+def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tuple[float, float]],
+                        evals: list[Rec] = ()) -> None:
     """One cross-model native run: its coverage, weight diagnostics, merged models and interpolation curve."""
     pair = n.tags["pair"]
     excluded = n.group("coverage").get("excluded_names") or []
@@ -86,14 +100,19 @@ def _native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tup
                              [[k, f3(n.m(k), 4)] for k in NATIVE_QUANTITIES if k in n.metrics],
                              note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's."))
     mrows = []
-    for r in sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", "")):
+    mine = sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", ""))
+    ev_names, ev_cells = eval_columns(mine, list(evals))
+    for r in mine:
         prm = {k: v for k, v in r.group("merge").items() if k not in ("name", "operator")}
         nll = f3(r.m("nll"), 4) + (f" ± {f3(r.m('nll_sd'), 4)} ({int(r.m('n_seeds'))} seeds)" if r.m("n_seeds") > 1 else "")
         same = " (the linear model: weights sum to 1, lambda 1)" if r.tags.get("same_as") == "linear" else ""
         mrows.append([r.tags.get("merge", "") + same, ", ".join(f"{k}={v}" for k, v in prm.items()), nll,
-                      f3(r.m("merge_gain"), 4), short(r.run_id)])
+                      f3(r.m("merge_gain"), 4), short(r.run_id), *(ev_cells[r.run_id] if ev_names else [])])
     if mrows:
-        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run"], mrows))
+        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run",
+                                                                        *(ev_names and [*ev_names, "eval run"])], mrows,
+                                 note="lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
+                                 if ev_names else ""))
     by_lang = _by_language(n, [r for r in merges if r.tags.get("pair") == pair])
     if by_lang is not None:
         sec.tables.append(by_lang)
@@ -138,7 +157,7 @@ def native_pair(b: Build) -> Section:
     if not cross_native:
         sec.missing.append("native pair: not measured (no cross-model pair shares a parameter space, or its native run is missing)")
     for n in cross_native:
-        _native_pair_tables(sec, n, b.study.kind("merge"), b.study.curves.get(n.run_id) or [])
+        _native_pair_tables(sec, n, b.study.kind("merge"), b.study.curves.get(n.run_id) or [], b.study.kind("eval"))
     if cross_native:
         n = cross_native[0]
         sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token, best merged NLL "
