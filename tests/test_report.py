@@ -459,3 +459,19 @@ def test_merge_tables_show_the_lm_eval_columns_of_the_merged_models():
     sec = Section("native", "6. native")
     _native_pair_tables(sec, n, [m1, m2], [], [])
     assert next(t for t in sec.tables if "merged models" in t.title).columns[-1] == "run"  # no eval: no empty columns
+
+
+def test_a_correlation_finding_at_tiny_n_says_no_rho_can_reach_significance():
+    """n=4 rows: no |rho| reaches p <= 0.05 under the permutation null; the finding says so (it printed 'needs
+    |rho| >= nan' in study=real's report)."""
+    import numpy as np
+
+    from mergescope.analysis.correlations import correlation_section
+
+    rng = np.random.default_rng(0)
+    frame = {k: rng.random(4) for k in ("cka", "procrustes", "svcca")}
+    sec, _, power = correlation_section("corr", "8b. test", frame, 4, 200, "intro")
+    assert "nan" not in sec.finding and "at n=4 no |rho| can reach p <= 0.05" in sec.finding
+    frame = {k: rng.random(20) for k in ("cka", "procrustes", "svcca")}
+    sec, _, power = correlation_section("corr", "8b. test", frame, 20, 200, "intro")
+    assert f"needs |rho| >= {power['min_significant_rho']:.2f}" in sec.finding

@@ -88,8 +88,11 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
     top = tested.reindex(tested["rho"].abs().sort_values(ascending=False).index).head(1)
     strongest = (f"; the strongest cell is {top['a'].iloc[0]} x {top['b'].iloc[0]}, rho {top['rho'].iloc[0]:+.2f} "
                  f"(p_perm {top['p_perm'].iloc[0]:.3g})" if len(top) else "")
+    need = power["min_significant_rho"]
+    reach = (f"at this n an uncorrected test needs |rho| >= {need:.2f}" if math.isfinite(need) else
+             f"at n={n_rows} no |rho| can reach p <= 0.05 (even |rho| = 1 has a larger permutation p)")
     sec.finding = (f"{power['survivors']} of {len(tested)} diagnostic pairs survive BH at q<0.05 over n={n_rows} rows"
-                   f"{strongest}; at this n an uncorrected test needs |rho| >= {power['min_significant_rho']:.2f}.")
+                   f"{strongest}; {reach}.")
     sec.text.append(intro)
     sec.text.append(f"Power: {power['text_full']} Permutation null: {n_permutations} label shuffles per cell; "
                     "q_bh is Benjamini-Hochberg across the whole table.")

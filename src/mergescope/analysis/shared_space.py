@@ -298,7 +298,7 @@ def _routing_table(r: Rec) -> RTable:
 
 
 def shared_space_section(b: Build) -> Section:
-    sec = Section("shared_space", "7c. The shared space (five architectures, one space)")
+    sec = Section("shared_space", "7c. The shared space (the study's models, one space)")
     ag, sp, ro = b.study.kind("agreement"), b.study.kind("shared_space"), b.study.kind("routing")
     if not (ag or sp or ro):
         sec.missing.append("shared space: not measured (no kind=agreement / shared_space / routing runs; run `python launch.py study=shared_space`)")
