@@ -448,3 +448,28 @@ def test_reading_helpers_are_json_safe(tmp_path):
 
     integrity.save_json(tmp_path / "m.json", {"a": 1})
     assert json.loads((tmp_path / "m.json").read_bytes()[48:]) == {"a": 1}
+
+
+def test_the_default_store_folder_made_by_a_concurrent_job_is_used(tmp_path, monkeypatch):
+    """Two jobs of a sweep (submitit, joblib) start at once: one creates mlruns/ between the other's check and its
+    mkdir. That is not an error (it failed the submitit CI test once); a file of that name still is, and says so."""
+    from mergescope.errors import MergescopeError
+    from mergescope.store import _writable_folder
+
+    folder = tmp_path / "mlruns"
+    folder.mkdir()  # made by the other job
+    real, seen = Path.is_dir, []
+
+    def racing(self):
+        if self == folder and not seen:  # it did not exist yet when this job looked
+            seen.append(1)
+            return False
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_dir", racing)
+    _writable_folder(folder, "paths.root", str(tmp_path), create=True)
+    assert seen == [1]
+    monkeypatch.setattr(Path, "is_dir", real)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(MergescopeError, match="is a file, not a folder"):
+        _writable_folder(tmp_path / "afile", "paths.root", str(tmp_path), create=True)

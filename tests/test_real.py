@@ -364,3 +364,35 @@ def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
     back = dict(truncate.fn(plain, shape_of(tgt.config), shape_of(src), {k: v.shape for k, v in theta.items()},
                             select="slots", norm_scale=False))
     assert all(torch.equal(back[k], v) for k, v in theta.items())
+
+
+@needs_real
+def test_expand_repeat_keeps_the_real_model(lm):
+    """Expand(repeat) of SmolLM2-135M into a Llama with twice its FFN width (1536 -> 3072; hidden, heads and depth kept,
+    so the eps stays: a tiled FFN does not touch the hidden RMS) keeps its logits in float64: whole units tiled, every
+    weight that reads a repeated axis divided by the repeat count. (Twice the hidden as well would be a ~480M-parameter
+    float64 target: ~12 GB for the test.)"""
+    from mergescope.adapt import adapters, shape_of
+    from mergescope.adapt.shapes import config_blockers
+
+    src = lm.model.config
+    tgt = _wide_llama(src, intermediate_size=2 * int(src.intermediate_size))
+    assert config_blockers(src, tgt.config) == []
+    small = models.load(OmegaConf.create({"name_or_path": lm.ref.location, "dtype": "float64"}), "cpu", quiet=True).model
+    theta = small.state_dict()
+    targets = {k: v.shape for k, v in tgt.state_dict().items()}
+    big_sd = dict(adapters.get("expand").fn(theta, shape_of(src), shape_of(tgt.config), targets, mode="repeat"))
+    from transformers import AutoModelForCausalLM
+
+    tgt = AutoModelForCausalLM.from_config(tgt.config, dtype=torch.float64)
+    tgt.load_state_dict(big_sd, strict=True)
+    tgt.eval()
+    enc = lm.tokenizer(SENTS[:3], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        la = small(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+        lb = tgt(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+    keep = enc.attention_mask.bool()
+    assert float((la - lb)[keep].abs().max()) < 1e-8
+    assert torch.equal(la[keep].argmax(-1), lb[keep].argmax(-1))
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(big_sd[down][:, :1536] * 2, theta[down])  # read the repeated FFN axis: divided by 2

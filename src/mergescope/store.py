@@ -31,10 +31,12 @@ def _cannot(key: str, value: str, what: str) -> MergescopeError:
 
 def _writable_folder(folder: Path, key: str, value: str, create: bool) -> None:
     if not folder.is_dir():
-        if not create or folder.exists():
+        if not create:
             raise _cannot(key, value, f"folder {folder} does not exist; create it (mkdir -p {folder}) or fix {key}")
-        try:
+        try:  # exist_ok: another job of the same sweep may create it between the check and here (submitit, joblib)
             folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:  # a file of that name, not a folder
+            raise _cannot(key, value, f"{folder} is a file, not a folder; remove it or fix {key}") from exc
         except OSError as exc:
             raise _cannot(key, value, f"cannot create {folder} ({exc.strerror}); point {key} at a writable folder") from exc
     try:
