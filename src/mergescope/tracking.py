@@ -195,6 +195,8 @@ class Tracker:
                 killed = isinstance(exc, (Terminated, KeyboardInterrupt))
                 if not killed:  # why it failed, on the run (the report's calibration lists non-converged settings)
                     self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
+                if killed:  # the signal may have landed inside a store write: free that session's lock first
+                    _release_interrupted(exc)
                 self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
                 raise
             else:
@@ -263,6 +265,18 @@ def source_tags(tags: dict[str, str], run_name: str) -> dict[str, str]:
                 "study": "one study launch: every job of the launch is nested under this run"}.get(tags.get("kind", ""), "")
         out["mlflow.note.content"] = f"{run_name}: {what}." if what else run_name
     return out
+
+
+def _release_interrupted(exc: BaseException) -> None:
+    """A SIGTERM raised inside an MLflow store call leaves that call's SQLAlchemy session (a SystemExit is not caught by
+    its rollback) alive in the traceback's frames, holding SQLite's write lock: the KILLED status write would then wait
+    for itself and fail with "database is locked". Clearing the frames' locals drops the session, and its connection is
+    rolled back when it returns to the pool."""
+    import gc
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
 
 
 class Terminated(SystemExit):
