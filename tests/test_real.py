@@ -318,6 +318,21 @@ def _wide_llama(config, **changes):
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
 
 
+def _expanded_logits(lm, small, tgt_config, big_sd):
+    """(source logits, target logits, real-token mask) on three sentences: the float64 target built from its config on
+    the CPU (buffers such as RoPE's) and loaded with the expanded state dict, strictly."""
+    from transformers import AutoModelForCausalLM
+
+    tgt = AutoModelForCausalLM.from_config(tgt_config, dtype=torch.float64)
+    tgt.load_state_dict(big_sd, strict=True)
+    tgt.eval()
+    enc = lm.tokenizer(SENTS[:3], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        la = small(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+        lb = tgt(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+    return la, lb, enc.attention_mask.bool()
+
+
 @needs_real
 def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
     """Expand(zero) of SmolLM2-135M (30 x 576, 9 / 3 heads, FFN 1536, tied) into a wider, deeper Llama (32 x 768,
@@ -340,16 +355,7 @@ def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
     targets = {k: v.shape for k, v in tgt.state_dict().items()}
     expand = adapters.get("expand")
     big_sd = dict(expand.fn(theta, shape_of(src), shape_of(tgt.config), targets))
-    from transformers import AutoModelForCausalLM
-
-    tgt = AutoModelForCausalLM.from_config(tgt.config, dtype=torch.float64)  # on the CPU now (buffers such as RoPE's)
-    tgt.load_state_dict(big_sd, strict=True)
-    tgt.eval()
-    enc = lm.tokenizer(SENTS[:3], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        la = small(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
-        lb = tgt(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
-    keep = enc.attention_mask.bool()
+    la, lb, keep = _expanded_logits(lm, small, tgt.config, big_sd)
     assert float((la - lb)[keep].abs().max()) < 1e-4
     assert torch.equal(la[keep].argmax(-1), lb[keep].argmax(-1))
     truncate = adapters.get("truncate")
@@ -369,7 +375,7 @@ def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
 @needs_real
 def test_expand_repeat_keeps_the_real_model(lm):
     """Expand(repeat) of SmolLM2-135M into a Llama with twice its FFN width (1536 -> 3072; hidden, heads and depth kept,
-    so the eps stays: a tiled FFN does not touch the hidden RMS) keeps its logits in float64: whole units tiled, every
+    so the eps stays: a tiled FFN does not touch the hidden RMS) keeps its logits (to 1e-5 in float64) and argmax: whole units tiled, every
     weight that reads a repeated axis divided by the repeat count. (Twice the hidden as well would be a ~480M-parameter
     float64 target: ~12 GB for the test.)"""
     from mergescope.adapt import adapters, shape_of
@@ -382,16 +388,7 @@ def test_expand_repeat_keeps_the_real_model(lm):
     theta = small.state_dict()
     targets = {k: v.shape for k, v in tgt.state_dict().items()}
     big_sd = dict(adapters.get("expand").fn(theta, shape_of(src), shape_of(tgt.config), targets, mode="repeat"))
-    from transformers import AutoModelForCausalLM
-
-    tgt = AutoModelForCausalLM.from_config(tgt.config, dtype=torch.float64)
-    tgt.load_state_dict(big_sd, strict=True)
-    tgt.eval()
-    enc = lm.tokenizer(SENTS[:3], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        la = small(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
-        lb = tgt(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
-    keep = enc.attention_mask.bool()
+    la, lb, keep = _expanded_logits(lm, small, tgt.config, big_sd)
     assert float((la - lb)[keep].abs().max()) < 1e-5  # 7.7e-7 seen in CI (a converted copy), < 1e-8 here
     assert torch.equal(la[keep].argmax(-1), lb[keep].argmax(-1))
     down = "model.layers.0.mlp.down_proj.weight"

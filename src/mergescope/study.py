@@ -239,10 +239,10 @@ class Plan:
     def native_pairs(self) -> list[StudyJob]:
         """The study's pairs that share a parameter space (decided from each model's config.json); ``native_pairs``
         (pair names ``a__b``) keeps only those."""
-        keep = self.cfg.get("native_pairs")
+        keep = None if self.cfg.get("native_pairs") is None else set(map(str, self.cfg.native_pairs))
         out = []
         for label, j in zip(self.pairs, self.pair_jobs("native")):
-            if keep is not None and label not in set(map(str, keep)):
+            if keep is not None and label not in keep:
                 continue
             if routes(load_config(resolve(j.cfg.pair.a)), load_config(resolve(j.cfg.pair.b)))["native"]["defined"]:
                 out.append(j)

@@ -193,10 +193,10 @@ class Tracker:
                 yield job
             except BaseException as exc:
                 killed = isinstance(exc, (Terminated, KeyboardInterrupt))
-                if not killed:  # why it failed, on the run (the report's calibration lists non-converged settings)
-                    self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
                 if killed:  # the signal may have landed inside a store write: free that session's lock first
                     _release_interrupted(exc)
+                else:  # why it failed, on the run (the report's calibration lists non-converged settings)
+                    self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
                 self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
                 raise
             else:

@@ -72,7 +72,7 @@ def magnitude_trim_(tau: Tensor, density: float) -> Tensor:
         return tau
     a = tau.abs()
     thr = _threshold(a, k).to(a.device)
-    return tau.masked_fill_(torch.lt(a, thr, out=torch.empty_like(a, dtype=torch.bool)), 0)
+    return tau.masked_fill_(a < thr, 0)
 
 
 def zero_where_not(t: Tensor, keep: Tensor) -> Tensor:
