@@ -118,6 +118,12 @@ def test_study_real_native_pairs_checkpoint_overrides_and_shared_models(compose_
     assert [j.task for j in plan.shared_jobs()].count("shared_space") == 1
     with pytest.raises(MergescopeError, match="native_pairs names 'pt__it', not a pair of this study"):
         study_mod.Plan(["study=real", "native_pairs=[pt__it]"])
+    ex = plan.expansion_jobs()  # the function check of Expand: the real base against each target, replayable overrides
+    assert [(j.task, j.cfg.model.name, j.cfg.expansion.target.mode) for j in ex] == [
+        ("expansion", "smollm2-135m", "zero"), ("expansion", "smollm2-135m", "repeat")]
+    assert ex[0].cfg.expansion.target.changes.hidden_size == 768 and ex[1].cfg.expansion.target.changes.intermediate_size == 3072
+    with pytest.raises(MergescopeError, match="arms lists 'expansion' but expansion.models or expansion.targets is empty"):
+        study_mod.Plan(["study=real", "expansion.targets=[]"])
 
 
 def test_a_pair_is_two_model_names(compose_cfg, tmp_path):

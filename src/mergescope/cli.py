@@ -32,6 +32,7 @@ TASKS: dict[str, str] = {
     "shared_space": "mergescope.shared.space_job:run_shared_space",
     "routing": "mergescope.shared.routing_job:run_routing",
     "adapt": "mergescope.adapt.job:run_adapt",
+    "expansion": "mergescope.adapt.kept:run_expansion",
 }
 
 

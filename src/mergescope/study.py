@@ -162,16 +162,18 @@ def model_override(base: list[str], entry: DictConfig) -> list[str]:
     return ["model=custom", *(f"{'' if k in custom else '+'}model.{k}={hydra_value(v)}" for k, v in to_plain(entry).items())]
 
 
-ARMS = ("representation", "native", "checkpoints", "transport", "transport_sweep", "shared_space", "adapt")
+ARMS = ("representation", "native", "checkpoints", "transport", "transport_sweep", "shared_space", "adapt", "expansion")
 ARM_NEEDS = {"checkpoints": ("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),
              "transport_sweep": ("transport_sweep", lambda c: c.get("transport_sweep")),
-             "adapt": ("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs"))}
+             "adapt": ("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs")),
+             "expansion": ("expansion.models or expansion.targets",
+                           lambda c: (c.get("expansion") or {}).get("models") and (c.get("expansion") or {}).get("targets"))}
 
 
 def study_arms(cfg: DictConfig) -> list[str]:
     """The arms a study runs, named explicitly (``arms: [...]``; the measure sweep's pairs feed every pair arm):
     representation (the measure sweep, quality, typology), native (cross-model pairs that share a parameter space),
-    checkpoints, transport (both directions of every pair), transport_sweep, shared_space, adapt. An unknown arm, or
+    checkpoints, transport (both directions of every pair), transport_sweep, shared_space, adapt, expansion. An unknown arm, or
     an arm whose inputs the study does not give, is one line."""
     arms = [str(a) for a in (cfg.get("arms") or [])]
     for a in arms:
@@ -209,6 +211,9 @@ class Plan:
             for name in names:                                                # scored) like the sweep's
                 e = composed([*self.base, f"model={name}"]).model
                 self.entries.setdefault(model_label(e), e)
+        for name in (self.cfg.get("expansion") or {}).get("models") or [] if "expansion" in self.arms else []:
+            e = composed([*self.base, f"model={name}"]).model  # the expansion check's models, trained when missing
+            self.entries.setdefault(model_label(e), e)
         unknown = sorted(set(map(str, self.cfg.get("native_pairs") or [])) - set(self.pairs))
         if unknown:  # refused before any job runs
             raise MergescopeError(f"native_pairs names {unknown[0]!r}, not a pair of this study: "
@@ -295,6 +300,15 @@ class Plan:
             out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
                     for op in ("expand", "truncate")]
         return out
+
+    def expansion_jobs(self) -> list[StudyJob]:
+        """The function check of dimensional adaptation: every model of ``expansion.models`` against every target of
+        ``expansion.targets`` (task=expansion)."""
+        if "expansion" not in self.arms:
+            return []
+        ex = self.cfg.expansion
+        return [job("expansion", [*self.base, f"model={m}", f"expansion.target={hydra_value(to_plain(t))}"])
+                for m in ex.models for t in ex.targets]
 
 
 def train_steps(task: str, entry: DictConfig) -> list[str]:
@@ -520,5 +534,8 @@ def _run_jobs(plan: Plan) -> dict[str, float]:
     lap("shared_space")
     _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")
     lap("adapt")
+    _run_all(plan.expansion_jobs(), lambda j, r: f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
+             f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}")
+    lap("expansion")
     return {k: v for k, v in times.items() if k in ("training", "representation") or k in plan.arms or
             (k == "transport" and "transport_sweep" in plan.arms)}

@@ -259,6 +259,7 @@ def source_tags(tags: dict[str, str], run_name: str) -> dict[str, str]:
                 "merge": "one merged model's NLL", "transport": "OT fusion of one direction at one alpha, with its random-plan control",
                 "transport_adapt": "post-fusion fine-tuning against its no-fusion baseline",
                 "adapt": "one model of the dimensional-adaptation arm (Expand / Truncate then averaging)",
+                "expansion": "Expand of one model into a wider shape: its function kept or not, Truncate(slots) back",
                 "agreement": "probe-level agreement of one pair at every relative depth, with permutation nulls",
                 "shared_space": "a GPA shared space against pairwise maps", "routing": "routing by the shared space",
                 "train": "a zoo model's training", "analysis": "the study report, from the study's runs",

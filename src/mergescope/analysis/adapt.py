@@ -16,7 +16,7 @@ from mergescope.analysis.records import Rec
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, f3, short
 
-__all__ = ["adapt_section", "chosen_point", "concentration", "gap_rows", "per_ratio_rows", "seesaw_rows"]
+__all__ = ["adapt_section", "chosen_point", "concentration", "expansion_tables", "gap_rows", "per_ratio_rows", "seesaw_rows"]
 
 
 def _groups(runs: list[Rec]) -> dict[tuple[str, str, str], list[Rec]]:
@@ -194,12 +194,63 @@ def _figure(groups):
     return fig
 
 
+def _sci(v: float) -> str:
+    return f"{v:.1e}" if math.isfinite(v) else "—"
+
+
+def expansion_tables(runs: list[Rec]) -> tuple[list[RTable], str]:
+    """The function check (kind=expansion): does Expand keep the model, against the eps rule's control, and does
+    Truncate(slots) give it back; with its cost. Returns the tables and the finding sentence."""
+    runs = sorted(runs, key=lambda r: (r.tags.get("model", ""), r.tags.get("mode", ""), r.tags.get("target", "")))
+    kept = [[r.tags.get("model", ""), r.tags.get("mode", ""), r.tags.get("target", ""), _sci(r.m("max_abs_logit_diff")),
+             _sci(r.m("max_abs_logit_diff_as_run")), _sci(r.m("max_abs_logit_diff_eps_kept")), f"{r.m('argmax_agree'):.4f}",
+             f"{r.m('nll_source'):.4f} -> {r.m('nll_expanded'):.4f}", "yes" if r.m("kept") == 1.0 else "no",
+             short(r.run_id)] for r in runs]
+    cost = [[r.tags.get("model", ""), r.tags.get("mode", ""), _count(r.m("n_params_source")), _count(r.m("n_params_target")),
+             _sci(r.m("roundtrip_max_abs")),
+             f"{r.m('roundtrip_tensors_bitwise'):.0f} of {r.m('roundtrip_tensors'):.0f}" if math.isfinite(r.m("roundtrip_tensors")) else "—",
+             f"{r.m('wall_s'):.1f}", f"{r.m('peak_rss_gb'):.2f}", short(r.run_id)] for r in runs]
+    dtype = ", ".join(sorted({r.tags.get("dtype", "") for r in runs}))
+    tables = [
+        RTable("Function kept: the expanded model's logits against the source's", [
+            "model", "mode", "target shape", "max |Δ logit|", "as run (float32 norms)", "eps kept (control)",
+            "argmax agree", "NLL source -> expanded", "kept", "run"], kept,
+            note=f"both models in {dtype}, every real token of the check's sentences, every tokenizer row; max |Δ logit| "
+                 "with every RMSNorm computed in that dtype (the operator itself); 'as run' = as transformers computes "
+                 "them (its RMSNorm casts to float32 whatever the model's dtype: float32 rounding); 'eps kept' = the same "
+                 "expanded tensors with the source's norm eps instead of the eps rule eps x h_s/h_t (zero mode, hidden "
+                 "grown; the rule's control); kept = max |Δ logit| <= expansion.tol and every argmax equal; NLL in "
+                 "nats/token"),
+        RTable("Truncate(slots) back, and the cost of the check", [
+            "model", "mode", "params source", "params target", "Truncate(slots) max |Δ|", "tensors bitwise",
+            "wall s", "peak RSS GB", "run"], cost,
+            note="Truncate(select=slots) of the expanded state dict against the source's tensors (zero mode; the norm "
+                 "gains are multiplied by c then divided by c, so they return to one ulp); wall time of the run; peak RSS "
+                 "of the process that ran it, up to the end of the run")]
+    parts = []
+    for r in runs:
+        ctl = r.m("max_abs_logit_diff_eps_kept")
+        back = r.m("roundtrip_max_abs")
+        parts.append(f"Expand({r.tags.get('mode', '')}) of {r.tags.get('model', '')} into {r.tags.get('target', '')} "
+                     f"{'keeps' if r.m('kept') == 1.0 else 'does not keep'} its function (max |Δ logit| "
+                     f"{_sci(r.m('max_abs_logit_diff'))}, {_sci(r.m('max_abs_logit_diff_as_run'))} as run"
+                     + (f"; {_sci(ctl)} without the eps rule" if math.isfinite(ctl) else "") + ")"
+                     + (f", and Truncate(slots) gives its tensors back to {_sci(back)}" if math.isfinite(back) else "")
+                     + f" (run {short(r.run_id)})")
+    return tables, "; ".join(parts) + "."
+
+
 def adapt_section(b: Build) -> Section:
-    """The dimensional-adaptation arm: curves, choice on validation, test numbers, controls, seesaw."""
+    """The dimensional-adaptation arm: the function check of Expand (kind=expansion); curves, choice on validation,
+    test numbers, controls, seesaw (kind=adapt)."""
     sec = Section("adapt", "7b. Dimensional adaptation (Expand / Truncate, then averaging)")
+    checks = [r for r in b.study.records if r.kind == "expansion"]
+    if checks:
+        tables, sec.finding = expansion_tables(checks)
+        sec.tables += tables
     runs = [r for r in b.study.records if r.tags.get("route") == "adapt" and r.kind in ("adapt", "merge")]
     if not runs:
-        sec.missing.append("dimensional adaptation: not measured (no kind=adapt runs; run `python launch.py study=adapt`)")
+        sec.missing.append("dimensional adaptation merges: not measured (no kind=adapt runs; run `python launch.py study=adapt`)")
         return sec
     groups = _groups([r for r in runs if r.kind == "adapt" and r.tags.get("control") != "source"])
     for r in runs:
@@ -242,7 +293,8 @@ def adapt_section(b: Build) -> Section:
                      + (f", {'beating' if best.m('best_test_nll') < ctl else 'not beating'} its best control (merge "
                         f"{best.m('best_test_nll'):.3f} vs control {ctl:.3f})" if math.isfinite(ctl) else "")
                      + f" (run {short(best.run_id)})")
-    sec.finding = "; ".join(parts) + "." if parts else ""
+    if parts:
+        sec.finding = " ".join(x for x in (sec.finding, "; ".join(parts) + ".") if x)
     for key, rs in groups.items():
         pts = _points(rs)
         grid = [f"{r.m('ratio'):g}" for r in pts if r.m("ratio") > 0]

@@ -114,6 +114,7 @@ KIND_MEANINGS = {
     "transport": "transport fusion, one direction (target <- donor) at one alpha, with its random-plan control",
     "transport_adapt": "post-fusion adaptation of a transport direction, and its no-fusion baseline (stage=baseline)",
     "adapt": "dimensional adaptation (Expand/Truncate) merges",
+    "expansion": "Expand of one model into a wider shape: logits against the source's, Truncate(slots) back",
     "agreement": "probe-level agreement (RSA, nearest neighbours) with permutation nulls, per depth",
     "shared_space": "GPA shared space and pairwise maps, per depth and fold",
     "routing": "routing by the shared space",
