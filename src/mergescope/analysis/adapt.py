@@ -11,10 +11,12 @@ the report as a data URI).
 from __future__ import annotations
 
 import math
+import re
 
 from mergescope.analysis.records import Rec
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, f3, short
+from mergescope.plotting import pyplot
 
 __all__ = ["adapt_section", "chosen_point", "concentration", "expansion_tables", "gap_rows", "per_ratio_rows", "seesaw_rows"]
 
@@ -172,11 +174,7 @@ def _gap_table(sec: Section, groups) -> None:
 
 
 def _figure(groups):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key, runs in groups.items():
         pts = _points(runs)
@@ -231,7 +229,8 @@ def expansion_tables(runs: list[Rec]) -> tuple[list[RTable], str]:
     for r in runs:
         ctl = r.m("max_abs_logit_diff_eps_kept")
         back = r.m("roundtrip_max_abs")
-        parts.append(f"Expand({r.tags.get('mode', '')}) of {r.tags.get('model', '')} into {r.tags.get('target', '')} "
+        target = re.sub(r" head_dim=\d+ vocab=\d+$", "", r.tags.get("target", ""))  # the shape that grew
+        parts.append(f"Expand({r.tags.get('mode', '')}) of {r.tags.get('model', '')} into {target} "
                      f"{'keeps' if r.m('kept') == 1.0 else 'does not keep'} its function (max |Δ logit| "
                      f"{_sci(r.m('max_abs_logit_diff'))}, {_sci(r.m('max_abs_logit_diff_as_run'))} as run"
                      + (f"; {_sci(ctl)} without the eps rule" if math.isfinite(ctl) else "") + ")"

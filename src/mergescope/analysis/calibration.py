@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from mergescope.analysis.figures import pyplot
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, f3, short
+from mergescope.plotting import pyplot
 
 __all__ = ["epsilon_of", "probe_of", "by_setting", "epsilon_rows", "epsilon_section", "probe_section", "figure_epsilon",
            "setting_sections", "EPSILON_COLUMNS"]

@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from mergescope.analysis.calibration import figure_epsilon
 from mergescope.analysis.records import Rec, Study, base_name, direction, is_checkpoint_pair
 from mergescope.analysis.report import slug
 from mergescope.analysis.tables import Analysis
+from mergescope.plotting import pyplot
 
 __all__ = ["pyplot", "figure_cka", "figure_correlation", "figure_checkpoint", "figure_transport", "make_figures", "close_figures"]
 
@@ -19,19 +21,6 @@ FIGURES = (("cka_matched_vs_shuffled", "matched vs shuffled CKA"),
            ("correlations_cross_model", "correlation heatmap, cross-model arm"),
            ("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance"),
            ("transport_deltas", "transport fusion deltas with the control"))
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, with matplotlib's logging quiet."""
-    import logging
-
-    import matplotlib
-
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _cka_heatmap(fig, ax, M: np.ndarray, models: list[str]) -> None:
@@ -172,8 +161,6 @@ def _draw(an: Analysis, study: Study, wanted: set[str]) -> dict[str, Any]:
     if "transport_deltas" in wanted:
         figs["transport_deltas"] = figure_transport(study.kind("transport"))
     if "epsilon_calibration" in wanted:
-        from mergescope.analysis.calibration import figure_epsilon  # calibration imports this module
-
         figs["epsilon_calibration"] = figure_epsilon(study.kind("transport"))
     return figs
 

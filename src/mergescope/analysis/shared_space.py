@@ -13,6 +13,7 @@ import numpy as np
 from mergescope.analysis.records import Rec
 from mergescope.analysis.sections import Build
 from mergescope.analysis.tables import RTable, Section, short
+from mergescope.plotting import pyplot
 from mergescope.tracking import client_for, read_artifact_text
 
 STAND_INS = ("Stand-ins (the paper's probes and tasks are not available here): FLORES-200 domains (wikinews / wikivoyage / "
@@ -32,7 +33,7 @@ def _table(client, r: Rec, name: str) -> list[dict]:
 
 
 def _depth_figure(client, runs: list[Rec]):
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
         rows = _table(client, r, "depth")
@@ -48,15 +49,6 @@ def _depth_figure(client, runs: list[Rec]):
     return fig
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _cka_heatmaps(client, runs: list[Rec]):
     """Every pair's L_a x L_b linear-CKA matrix (from its tables/cka_layers.csv), one panel per pair."""
     mats = []
@@ -66,7 +58,7 @@ def _cka_heatmaps(client, runs: list[Rec]):
             mats.append((r, np.array([[float(v) for k, v in x.items() if k != "layer_a"] for x in rows])))
     if not mats:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(5, len(mats))
     fig, axes = plt.subplots((len(mats) + cols - 1) // cols, cols, figsize=(2.4 * cols, 2.4 * ((len(mats) + cols - 1) // cols)),
                              squeeze=False)
@@ -92,7 +84,7 @@ def _space_figures(client, r: Rec):
         return None
     final = max(float(x["depth"]) for x in rows)
     labels = list(dict.fromkeys(x["query"] for x in rows))
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, method in zip(axes, ("gpa", "pairwise")):
         m = np.full((len(labels), len(labels)), np.nan)

@@ -102,4 +102,10 @@ def merge_state_dicts(
     return out
 
 
-__all__ = ["check_base", "merge_state_dicts", "mergekit_config", "mergekit_yaml", "resolve_preset", "tensor_seed", "merges"]
+def stochastic(kwargs: dict) -> bool:
+    """A seeded random operator (DARE's random drop, DELLA): its merged NLL is replicated over seeds. An operator
+    with a seed is random unless its ``sparsification`` says otherwise (TIES' magnitude trim)."""
+    return "seed" in kwargs and kwargs.get("sparsification", "random") == "random"
+
+
+__all__ = ["check_base", "merge_state_dicts", "mergekit_config", "mergekit_yaml", "resolve_preset", "stochastic", "tensor_seed", "merges"]

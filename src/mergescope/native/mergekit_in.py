@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from mergescope.config import load_conf, to_plain
 from mergescope.errors import MergescopeError
+from mergescope.native.spec import Spec, model_entry
 
 # mergekit method -> (mergescope preset, shared key -> our keyword, per-model key -> our keyword)
 _GTA = {"normalize": "normalize", "lambda": "lambda_", "rescale": "rescale", "int8_mask": None}
@@ -160,9 +161,7 @@ def parse(text: str, path: str = "config") -> dict[str, Any]:
 
 
 def read_mergekit(cfg: DictConfig):
-    """The :class:`mergescope.native.multi.Spec` of ``merge.config`` (scored on ``merge.lang``)."""
-    from mergescope.native.multi import Spec, model_entry
-
+    """The :class:`mergescope.native.spec.Spec` of ``merge.config`` (scored on ``merge.lang``)."""
     path = cfg.merge.get("config")
     if not path:
         raise MergescopeError("merge=mergekit needs merge.config=<path to a mergekit YAML>")

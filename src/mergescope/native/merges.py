@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope.config import conf_options, load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError, did_you_mean
-from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
+from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
                                     nll_sentences, no_base_reason)
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
@@ -45,12 +45,6 @@ def check_merge(cfg: DictConfig):
     entry, kwargs = resolve_preset(cfg.merge, n_models=2)  # a pair merges two models: one weight per model
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     return entry, kwargs
-
-
-def stochastic(kwargs: dict) -> bool:
-    """A seeded random operator (DARE's random drop, DELLA): its merged NLL is replicated over seeds. An operator
-    with a seed is random unless its ``sparsification`` says otherwise (TIES' magnitude trim)."""
-    return "seed" in kwargs and kwargs.get("sparsification", "random") == "random"
 
 
 def same_as_linear(entry, kwargs: dict) -> bool:

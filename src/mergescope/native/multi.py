@@ -12,18 +12,18 @@ one name and shape; the host keeps its others. Scored on every model's language 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mergescope import models
-from mergescope.config import CONF_DIR, to_plain
-from mergescope.errors import MergescopeError, did_you_mean
-from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset
+from mergescope.config import to_plain
+from mergescope.errors import MergescopeError
+from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
+from mergescope.native.mergekit_in import read_mergekit
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
+from mergescope.native.spec import Spec, model_entry
 from mergescope.native.stream import streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, model_label, run_once
@@ -32,49 +32,13 @@ MULTI_ONLY = ("models", "base", "config", "lang")  # merge.* keys that are no op
 MULTI_KEYS = ["merge", "data", "native.nll_sentences", "native.nll_langs", "native.merge_seeds", "represent.max_length"]
 
 
-@dataclass
-class Spec:
-    """What an N-model merge merges: the operator preset, the models, the base, and where it came from."""
-
-    preset: dict[str, Any]
-    entries: list[DictConfig]
-    base: DictConfig | None
-    source: str = "merge.models"
-    notes: list[str] = field(default_factory=list)
-
-
 def is_multi(cfg: DictConfig) -> bool:
     m = cfg.get("merge")
     return m is not None and (m.get("models") is not None or m.get("name") == "mergekit")
 
 
-def model_entry(cfg: DictConfig, m: Any, what: str, lang: str | None = None) -> DictConfig:
-    """A model given as a conf/model name, a folder path or hub id (``path@revision`` allowed), or a full entry ->
-    a resolved model entry (``name_or_path``, ``revision``, ``lang``, ``dtype``)."""
-    names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-    if isinstance(m, str):
-        if m in names:
-            m = OmegaConf.load(CONF_DIR / "model" / f"{m}.yaml")
-        else:
-            path, _, rev = m.partition("@") if "@" in m and not Path(m).exists() else (m, "", "")
-            if not (Path(path).expanduser().exists() or path.count("/") == 1):
-                raise MergescopeError(f"{what}: '{m}' is neither a conf/model name ({did_you_mean(m, names)}) nor a model "
-                                      "folder nor a hub id")
-            m = {"name_or_path": path, "revision": rev or None}
-    node = OmegaConf.create({"paths": OmegaConf.to_container(cfg.paths, resolve=True), "entry": m})
-    e = OmegaConf.create(OmegaConf.to_container(node, resolve=True)["entry"])
-    if not e.get("name_or_path"):
-        raise MergescopeError(f"{what}: a model entry needs name_or_path")
-    for key, default in (("revision", None), ("dtype", "float32"), ("lang", lang or cfg.merge.get("lang") or "eng_Latn")):
-        if e.get(key) is None:
-            e[key] = default
-    return e
-
-
 def spec_of(cfg: DictConfig) -> Spec:
     if cfg.merge.get("name") == "mergekit":
-        from mergescope.native.mergekit_in import read_mergekit
-
         return read_mergekit(cfg)
     ms = cfg.merge.models
     if isinstance(ms, str) or len(ms) < 1:
@@ -179,12 +143,6 @@ def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
             bad = next((f"shape {tuple(t.shape)} in {w}, {shape} in model 0" for w, t in other if tuple(t.shape) != shape), None)
         (excluded.append((name, bad)) if bad else shared.append(name))
     return shared, excluded
-
-
-def stochastic(kwargs: dict) -> bool:
-    from mergescope.native.merges import stochastic as one
-
-    return one(kwargs)
 
 
 def labels(spec: Spec) -> list[str]:

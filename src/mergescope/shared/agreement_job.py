@@ -19,7 +19,7 @@ from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
 from mergescope.shared.centroids import centroid_rows, flores_topics
 from mergescope.shared.depth import depth_layers, distinct_depths
-from mergescope.shared.plots import plt
+from mergescope.plotting import pyplot as plt
 from mergescope.shared.reorganize import change_corr, is_ssm, layer_change
 from mergescope.shared.reprs import check_shared, layer_reprs, main_pooling, pc2_share, poolings
 
