@@ -23,6 +23,7 @@ from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, merges
 from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 
+
 def resolve_preset(cfg_merge: Mapping | None, n_models: int | None = None) -> tuple[Entry, dict[str, Any]]:
     """A merge preset (``name``, ``operator``, keyword args) -> (registered entry, checked kwargs): the registry's one
     resolver (:meth:`mergescope.registry.Registry.resolve`), the operator's ``check`` told ``n_models`` when known."""
@@ -54,6 +55,7 @@ def merge_state_dicts(
     base: Mapping[str, Tensor] | None,
     names: Iterable[str],
     device: str = "auto",
+    stats: list[Mapping[str, Tensor]] | None = None,
 ) -> dict[str, Tensor]:
     """Merge ``names`` of the state dicts ``sds`` tensor by tensor with a registered operator.
 
@@ -61,12 +63,20 @@ def merge_state_dicts(
     (float64 when the inputs are float64) and returned on CPU in the input dtype. Only one
     position's upcast copies exist at a time. Operators with a ``seed`` get a per-tensor seed
     (:func:`tensor_seed`). Non-floating tensors must be equal across models and are copied.
+
+    A data-aware operator (``register(..., needs_stats="gram" | "fisher")``: RegMean, Fisher merging) gets each model's
+    statistics of the position (``stats[i][name]``; None where model i has none) as its third argument; without
+    ``stats`` it is refused (the route that called it computes none).
     """
     if not sds:
         raise MergescopeError("merge needs at least one model's state dict")
     check_base(entry, base is not None)
     entry.check(kwargs, n_models=len(sds))
     dev = resolve_device(device)
+    need = entry.meta.get("needs_stats")
+    if need and (stats is None or len(stats) != len(sds)):
+        raise MergescopeError(f"merge '{entry.name}' is data-aware (it needs each model's {need} statistics): this route "
+                              "computes none; use it in the native arm or task=merge, which compute them on native.stats_split")
     has_seed = "seed" in entry.params
     out: dict[str, Tensor] = {}
     for name in names:
@@ -93,7 +103,7 @@ def merge_state_dicts(
         kw = dict(kwargs)
         if has_seed:
             kw["seed"] = tensor_seed(kw.get("seed", entry.params["seed"].default), name)
-        res = entry.fn(xs, b, **kw)
+        res = entry.fn(xs, b, [s.get(name) for s in stats], **kw) if need else entry.fn(xs, b, **kw)
         del xs, b
         if any(res.data_ptr() == t.data_ptr() for t in src):
             res = res.clone()  # never alias an input model's storage

@@ -11,6 +11,7 @@ from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
                                     nll_sentences, no_base_reason)
+from mergescope.native.stats import pair_stats
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
@@ -44,7 +45,18 @@ def check_merge(cfg: DictConfig):
         raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
     entry, kwargs = resolve_preset(cfg.merge, n_models=2)  # a pair merges two models: one weight per model
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
+    if entry.meta.get("needs_stats"):
+        from mergescope.native.stats import check_stats
+
+        check_stats(cfg)
     return entry, kwargs
+
+
+def merge_keys(entry) -> list[str]:
+    """The identity keys of a merge run: a data-aware operator's also name the split and count it read."""
+    from mergescope.native.stats import STATS_KEYS
+
+    return MERGE_KEYS + (STATS_KEYS if entry.meta.get("needs_stats") else [])
 
 
 def same_as_linear(entry, kwargs: dict) -> bool:
@@ -63,11 +75,13 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
     (seed, seed+1, ...), each seed's NLL a metric step."""
     n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
+    read = pair_stats(cfg, pair, entry)
+    stats = pair.merge_stats[entry.meta["needs_stats"]][0] if read else None
     nlls, by_lang = [], {lang: [] for lang in texts}
     for i in range(n):
         kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs
         for name in pair.coverage.shared:  # tensor by tensor into the host: no second whole model in memory
-            pair.set_shared(merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device))
+            pair.set_shared(merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device, stats))
         what = f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")
         nlls.append(host_nll(cfg, pair, sentences, what))
         for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
@@ -77,7 +91,7 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
             job.log_metrics({"nll_by_seed": nlls[-1]}, step=i)
     a = np.asarray(nlls, dtype=np.float64)
     return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n),
-            **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}}
+            **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}, **read}
 
 
 def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:
@@ -142,7 +156,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
     extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {})}
-    res = run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=MERGE_KEYS,
+    res = run_once(cfg, f"merge {cfg.merge.name} {pair_text(cfg)}", tags, overrides, body, task="merge", keys=merge_keys(entry),
                    reads=refs, extra=extra or None)  # unset: every earlier hash unchanged
     if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":  # lm-eval on the merged model, own run
         from mergescope.native.save import pair_lm_eval

@@ -24,6 +24,7 @@ from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resol
 from mergescope.native.mergekit_in import read_mergekit
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
+from mergescope.native.stats import STATS_KEYS
 from mergescope.native.stream import streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, model_label, run_once
@@ -53,6 +54,10 @@ def spec_of(cfg: DictConfig) -> Spec:
 def check_spec(cfg: DictConfig, spec: Spec):
     entry, kwargs = resolve_preset(spec.preset, n_models=len(spec.entries))
     check_base(entry, spec.base is not None, "no merge.base given (+merge.base=<the models' common base>)")
+    if entry.meta.get("needs_stats"):
+        from mergescope.native.stats import check_stats
+
+        check_stats(cfg)
     refs = [models.resolve(e) for e in spec.entries]
     seen = {}
     for r in refs:
@@ -101,6 +106,7 @@ class Stack:
             s = streamed_state(base_ref, models.merge_dtype(spec.base.dtype), cache_root=cache)
             self.sd_base = s[0] if s else _state(models.load_model(base_ref, models.merge_dtype(spec.base.dtype), "cpu"))
         self.shared, self.excluded = shared_names(self.sds, self.sd_base)
+        self.merge_stats: list | None = None  # a data-aware merge's statistics, one dict per model (stack_stats)
         if not self.shared:
             raise MergescopeError("the models share no tensor of one name and shape: the native route is undefined for them")
 
@@ -116,9 +122,21 @@ class Stack:
     def restore(self) -> None:
         self.load_from(self.sds[0])
 
+    def ensure_stats(self, cfg: DictConfig, entry, langs: list[str]) -> dict[str, float]:
+        """A data-aware operator's statistics of every model, each on its own language (model i written into the
+        host in turn); what was read, as metrics. Nothing for the other operators."""
+        kind = entry.meta.get("needs_stats")
+        if not kind or self.merge_stats is not None:
+            return {}
+        from mergescope.native.stats import each_model
+
+        self.merge_stats, read = each_model(kind, cfg, self.host, self.tok, langs, lambda i: self.load_from(self.sds[i]),
+                                            self.restore, self.shared)
+        return read
+
     def merge_into_host(self, entry, kwargs: dict, device) -> None:
         for name in self.shared:  # tensor by tensor: one position of each model in memory at a time
-            self.set(merge_state_dicts(entry, kwargs, self.sds, self.sd_base, [name], device))
+            self.set(merge_state_dicts(entry, kwargs, self.sds, self.sd_base, [name], device, self.merge_stats))
 
 
 def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
@@ -181,6 +199,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         for i, sd in enumerate(stack.sds):  # each model alone on every language (the host = model 0)
             stack.load_from(sd)
             values.update({f"nll_m{i}_{lang}": host_nll(cfg, stack, t, f"nll m{i} {lang}") for lang, t in texts.items()})
+        values.update(stack.ensure_stats(cfg, entry, [str(e.lang) for e in spec.entries]))
         if stack.sd_base is not None:
             stack.load_from(stack.sd_base)
             values.update({f"nll_base_{lang}": host_nll(cfg, stack, t, f"nll base {lang}") for lang, t in texts.items()})
@@ -221,14 +240,19 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     from mergescope import data as data_mod
 
     extra["merge_data"] = data_mod.content_digest(cfg.data, langs, [str(cfg.data.get("split"))])
+    if entry.meta.get("needs_stats"):  # the statistics' split of every model's language
+        extra["stats_data"] = data_mod.content_digest(cfg.data, [str(e.lang) for e in spec.entries],
+                                                      [str(cfg.native.stats_split)])
     reads = [*refs, *([base_ref] if base_ref is not None else [])]
     res = run_once(cfg, f"merge {cfg.merge.name} {' + '.join(names)}", tags, overrides, body, task="merge_n",
-                   keys=[k for k in MULTI_KEYS if k != "merge"], reads=reads, extra=extra)
+                   keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
+                   reads=reads, extra=extra)
     if _lm_eval(cfg):
         from mergescope.native.save import run_native_lm_eval
 
         def merged():  # the merged model in the host: from the run just done, else merged again
             stack = held.get("stack") or Stack(cfg, spec, refs, base_ref)
+            stack.ensure_stats(cfg, entry, [str(e.lang) for e in spec.entries])
             stack.merge_into_host(entry, kwargs, cfg.device)
             return stack.host, stack.tok
 

@@ -129,6 +129,7 @@ class Loaded:
             base_ref = models.resolve(be)
             sbase = streamed_state(base_ref, models.merge_dtype(be.dtype), cache_root=cache)
             self.sd_base = sbase[0] if sbase else _state(models.load_model(base_ref, models.merge_dtype(be.dtype), "cpu"))
+        self.merge_stats: dict[str, tuple] = {}  # a data-aware merge's statistics per kind (native.merges.pair_stats)
         self.coverage = coverage(self.sd_a, self.sd_b)
         if not self.coverage.shared:
             raise MergescopeError(f"{pair_label(cfg)} shares no tensor of the same name and shape; the native route is undefined")
