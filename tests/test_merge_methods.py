@@ -509,3 +509,100 @@ def test_passthrough_stack_layers_matches_mergekit(tmp_path):
     model.load_state_dict(ours, strict=True)  # a loadable 4-layer model
     with pytest.raises(MergescopeError, match=r"layers \[2, 4\) of a model with 3"):
         stack_layers([(sds[0], 2, 4)], cfg.to_dict())
+
+
+@pytest.fixture(scope="module")
+def four_layer_dirs(tmp_path_factory):
+    """A base and three fine-tunes of a 4-layer tiny Llama: gradients interpolate inside the layers (t = 0, 1/3, 2/3, 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("mk4")
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(cfg)
+    dirs, sds = [], []
+    for i in range(4):
+        m = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for p, pb in zip(m.parameters(), base.parameters()):
+                p.copy_(pb if i == 0 else pb + 0.05 * torch.randn_like(pb))
+        m.save_pretrained(root / f"m{i}", safe_serialization=True)
+        dirs.append(str(root / f"m{i}"))
+        sds.append({k: v.detach().clone() for k, v in m.state_dict().items()})
+    return dirs, sds
+
+
+ATTN_MLP = [{"filter": "self_attn", "value": [0.0, 0.5, 1.0]}, {"filter": "mlp", "value": [1.0, 0.25]}, {"value": 0.5}]
+PER_TENSOR = [  # mergekit's parameter filters and layer gradients: mergekit's output must equal ours
+    ("slerp", {"t": ATTN_MLP}, 2),
+    ("linear", {"weights": [[{"filter": "self_attn", "value": 0.2}, {"value": 1.0}], 0.5, [0.1, 0.9]]}, 3),
+    ("ties", {"weights": [1.0, 0.5, [0.2, 1.0]], "density": [{"filter": "mlp", "value": 0.3}, {"value": [0.9, 0.5]}]}, 3),
+    ("task_arithmetic", {"weights": [0.4, 0.3, 0.3], "lambda_": [0.5, 1.5]}, 3),
+]
+
+
+@pytest.mark.parametrize("name,over,n", PER_TENSOR, ids=[c[0] for c in PER_TENSOR])
+def test_per_tensor_filters_and_gradients_match_mergekit(name, over, n, four_layer_dirs, tmp_path):
+    """Settings that vary by tensor name (filters) and by layer (gradients) give mergekit's tensors (1e-6), through the
+    mergekit YAML mergescope writes for the merge (filters and gradients in mergekit's own syntax)."""
+    from mergescope.merge import mergekit_config, mergekit_yaml
+
+    dirs, sds = four_layer_dirs
+    entry, kw = preset(name, **over)
+    b = sds[0] if entry.meta["needs_base"] else None
+    dirs, sds = dirs[: n + 1], sds[: n + 1]
+    cfg, notes = mergekit_config(entry, kw, dirs[1:], dirs[0] if b is not None else None)
+    assert cfg is not None and notes == [], notes
+    got = _mergekit_out(mergekit_yaml(entry, kw, dirs[1:], dirs[0] if b is not None else None), tmp_path / "out", cli=False)
+    names = [k for k in sds[0] if sds[0][k].is_floating_point()]
+    ours = merge_state_dicts(entry, kw, sds[1:], b, names, device="cpu")
+    for k in names:
+        torch.testing.assert_close(ours[k], got[k], **TOL, msg=lambda m: f"{name} {k}: {m}")
+    flat = merge_state_dicts(entry, resolve_preset({**preset_config(name), **{k: first(k, v) for k, v in over.items()}})[1],
+                             sds[1:], b, names, device="cpu")
+    assert any(not torch.equal(ours[k], flat[k]) for k in names)  # the per-tensor setting changed the merge
+
+
+def preset_config(name):
+    from mergescope.config import load_conf, to_plain
+
+    return to_plain(load_conf("merge", name))
+
+
+def first(key, v):
+    """The setting without its per-tensor variation: every varying value at its first value."""
+    from mergescope.tensor_settings import PER_MODEL, leaves, varies
+
+    if not varies(key, v):
+        return v
+    return [next(leaves(e)) for e in v] if key in PER_MODEL else next(leaves(v))
+
+
+def test_setting_evaluation_is_mergekits():
+    """tensor_settings.evaluate against mergekit's own evaluate_setting on filters, nested gradients and positions."""
+    from mergekit.config import ConditionalParameter, evaluate_setting
+
+    from mergescope.tensor_settings import evaluate, layer_count, position
+
+    names = [f"model.layers.{i}.{m}.weight" for i in range(5) for m in ("self_attn.q_proj", "mlp.up_proj", "input_layernorm")]
+    names += ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    n = layer_count(names)
+    assert n == 5 and position("model.layers.4.mlp.up_proj.weight", n) == 1.0 and position("lm_head.weight", n) == 0.0
+    mk_setting = [ConditionalParameter(filter=c.get("filter"), value=c["value"]) for c in ATTN_MLP]
+    for name in names:
+        t = position(name, n)
+        assert evaluate(ATTN_MLP, name, t) == pytest.approx(evaluate_setting(name, mk_setting, t, validate=float), abs=1e-15)
+        assert evaluate([0.1, 0.7, 0.2, 0.9], name, t) == pytest.approx(
+            evaluate_setting(name, [0.1, 0.7, 0.2, 0.9], t, validate=float), abs=1e-15)
+
+
+def test_per_tensor_settings_are_checked_before_any_model_loads():
+    with pytest.raises(MergescopeError, match=r"t=1\.5 is outside \[0, 1\]"):
+        resolve_preset({"name": "slerp", "t": [{"filter": "mlp", "value": [0.0, 1.5]}, {"value": 0.5}]})
+    with pytest.raises(MergescopeError, match="density=.*is not a number"):
+        resolve_preset({**preset_config("ties"), "density": [{"filter": "mlp", "value": "x"}, {"value": 0.5}]})
+    entry, kw = resolve_preset({**preset_config("linear"), "weights": [[{"filter": "mlp", "value": 0.2}], 1.0]})
+    sd = {"model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}
+    with pytest.raises(MergescopeError, match=r"weights\[0\] gives no value for tensor 'model.layers.0.self_attn"):
+        merge_state_dicts(entry, kw, [sd, sd], None, list(sd), "cpu")

@@ -204,7 +204,8 @@ def test_export_then_import_gives_the_same_merge(name, over):
 
 
 def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, family, tmp_path):
-    """A hand-written mergekit YAML (TIES, per-model weight and density, the base also listed, lambda, dtype) through
+    """A hand-written mergekit YAML (TIES, per-model weight and density, the base also listed, lambda, dtype; one model's
+    weight as parameter filters and the density as a layer gradient) through
     task=merge merge=mergekit: the saved merged model equals mergekit-yaml's own output on it (1e-6), and the YAML
     that run logs, imported again, gives exactly the same tensors; scored on merge.lang."""
     pytest.importorskip("mergekit")
@@ -214,8 +215,9 @@ def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, famil
 
     base, *fts = family
     hand = {"merge_method": "ties", "base_model": base,
-            "models": [{"model": base}, *({"model": d, "parameters": {"weight": w, "density": 0.6}} for d, w in zip(fts, W))],
+            "models": [{"model": base}, *({"model": d, "parameters": {"weight": w, "density": [0.4, 0.9]}} for d, w in zip(fts, W))],
             "parameters": {"normalize": False, "lambda": 0.9}, "dtype": "float32"}
+    hand["models"][1]["parameters"]["weight"] = [{"filter": "self_attn", "value": 0.2}, {"value": W[0]}]
     path = tmp_path / "hand.yaml"
     path.write_text(yaml.safe_dump(hand))
     cfg, ov = compose_cfg(["task=merge", "merge=mergekit", f"merge.config={path}", "merge.lang=por_Latn", "save=true",
@@ -246,7 +248,8 @@ def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, famil
     ({"slices": [{"sources": []}]}, "mergekit config .*: slices is not supported"),
     ({"tokenizer_source": "union"}, "tokenizer_source is not supported"),
     ({"merge_method": "nearswap"}, "merge_method 'nearswap' has no mergescope operator"),
-    ({"parameters": {"weight": [{"filter": "mlp", "value": 0.5}, {"value": 1.0}]}}, "parameters.weight as a gradient list or a filter"),
+    ({"parameters": {"density": [{"filter": "mlp", "value": 0.5}, 0.7]}}, "parameters.density mixes numbers and filters"),
+    ({"parameters": {"density": [{"filter": "mlp", "val": 0.5}]}}, r"parameters.density\[0\] must be \{filter"),
     ({"models": [{"model": "/a", "parameters": {"weight": 1, "density": 0.5}}, {"model": "/b", "parameters": {"weight": 1, "density": 0.7}}]},
      "per-model density .* differing across models is not supported"),
     ({"models": [{"model": "/a+/lora", "parameters": {"weight": 1}}]}, r"a LoRA applied with '\+'"),

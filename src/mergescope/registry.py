@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergescope.errors import MergescopeError, did_you_mean
+from mergescope.tensor_settings import PER_MODEL, any_varies, leaves, variants, varies
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ class Entry:
                 f"{self.kind} '{self.name}' needs parameter '{missing[0]}': set {self.kind}.{missing[0]}=..."
             )
         for k, v in kwargs.items():
+            if self.kind == "merge" and varies(k, v):  # a per-tensor setting (filters, gradient): each value it takes
+                for x in (leaves(v) if k not in PER_MODEL else ()):
+                    _check_type(f"{self.kind} '{self.name}'", self.kind, k, x, params[k].default)
+                continue
             _check_type(f"{self.kind} '{self.name}'", self.kind, k, v, params[k].default)
         return dict(kwargs)
 
@@ -80,8 +85,10 @@ class Entry:
         holds what the settings are checked against, None where not known yet: ``n`` (rows of data, metrics) and
         ``n_models`` (models merged, merge operators)."""
         check = self.meta.get("check")
-        if check is not None:
-            check(dict(kwargs), {"n": None, "n_models": None, **context})
+        if check is None:
+            return
+        for kw in (variants(kwargs) if self.kind == "merge" and any_varies(kwargs) else [kwargs]):
+            check(dict(kw), {"n": None, "n_models": None, **context})
 
 
 def _check_type(what: str, kind: str, key: str, value: Any, default: Any) -> None:

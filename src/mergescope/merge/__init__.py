@@ -21,6 +21,7 @@ from torch import Tensor
 from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, merges
+from mergescope.tensor_settings import any_varies, at, layer_count, position
 from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 
 
@@ -78,6 +79,8 @@ def merge_state_dicts(
         raise MergescopeError(f"merge '{entry.name}' is data-aware (it needs each model's {need} statistics): this route "
                               "computes none; use it in the native arm or task=merge, which compute them on native.stats_split")
     has_seed = "seed" in entry.params
+    per_tensor = any_varies(kwargs)  # filters / gradients (mergescope.tensor_settings): resolved at every name
+    n_layers = layer_count(sds[0].keys()) if per_tensor else 0
     out: dict[str, Tensor] = {}
     for name in names:
         missing = [i for i, sd in enumerate(sds) if name not in sd]
@@ -100,7 +103,7 @@ def merge_state_dicts(
         work = torch.float64 if dtype == torch.float64 else torch.float32
         xs = [t.to(device=dev, dtype=work) for t in src]
         b = b_src.to(device=dev, dtype=work) if b_src is not None else None
-        kw = dict(kwargs)
+        kw = at(kwargs, name, position(name, n_layers)) if per_tensor else dict(kwargs)
         if has_seed:
             kw["seed"] = tensor_seed(kw.get("seed", entry.params["seed"].default), name)
         res = entry.fn(xs, b, [s.get(name) for s in stats], **kw) if need else entry.fn(xs, b, **kw)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergescope.registry import Entry
+from mergescope.tensor_settings import PER_MODEL, any_varies, variants, varies
 
 
 @dataclass
@@ -33,6 +34,36 @@ def per_model(n: int, **values: Sequence[float] | float | None) -> list[dict[str
     return out
 
 
+MK_NAMES = {"lambda_": "lambda", "weights": "weight"}  # mergescope keyword -> mergekit parameter, where they differ
+
+
+def as_mergekit(v: Any) -> Any:
+    """A per-tensor setting in mergekit's syntax (filters as {filter, value}; gradients as lists of numbers)."""
+    if isinstance(v, list) and v and all(isinstance(e, Mapping) for e in v):
+        return [{**({"filter": e["filter"]} if e.get("filter") is not None else {}), "value": as_mergekit(e["value"])}
+                for e in v]
+    if isinstance(v, list):
+        return [float(x) for x in v]
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def _put_varying(mk: MK, kwargs: Mapping[str, Any]) -> None:
+    for k, v in kwargs.items():
+        if not varies(k, v):
+            continue
+        key = MK_NAMES.get(k, k)
+        if k in PER_MODEL:
+            for p, e in zip(mk.model_parameters, v):
+                p[key] = as_mergekit(e)
+        elif key in mk.parameters:
+            mk.parameters[key] = as_mergekit(v)
+        elif any(key in p for p in mk.model_parameters):
+            for p in mk.model_parameters:
+                p[key] = as_mergekit(v)
+        else:
+            mk.notes.append(f"{k} varies by tensor, but mergekit's {mk.method} has no parameter it maps to")
+
+
 def mergekit_config(entry: Entry, kwargs: Mapping[str, Any], models: Sequence[str], base: str | None = None,
                     dtype: str = "float32") -> tuple[dict[str, Any] | None, list[str]]:
     """(mergekit YAML as a dict, departures) for merging ``models`` (mergekit model references: a path or
@@ -42,9 +73,12 @@ def mergekit_config(entry: Entry, kwargs: Mapping[str, Any], models: Sequence[st
     fn = entry.meta.get("mergekit")
     if fn is None:
         return None, [f"mergekit has no equivalent of merge '{entry.name}'"]
-    mk = fn(dict(kwargs), len(models), base is not None)
+    per_tensor = any_varies(kwargs)
+    mk = fn(next(variants(kwargs)) if per_tensor else dict(kwargs), len(models), base is not None)
     if mk.method is None:
         return None, mk.notes
+    if per_tensor:  # filters and gradients are mergekit's own syntax: written back where the operator put the value
+        _put_varying(mk, kwargs)
     if mk.base == "first":
         base_model, listed, params = models[0], list(models[1:]), mk.model_parameters[1:]
     else:

@@ -1,10 +1,12 @@
 """``task=merge merge=mergekit merge.config=path.yaml``: a mergekit (0.1.5) YAML run through mergescope's operators.
 
 Read: ``merge_method``, ``base_model``, ``models`` (``model`` + ``parameters``: per-model ``weight``, ``density``,
-``gamma``, ``epsilon`` as numbers), ``parameters`` (the method's shared settings, numbers or booleans), ``dtype``.
+``gamma``, ``epsilon``), ``parameters`` (the method's shared settings), ``dtype``; any setting may be mergekit's parameter
+filters (``[{filter: self_attn, value: ...}, {value: ...}]``) or a layer gradient (a list of numbers), resolved per
+tensor exactly as mergekit does (:mod:`mergescope.tensor_settings`).
 Settings a config leaves out take mergekit 0.1.5's defaults (:data:`MK_DEFAULTS`, checked against mergekit's own
 method specs in the tests), not the mergescope preset's. Anything else (``slices``, ``tokenizer_source``,
-parameter filters or gradients, LoRA ``+`` models, per-model densities that differ) is refused in one line naming
+LoRA ``+`` models, per-model densities that differ) is refused in one line naming
 the key. The models are scored on ``merge.lang`` (FLORES devtest, English by default).
 """
 
@@ -69,9 +71,28 @@ def _refuse(path: str, key: str, why: str = "is not supported") -> MergescopeErr
 
 
 def _number(path: str, key: str, v: Any) -> Any:
-    if isinstance(v, (list, dict)):
-        raise _refuse(path, key, "as a gradient list or a filter is not supported: give one number")
+    """A setting: a value, a layer gradient (list of numbers) or parameter filters (list of {filter, value})."""
+    if isinstance(v, dict):
+        v = [v]  # one conditional parameter
+    if isinstance(v, list):
+        if not v:
+            raise _refuse(path, key, "is an empty list: give a number, a gradient or filters")
+        for i, e in enumerate(v):
+            if isinstance(e, dict):
+                if "value" not in e or set(e) - {"filter", "value"}:
+                    raise _refuse(path, f"{key}[{i}]", "must be {filter: <name part>, value: <setting>}")
+                _number(path, f"{key}[{i}].value", e["value"])
+            elif isinstance(e, list) or isinstance(e, bool) or not isinstance(e, (int, float)):
+                raise _refuse(path, f"{key}[{i}]", "must be a number (a gradient) or {filter, value}")
+        if any(isinstance(e, dict) for e in v) and not all(isinstance(e, dict) for e in v):
+            raise _refuse(path, key, "mixes numbers and filters: give a gradient or a list of {filter, value}")
     return v
+
+
+def _same(vals: list[Any]) -> bool:
+    import json
+
+    return len({json.dumps(v, sort_keys=True) for v in vals}) == 1
 
 
 def _model_ref(path: str, key: str, ref: Any) -> str:
@@ -132,11 +153,11 @@ def parse(text: str, path: str = "config") -> dict[str, Any]:
         if k == "weight":
             if any(v is None for v in vals):
                 raise _refuse(path, f"models[{vals.index(None)}].parameters.weight", f"is required by mergekit's {method}")
-            kw[ours] = [float(v) for v in vals]
-        elif len({float(v) for v in vals}) > 1:
+            kw[ours] = [v if isinstance(v, list) else float(v) for v in vals]
+        elif not _same(vals):
             raise _refuse(path, f"per-model {k} {vals}", "differing across models is not supported: give every model one value")
         else:
-            kw[ours] = float(vals[0])
+            kw[ours] = vals[0] if isinstance(vals[0], list) else float(vals[0])
     if "rescale" in kw:
         kw["rescale"] = "l1" if kw["rescale"] else "none"
     if method == "slerp":
