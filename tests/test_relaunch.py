@@ -69,3 +69,33 @@ def test_the_analysis_key_covers_runs_code_and_settings(compose_cfg):
     assert k != analysis_key(cfg, ["a" * 32])
     cfg2, _ = compose_cfg(["task=analyze", "report.ui_url=http://127.0.0.1:5001"])
     assert k != analysis_key(cfg2, ["a" * 32, "b" * 32])
+
+
+def test_a_study_phase_is_one_bar_and_each_jobs_line_only_with_verbose(monkeypatch):
+    """Quiet by default: one progress bar per phase (its count, and how many jobs ran or were reused), the jobs' own
+    lines silenced; -v (verbose=true) prints them as before."""
+    from rich.console import Console
+
+    from mergescope import progress, study
+    from mergescope.cli import verbose_flag
+    from mergescope.runs import JobResult
+
+    class Job:
+        def __init__(self, done):
+            self.done = done
+
+        def run(self):
+            return JobResult("r" * 32, self.done, {}, "h")
+
+    bars, lines = Console(record=True, width=160), Console(record=True, width=160)
+    monkeypatch.setattr(progress, "status", bars)
+    monkeypatch.setattr(study, "console", lines)
+    lines.quiet = True
+    study._run_all([Job(True), Job(False), Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
+    shown = bars.export_text()
+    assert "measure" in shown and "3/3" in shown and "1 run, 2 reused" in shown
+    assert lines.export_text() == ""
+    lines.quiet = False
+    study._run_all([Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
+    assert lines.export_text().strip() == "[1/1] cka zoo-neox-en x zoo-neox-zh (done before)"
+    assert verbose_flag(["study=toy", "-v"]) == ["study=toy", "verbose=true"] and verbose_flag(["a=1"]) == ["a=1"]

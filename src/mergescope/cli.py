@@ -109,8 +109,16 @@ def scrub(text: str, argv: list[str] | None = None) -> str:
     return redact_uri(text)
 
 
+def verbose_flag(argv: list[str]) -> list[str]:
+    """``-v`` / ``--verbose`` (not Hydra flags) as the ``verbose=true`` override."""
+    if not any(a in ("-v", "--verbose") for a in argv):
+        return argv
+    return [*(a for a in argv if a not in ("-v", "--verbose")), "verbose=true"]
+
+
 def precheck(argv: list[str] | None = None) -> None:
     if argv is None:
+        sys.argv[1:] = verbose_flag(sys.argv[1:])
         guard_hydra()
     args = sys.argv[1:] if argv is None else argv
     try:

@@ -33,7 +33,7 @@ from mergescope.config import CONF_DIR, conf_options, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.weights import routes
-from mergescope.progress import console
+from mergescope.progress import console, phase_bar, set_quiet, status, verbose
 from mergescope.runs import JobResult, model_label, recording
 from mergescope.workers import group_by, run_groups
 
@@ -330,27 +330,41 @@ def _done(r: JobResult) -> str:
     return " (done before)" if r.skipped else ""
 
 
-def _run_all(jobs: list[StudyJob], describe, workers: int = 1, together=None) -> list[tuple[StudyJob, JobResult]]:
-    """Run ``jobs`` in order, printing each; with ``workers`` > 1 on that many processes (``mergescope.workers``),
-    jobs of equal ``together(job)`` one after another in one of them."""
-    out = []
-    if workers > 1 and len(jobs) > 1:
-        done, todo = _done_pass(jobs)  # worker processes only for what is left to run (none on a cached relaunch)
-        for i, (j, r) in enumerate(done, 1):
-            console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
-        out += done
-        if len(todo) > 1:
-            groups = group_by(todo, together)
-            todo = [j for g in groups for j in g]
-            results = (r for rs in run_groups(groups, workers) for r in rs)
+def _run_all(jobs: list[StudyJob], describe, workers: int = 1, together=None,
+             phase: str = "jobs") -> list[tuple[StudyJob, JobResult]]:
+    """Run ``jobs`` in order under one progress bar (``phase``, with its ETA and what it last did; each job's line
+    too with ``-v``); with ``workers`` > 1 on that many processes (``mergescope.workers``), jobs of equal
+    ``together(job)`` one after another in one of them."""
+    out: list[tuple[StudyJob, JobResult]] = []
+    if not jobs:
+        return out
+    with phase_bar() as pb:
+        bar_id = pb.add_task(phase, total=len(jobs), note="")
+        counts = {"run": 0, "reused": 0}
+
+        def step(j: StudyJob, r: JobResult) -> None:
+            text = describe(j, r)
+            console.print(f"[{len(out) + 1}/{len(jobs)}] {text}{_done(r)}", soft_wrap=True)
+            out.append((j, r))
+            counts["reused" if r.skipped else "run"] += 1
+            last = text if len(text) <= 70 else text[:69] + "…"
+            pb.update(bar_id, advance=1, note=f"{counts['run']} run, {counts['reused']} reused" +
+                      ("" if len(out) == len(jobs) else f"; {last}"))
+
+        if workers > 1 and len(jobs) > 1:
+            done, todo = _done_pass(jobs)  # worker processes only for what is left to run (none on a cached relaunch)
+            for j, r in done:
+                step(j, r)
+            if len(todo) > 1:
+                groups = group_by(todo, together)
+                todo = [j for g in groups for j in g]
+                results = (r for rs in run_groups(groups, workers) for r in rs)
+            else:
+                results = (j.run() for j in todo)
         else:
-            results = (j.run() for j in todo)
-        start = len(done)
-    else:
-        todo, results, start = jobs, (j.run() for j in jobs), 0
-    for i, (j, r) in enumerate(zip(todo, results), start + 1):
-        console.print(f"[{i}/{len(jobs)}] {describe(j, r)}{_done(r)}")
-        out.append((j, r))
+            todo, results = jobs, (j.run() for j in jobs)
+        for j, r in zip(todo, results):
+            step(j, r)
     return out
 
 
@@ -373,14 +387,20 @@ def _run_sweep(jobs: list[StudyJob]) -> None:
     """The transport setting sweep (epsilon calibration, probe count). A setting whose plans do not converge is a
     result of the sweep, not a reason to stop it: its run is FAILED with the reason (tag ``error``), the report's
     calibration section counts it, and the sweep goes on."""
-    for i, j in enumerate(jobs, 1):
-        try:
-            r = j.run()
-        except NotConverged as exc:
-            console.print(f"[{i}/{len(jobs)}] [yellow]transport setting did not converge[/]: {str(exc)[:200]}")
-            _record_failure(j, exc)
-            continue
-        console.print(f"[{i}/{len(jobs)}] {_transport_text(j, r)}{_done(r)}")
+    if not jobs:
+        return
+    with phase_bar() as pb:
+        bar_id = pb.add_task("transport settings", total=len(jobs), note="")
+        for i, j in enumerate(jobs, 1):
+            try:
+                r = j.run()
+            except NotConverged as exc:
+                status.print(f"[{i}/{len(jobs)}] [yellow]transport setting did not converge[/]: {str(exc)[:200]}")
+                _record_failure(j, exc)
+                pb.update(bar_id, advance=1)
+                continue
+            console.print(f"[{i}/{len(jobs)}] {_transport_text(j, r)}{_done(r)}")
+            pb.update(bar_id, advance=1)
 
 
 def _record_failure(j: StudyJob, exc: Exception) -> None:
@@ -427,7 +447,7 @@ def _checkpoint_arm(plan: Plan) -> None:
         by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
     for jobs in by_model.values():
         _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
-                 parallel_workers(plan))
+                 parallel_workers(plan), phase=f"checkpoints {model_label(jobs[0].cfg.pair.a)}")
         if (plan.cfg.get("checkpoints") or {}).get("evict_after"):
             evict_checkpoints(jobs)
 
@@ -441,7 +461,7 @@ def evict_checkpoints(jobs: list[StudyJob]) -> dict[str, int]:
         return {}
     revs = sorted({str(j.cfg.pair[s].revision) for j in jobs for s in ("a", "b")} | {str(jobs[0].cfg.native.base or "main")} - {"main", "None"})
     freed = evict_revisions(ref.location, revs)
-    console.print(f"[bold]evicted[/] {len(freed)} revisions of {ref.location} from the hub cache: "
+    status.print(f"[bold]evicted[/] {len(freed)} revisions of {ref.location} from the hub cache: "
                   f"{sum(freed.values()) / 2**30:.2f} GiB freed ({', '.join(sorted(freed)) or 'none cached'})")
     return freed
 
@@ -457,6 +477,8 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 
     plan = Plan(overrides)
     tracker = Tracker(cfg)
+    was_quiet = not verbose()
+    set_quiet(not cfg.get("verbose"))  # the jobs' own lines with -v only; the phase bars and the findings always
     started = time.perf_counter()
     previous = os.environ.get(PARENT_ENV)
     parent = None
@@ -476,6 +498,7 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                 tracker.client.delete_run(parent.run_id)  # refused before any job ran: no run is left behind
             raise
         finally:
+            set_quiet(was_quiet)
             if previous is None:
                 os.environ.pop(PARENT_ENV, None)
             else:
@@ -491,7 +514,7 @@ def _print_times(times: dict[str, float]) -> None:
     t.add_column("seconds", justify="right")
     for k, v in times.items():
         t.add_row(k, f"{v:.1f}")
-    console.print(t)
+    status.print(t)
 
 
 def _run_jobs(plan: Plan) -> dict[str, float]:
@@ -513,29 +536,33 @@ def _run_jobs(plan: Plan) -> dict[str, float]:
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
     for j in todo:
         console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
-    _run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", parallel_workers(plan))
+    _run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", parallel_workers(plan), phase="training")
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
     lap("training")
     rep = "representation" in plan.arms
-    _run_all(plan.model_jobs("quality") if rep else [], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}")
-    _run_all(plan.measures if rep else [], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}")
-    _run_all(plan.pair_jobs("typology") if rep else [], lambda j, r: f"typology {_pair_text(j)}")
+    _run_all(plan.model_jobs("quality") if rep else [], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}",
+             phase="quality")
+    _run_all(plan.measures if rep else [], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}", phase="measure")
+    _run_all(plan.pair_jobs("typology") if rep else [], lambda j, r: f"typology {_pair_text(j)}", phase="typology")
     lap("representation")
-    _run_all(plan.native_pairs() if "native" in plan.arms else [], lambda j, r: f"native pair {_pair_text(j)}")
+    _run_all(plan.native_pairs() if "native" in plan.arms else [], lambda j, r: f"native pair {_pair_text(j)}",
+             phase="native")
     lap("native")
     _checkpoint_arm(plan)
     lap("checkpoints")
     _run_all(plan.transport_directions() if "transport" in plan.arms else [], _transport_text, parallel_workers(plan),
-             together=_target)  # one target's directions in one worker: its no-fusion baseline is made once
+             together=_target, phase="transport")  # one target's directions in one worker: its no-fusion baseline is made once
     _run_sweep(plan.transport_sweep())
     lap("transport")
-    _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}")
+    _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}",
+             phase="shared space")
     lap("shared_space")
-    _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}")
+    _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}",
+             phase="adapt")
     lap("adapt")
     _run_all(plan.expansion_jobs(), lambda j, r: f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
-             f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}")
+             f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}", phase="expansion")
     lap("expansion")
     return {k: v for k, v in times.items() if k in ("training", "representation") or k in plan.arms or
             (k == "transport" and "transport_sweep" in plan.arms)}

@@ -36,8 +36,14 @@ def run_groups(groups: Sequence[Sequence[Any]], workers: int) -> Iterator[list[J
     (objects with ``task``, ``cfg``, ``overrides``) runs in one worker, in order: jobs that share a run (the
     transport baseline of one target model) go in one group, so it is made once. Every result the jobs
     recorded is added to the caller's open ledgers."""
+    import warnings
+
     from joblib import Parallel, delayed
 
+    # loky restarts a worker whose memory grew by more than 300 MB over a job (its leak guard: a job that loads or
+    # trains a model always does) and warns when jobs were queued at that moment; the new worker takes them, so the
+    # warning is noise here
+    warnings.filterwarnings("ignore", message="A worker stopped while some jobs were given to the executor")
     par = Parallel(n_jobs=int(workers), backend="loky", return_as="generator")
     calls = (delayed(run_group)([(j.task, j.cfg, list(j.overrides)) for j in g], g[0].cfg.get("num_threads"))
              for g in groups)

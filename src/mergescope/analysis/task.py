@@ -23,7 +23,7 @@ from mergescope.analysis.records import STUDY_JOBS, Study, load_study
 from mergescope.analysis.report import run_url, write_report
 from mergescope.analysis.tables import Analysis, csv_text, tables_text
 from mergescope.errors import MergescopeError
-from mergescope.progress import console
+from mergescope.progress import console, status
 from mergescope.tracking import Job, Tracker, read_artifact_text
 
 __all__ = ["run_analyze", "main"]
@@ -73,12 +73,12 @@ def reuse_analysis(cfg: DictConfig, job_runs: list[str] | None) -> dict[str, Any
         lines = read_artifact_text(tracker.client, run.info.run_id, SUMMARY_ARTIFACT).splitlines()
     except Exception:  # an analysis run from before the summary artifact: rebuild
         return None
-    console.rule(f"[bold]{cfg.tracking.experiment}: findings[/] (report reused: same runs and code as analysis run "
+    status.rule(f"[bold]{cfg.tracking.experiment}: findings[/] (report reused: same runs and code as analysis run "
                  f"{run.info.run_id[:8]})")
     from rich.markup import escape
 
     for line in lines:
-        console.print("- " + escape(line.replace("**", "")), soft_wrap=True)
+        status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
     print(f"report: {md}")
     print(f"        {html_path}")
     return {"run_id": run.info.run_id, "report_md": md, "report_html": html_path, "reused": True,
@@ -180,9 +180,9 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
 
     from mergescope.analysis.report import summary_lines
 
-    console.rule(f"[bold]{study.experiment}: findings")  # the terminal ends with the findings and the report's path
+    status.rule(f"[bold]{study.experiment}: findings")  # the terminal ends with the findings and the report's path
     for line in summary_lines(an):
-        console.print("- " + escape(line.replace("**", "")), soft_wrap=True)
+        status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
     print(f"report: {md_path}")
     print(f"        {html_path}")
     return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
