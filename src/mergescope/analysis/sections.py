@@ -181,44 +181,57 @@ def _with_sd(v: dict[str, Any], key: str) -> str:
 
 
 def _representation_table(pairs: list[dict[str, Any]]) -> RTable:
-    metric_cols = [k for _, k in repr_metrics(pairs)]
+    metrics = repr_metrics(pairs)
+    metric_cols = [k for _, k in metrics]
     rows = []
     for p in pairs:
         v = p["values"]
         cells = [f"{f3(v.get(c))} / {_with_sd(v, c + '_shuffled')}" if c in v else "—" for c in metric_cols]
         ci = f"[{f3(v.get('cka_ci_low'))}, {f3(v.get('cka_ci_high'))}]" if "cka_ci_low" in v else "—"
         chance = f3(v.get("retrieval_chance"), 4) if "retrieval_chance" in v else "—"
-        ids = ", ".join(f"{k} {short(r.run_id)}" for k, r in p["recs"].items())
+        ids = " ".join(short(p["recs"][m].run_id) if m in p["recs"] else "—" for m, _ in metrics)
         rows.append([p["pair"], *cells, ci, chance, ids])
     return RTable("Representation metrics, matched / shuffled control (mean ± sd over the control's seeds)",
-                  ["pair", *metric_cols, "cka 95% CI", "retrieval chance", "runs"], rows)
+                  ["pair", *metric_cols, "cka 95% CI", "retrieval chance", "runs"], rows,
+                  note="runs: one per metric, in the order of the metric columns")
 
 
-# (column label in the runs cell, the diagnostic whose source run it names)
-_PAIR_SOURCES = (("nll_a", "nll_a"), ("nll_b", "nll_b"), ("typology", "typology_syntactic"), ("native", "native_weight_cosine"),
-                 ("transport a<-b", "transport_delta_a"), ("transport b<-a", "transport_delta_b"),
-                 ("adapt a<-b", "adapt_effect_a"), ("adapt b<-a", "adapt_effect_b"))
+def _runs_cell(p: dict[str, Any], sources: tuple[tuple[str, str], ...]) -> str:
+    """The run ids a row's cells come from, labelled (``label id``), in one compact cell."""
+    return ", ".join(f"{lab} {short(p['src'][k])}" for lab, k in sources if p["src"].get(k))
 
 
-def _quality_row(p: dict[str, Any]) -> list[str]:
-    v, s = p["values"], p["src"]
-    return [p["pair"], f3(v["nll_a"]), f3(v["nll_b"]), *[f3(v[k]) for k in TYPOLOGY],
-            *[f3(v[f"native_{k}"]) for k in ("weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")],
-            *[f3(v[f"{k}_{side}"], 4) for k in ("transport_delta", "transport_ot_minus_rand", "adapt_effect") for side in "ab"],
-            ", ".join(f"{lab} {short(s[k])}" for lab, k in _PAIR_SOURCES if s.get(k))]
+_QUALITY_SOURCES = (("nll_a", "nll_a"), ("nll_b", "nll_b"), ("typology", "typology_syntactic"))
+_TRANSPORT_SOURCES = (("a<-b", "transport_delta_a"), ("b<-a", "transport_delta_b"), ("adapt a<-b", "adapt_effect_a"),
+                      ("adapt b<-a", "adapt_effect_b"))
 
 
 def _quality_table(pairs: list[dict[str, Any]]) -> RTable:
-    return RTable("Quality, typology, weight space and transport per pair",
-                  ["pair", "nll_a", "nll_b", "typ_syntactic", "typ_genetic", "typ_featural", "weight_cosine",
-                   "relative_l2", "norm_ratio", "lmc_barrier", "transport_delta a<-b", "transport_delta b<-a",
-                   "transport_ot_minus_rand a<-b", "transport_ot_minus_rand b<-a", "adapt_effect a<-b",
-                   "adapt_effect b<-a", "runs"], [_quality_row(p) for p in pairs],
+    rows = [[p["pair"], f3(p["values"]["nll_a"]), f3(p["values"]["nll_b"]), *[f3(p["values"][k]) for k in TYPOLOGY],
+             _runs_cell(p, _QUALITY_SOURCES)] for p in pairs]
+    return RTable("Quality and typology per pair", ["pair", "nll_a", "nll_b", "typ_syntactic", "typ_genetic",
+                                                     "typ_featural", "runs"], rows,
                   note="nll_* = mean per-token NLL of each model on its own FLORES side (quality runs). "
-                       "typ_* = URIEL cosine distances (lang2vec: syntax_knn / fam / syntax+phonology+inventory knn). "
-                       "Weight columns only where a native route exists. transport_delta = fused minus unfused NLL "
-                       "on the target's language at the headline alpha, merge.headline_alpha (negative = helped); ot_minus_rand < 0 = the OT "
-                       "plan beat its shuffled-plan control; adapt_effect = fused-then-adapted minus adapted baseline.")
+                       "typ_* = URIEL cosine distances (lang2vec: syntax_knn / fam / syntax+phonology+inventory knn).")
+
+
+def _weight_table(pairs: list[dict[str, Any]]) -> RTable:
+    rows = [[p["pair"], *[f3(p["values"][f"native_{k}"]) for k in ("weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")],
+             short(p["src"].get("native_weight_cosine"))] for p in pairs if p["src"].get("native_weight_cosine")]
+    return RTable("Weight space per pair (the pairs with a native route)", ["pair", "weight_cosine", "relative_l2",
+                                                                            "norm_ratio", "lmc_barrier", "native run"], rows,
+                  note="only pairs that share a parameter space (the coverage table): elsewhere the quantity does not exist")
+
+
+def _transport_table(pairs: list[dict[str, Any]]) -> RTable:
+    rows = [[p["pair"], *[f3(p["values"][f"{k}_{side}"], 4) for k in ("transport_delta", "transport_ot_minus_rand", "adapt_effect")
+                          for side in "ab"], _runs_cell(p, _TRANSPORT_SOURCES)] for p in pairs]
+    return RTable("Transport and post-fusion adaptation per pair", [
+        "pair", "delta a<-b", "delta b<-a", "ot_minus_rand a<-b", "ot_minus_rand b<-a", "adapt_effect a<-b",
+        "adapt_effect b<-a", "runs"], rows,
+        note="delta = fused minus unfused NLL on the target's language at the headline alpha, merge.headline_alpha "
+             "(negative = helped); ot_minus_rand < 0 = the OT plan beat its shuffled-plan control; adapt_effect = "
+             "fused-then-adapted minus adapted baseline.")
 
 
 def _pair_matrix_missing(b: Build, sec: Section) -> None:
@@ -243,7 +256,10 @@ def pair_matrix(b: Build) -> Section:
     sec = Section("pairs", "4. The cross-model diagnostic matrix")
     metric_cols = [k for _, k in repr_metrics(b.pairs)]
     rep = _representation_table(b.pairs)
-    sec.tables += [rep, _quality_table(b.pairs)]
+    sec.tables += [rep, _quality_table(b.pairs)]  # three narrow tables, not one of 17 columns
+    if any(p["src"].get("native_weight_cosine") for p in b.pairs):
+        sec.tables.append(_weight_table(b.pairs))
+    sec.tables.append(_transport_table(b.pairs))
     _pair_matrix_missing(b, sec)
     k = 1 + len(metric_cols)
     b.console_tables.append(RTable("Matched / shuffled, every metric", ["pair", *metric_cols], [r[:k] for r in rep.rows]))
