@@ -478,3 +478,52 @@ def test_a_correlation_finding_at_tiny_n_says_no_rho_can_reach_significance():
     frame = {k: rng.random(20) for k in ("cka", "procrustes", "svcca")}
     sec, _, power = correlation_section("corr", "8b. test", frame, 20, 200, "intro")
     assert f"needs |rho| >= {power['min_significant_rho']:.2f}" in sec.finding
+
+
+def _num(s: str) -> float:
+    return float(s.strip("*"))
+
+
+def test_every_finding_is_true_of_its_table(built):
+    """Each section's one-sentence finding re-derived from the table it summarises, as the report prints it: the CKA
+    count and ranges from the matrix, the checkpoint median barrier and beats from the per-pair table, the transport
+    counts and median from the every-alpha table at the headline alpha."""
+    _, _, out, _ = built
+    md = Path(out["report_md"]).read_text()
+    an = out["analysis"]
+
+    cka = _md_table(md, "CKA matrix")
+    matched, shuffled = [], []
+    for i, row in enumerate(cka[1:]):
+        for j, cell in enumerate(row[1:]):
+            if cell != "—" and j < i:
+                matched.append((i, j, _num(cell)))
+            elif cell != "—" and j > i:
+                shuffled.append((j, i, _num(cell)))
+    sh = {(i, j): v for i, j, v in shuffled}
+    above = sum(v > sh[(i, j)] for i, j, v in matched)
+    m = re.search(r"above its shuffled control for (\d+) of (\d+) pairs: matched ([\d.]+)-([\d.]+) \(median ([\d.]+)\) "
+                  r"against shuffled ([\d.]+\d)-([\d.]+\d)", an.section("cka").finding)
+    mv, sv = [v for *_, v in matched], list(sh.values())
+    assert (int(m[1]), int(m[2])) == (above, len(matched))
+    assert [float(x) for x in m.groups()[2:]] == pytest.approx([min(mv), max(mv), float(np.median(mv)), min(sv), max(sv)], abs=6e-4)
+
+    per = _md_table(md, "Per checkpoint pair")
+    col = per[0].index("lmc_barrier")
+    bars = [_num(r[col]) for r in per[1:]]
+    beats = sum(r[per[0].index("beats")] == "yes" for r in per[1:])
+    m = re.search(r"Over (\d+) checkpoint pairs the median LMC barrier is (-?[\d.]+) nats/token and merging beats the "
+                  r"better endpoint in (\d+)/(\d+)", an.section("checkpoint").finding)
+    assert int(m[1]) == len(per) - 1 == int(m[4]) and int(m[3]) == beats
+    assert float(m[2]) == pytest.approx(float(np.median(bars)), abs=6e-4)
+
+    fusion = _md_table(md, "Fusion without adaptation")
+    m = re.search(r"At the headline alpha ([\d.]+), fusion helps the target in (\d+)/(\d+) directions \(median delta "
+                  r"(-?[\d.]+) nats/token\) and the OT plan beats its shuffled-plan control in (\d+)/(\d+)",
+                  an.section("transport").finding)
+    h = fusion[0]
+    at = [r for r in fusion[1:] if float(r[h.index("alpha")]) == float(m[1])]
+    deltas = [_num(r[h.index("delta_target_lang")]) for r in at]
+    ctl = [_num(r[h.index("ot_minus_rand_target_lang")]) for r in at]
+    assert int(m[3]) == len(at) == int(m[6]) and int(m[2]) == sum(d < 0 for d in deltas) and int(m[5]) == sum(c < 0 for c in ctl)
+    assert float(m[4]) == pytest.approx(float(np.median(deltas)), abs=6e-5)
