@@ -36,6 +36,8 @@ def test_expand_zero_keeps_the_function_and_the_eps_rule_is_what_keeps_it(llama,
     assert m["n_params_target"] > m["n_params_source"] and m["tokens"] > 6
     run = Tracker(cfg).runs("tags.kind = 'expansion'")[0]
     assert run.data.tags["mode"] == "zero" and "h=72" in run.data.tags["target"]
+    note = run.data.tags["mlflow.note.content"]  # the headline metric at the top of the run's page
+    assert note.startswith("expansion zero") and f"**max_abs_logit_diff = {m['max_abs_logit_diff']:.6g}** (headline)" in note
     assert float(run.data.params["target_rms_norm_eps"]) == pytest.approx(float(run.data.params["source_rms_norm_eps"]) * 48 / 72)
     assert run_expansion(cfg, ov).skipped
 

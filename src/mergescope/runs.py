@@ -104,6 +104,25 @@ def record(results: Sequence[JobResult]) -> None:
         _record(r)
 
 
+HEADLINES = {"quality": "nll", "merge": "nll", "native": "lmc_barrier", "transport": "delta_target_lang",
+             "transport_adapt": "adapt_effect", "adapt": "test_nll", "expansion": "max_abs_logit_diff",
+             "typology": "typology_syntactic", "train": "heldout_nll"}
+
+
+def headline_key(tags: dict[str, Any], values: dict[str, float]) -> str | None:
+    """The metric a run of this kind is read by (a measure run: its metric plug-in's headline), when it logged it."""
+    kind = str(tags.get("kind", ""))
+    key = HEADLINES.get(kind)
+    if kind == "measure" and tags.get("metric"):
+        from mergescope.registry import metrics
+
+        try:
+            key = metrics.get(str(tags["metric"])).headline
+        except MergescopeError:
+            key = None
+    return key if key in values and values[key] is not None and math.isfinite(float(values[key])) else None
+
+
 def finite_or_fail(values: dict[str, float], what: str) -> dict[str, float]:
     """``values`` when every one is finite; else MergescopeError naming them, so a NaN is never logged as a result."""
     bad = sorted(k for k, v in values.items() if v is not None and not math.isfinite(float(v)))
@@ -209,6 +228,9 @@ def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: li
                 values = body(job)
                 job.log_datasets(read)
                 job.log_metrics(values)
+                head = headline_key(tags, values)
+                if head is not None:
+                    job.note_headline(head, float(values[head]))
     return _record(JobResult(job.run_id, False, values, h))
 
 

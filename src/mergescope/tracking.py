@@ -332,6 +332,12 @@ class Job:
         for i in range(0, len(ms), 1000):
             self.client.log_batch(self.run_id, metrics=ms[i : i + 1000])
 
+    def note_headline(self, key: str, value: float) -> None:
+        """The run's headline metric at the top of its page: appended to its description (``mlflow.note.content``,
+        which the MLflow UI shows first; its metrics table is alphabetical)."""
+        note = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "")
+        self.client.set_tag(self.run_id, "mlflow.note.content", f"{note}\n\n**{key} = {value:.6g}** (headline)")
+
     def log_params(self, values: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
