@@ -104,6 +104,14 @@ def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, comp
         assert sorted({(float(x["depth"]), int(x["categories"])) for x in cent}) == [(d, k) for d in (0, .25, .5, .75, 1) for k in (8, 10)]
         assert all(0 < float(x["centroid_rsa_p"]) <= 1 for x in cent) and "centroid_random_as_strong_k10" in res.metrics
     assert run_agreement(cfg, ov).skipped  # a second launch reuses the run (and the cache)
+    import mergescope.shared.agreement_job as aj
+
+    real = aj.metric_with_kwargs  # a metric's settings edited in conf/metric/<m>.yaml: the job is another job
+    edited = lambda name: (lambda e, kw: (e, {**kw, "n_blocks": 10} if name == "cka" else kw))(*real(name))  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aj, "metric_with_kwargs", edited)
+        again = run_agreement(cfg, ov)
+    assert not again.skipped and again.cfg_hash != res.cfg_hash
 
 
 def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, tmp_path):

@@ -133,8 +133,7 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     check_represent(cfg)
     check_shared(cfg)
     side_a, side_b = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
-    for name in cfg.shared.metrics:
-        metric_with_kwargs(str(name))
+    metric_kwargs = {str(name): metric_with_kwargs(str(name))[1] for name in cfg.shared.metrics}
 
     def body(job) -> dict[str, float]:
         reps_a, meta_a = layer_reprs(cfg, a, ref_a, side_a)
@@ -176,4 +175,4 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": cfg.shared.seed,
             "data": cfg.data.name, "split": cfg.data.split}
     return run_once(cfg, f"agreement {pair_text(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
-                    reads=(ref_a, ref_b))
+                    reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs})  # conf/metric/*.yaml it read
