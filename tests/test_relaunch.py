@@ -99,3 +99,18 @@ def test_a_study_phase_is_one_bar_and_each_jobs_line_only_with_verbose(monkeypat
     study._run_all([Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
     assert lines.export_text().strip() == "[1/1] cka zoo-neox-en x zoo-neox-zh (done before)"
     assert verbose_flag(["study=toy", "-v"]) == ["study=toy", "verbose=true"] and verbose_flag(["a=1"]) == ["a=1"]
+
+
+def test_peak_memory_is_measured_per_stretch_of_work():
+    """The per-arm peak RSS of the study's timing table: reset between arms, so an arm's peak is its own."""
+    import numpy as np
+
+    from mergescope.memory import peak_gb, reset_peak
+
+    reset_peak()
+    base = peak_gb()
+    x = np.ones(40_000_000)  # 305 MiB, touched
+    assert peak_gb() - base > 0.25
+    del x
+    reset_peak()
+    assert peak_gb() < base + 0.1

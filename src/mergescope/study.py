@@ -487,12 +487,16 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
             with tracker.start(cfg, f"study {cfg.tracking.experiment}", {"kind": "study", "study": cfg.tracking.experiment,
                                                                            "arms": ",".join(plan.arms)}, overrides) as parent:
                 os.environ[PARENT_ENV] = parent.run_id
-                times = _run_jobs(plan)
+                peaks: dict[str, float] = {}
+                times = _run_jobs(plan, peaks)
                 times["all jobs"] = time.perf_counter() - started
+                peaks = {k: v for k, v in peaks.items() if k in times}
+                peaks["all jobs"] = max(peaks.values(), default=0.0)
                 parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
+                parent.log_metrics({f"peak_rss_gb.{k.replace(' ', '_')}": float(v) for k, v in peaks.items()})
                 parent.log_metrics({"jobs": float(len(ledger)), "jobs_run": float(sum(not r.skipped for r in ledger))})
-                _print_times(times)
-                result = run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger], timings=times)
+                _print_times(times, peaks)
+                result = run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger], timings=times, peaks=peaks)
         except MergescopeError:
             if parent is not None and not any(not r.skipped for r in ledger):
                 tracker.client.delete_run(parent.run_id)  # refused before any job ran: no run is left behind
@@ -506,31 +510,41 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
-def _print_times(times: dict[str, float]) -> None:
+def _print_times(times: dict[str, float], peaks: dict[str, float]) -> None:
     from rich.table import Table
 
     t = Table(title="wall time per arm (this launch)")
     t.add_column("arm")
     t.add_column("seconds", justify="right")
+    t.add_column("peak RSS GiB", justify="right")
     for k, v in times.items():
-        t.add_row(k, f"{v:.1f}")
+        t.add_row(k, f"{v:.1f}", f"{peaks[k]:.2f}" if k in peaks else "—")
     status.print(t)
 
 
-def _run_jobs(plan: Plan) -> dict[str, float]:
-    """Every phase in order; returns each arm's wall time in seconds (skipped jobs included: a cached arm is fast)."""
+def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
+    """Every phase in order; returns each arm's wall time in seconds (skipped jobs included: a cached arm is fast) and
+    fills ``peaks`` with each arm's peak resident set in GiB (the largest of this process and its worker processes)."""
     import time
 
     from mergescope.zoo import is_trained
 
+    from mergescope.memory import peak_gb, reset_peak
+    from mergescope.workers import WORKER_PEAKS
+
     times: dict[str, float] = {}
     t0 = time.perf_counter()
+    reset_peak()
+    WORKER_PEAKS.clear()
 
-    def lap(name: str) -> None:
+    def lap(name: str) -> None:  # the arm's wall time, and its peak resident set (this process and its workers)
         nonlocal t0
         now = time.perf_counter()
         times[name] = times.get(name, 0.0) + now - t0
+        peaks[name] = max(peaks.get(name, 0.0), peak_gb(), *WORKER_PEAKS)
         t0 = now
+        reset_peak()
+        WORKER_PEAKS.clear()
 
     trains = [j for j in plan.model_jobs("train") if j.cfg.model.get("zoo") is not None]
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]

@@ -17,18 +17,24 @@ from omegaconf import DictConfig
 from mergescope.runs import JobResult, record, recording
 
 
-def run_group(specs: list[tuple[str, DictConfig, list[str]]], threads: int | None) -> tuple[list[JobResult], list[JobResult]]:
-    """Jobs ``(task, cfg, overrides)`` one after another in a worker process: their results and every result
-    they recorded."""
+def run_group(specs: list[tuple[str, DictConfig, list[str]]],
+              threads: int | None) -> tuple[list[JobResult], list[JobResult], float]:
+    """Jobs ``(task, cfg, overrides)`` one after another in a worker process: their results, every result they
+    recorded, and the worker's peak resident set over the group (GiB)."""
     import torch
 
     from mergescope.cli import handler
+    from mergescope.memory import peak_gb, reset_peak
 
+    reset_peak()
     if threads:
         torch.set_num_threads(int(threads))
     with recording() as ledger:
         results = [handler(task)(cfg, overrides) for task, cfg, overrides in specs]
-    return results, list(ledger)
+    return results, list(ledger), peak_gb()
+
+
+WORKER_PEAKS: list[float] = []  # each finished group's worker peak (GiB), read by the study per arm
 
 
 def run_groups(groups: Sequence[Sequence[Any]], workers: int) -> Iterator[list[JobResult]]:
@@ -47,8 +53,9 @@ def run_groups(groups: Sequence[Sequence[Any]], workers: int) -> Iterator[list[J
     par = Parallel(n_jobs=int(workers), backend="loky", return_as="generator")
     calls = (delayed(run_group)([(j.task, j.cfg, list(j.overrides)) for j in g], g[0].cfg.get("num_threads"))
              for g in groups)
-    for results, ledger in par(calls):
+    for results, ledger, peak in par(calls):
         record(ledger)
+        WORKER_PEAKS.append(peak)
         yield results
 
 

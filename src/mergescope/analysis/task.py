@@ -134,7 +134,7 @@ def experiment_description(study: Study, md_path: Path, run_id: str, run_link: s
 
 
 def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: list[str] | None = None,
-                timings: dict[str, float] | None = None) -> dict[str, Any]:
+                timings: dict[str, float] | None = None, peaks: dict[str, float] | None = None) -> dict[str, Any]:
     """task=analyze: read the study's runs, build tables, figures and the report, log one kind=analysis run.
 
     ``job_runs``: the run ids of the study's jobs (the study passes them). Without them, the job list
@@ -154,8 +154,12 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         from mergescope.analysis.tables import RTable, Section
 
         sec = Section("timing", "Time per arm (this launch)")
-        sec.tables.append(RTable("Wall time per arm", ["arm", "seconds"], [[k, f"{v:.1f}"] for k, v in timings.items()],
-                                 note="this launch's wall time, jobs reused from earlier launches included (they are fast)"))
+        pk = peaks or {}
+        sec.tables.append(RTable("Wall time and peak memory per arm", ["arm", "seconds", "peak RSS GiB"],
+                                 [[k, f"{v:.1f}", f"{pk[k]:.2f}" if k in pk else "—"] for k, v in timings.items()],
+                                 note="this launch's wall time, jobs reused from earlier launches included (they are fast); "
+                                      "peak resident set of the study's process and of its worker processes during the arm "
+                                      "(the largest of them, not their sum)"))
         an.sections.insert(0, sec)
     make_figures(an, study)
     for t in an.console_tables:
