@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from mergescope.shared.evaluate import fit_space
+from mergescope.shared_space.evaluate import fit_space
 
 
 def main(n: int = 1012, dim: int = 200, models: int = 5) -> None:
@@ -25,7 +25,7 @@ def main(n: int = 1012, dim: int = 200, models: int = 5) -> None:
     total = time.perf_counter() - t0
     reduced = [space.reductions[i].apply(x) for i, x in enumerate(Xs)]
     t1 = time.perf_counter()
-    from mergescope.shared.gpa import gpa
+    from mergescope.shared_space.gpa import gpa
 
     fit = gpa(reduced)
     rot = time.perf_counter() - t1

@@ -233,7 +233,7 @@ def test_bits_per_byte_predicts_every_token_from_the_start_token_on_a_known_case
 
 def test_the_adapt_arm_and_routing_share_the_definition(tok):
     from mergescope.adapt.evaluate import Text, score
-    from mergescope.shared.routing import bits_per_byte as routing_bpb
+    from mergescope.shared_space.routing import bits_per_byte as routing_bpb
 
     m = _model("llama", tok, **SMALL)
     s = score(m, tok, [Text("test", "eng_Latn", tuple(TEXT), None)])

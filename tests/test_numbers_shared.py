@@ -9,10 +9,10 @@ from omegaconf import OmegaConf
 
 from mergescope.analysis.shared_space import dim_rows, ssm_gap_rows
 from mergescope.errors import MergescopeError
-from mergescope.shared.depth import depth_layers, distinct_depths
-from mergescope.shared.evaluate import effective_dim, retrieval_eval
-from mergescope.shared.gpa import apply_map, linear_map, pooled_p1, ridge_lambda, select_ridge
-from mergescope.shared.reprs import main_pooling, poolings
+from mergescope.shared_space.depth import depth_layers, distinct_depths
+from mergescope.shared_space.evaluate import effective_dim, retrieval_eval
+from mergescope.shared_space.gpa import apply_map, linear_map, pooled_p1, ridge_lambda, select_ridge
+from mergescope.shared_space.reprs import main_pooling, poolings
 
 
 # ---------------------------------------------------------------- item 1: the pairwise maps
@@ -57,7 +57,7 @@ def test_a_linear_relation_plus_small_noise_is_retrieved_by_the_pairwise_map():
 def test_the_ridge_of_a_fold_never_depends_on_its_held_out_rows():
     """retrieval_eval picks each fold's ridge on that fold's training rows: garbage in the held-out fold's gallery side
     changes its scores but not the chosen ridges or lambdas."""
-    from mergescope.shared.gpa import folds
+    from mergescope.shared_space.gpa import folds
 
     rng = np.random.default_rng(3)
     z = rng.standard_normal((300, 10))

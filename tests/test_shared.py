@@ -12,10 +12,10 @@ from scipy.stats import ortho_group, spearmanr
 
 from mergescope.errors import MergescopeError
 from mergescope.metrics.cka_debiased import debiased_cka, debiased_cka_jackknife, unbiased_hsic
-from mergescope.shared.agreement import agreement, nn_match, nn_match_null, permutations, rsa, rsa_null
-from mergescope.shared.depth import depth_layers, layer_at
-from mergescope.shared.evaluate import fit_space, retrieval_matrices
-from mergescope.shared.gpa import gpa, pca_reduce, pooled_p1
+from mergescope.shared_space.agreement import agreement, nn_match, nn_match_null, permutations, rsa, rsa_null
+from mergescope.shared_space.depth import depth_layers, layer_at
+from mergescope.shared_space.evaluate import fit_space, retrieval_matrices
+from mergescope.shared_space.gpa import gpa, pca_reduce, pooled_p1
 
 
 # ---------------------------------------------------------------- relative depth
@@ -193,7 +193,7 @@ def test_pca_reduce_pads_beyond_the_rank_and_pooled_p1_is_at_chance_for_noise():
 def test_gram_side_pca_equals_the_svd():
     """n < d: the top components from the n x n Gram matrix are the SVD's (values to 1e-9 relative, vectors up to
     sign), and the reduction gives the same reduced rows up to each column's sign; a planted rank is kept exactly."""
-    from mergescope.shared.gpa import pca_reduce, top_components
+    from mergescope.shared_space.gpa import pca_reduce, top_components
 
     rng = np.random.default_rng(3)
     n, d, dim = 120, 400, 30

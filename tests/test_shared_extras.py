@@ -10,9 +10,9 @@ from conftest import FLORES
 from scipy.spatial.distance import pdist
 from scipy.stats import spearmanr
 
-from mergescope.shared.centroids import centroid_agreement, centroid_rsa, flores_topics, top_categories
-from mergescope.shared.content import capitalised_inside, content_types, numbers, type_transfer
-from mergescope.shared.reorganize import change_corr, is_ssm, layer_change
+from mergescope.shared_space.centroids import centroid_agreement, centroid_rsa, flores_topics, top_categories
+from mergescope.shared_space.content import capitalised_inside, content_types, numbers, type_transfer
+from mergescope.shared_space.reorganize import change_corr, is_ssm, layer_change
 
 
 def _rotation(d: int, seed: int) -> np.ndarray:
@@ -130,7 +130,7 @@ def test_an_unseen_content_type_in_an_unfitted_subspace_is_not_retrieved():
 
 
 def test_change_values_pair_model_a_layer_i_with_model_b_layer_j():
-    from mergescope.shared.agreement_job import change_values
+    from mergescope.shared_space.agreement_job import change_values
 
     rng = np.random.default_rng(11)
     Ca, Cb = rng.uniform(size=(4, 30)), rng.uniform(size=(3, 30))

@@ -519,7 +519,7 @@ def test_residual_frozen_adaptation_equals_training_theta_with_r_frozen():
     from torch.func import functional_call
 
     from mergescope.represent import pad_batch, tokenize
-    from mergescope.transport.adapt import finetune
+    from mergescope.transport.finetune import finetune
 
     sents = lines("eng_Latn", n=64)
     tok = make_tokenizer(sents, 300)

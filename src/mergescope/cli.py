@@ -28,9 +28,9 @@ TASKS: dict[str, str] = {
     "transport": "mergescope.transport.job:run_transport",
     "typology": "mergescope.typology:run_typology",
     "analyze": "mergescope.analysis:run_analyze",
-    "agreement": "mergescope.shared.agreement_job:run_agreement",
-    "shared_space": "mergescope.shared.space_job:run_shared_space",
-    "routing": "mergescope.shared.routing_job:run_routing",
+    "agreement": "mergescope.shared_space.agreement_job:run_agreement",
+    "shared_space": "mergescope.shared_space.space_job:run_shared_space",
+    "routing": "mergescope.shared_space.routing_job:run_routing",
     "adapt": "mergescope.adapt.job:run_adapt",
     "expansion": "mergescope.adapt.kept:run_expansion",
 }

@@ -41,7 +41,7 @@ class Text:
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
     """The FLORES domain of each of the first ``n`` lines of ``split`` (None when there is no metadata)."""
-    from mergescope.shared.domains import metadata_column
+    from mergescope.shared_space.domains import metadata_column
 
     col = metadata_column(root, split, "domain")
     return None if col is None else tuple(col)[:n]

@@ -40,7 +40,7 @@ from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
 from mergescope.runs import JobResult, finished, model_label, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
-from mergescope.transport import adapt as adapt_mod
+from mergescope.transport import finetune as finetune_mod
 from mergescope.transport import fusion as fus
 from mergescope.transport import interfaces as itf
 from mergescope.transport.settings import TransportSettings, merge_node, probe_data
@@ -391,7 +391,7 @@ def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline:
 
 def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric: str = "train_loss") -> list[float]:
     """merge.adapt's fine-tuning of the host in place on the adaptation text; the loss curve is logged as ``metric``."""
-    losses = adapt_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, d.s.adapt, int(d.cfg.represent.max_length),
+    losses = finetune_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, d.s.adapt, int(d.cfg.represent.max_length),
                                 progress=bool(d.cfg.progress), label=label)
     for i, loss in enumerate(losses):
         job.log_metrics({metric: loss}, step=i)

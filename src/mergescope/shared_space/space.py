@@ -5,7 +5,7 @@ A space is ``<dir>/space.npz`` (per model i: ``mean_i``, ``basis_i``, ``scale_i`
 data it was fitted on). ``embed(space_dir, model, texts)`` loads that model, pools that hidden state and
 returns (len(texts), D) coordinates in the space::
 
-    from mergescope.shared import embed
+    from mergescope.shared_space import embed
     Z = embed("space/", "zoo-llama-en", ["A sentence.", "Another one."])
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from mergescope.errors import MergescopeError, did_you_mean
-from mergescope.shared.evaluate import Space
-from mergescope.shared.gpa import Reduction
+from mergescope.shared_space.evaluate import Space
+from mergescope.shared_space.gpa import Reduction
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergescope.shared.gpa import (GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1,
+from mergescope.shared_space.gpa import (GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1,
                                    ridge_lambda, select_ridge)
 
 DEFAULT_RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mergescope.shared.evaluate import shared_p1
+from mergescope.shared_space.evaluate import shared_p1
 
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 WORD = re.compile(r"[^\W\d_][\w'’-]*", re.UNICODE)

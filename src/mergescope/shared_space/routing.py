@@ -18,8 +18,8 @@ from collections import Counter
 import numpy as np
 
 from mergescope.bpb import bits_per_byte, start_id  # noqa: F401  (the project's one definition)
-from mergescope.shared.evaluate import fit_space
-from mergescope.shared.gpa import folds
+from mergescope.shared_space.evaluate import fit_space
+from mergescope.shared_space.gpa import folds
 
 LN2 = float(np.log(2.0))
 

@@ -16,12 +16,12 @@ from mergescope.metrics import linear_cka
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.jobs import check_represent
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
-from mergescope.shared.agreement import agreement, nn_match_null, permutations, rsa
-from mergescope.shared.centroids import centroid_rows, flores_topics
-from mergescope.shared.depth import depth_layers, distinct_depths
+from mergescope.shared_space.agreement import agreement, nn_match_null, permutations, rsa
+from mergescope.shared_space.centroids import centroid_rows, flores_topics
+from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.plotting import pyplot as plt
-from mergescope.shared.reorganize import change_corr, is_ssm, layer_change
-from mergescope.shared.reprs import check_shared, layer_reprs, main_pooling, pc2_share, poolings
+from mergescope.shared_space.reorganize import change_corr, is_ssm, layer_change
+from mergescope.shared_space.reprs import check_shared, layer_reprs, main_pooling, pc2_share, poolings
 
 AGREEMENT_KEYS = ["pair", "data", "represent.max_length", "represent.padding_side", "shared"]
 

@@ -26,7 +26,7 @@ def main_pooling(cfg: DictConfig) -> str:
 
 def ridges(cfg: DictConfig) -> list[float]:
     """The pairwise maps' ridge grid (``shared.ridges``), chosen per fold inside its training rows; checked."""
-    from mergescope.shared.evaluate import DEFAULT_RIDGES
+    from mergescope.shared_space.evaluate import DEFAULT_RIDGES
 
     grid = [float(r) for r in cfg.shared.get("ridges", DEFAULT_RIDGES)]
     if not grid or any(not r > 0 for r in grid):

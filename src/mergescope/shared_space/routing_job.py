@@ -1,5 +1,5 @@
 """task=routing (kind=routing): bits per byte of every sentence under every ``shared.models`` model, and the
-routers of :mod:`mergescope.shared.routing` against always using the best model and the per-sentence oracle.
+routers of :mod:`mergescope.shared_space.routing` against always using the best model and the per-sentence oracle.
 A router that does not beat always-best is reported as such (``space_beats_best`` = 0)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from omegaconf import DictConfig
 
 from mergescope import models
 from mergescope.runs import JobResult, run_once
-from mergescope.shared.agreement_job import write_csv
-from mergescope.shared.domains import domains
-from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare
-from mergescope.shared.routing import bits_per_byte, route, summarise
+from mergescope.shared_space.agreement_job import write_csv
+from mergescope.shared_space.domains import domains
+from mergescope.shared_space.reprs import final_layers, main_pooling, models_tags, prepare
+from mergescope.shared_space.routing import bits_per_byte, route, summarise
 
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
 

@@ -1,7 +1,7 @@
 """task=shared_space (kind=shared_space): GPA over all ``shared.models`` against pairwise linear maps, by held-out
 retrieval over k folds in pools of 10 / 32 / the whole fold, at every relative depth; the D sweep; transfer across
 categories (FLORES domains); the space fitted on all sentences at the final layer, saved as the ``space``
-artifact (``mergescope.shared.embed`` reads it)."""
+artifact (``mergescope.shared_space.embed`` reads it)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from mergescope import models
 from mergescope import data as data_mod
 from mergescope.errors import MergescopeError
 from mergescope.runs import JobResult, run_once
-from mergescope.shared.agreement_job import write_csv
-from mergescope.shared.content import content_types, type_transfer
-from mergescope.shared.depth import depth_layers, distinct_depths
-from mergescope.shared.domains import domains
-from mergescope.shared.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
-from mergescope.shared.reprs import final_layers, main_pooling, models_tags, prepare, ridges
-from mergescope.shared.space import save_space
+from mergescope.shared_space.agreement_job import write_csv
+from mergescope.shared_space.content import content_types, type_transfer
+from mergescope.shared_space.depth import depth_layers, distinct_depths
+from mergescope.shared_space.domains import domains
+from mergescope.shared_space.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
+from mergescope.shared_space.reprs import final_layers, main_pooling, models_tags, prepare, ridges
+from mergescope.shared_space.space import save_space
 
 SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
 

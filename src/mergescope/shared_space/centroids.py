@@ -20,8 +20,8 @@ import numpy as np
 from scipy.stats import rankdata
 
 from mergescope.errors import MergescopeError
-from mergescope.shared.agreement import null_summary
-from mergescope.shared.domains import metadata_column
+from mergescope.shared_space.agreement import null_summary
+from mergescope.shared_space.domains import metadata_column
 
 AS_STRONG_P = 0.05  # random partitions "agree as strongly" when the observed value is not above their 95th percentile
 
