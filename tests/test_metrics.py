@@ -245,6 +245,26 @@ def test_jackknife_matches_brute_force(n, da, db, G):
     assert hi - lo > 1e-4  # a real interval, not a degenerate one
 
 
+@pytest.mark.parametrize("n,da,db,G", [(120, 200, 150, 50), (123, 300, 40, 50), (40, 90, 70, 7)])
+def test_gram_side_jackknife_matches_brute_force_and_the_feature_route(n, da, db, G):
+    """Fewer rows than features: the interval from the n x n Gram matrices (downdated per block) equals G full
+    recomputations, and the feature-moment route's leave-one-out values to 1e-13."""
+    assert cka_mod.gram_side(n, da, db) and not cka_mod.gram_side(200, 10, 14)
+    X, Y = related_pair(n, da, db, seed=n + da, noise=1.5)
+    est, lo, hi = M.cka_jackknife(X, Y, n_blocks=G)
+    r_est, r_lo, r_hi, _ = ref_jackknife(X, Y, G)
+    assert abs(est - M.linear_cka(X, Y)) < 1e-12 and abs(lo - r_lo) < TOL and abs(hi - r_hi) < TOL and lo < est < hi
+    x, y = torch.from_numpy(X), torch.from_numpy(Y)
+    x, y = x - x.mean(0), y - y.mean(0)
+    blocks = cka_mod.block_slices(n, G)
+    _, loo = cka_mod._jackknife_gram(x, y, blocks)
+    m = torch.tensor([n - (s.stop - s.start) for s in blocks], dtype=torch.float64)
+    rx, ry = -cka_mod._block_sums(x, blocks), -cka_mod._block_sums(y, blocks)
+    feat = cka_mod._downdated_sqnorms(y, x, y.T @ x, blocks, ry, rx, m) / (
+        cka_mod._downdated_sqnorms(x, x, x.T @ x, blocks, rx, rx, m).sqrt() * cka_mod._downdated_sqnorms(y, y, y.T @ y, blocks, ry, ry, m).sqrt())
+    assert float((loo - feat).abs().max()) < 1e-13
+
+
 @pytest.mark.parametrize("n,G", [(200, 50), (203, 50), (61, 7)])
 def test_jackknife_leave_one_block_out_values(n, G):
     """The downdated per-block squared norms equal the directly recomputed ones, hence the LOO CKAs."""
