@@ -96,7 +96,7 @@ def _downdated_sqnorms(
     return t1 - 2 * t2 + t3 - 2 * (ugv - ubv) / m + uu * vv / m.pow(2)
 
 
-def _block_indicator(n: int, blocks: list[slice], like: torch.Tensor) -> torch.Tensor:
+def block_indicator(n: int, blocks: list[slice], like: torch.Tensor) -> torch.Tensor:
     """(n, G): 1 where row i is in block g."""
     e = torch.zeros(n, len(blocks), dtype=like.dtype, device=like.device)
     for g, s in enumerate(blocks):
@@ -129,7 +129,7 @@ def gram_side(n: int, da: int, db: int) -> bool:
 def _jackknife_gram(x: torch.Tensor, y: torch.Tensor, blocks: list[slice]) -> tuple[float, torch.Tensor]:
     """The estimate and the leave-one-block-out CKAs from K = Xc Xc^T and L = Yc Yc^T (x, y centred)."""
     k, l_ = x @ x.T, y @ y.T
-    e = _block_indicator(x.shape[0], blocks, x)
+    e = block_indicator(x.shape[0], blocks, x)
     estimate = float((k * l_).sum() / ((k * k).sum().sqrt() * (l_ * l_).sum().sqrt()))  # centred: H K H = K
     return estimate, _gram_downdated(k, l_, e) / (_gram_downdated(k, k, e).sqrt() * _gram_downdated(l_, l_, e).sqrt())
 

@@ -22,7 +22,7 @@ import torch
 
 from mergescope.metrics._common import pair_f64
 from mergescope.errors import MergescopeError
-from mergescope.metrics.cka import Z95, block_slices, check_cka
+from mergescope.metrics.cka import Z95, block_indicator, block_slices, check_cka
 from mergescope.registry import metrics
 
 
@@ -79,9 +79,7 @@ def debiased_cka_jackknife(X: Any, Y: Any, n_blocks: int = 50, device: str = "au
         raise ValueError(f"n_blocks must be in [2, n={n}], got {n_blocks}")
     k, l_ = x @ x.T, y @ y.T
     estimate = float(_cka_u(k, l_))
-    members = torch.zeros(n, n_blocks, dtype=k.dtype, device=k.device)
-    for g, s in enumerate(block_slices(n, n_blocks)):
-        members[s, g] = 1.0
+    members = block_indicator(n, block_slices(n, n_blocks), k)
     if int(members.sum(0).max()) > n - 4:
         raise ValueError(f"n_blocks={n_blocks} leaves fewer than 4 of {n} sentences in a jackknife replicate")
     loo_t = loo_hsic(k, l_, members) / torch.sqrt(loo_hsic(k, k, members) * loo_hsic(l_, l_, members))
