@@ -143,7 +143,7 @@ def _pair(tiny_models, *extra):
     p = str(tiny_models["neox_en"])
     return ["task=merge", "pair=custom", f"pair.a.name_or_path={p}", "pair.a.revision=step2", "pair.a.lang=eng_Latn",
             f"pair.b.name_or_path={p}", "pair.b.revision=null", "pair.b.lang=por_Latn", "native.base=step1",
-            f"native.nll_sentences={N}", "native.stats_sentences=5", "save=true", *extra]
+            f"native.nll_sentences={N}", "merge_stats.sentences=5", "save=true", *extra]
 
 
 def test_native_regmean_merge_equals_an_outside_computation(tiny_models, compose_cfg):
@@ -159,7 +159,7 @@ def test_native_regmean_merge_equals_an_outside_computation(tiny_models, compose
     cfg, ov = compose_cfg(_pair(tiny_models, "merge=regmean"))
     res = run_merge(cfg, ov)
     run = Tracker(cfg).runs("tags.kind = 'merge'")[0]
-    assert run.data.params["native.stats_split"] == "dev" and res.metrics["stats_sentences"] == 10
+    assert run.data.params["merge_stats.split"] == "dev" and res.metrics["stats_sentences"] == 10
     p = Path(str(tiny_models["neox_en"]))
     a = AutoModelForCausalLM.from_pretrained(p / "step2").eval()
     b = AutoModelForCausalLM.from_pretrained(p).eval()
@@ -189,8 +189,8 @@ def test_statistics_on_the_scored_split_are_refused_before_any_run(tiny_models, 
     from mergescope.native.merges import run_merge
     from mergescope.tracking import Tracker
 
-    cfg, ov = compose_cfg(_pair(tiny_models, "merge=fisher", "native.stats_split=devtest"))
-    with pytest.raises(MergescopeError, match="native.stats_split=devtest is the split the merged model is scored on"):
+    cfg, ov = compose_cfg(_pair(tiny_models, "merge=fisher", "merge_stats.split=devtest"))
+    with pytest.raises(MergescopeError, match="merge_stats.split=devtest is the split the merged model is scored on"):
         run_merge(cfg, ov)
     assert Tracker(cfg).runs("", status=None) == []
 
@@ -203,7 +203,7 @@ def test_native_fisher_merge_runs_in_the_native_arm_and_differs_from_linear(tiny
     cfg, ov = compose_cfg(["task=native", "pair=custom", f"pair.a.name_or_path={p}", "pair.a.revision=step2",
                            "pair.a.lang=eng_Latn", f"pair.b.name_or_path={p}", "pair.b.revision=null", "pair.b.lang=eng_Latn",
                            "native.base=step1", "native.merges=[linear,fisher,regmean]", "native.lmc_points=3",
-                           f"native.nll_sentences={N}", "native.stats_sentences=4"])
+                           f"native.nll_sentences={N}", "merge_stats.sentences=4"])
     run_native(cfg, ov)
     by = {r.data.tags["merge"]: r.data.metrics for r in Tracker(cfg).runs("tags.kind = 'merge'")}
     assert set(by) == {"linear", "fisher", "regmean"}

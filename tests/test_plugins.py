@@ -126,6 +126,37 @@ def test_study_real_native_pairs_checkpoint_overrides_and_shared_models(compose_
         study_mod.Plan(["study=real", "expansion.targets=[]"])
 
 
+def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monkeypatch):
+    """plan=true lists per phase exactly the jobs the study runs (the same Plan.phases lists), which are done, the
+    measured time of those and an estimate for the rest (the phase's median times the jobs left); nothing runs."""
+    import mergescope.study as study_mod
+    from mergescope.runs import JobResult
+
+    cfg, _ = compose_cfg([])
+    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
+    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
+    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": True}})
+    plan = study_mod.Plan(["study=real"])
+    phases = plan.phases()
+    ran: dict[str, list] = {}
+    monkeypatch.setattr(study_mod, "_run_all", lambda jobs, describe, *a, phase="jobs", **k: ran.setdefault(phase, []).extend(jobs) or [])
+    monkeypatch.setattr(study_mod, "_run_sweep", lambda jobs: ran.setdefault("transport settings", []).extend(jobs))
+    monkeypatch.setattr(study_mod, "_checkpoint_arm", lambda plan, jobs: ran.setdefault("checkpoints", []).extend(jobs))
+    monkeypatch.setattr("mergescope.zoo.is_trained", lambda p: False)
+    study_mod._run_jobs(plan, {})
+    assert {name: [j.overrides for j in jobs] for _, name, jobs in phases if jobs} == \
+        {name: [j.overrides for j in jobs] for name, jobs in ran.items() if jobs}
+    done_ids = {id(j) for _, _, jobs in phases for j in jobs[::2]}  # every other job done
+    monkeypatch.setattr(study_mod, "_done_pass", lambda jobs: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
+                                                               [j for j in jobs if id(j) not in done_ids]))
+    monkeypatch.setattr(study_mod, "_duration_s", lambda client, run_id: 10.0)
+    monkeypatch.setattr(plan, "phases", lambda: phases)
+    rows = study_mod.plan_rows(plan, cfg)
+    want = [(name, len(jobs), (len(jobs) + 1) // 2) for _, name, jobs in phases if jobs]
+    assert [(r["phase"], r["jobs"], r["done"]) for r in rows] == want
+    assert all(r["done_s"] == 10.0 * r["done"] and r["todo_s"] == 10.0 * r["todo"] for r in rows)
+
+
 def test_a_pair_is_two_model_names(compose_cfg, tmp_path):
     """pair=<a>__<b> composes the two model entries for any two models of conf/model/ with no pair YAML (adding a
     model is one file); an unknown pair name is one line with a did-you-mean; a pair YAML takes its name over."""

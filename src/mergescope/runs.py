@@ -178,8 +178,9 @@ def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:
     splits = [str(sel("data.split"))]
     if sel("merge.probe_split") and any(k.split(".")[0] == "merge" for k in keys):
         splits.append(str(sel("merge.probe_split")))
-    splits += [str(sel(k)) for k in ("adaptation.val_split", "adaptation.test_split", "native.stats_split")
-               if k in keys and sel(k)]
+    splits += [str(sel(k)) for k in ("adaptation.val_split", "adaptation.test_split") if k in keys and sel(k)]
+    if "merge_stats" in keys and sel("merge_stats.split"):  # a data-aware merge's statistics split
+        splits.append(str(sel("merge_stats.split")))
     return data_mod.content_digest(cfg.data, [x for x in langs if x and x != "None"], splits)
 
 

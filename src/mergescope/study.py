@@ -301,6 +301,22 @@ class Plan:
                     for op in ("expand", "truncate")]
         return out
 
+    def phases(self) -> list[tuple[str, str, list[StudyJob]]]:
+        """(arm, phase, jobs) in the order the study runs them: what ``plan=true`` lists and :func:`_run_jobs` runs
+        (the same lists)."""
+        rep = "representation" in self.arms
+        return [("training", "training", [j for j in self.model_jobs("train") if j.cfg.model.get("zoo") is not None]),
+                ("representation", "quality", self.model_jobs("quality") if rep else []),
+                ("representation", "measure", self.measures if rep else []),
+                ("representation", "typology", self.pair_jobs("typology") if rep else []),
+                ("native", "native", self.native_pairs() if "native" in self.arms else []),
+                ("checkpoints", "checkpoints", self.checkpoint_pairs()),
+                ("transport", "transport", self.transport_directions() if "transport" in self.arms else []),
+                ("transport", "transport settings", self.transport_sweep()),
+                ("shared_space", "shared space", self.shared_jobs()),
+                ("adapt", "adapt", self.adapt_jobs()),
+                ("expansion", "expansion", self.expansion_jobs())]
+
     def expansion_jobs(self) -> list[StudyJob]:
         """The function check of dimensional adaptation: every model of ``expansion.models`` against every target of
         ``expansion.targets`` (task=expansion)."""
@@ -439,11 +455,11 @@ def _transport_text(j: StudyJob, r: JobResult) -> str:
     return f"transport {model_label(t)} <- {model_label(d)}: delta target {deltas}"
 
 
-def _checkpoint_arm(plan: Plan) -> None:
+def _checkpoint_arm(plan: Plan, jobs: list[StudyJob]) -> None:
     """The checkpoint pairs, model by model; with ``checkpoints.evict_after`` each hub model's revisions are
     deleted from the local hub cache once all its pairs are FINISHED (a zoo folder is never touched)."""
     by_model: dict[str, list[StudyJob]] = {}
-    for j in plan.checkpoint_pairs():
+    for j in jobs:
         by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
     for jobs in by_model.values():
         _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
@@ -466,6 +482,62 @@ def evict_checkpoints(jobs: list[StudyJob]) -> dict[str, int]:
     return freed
 
 
+def _duration_s(client, run_id: str) -> float | None:
+    info = client.get_run(run_id).info
+    return (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
+
+
+def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
+    """Per phase: its jobs, how many are done (a FINISHED run of their identity exists: found exactly as a launch finds
+    it, stopping before any work), the measured wall time of the done ones (their runs' durations) and an estimate
+    for the rest: the median duration of the phase's done jobs in this store, times the jobs left (none when no job
+    of the phase has run yet). Nothing runs and no run is created."""
+    from mergescope.tracking import Tracker
+
+    client = Tracker(cfg).client
+    rows = []
+    for arm, phase, jobs in plan.phases():
+        if not jobs:
+            continue
+        done, todo = _done_pass(jobs)
+        secs = [d for d in (_duration_s(client, r.run_id) for _, r in done) if d is not None]
+        med = float(sorted(secs)[len(secs) // 2]) if secs else None
+        rows.append({"arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
+                     "done_s": sum(secs), "todo_s": med * len(todo) if med is not None and todo else (0.0 if not todo else None),
+                     "todo_jobs": [f"{j.task} {' '.join(j.overrides[len(plan.base):])}" for j in todo]})
+    return rows
+
+
+def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
+    """``plan=true``: the study's jobs per phase, which are done, what the rest would cost (:func:`plan_rows`), printed;
+    with ``-v`` every job left to run. Peak memory and GPU estimates are not given: no per-job memory is logged yet."""
+    from rich.table import Table
+
+    was_quiet = not verbose()
+    set_quiet(not cfg.get("verbose"))  # finding what is done prints nothing of the jobs themselves
+    try:
+        rows = plan_rows(plan, cfg)
+    finally:
+        set_quiet(was_quiet)
+    t = Table(title=f"study {cfg.tracking.experiment}: the plan (nothing runs)")
+    for c in ("arm", "phase", "jobs", "done", "to run", "done: measured s", "to run: estimated s"):
+        t.add_column(c, justify="left" if c in ("arm", "phase") else "right")
+    for r in rows:
+        est = "—" if r["todo_s"] is None else f"{r['todo_s']:.0f}"
+        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", est)
+    status.print(t)
+    unknown = [r["phase"] for r in rows if r["todo_s"] is None]
+    left = sum(r["todo_s"] or 0.0 for r in rows)
+    status.print(f"{sum(r['todo'] for r in rows)} of {sum(r['jobs'] for r in rows)} jobs to run; estimated {left / 60:.1f} min "
+                 "from this store's own runs (median per phase)" + (f", plus the phases with no run yet: {', '.join(unknown)}"
+                                                                   if unknown else "")
+                 + ". No peak-memory or GPU estimate: per-job memory is not logged yet.", soft_wrap=True)
+    for r in rows if cfg.get("verbose") else []:
+        for line in r["todo_jobs"]:
+            status.print(f"  to run [{r['phase']}]: {line}", soft_wrap=True)
+    return {"plan": rows}
+
+
 def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     """Every job of the study, nested under one kind=study run of this launch (MLflow's parent run), then the analysis.
     The study run logs each arm's wall time (``wall_s.<arm>``), printed at the end and shown in the report. A launch
@@ -476,6 +548,8 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from mergescope.tracking import PARENT_ENV, Tracker
 
     plan = Plan(overrides)
+    if cfg.get("plan"):
+        return show_plan(plan, cfg)
     tracker = Tracker(cfg)
     was_quiet = not verbose()
     set_quiet(not cfg.get("verbose"))  # the jobs' own lines with -v only; the phase bars and the findings always
@@ -546,7 +620,8 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
         reset_peak()
         WORKER_PEAKS.clear()
 
-    trains = [j for j in plan.model_jobs("train") if j.cfg.model.get("zoo") is not None]
+    ph = {name: jobs for _, name, jobs in plan.phases()}
+    trains = ph["training"]
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
     for j in todo:
         console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
@@ -554,28 +629,27 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
     lap("training")
-    rep = "representation" in plan.arms
-    _run_all(plan.model_jobs("quality") if rep else [], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}",
+    _run_all(ph["quality"], lambda j, r: f"quality {model_label(j.cfg.model)}: nll={r.metrics.get('nll', float('nan')):.4f}",
              phase="quality")
-    _run_all(plan.measures if rep else [], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}", phase="measure")
-    _run_all(plan.pair_jobs("typology") if rep else [], lambda j, r: f"typology {_pair_text(j)}", phase="typology")
+    _run_all(ph["measure"], lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}", phase="measure")
+    _run_all(ph["typology"], lambda j, r: f"typology {_pair_text(j)}", phase="typology")
     lap("representation")
-    _run_all(plan.native_pairs() if "native" in plan.arms else [], lambda j, r: f"native pair {_pair_text(j)}",
+    _run_all(ph["native"], lambda j, r: f"native pair {_pair_text(j)}",
              phase="native")
     lap("native")
-    _checkpoint_arm(plan)
+    _checkpoint_arm(plan, ph["checkpoints"])
     lap("checkpoints")
-    _run_all(plan.transport_directions() if "transport" in plan.arms else [], _transport_text, parallel_workers(plan),
+    _run_all(ph["transport"], _transport_text, parallel_workers(plan),
              together=_target, phase="transport")  # one target's directions in one worker: its no-fusion baseline is made once
-    _run_sweep(plan.transport_sweep())
+    _run_sweep(ph["transport settings"])
     lap("transport")
-    _run_all(plan.shared_jobs(), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}",
+    _run_all(ph["shared space"], lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}",
              phase="shared space")
     lap("shared_space")
-    _run_all(plan.adapt_jobs(), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}",
+    _run_all(ph["adapt"], lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}",
              phase="adapt")
     lap("adapt")
-    _run_all(plan.expansion_jobs(), lambda j, r: f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
+    _run_all(ph["expansion"], lambda j, r: f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
              f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}", phase="expansion")
     lap("expansion")
     return {k: v for k, v in times.items() if k in ("training", "representation") or k in plan.arms or

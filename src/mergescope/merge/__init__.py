@@ -77,7 +77,7 @@ def merge_state_dicts(
     need = entry.meta.get("needs_stats")
     if need and (stats is None or len(stats) != len(sds)):
         raise MergescopeError(f"merge '{entry.name}' is data-aware (it needs each model's {need} statistics): this route "
-                              "computes none; use it in the native arm or task=merge, which compute them on native.stats_split")
+                              "computes none; use it in the native arm or task=merge, which compute them on merge_stats.split")
     has_seed = "seed" in entry.params
     per_tensor = any_varies(kwargs)  # filters / gradients (mergescope.tensor_settings): resolved at every name
     n_layers = layer_count(sds[0].keys()) if per_tensor else 0

@@ -3,7 +3,7 @@ average of the models' values weighted by each model's diagonal Fisher informati
 
 theta* = sum_i w_i F_i theta_i / sum_i w_i F_i, elementwise, with F_i the diagonal empirical Fisher of model i on its
 own data: the mean over sentences of the squared gradient of the sentence's log-likelihood
-(``mergescope.native.stats``, ``native.stats_split``, disjoint from the split the merged model is scored on).
+(``mergescope.native.stats``, ``merge_stats.split``, disjoint from the split the merged model is scored on).
 ``floor`` is added to every F_i (the paper's and FusionBench's guard against a parameter no example moves: there the
 result falls back to the weighted average). ``weights`` (one per model, default equal) are the paper's lambda_i. A
 tensor without statistics is the weighted average. mergekit has no equivalent.

@@ -7,7 +7,7 @@ transposed. ``alpha`` scales the off-diagonal of every G_i (the paper's regulari
 (1 - alpha) diag(G_i); alpha = 1 is the exact regression, alpha = 0 a per-input-feature weighted average). Solved in
 float64. Every tensor that is not a linear weight with its statistics (embeddings, norms, biases; a head tied to the
 embedding) is the plain average, as in the paper. The statistics come from each model's own data
-(``mergescope.native.stats``, ``native.stats_split``), disjoint from the split the merged model is scored on.
+(``mergescope.native.stats``, ``merge_stats.split``), disjoint from the split the merged model is scored on.
 mergekit has no equivalent.
 """
 

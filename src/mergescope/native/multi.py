@@ -242,7 +242,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     extra["merge_data"] = data_mod.content_digest(cfg.data, langs, [str(cfg.data.get("split"))])
     if entry.meta.get("needs_stats"):  # the statistics' split of every model's language
         extra["stats_data"] = data_mod.content_digest(cfg.data, [str(e.lang) for e in spec.entries],
-                                                      [str(cfg.native.stats_split)])
+                                                      [str(cfg.merge_stats.split)])
     reads = [*refs, *([base_ref] if base_ref is not None else [])]
     res = run_once(cfg, f"merge {cfg.merge.name} {' + '.join(names)}", tags, overrides, body, task="merge_n",
                    keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),

@@ -1,6 +1,6 @@
 """The data statistics of the data-aware merges (RegMean, Fisher merging), each model on its own data.
 
-Each model is read on the first ``native.stats_sentences`` sentences of its own language in ``native.stats_split``
+Each model is read on the first ``merge_stats.sentences`` sentences of its own language in ``merge_stats.split``
 (FLORES dev by default), which must differ from ``data.split`` (the split the merged model is scored on): the merge
 never sees the text it is judged on. Sentences are tokenised as everywhere else (:func:`mergescope.bpb.sentence_ids`:
 the start token, then the sentence's own tokens).
@@ -12,7 +12,7 @@ the start token, then the sentence's own tokens).
 - ``fisher`` (Fisher merging): the diagonal empirical Fisher, the mean over sentences of the squared gradient of the
   sentence's log-likelihood (sum over its tokens), accumulated in float32. A squared per-example gradient cannot be
   read from a batch's summed gradient, so this is one backward pass per sentence (the only per-sentence loop of the
-  project, and why the default ``native.stats_sentences`` is small).
+  project, and why the default ``merge_stats.sentences`` is small).
 """
 
 from __future__ import annotations
@@ -32,26 +32,27 @@ from mergescope.progress import console
 from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
 
 KINDS = ("gram", "fisher")
-STATS_KEYS = ["native.stats_split", "native.stats_sentences"]  # in the identity of a data-aware merge only
+STATS_KEYS = ["merge_stats"]  # in the identity of a data-aware merge only (and of a native job that lists one)
 
 
 def check_stats(cfg: DictConfig) -> None:
     """The statistics' split differs from the scored one, and a count is set (before any run exists)."""
-    split, scored = str(cfg.native.get("stats_split") or ""), str(cfg.data.get("split"))
+    ms = cfg.get("merge_stats") or {}
+    split, scored = str(ms.get("split") or ""), str(cfg.data.get("split"))
     if not split:
-        raise MergescopeError("a data-aware merge needs native.stats_split (e.g. dev): the split its statistics are read on")
+        raise MergescopeError("a data-aware merge needs merge_stats.split (e.g. dev): the split its statistics are read on")
     if split == scored:
-        raise MergescopeError(f"native.stats_split={split} is the split the merged model is scored on (data.split): "
-                              "the statistics must come from a disjoint split (e.g. native.stats_split=dev)")
-    n = cfg.native.get("stats_sentences")
+        raise MergescopeError(f"merge_stats.split={split} is the split the merged model is scored on (data.split): "
+                              "the statistics must come from a disjoint split (e.g. merge_stats.split=dev)")
+    n = ms.get("sentences")
     if n is None or int(n) < 1:
-        raise MergescopeError(f"native.stats_sentences={n}: give at least 1")
+        raise MergescopeError(f"merge_stats.sentences={n}: give at least 1")
 
 
 def stats_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
     c = plain_copy(cfg.data)
-    c.split = str(cfg.native.stats_split)
-    return tuple(data_mod.load_side(c, lang).sentences[: int(cfg.native.stats_sentences)])
+    c.split = str(cfg.merge_stats.split)
+    return tuple(data_mod.load_side(c, lang).sentences[: int(cfg.merge_stats.sentences)])
 
 
 def tied_names(model) -> set[str]:
@@ -178,7 +179,7 @@ def each_model(kind: str, cfg: DictConfig, host, tokenizer, langs: Sequence[str]
     finally:
         restore()
     secs = time.perf_counter() - started
-    console.print(f"  {kind} statistics of {len(langs)} models on {cfg.native.stats_split}: {n_sent} sentences, "
+    console.print(f"  {kind} statistics of {len(langs)} models on {cfg.merge_stats.split}: {n_sent} sentences, "
                   f"{tokens} tokens ({secs:.1f} s)")
     return out, {"stats_tokens": float(tokens), "stats_sentences": float(n_sent), "stats_s": secs}
 
