@@ -5,7 +5,7 @@
 
 Times (median of --repeats) one ``linear_cka``, ``cka_jackknife(n_blocks=G)`` (downdated moments)
 and a naive jackknife (G full recomputations of linear CKA with one contiguous block deleted),
-prints the ratios jackknife / one CKA (target <= 3x) and naive / jackknife, and checks that the
+prints the ratios jackknife / one CKA (target <= 1.5x) and naive / jackknife, and checks that the
 naive and fast intervals agree to 1e-10. Exit status 1 if they do not.
 """
 
@@ -23,7 +23,7 @@ from mergescope.metrics import cka_jackknife, linear_cka
 from mergescope.device import resolve_device
 from mergescope.metrics.cka import Z95, block_slices
 
-TARGET = 3.0
+TARGET = 1.5  # issue 26: the interval <= 1.5x one CKA
 
 
 def make_data(n: int, da: int, db: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
