@@ -137,7 +137,7 @@ def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monk
     monkeypatch.setattr(study_mod, "load_config", lambda e: e)
     monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": True}})
     plan = study_mod.Plan(["study=real"])
-    phases = plan.phases()
+    phases = [(arm, name, of()) for arm, name, of in plan.phases()]
     ran: dict[str, list] = {}
     monkeypatch.setattr(study_mod, "_run_all", lambda jobs, describe, *a, phase="jobs", **k: ran.setdefault(phase, []).extend(jobs) or [])
     monkeypatch.setattr(study_mod, "_run_sweep", lambda jobs: ran.setdefault("transport settings", []).extend(jobs))
@@ -150,7 +150,7 @@ def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monk
     monkeypatch.setattr(study_mod, "_done_pass", lambda jobs: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
                                                                [j for j in jobs if id(j) not in done_ids]))
     monkeypatch.setattr(study_mod, "_duration_s", lambda client, run_id: 10.0)
-    monkeypatch.setattr(plan, "phases", lambda: phases)
+    monkeypatch.setattr(plan, "phases", lambda: [(arm, name, lambda jobs=jobs: jobs) for arm, name, jobs in phases])
     rows = study_mod.plan_rows(plan, cfg)
     want = [(name, len(jobs), (len(jobs) + 1) // 2) for _, name, jobs in phases if jobs]
     assert [(r["phase"], r["jobs"], r["done"]) for r in rows] == want

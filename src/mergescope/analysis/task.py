@@ -162,8 +162,8 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
                                       "(the largest of them, not their sum)"))
         an.sections.insert(0, sec)
     make_figures(an, study)
-    for t in an.console_tables:
-        console.print(t.rich())
+    for t in an.console_tables:  # a quiet study prints the CKA matrix (one small table); -v every table
+        (status if t.title.startswith("Last-layer CKA") else console).print(t.rich())
     out_dir = Path(str(cfg.paths.root)) / "reports" / study.experiment
     tags = {"kind": "analysis", "study": study.experiment, "study_jobs": len(study.records)}
     tracker = Tracker(cfg)
