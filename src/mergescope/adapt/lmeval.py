@@ -28,8 +28,14 @@ doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 metric_list:
   - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
 """
 
 
@@ -69,9 +75,17 @@ def evaluate(model, tokenizer, tasks: list[str], include: Path | None, batch_siz
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size))
-    manager = TaskManager(include_path=str(include)) if include else TaskManager()
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit)
+    import logging
+
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    log.setLevel(logging.ERROR)  # lm-eval's info lines and its warnings about an in-memory model (expected here)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size))
+        manager = TaskManager(include_path=str(include)) if include else TaskManager()
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit)
+    finally:
+        log.setLevel(level)
 
 
 def run_lm_eval(cfg: DictConfig, setup, loaded, ratio: float, merge_run: str, overrides) -> JobResult:

@@ -88,7 +88,8 @@ def save_pair(cfg: DictConfig, pair, entry, kwargs: dict, run_id: str) -> str:
 
     _merge_pair_into_host(cfg, pair, entry, kwargs)
     try:
-        base = model_label(base_entry(cfg)) if pair.sd_base is not None else None
+        uses_base = entry.meta.get("needs_base") or kwargs.get("task_vectors")  # loaded for the NLLs, not merged from
+        base = model_label(base_entry(cfg)) if pair.sd_base is not None and uses_base else None
         return save_merged(cfg, pair.host, pair.tok, run_id, entry, kwargs, _pair_models(cfg), base,
                            f"the native pair {cfg.pair.a.name_or_path} x {cfg.pair.b.name_or_path}")
     finally:
