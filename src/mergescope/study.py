@@ -519,6 +519,7 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
 def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     """``plan=true``: the study's jobs per phase, which are done, what the rest would cost (:func:`plan_rows`), printed;
     with ``-v`` every job left to run. Peak memory and GPU estimates are not given: no per-job memory is logged yet."""
+    from rich.markup import escape
     from rich.table import Table
 
     was_quiet = not verbose()
@@ -545,7 +546,7 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
                  + ". No peak-memory or GPU estimate: per-job memory is not logged yet.", soft_wrap=True)
     for r in rows if cfg.get("verbose") else []:
         for line in r["todo_jobs"]:
-            status.print(f"  to run [{r['phase']}]: {line}", soft_wrap=True)
+            status.print(escape(f"  to run [{r['phase']}]: {line}"), soft_wrap=True)
     return {"plan": rows}
 
 
