@@ -113,3 +113,14 @@ def test_peak_memory_is_measured_per_stretch_of_work():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     grown, after = float(out[0]), float(out[1])
     assert grown > 0.25 and after < 0.1  # 305 MiB touched, then forgotten by the reset
+
+
+def test_each_run_kind_has_its_headline_metric():
+    """The metric a run's page opens with: the native job (kind=measure, metric=native) by its LMC barrier, a measure
+    run by its plug-in's headline, none when the value is not finite."""
+    from mergescope.runs import headline_key
+
+    assert headline_key({"kind": "measure", "metric": "native"}, {"lmc_barrier": -0.2, "weight_cosine": 0.9}) == "lmc_barrier"
+    assert headline_key({"kind": "measure", "metric": "retrieval"}, {"retrieval_p1": 0.5}) == "retrieval_p1"
+    assert headline_key({"kind": "expansion"}, {"max_abs_logit_diff": 2e-13}) == "max_abs_logit_diff"
+    assert headline_key({"kind": "merge"}, {"nll": float("nan")}) is None

@@ -17,6 +17,11 @@ def reset_peak() -> None:
         pass
 
 
+def process_peak_gb() -> float:
+    """The process's peak resident set since it started (GiB; ``ru_maxrss``, not moved by :func:`reset_peak`)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+
+
 def peak_gb() -> float:
     """The process's peak resident set since the last :func:`reset_peak` (GiB)."""
     try:
@@ -25,4 +30,4 @@ def peak_gb() -> float:
                 return int(line.split()[1]) * 1024 / GiB
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    return process_peak_gb()

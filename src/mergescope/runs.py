@@ -104,7 +104,7 @@ def record(results: Sequence[JobResult]) -> None:
         _record(r)
 
 
-HEADLINES = {"quality": "nll", "merge": "nll", "native": "lmc_barrier", "transport": "delta_target_lang",
+HEADLINES = {"quality": "nll", "merge": "nll", "transport": "delta_target_lang",
              "transport_adapt": "adapt_effect", "adapt": "test_nll", "expansion": "max_abs_logit_diff",
              "typology": "typology_syntactic", "train": "heldout_nll"}
 
@@ -113,7 +113,9 @@ def headline_key(tags: dict[str, Any], values: dict[str, float]) -> str | None:
     """The metric a run of this kind is read by (a measure run: its metric plug-in's headline), when it logged it."""
     kind = str(tags.get("kind", ""))
     key = HEADLINES.get(kind)
-    if kind == "measure" and tags.get("metric"):
+    if kind == "measure" and tags.get("metric") == "native":  # the native job: weight diagnostics, LMC, merges
+        key = "lmc_barrier"
+    elif kind == "measure" and tags.get("metric"):
         from mergescope.registry import metrics
 
         try:

@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Callable
 import json
 import os
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -509,9 +510,9 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
             continue
         done, todo = _done_pass(jobs)
         secs = [d for d in (_duration_s(client, r.run_id) for _, r in done) if d is not None]
-        med = float(sorted(secs)[len(secs) // 2]) if secs else None
+        med = statistics.median(secs) if secs else None
         rows.append({"arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
-                     "done_s": sum(secs), "todo_s": med * len(todo) if med is not None and todo else (0.0 if not todo else None),
+                     "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
                      "todo_jobs": [f"{j.task} {' '.join(j.overrides[len(plan.base):])}" for j in todo], "note": ""})
     return rows
 

@@ -187,7 +187,7 @@ class Tracker:
         tags.update(source_tags(tags, run_name))
         with killed_on_sigterm():
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
-            job = Job(self.client, run.info.run_id)
+            job = Job(self.client, run.info.run_id, tags.get("mlflow.note.content", ""))
             try:
                 self._log_config(job, cfg, overrides, param_keys)
                 yield job
@@ -318,9 +318,10 @@ def _hydra_dir() -> Path | None:
 class Job:
     """The handle a task logs through."""
 
-    def __init__(self, client, run_id: str):
+    def __init__(self, client, run_id: str, note: str = ""):
         self.client = client
         self.run_id = run_id
+        self.note = note  # the run's description as created (mlflow.note.content)
 
     def log_metrics(self, values: dict[str, float], step: int | None = None) -> None:
         import time
@@ -335,8 +336,8 @@ class Job:
     def note_headline(self, key: str, value: float) -> None:
         """The run's headline metric at the top of its page: appended to its description (``mlflow.note.content``,
         which the MLflow UI shows first; its metrics table is alphabetical)."""
-        note = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "")
-        self.client.set_tag(self.run_id, "mlflow.note.content", f"{note}\n\n**{key} = {value:.6g}** (headline)")
+        self.note = f"{self.note}\n\n**{key} = {value:.6g}** (headline)"
+        self.client.set_tag(self.run_id, "mlflow.note.content", self.note)
 
     def log_params(self, values: dict[str, Any]) -> None:
         from mlflow.entities import Param

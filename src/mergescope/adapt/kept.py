@@ -21,7 +21,6 @@ any run exists.
 
 from __future__ import annotations
 
-import resource
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from mergescope.adapt.shapes import Shape, config_blockers, expand_maps, repeat_
 from mergescope.bpb import real_vocab, sentence_ids
 from mergescope.config import plain_copy, to_plain
 from mergescope.errors import MergescopeError
+from mergescope.memory import process_peak_gb
 from mergescope.progress import console
 from mergescope.represent.forward import pad_batch, pad_id
 from mergescope.runs import JobResult, model_label, run_once
@@ -200,10 +200,6 @@ def _sentences(cfg: DictConfig) -> list[str]:
     return list(side.sentences[:n])
 
 
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
 def run_expansion(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     """task=expansion: one model (``model``), one target (``expansion.target``: ``mode``, ``changes``)."""
     target = to_plain(cfg.expansion.get("target") or {})
@@ -254,7 +250,7 @@ def run_expansion(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
                                                        "nll_diff")})
         values.update({"n_params_source": float(loaded.true_config["n_params"]), "n_params_target": n_target,
                        "kept": float(values["max_abs_logit_diff"] <= tol and values["argmax_agree"] == 1.0),
-                       "wall_s": time.perf_counter() - started, "peak_rss_gb": _peak_rss_gb()})
+                       "wall_s": time.perf_counter() - started, "peak_rss_gb": process_peak_gb()})
         return values
 
     tags = {"kind": "expansion", "route": "adapt", "operator": "expand", "mode": check.mode, "model": label,

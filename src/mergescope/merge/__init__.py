@@ -20,9 +20,9 @@ from torch import Tensor
 
 from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
+from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 from mergescope.registry import Entry, merges
 from mergescope.tensor_settings import any_varies, at, layer_count, position
-from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 
 
 def resolve_preset(cfg_merge: Mapping | None, n_models: int | None = None) -> tuple[Entry, dict[str, Any]]:

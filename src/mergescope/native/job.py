@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.merge import resolve_preset
 from mergescope.native.merges import merge_configs, preset_config, run_merge
+from mergescope.native.stats import STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_lmc_points, check_pair, lang_endpoints, lmc_curve, nll_sentences,
                                     no_base_reason, same_run, step_of)
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
@@ -107,8 +108,6 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
-    from mergescope.native.stats import STATS_KEYS
-
     data_aware = any(resolve_preset(preset_config(str(n)))[0].meta.get("needs_stats") for n in cfg.native.merges)
     return run_once(cfg, f"native {pair_text(cfg)}", tags, overrides, body, task="native",
                     keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []),

@@ -11,7 +11,7 @@ from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
                                     nll_sentences, no_base_reason)
-from mergescope.native.stats import pair_stats
+from mergescope.native.stats import STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
@@ -46,16 +46,12 @@ def check_merge(cfg: DictConfig):
     entry, kwargs = resolve_preset(cfg.merge, n_models=2)  # a pair merges two models: one weight per model
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     if entry.meta.get("needs_stats"):
-        from mergescope.native.stats import check_stats
-
         check_stats(cfg)
     return entry, kwargs
 
 
 def merge_keys(entry) -> list[str]:
     """The identity keys of a merge run: a data-aware operator's also name the split and count it read."""
-    from mergescope.native.stats import STATS_KEYS
-
     return MERGE_KEYS + (STATS_KEYS if entry.meta.get("needs_stats") else [])
 
 
@@ -75,8 +71,7 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
     (seed, seed+1, ...), each seed's NLL a metric step."""
     n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
-    read = pair_stats(cfg, pair, entry)
-    stats = pair.merge_stats[entry.meta["needs_stats"]][0] if read else None
+    stats, read = pair_stats(cfg, pair, entry)
     nlls, by_lang = [], {lang: [] for lang in texts}
     for i in range(n):
         kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs

@@ -24,7 +24,7 @@ from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resol
 from mergescope.native.mergekit_in import read_mergekit
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
-from mergescope.native.stats import STATS_KEYS
+from mergescope.native.stats import STATS_KEYS, check_stats, each_model
 from mergescope.native.stream import streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, model_label, run_once
@@ -55,8 +55,6 @@ def check_spec(cfg: DictConfig, spec: Spec):
     entry, kwargs = resolve_preset(spec.preset, n_models=len(spec.entries))
     check_base(entry, spec.base is not None, "no merge.base given (+merge.base=<the models' common base>)")
     if entry.meta.get("needs_stats"):
-        from mergescope.native.stats import check_stats
-
         check_stats(cfg)
     refs = [models.resolve(e) for e in spec.entries]
     seen = {}
@@ -106,7 +104,7 @@ class Stack:
             s = streamed_state(base_ref, models.merge_dtype(spec.base.dtype), cache_root=cache)
             self.sd_base = s[0] if s else _state(models.load_model(base_ref, models.merge_dtype(spec.base.dtype), "cpu"))
         self.shared, self.excluded = shared_names(self.sds, self.sd_base)
-        self.merge_stats: list | None = None  # a data-aware merge's statistics, one dict per model (stack_stats)
+        self.merge_stats: list | None = None  # a data-aware merge's statistics, one dict per model (ensure_stats)
         if not self.shared:
             raise MergescopeError("the models share no tensor of one name and shape: the native route is undefined for them")
 
@@ -128,8 +126,6 @@ class Stack:
         kind = entry.meta.get("needs_stats")
         if not kind or self.merge_stats is not None:
             return {}
-        from mergescope.native.stats import each_model
-
         self.merge_stats, read = each_model(kind, cfg, self.host, self.tok, langs, lambda i: self.load_from(self.sds[i]),
                                             self.restore, self.shared)
         return read

@@ -69,7 +69,7 @@ def _merge_pair_into_host(cfg: DictConfig, pair, entry, kwargs: dict) -> None:
     from mergescope.merge import merge_state_dicts
     from mergescope.native.stats import pair_stats
 
-    stats = pair.merge_stats[entry.meta["needs_stats"]][0] if pair_stats(cfg, pair, entry) else None
+    stats, _ = pair_stats(cfg, pair, entry)
     for name in pair.coverage.shared:  # tensor by tensor into the host
         pair.set_shared(merge_state_dicts(entry, kwargs, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device, stats))
 

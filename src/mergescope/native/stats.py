@@ -184,15 +184,15 @@ def each_model(kind: str, cfg: DictConfig, host, tokenizer, langs: Sequence[str]
     return out, {"stats_tokens": float(tokens), "stats_sentences": float(n_sent), "stats_s": secs}
 
 
-def pair_stats(cfg: DictConfig, pair, entry) -> dict[str, float]:
+def pair_stats(cfg: DictConfig, pair, entry) -> tuple[list[dict[str, torch.Tensor]] | None, dict[str, float]]:
     """A data-aware operator's statistics of both models of a native pair (a :class:`mergescope.native.pair.Loaded`),
-    each on its own language, computed once per kind for the job's pair and kept on it (``pair.merge_stats``); what was
-    read, as metrics. Nothing for the other operators."""
+    each on its own language, computed once per kind for the job's pair and kept on it (``pair.merge_stats``), and what
+    was read, as metrics. ``(None, {})`` for the other operators."""
     kind = entry.meta.get("needs_stats")
     if not kind:
-        return {}
+        return None, {}
     if kind not in pair.merge_stats:
         sides = (pair.restore, lambda: pair.interpolate(1.0))  # model a is the host; t = 1 writes b's shared tensors
         pair.merge_stats[kind] = each_model(kind, cfg, pair.host, pair.tok, [str(cfg.pair.a.lang), str(cfg.pair.b.lang)],
                                             lambda i: sides[i](), pair.restore, pair.coverage.shared)
-    return pair.merge_stats[kind][1]
+    return pair.merge_stats[kind]
