@@ -192,19 +192,19 @@ def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scal
     assert not any("source" in t.title.split(":")[0] for t in sec.tables)
     # its figure is one PNG like every other (no inline base64 in the text): measured ratios as points, no lines
     assert [n for n, _ in sec.figures] == ["adapt_ratio_curves"] and not any("data:image" in t for t in sec.text)
-    ax = sec.drawn["adapt_ratio_curves"].axes[0]
+    ax = sec.draw["adapt_ratio_curves"]().axes[0]
     assert ax.lines and all(line.get_linestyle() == "None" for line in ax.lines)
 
 
 def _section(cfg):
     from types import SimpleNamespace
 
-    from mergescope.analysis.adapt import adapt_section
+    from mergescope.analysis.sections.adapt import adapt_section
     from mergescope.analysis.records import Rec
 
     recs = [Rec(r.info.run_id, r.info.start_time, dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
             for r in _runs(cfg, route="adapt")]
-    return adapt_section(SimpleNamespace(study=SimpleNamespace(records=recs)))
+    return adapt_section(SimpleNamespace(study=SimpleNamespace(records=recs)), "7a")
 
 
 def _load(path: Path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from mergescope.analysis.shared_space import dim_rows, ssm_gap_rows
+from mergescope.analysis.sections.shared_space import dim_rows, ssm_gap_rows
 from mergescope.errors import MergescopeError
 from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.shared_space.evaluate import effective_dim, retrieval_eval

@@ -58,13 +58,13 @@ def _pairs(n_models=5, seed=0):
 
 
 def test_a_new_metric_reaches_the_report_and_the_correlation_table(plugin):
-    from mergescope.analysis.correlations import correlation_section
-    from mergescope.analysis.sections import _representation_table
+    from mergescope.analysis.sections.correlations import correlation_section
+    from mergescope.analysis.sections.representation import representation_table
     from mergescope.analysis.tables import cross_diagnostics, repr_metrics
 
     pairs = _pairs()
     assert ("zz_test_overlap", "zz_overlap") in repr_metrics(pairs)
-    assert "zz_overlap" in _representation_table(pairs).columns
+    assert "zz_overlap" in representation_table(pairs).columns
     cols = cross_diagnostics(pairs)
     assert "zz_overlap" in cols
     frame = {c: np.array([p["values"].get(c, np.nan) for p in pairs]) for c in cols}

@@ -443,7 +443,7 @@ window.addEventListener('load', () => {
 def test_merge_tables_show_the_lm_eval_columns_of_the_merged_models():
     """eval=lm_eval runs (kind=eval, merge_run = the merge run) appear as columns of the native merge table, with
     their run id; a merged model that was not evaluated shows '—' (not a copied or interpolated number)."""
-    from mergescope.analysis.arms import _native_pair_tables
+    from mergescope.analysis.sections.native_pair import native_pair_tables
     from mergescope.analysis.records import Rec
     from mergescope.analysis.tables import Section
 
@@ -454,13 +454,13 @@ def test_merge_tables_show_the_lm_eval_columns_of_the_merged_models():
     ev = Rec("e" * 32, 0, {"kind": "eval", "merge_run": m2.run_id},
              {"flores_eng.bits_per_byte": 1.2345, "flores_eng.bits_per_byte_stderr": 0.01}, {})
     sec = Section("native", "6. native")
-    _native_pair_tables(sec, n, [m1, m2], [], [ev])
+    native_pair_tables(sec, n, [m1, m2], [], [ev])
     t = next(t for t in sec.tables if "merged models" in t.title)
     assert t.columns[-2:] == ["flores_eng.bits_per_byte", "eval run"]
     rows = {r[0]: r for r in t.rows}
     assert rows["ties"][-2:] == ["1.2345", "eeeeeeee"] and rows["linear"][-2:] == ["—", "—"]
     sec = Section("native", "6. native")
-    _native_pair_tables(sec, n, [m1, m2], [], [])
+    native_pair_tables(sec, n, [m1, m2], [], [])
     assert next(t for t in sec.tables if "merged models" in t.title).columns[-1] == "run"  # no eval: no empty columns
 
 
@@ -469,7 +469,7 @@ def test_a_correlation_finding_at_tiny_n_says_no_rho_can_reach_significance():
     |rho| >= nan' in study=real's report)."""
     import numpy as np
 
-    from mergescope.analysis.correlations import correlation_section
+    from mergescope.analysis.sections.correlations import correlation_section
 
     rng = np.random.default_rng(0)
     frame = {k: rng.random(4) for k in ("cka", "procrustes", "svcca")}

@@ -175,7 +175,7 @@ def test_the_report_section_shows_centroids_state_space_gap_and_content_types(en
     assert "Unseen content types" in text and "| number_dense" in text and "| long |" in text
     # agreement by depth, the CKA heatmaps, retrieval matrices + D sweep: PNG files shown once in the section (and
     # embedded in the HTML)
-    shared = text.split("## 7c.")[1].split("\n## ")[0]
+    shared = text.split("## 7b.")[1].split("\n## ")[0]
     for name in ("shared_agreement_by_depth", "shared_layer_cka", "shared_space_flores200"):
         assert shared.count(f"](figures/{name}.png)") == 1, name
     assert out["report_html"].read_text().count("data:image/png;base64,") >= 3

@@ -19,22 +19,24 @@ and prints the report's path. The default ``python launch.py`` ends with it.
 
 Modules (each imports only those above it):
 
-- ``records``: reading MLflow (:class:`Rec`, :class:`Study`, :func:`load_study`, the logical-job dedupe);
-- ``tables``: :class:`RTable`, :class:`Section`, :class:`Analysis`, number formatting, the one CSV writer;
+- ``records``: reading MLflow (:class:`Rec`, :class:`Study`, :func:`load_study`, the logical-job dedupe); every
+  MLflow read of the analysis goes through it (``Study.artifact_text``, ``Study.failed``);
+- ``tables``: :class:`RTable`, :class:`Section`, number formatting, the one CSV writer;
 - ``pairs``: the CKA matrix and one row of diagnostics per cross-model pair;
-- ``sections`` (1 to 4a), ``arms`` (5 to 7), ``correlations`` (8): one function per report section;
-- ``build``: :func:`build_analysis`, the driver over the sections;
-- ``figures``: the matplotlib figures; ``report``: Markdown and HTML;
+- ``context``: :class:`Analysis`, the one context the section builders read and add to;
+- ``report``: Markdown and HTML; ``figures``: draws the figures the sections registered, and the figure index;
+- ``sections``: one module per arm, and ``OUTLINE``, the one ordered list that numbers the sections;
+- ``build``: :func:`build_analysis`, the driver over the outline;
 - ``task``: :func:`run_analyze` (task=analyze) and :func:`main` (``python -m mergescope.analysis``).
 """
 
 from mergescope.analysis.build import build_analysis
-from mergescope.analysis.correlations import N_PERMUTATIONS
+from mergescope.analysis.context import N_PERMUTATIONS, Analysis
 from mergescope.analysis.figures import make_figures
 from mergescope.analysis.pairs import build_pair_rows, cka_matrix
 from mergescope.analysis.records import Rec, Study, load_study
 from mergescope.analysis.report import build_markdown, markdown_to_html, write_report
-from mergescope.analysis.tables import TYPOLOGY, Analysis, RTable, Section, f3
+from mergescope.analysis.tables import TYPOLOGY, RTable, Section, f3
 from mergescope.analysis.task import main, run_analyze
 from mergescope.stats import correlation_table, power_statement
 

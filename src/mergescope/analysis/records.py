@@ -126,6 +126,23 @@ class Study:
     def native(self) -> list[Rec]:
         return [r for r in self.kind("measure") if r.tags.get("metric") == "native"]
 
+    def artifact_text(self, run_id: str, path: str) -> str | None:
+        """A text artifact of one of the study's runs; None when the run has no such file (a section says so)."""
+        try:
+            return read_artifact_text(client_for(self.uri), run_id, path)
+        except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
+            return None
+
+    def failed(self, kind: str) -> list[Rec]:
+        """The experiment's FAILED runs of one kind (a non-converging transport setting is a result, not a gap)."""
+        client = client_for(self.uri)
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            return []
+        runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.status = 'FAILED' and tags.kind = '{kind}'",
+                                  max_results=1000)
+        return [_rec(r) for r in runs]
+
 
 def latest_per_job(recs: list[Rec]) -> list[Rec]:
     """The latest run per cfg_hash, then per logical job; oldest first (the study's own order)."""
@@ -155,8 +172,11 @@ def _finished_runs(client, uri: str, experiment: str) -> list[Rec]:
                               f"(python launch.py study={experiment}) or pick another with study=<name>")
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
                               max_results=50000, order_by=["attributes.start_time DESC"])
-    return [Rec(r.info.run_id, int(r.info.start_time or 0), dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
-            for r in runs if r.data.tags.get("kind") not in (None, "analysis")]
+    return [_rec(r) for r in runs if r.data.tags.get("kind") not in (None, "analysis")]
+
+
+def _rec(r) -> Rec:
+    return Rec(r.info.run_id, int(r.info.start_time or 0), dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
 
 
 def _lmc_curves(client, recs: list[Rec]) -> dict[str, list[tuple[float, float]]]:

@@ -20,7 +20,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from mergescope.analysis.tables import Analysis, RTable
+from mergescope.analysis.context import Analysis
+from mergescope.analysis.tables import RTable
 from mergescope.tracking import UI_MODE
 
 __all__ = ["build_markdown", "markdown_to_html", "write_report", "table_markdown", "summary_lines", "not_measured_lines",
@@ -67,7 +68,7 @@ def _header(an: Analysis, run_id: str | None, tracking_uri: str | None) -> list[
 
 ARM_LABELS = (("cka", "Representation"), ("checkpoint", "Checkpoint merging"), ("native_pair", "Native cross-model pair"),
               ("transport", "Transport fusion"), ("adapt", "Dimensional adaptation"), ("shared_space", "Shared space"),
-              ("corr_checkpoint", "Diagnostics, checkpoint arm (8a)"), ("corr_cross", "Diagnostics, cross-model arm (8b)"))
+              ("corr_checkpoint", "Diagnostics, checkpoint arm"), ("corr_cross", "Diagnostics, cross-model arm"))
 
 
 def summary_lines(an: Analysis) -> list[str]:
@@ -77,10 +78,11 @@ def summary_lines(an: Analysis) -> list[str]:
         s = next((s for s in an.sections if s.key == key), None)
         if s is None:
             continue
+        head = f"**{label}** ({s.number})" if s.number else f"**{label}**"
         if s.finding:
-            out.append(f"**{label}**: {s.finding}")
+            out.append(f"{head}: {s.finding}")
         elif s.tables:  # measured, without a one-sentence finding: its first text line says what it holds
-            out.append(f"**{label}**: " + (s.text[0] if s.text else "see its section"))
+            out.append(f"{head}: " + (s.text[0] if s.text else "see its section"))
         else:
             absent.append(label.lower())
     if absent:

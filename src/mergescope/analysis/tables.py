@@ -8,16 +8,15 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from rich.table import Table
 
-from mergescope.analysis.records import Rec
 
-__all__ = ["RTable", "Section", "Analysis", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
+__all__ = ["RTable", "Section", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
            "cross_diagnostics", "CHECKPOINT_DIAGNOSTICS", "PAIR_DIAGNOSTICS", "TYPOLOGY", "NATIVE_PAIR"]
 
 CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
@@ -78,40 +77,23 @@ class RTable:
 
 @dataclass
 class Section:
+    """One report section: its heading (numbered by :data:`mergescope.analysis.sections.OUTLINE`), its finding in one
+    sentence, text, tables, figures and "not measured (why)" lines."""
+
     key: str
     title: str
     text: list[str] = field(default_factory=list)
     tables: list[RTable] = field(default_factory=list)
-    figures: list[tuple[str, str]] = field(default_factory=list)  # (figure name, caption)
-    drawn: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure the section drew itself
-
-    def add_figure(self, name: str, fig: Any, caption: str) -> None:
-        """A figure this section draws from its own reading (shared space, adaptation): one PNG like every other."""
-        self.drawn[name] = fig
-        self.figures.append((name, caption))
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (figure name, caption), in the order shown
+    draw: dict[str, Callable[[], Any]] = field(default_factory=dict)  # name -> draws the Figure (or None: nothing to draw)
     missing: list[str] = field(default_factory=list)  # "not measured (why)" lines
     finding: str = ""  # the section's finding in one sentence, with its control and a run id (the report opens with it)
-    arm: str = ""      # the arm it summarises in the report's summary ("" = not an arm's headline section)
+    number: str = ""  # its place in the outline ("4a"), set by the driver
 
-
-@dataclass
-class Analysis:
-    experiment: str
-    models: list[str]
-    cka_matrix: np.ndarray
-    sections: list[Section]
-    inputs: list[Rec]
-    frames: dict[str, dict[str, np.ndarray]]
-    correlations: dict[str, Any]
-    metrics: dict[str, float]
-    csv: dict[str, str]
-    figures: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure
-    console_tables: list[RTable] = field(default_factory=list)
-    pairs: list[dict[str, Any]] = field(default_factory=list)  # the cross-model pair rows (mergescope.analysis.pairs)
-    source: str = "the latest FINISHED run per job"  # how the study's runs were chosen (records.Study.source)
-
-    def section(self, key: str) -> Section:
-        return next(s for s in self.sections if s.key == key)
+    def add_figure(self, name: str, caption: str, draw: Callable[[], Any]) -> None:
+        """A figure of this section: drawn by ``draw()`` when the report is written, one PNG like every other."""
+        self.draw[name] = draw
+        self.figures.append((name, caption))
 
 
 def f3(v: Any, digits: int = 3) -> str:

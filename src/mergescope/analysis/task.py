@@ -17,11 +17,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.analysis.build import build_analysis
-from mergescope.analysis.correlations import N_PERMUTATIONS
+from mergescope.analysis.context import N_PERMUTATIONS, Analysis
 from mergescope.analysis.figures import close_figures, make_figures
 from mergescope.analysis.records import STUDY_JOBS, Study, load_study
-from mergescope.analysis.report import run_url, write_report
-from mergescope.analysis.tables import Analysis, csv_text, tables_text
+from mergescope.analysis.report import run_url, summary_lines, write_report
+from mergescope.analysis.tables import RTable, Section, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console, status
 from mergescope.tracking import Job, Tracker, read_artifact_text
@@ -151,8 +151,6 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
     an = build_analysis(study, n_permutations=n_perm)
     if timings:  # the launch's wall time per arm (the study passes it): a section of its own, after the findings
-        from mergescope.analysis.tables import RTable, Section
-
         sec = Section("timing", "Time per arm (this launch)")
         pk = peaks or {}
         sec.tables.append(RTable("Wall time and peak memory per arm", ["arm", "seconds", "peak RSS GiB"],
@@ -161,7 +159,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
                                       "peak resident set of the study's process and of its worker processes during the arm "
                                       "(the largest of them, not their sum)"))
         an.sections.insert(0, sec)
-    make_figures(an, study)
+    make_figures(an)
     for t in an.console_tables:  # a quiet study prints the CKA matrix (one small table); -v every table
         (status if t.title.startswith("Last-layer CKA") else console).print(t.rich())
     out_dir = Path(str(cfg.paths.root)) / "reports" / study.experiment
@@ -174,15 +172,11 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     with tracker.start(cfg, f"analysis {study.experiment}", tags, overrides) as job:
         md_path, html_path = write_report(an, out_dir, run_id=job.run_id, tracking_uri=study.uri, ui=ui)
         _log_analysis(job, an, study, out_dir, md_path, html_path)
-        from mergescope.analysis.report import summary_lines as _lines
-
-        job.log_text("\n".join(_lines(an)), SUMMARY_ARTIFACT)
+        job.log_text("\n".join(summary_lines(an)), SUMMARY_ARTIFACT)
         job.log_params({"report_sha256": hashlib.sha256(Path(md_path).read_bytes()).hexdigest()})
     tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
     close_figures(an)
     from rich.markup import escape
-
-    from mergescope.analysis.report import summary_lines
 
     status.rule(f"[bold]{study.experiment}: findings")  # the terminal ends with the findings and the report's path
     for line in summary_lines(an):

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from mergescope.analysis.records import base_name
-from mergescope.analysis.sections import Build
+from mergescope.analysis.context import N_PERMUTATIONS, Analysis
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, cross_diagnostics, csv_text, f3
+from mergescope.plotting import pyplot
 from mergescope.stats import correlation_table, mantel_table, power_statement
 
-__all__ = ["correlation_section", "correlation_sections", "N_PERMUTATIONS"]
+__all__ = ["correlation_section", "correlations_checkpoint", "correlations_cross", "figure_correlation", "N_PERMUTATIONS"]
 
-N_PERMUTATIONS = 20000
 COLUMNS = ["a", "b", "n", "rho", "p_perm", "q_bh"]
 
 
@@ -113,55 +113,60 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
     return sec, table, power
 
 
-def correlation_sections(b: Build, n_permutations: int = N_PERMUTATIONS) -> list[Section]:
-    """8a (one row per checkpoint pair) and 8b (one row per cross-model pair), with their heatmaps and CSV tables."""
-    b.frames.update({
-        "checkpoint": {c: np.array([r.m(c) for r in b.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS},
-        "cross": {c: np.array([p["values"].get(c, np.nan) for p in b.pairs], dtype=np.float64)
-                  for c in cross_diagnostics(b.pairs)}})
-    n_pairs = len(b.pairs)
-    specs = [("checkpoint", "corr_checkpoint", "8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm", len(b.checkpoint),
-              "One row per checkpoint pair (native weight merging).",
-              "correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "tables/checkpoint_correlations.csv"),
-             ("cross", "corr_cross", "8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
-              "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
-              "the two directions at the headline alpha (merge.headline_alpha).",
-              "correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
-              "tables/cross_model_correlations.csv")]
-    sections = []
-    pair_models = ([str(p["a"]) for p in b.pairs], [str(p["b"]) for p in b.pairs])
-    for arm, key, title, n_rows, intro, figure, caption, csv_path in specs:
-        sec, table, power = correlation_section(key, title, b.frames[arm], n_rows, n_permutations, intro,
-                                                models=pair_models if arm == "cross" else None)
-        if table is not None:
-            sec.figures.append((figure, caption))
-            cols = COLUMNS + (MANTEL_COLUMNS if arm == "cross" else [])
-            b.csv[csv_path] = csv_text(cols, table[cols].itertuples(index=False, name=None))
-            b.console_tables.append(sec.tables[0])
-        b.correlations.update({arm: table, f"{arm}_power": power})
-        sections.append(sec)
-        if arm == "checkpoint":
-            sections += family_sections(b, n_permutations)
-    return sections
+def _tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: str, figure: tuple[str, str, str], csv_path: str,
+            models: tuple[list[str], list[str]] | None = None) -> Section:
+    """One arm's correlation section from its frame, with its heatmap (``figure`` = name, caption, heatmap title) and
+    CSV table; the table joins the analysis."""
+    sec, table, power = correlation_section(key, title, an.frames[arm], n_rows, an.n_permutations, intro, models=models)
+    if table is not None:
+        sec.add_figure(figure[0], figure[1], lambda: figure_correlation(table, figure[2]))
+        cols = COLUMNS + (MANTEL_COLUMNS if models is not None else [])
+        an.csv[csv_path] = csv_text(cols, table[cols].itertuples(index=False, name=None))
+        an.console_tables.append(sec.tables[0])
+    an.correlations.update({arm: table, f"{arm}_power": power})
+    return sec
 
 
-def family_sections(b: Build, n_permutations: int) -> list[Section]:
+def correlations_checkpoint(an: Analysis, number: str) -> list[Section]:
+    """One row per checkpoint pair (native weight merging), then the same per family when there are several."""
+    an.frames["checkpoint"] = {c: np.array([r.m(c) for r in an.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+    sec = _tabled(an, "checkpoint", "corr_checkpoint", f"{number}. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
+                  len(an.checkpoint), "One row per checkpoint pair (native weight merging).",
+                  ("correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "checkpoint arm"),
+                  "tables/checkpoint_correlations.csv")
+    return [sec, *family_sections(an, number)]
+
+
+def correlations_cross(an: Analysis, number: str) -> Section:
+    """One row per cross-model pair, with the model-level (Mantel) null beside the pair-level one."""
+    an.frames["cross"] = {c: np.array([p["values"].get(c, np.nan) for p in an.pairs], dtype=np.float64)
+                          for c in cross_diagnostics(an.pairs)}
+    n_pairs = len(an.pairs)
+    return _tabled(an, "cross", "corr_cross", f"{number}. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
+                   "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
+                   "the two directions at the headline alpha (merge.headline_alpha).",
+                   ("correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
+                    f"cross-model arm (n={n_pairs})"),
+                   "tables/cross_model_correlations.csv", models=([str(p["a"]) for p in an.pairs], [str(p["b"]) for p in an.pairs]))
+
+
+def family_sections(an: Analysis, number: str) -> list[Section]:
     """8a per checkpoint family (one training run each), when the study has more than one, and whether the
     pooled table's significant cells replicate in every family (same sign, BH q < 0.05 within the family)."""
-    families = list(dict.fromkeys(base_name(r.tags.get("model_a", "")) for r in b.checkpoint))
+    families = list(dict.fromkeys(base_name(r.tags.get("model_a", "")) for r in an.checkpoint))
     if len(families) < 2:
         return []
     out, tables = [], {}
     for fam in families:
-        rows = [r for r in b.checkpoint if base_name(r.tags.get("model_a", "")) == fam]
+        rows = [r for r in an.checkpoint if base_name(r.tags.get("model_a", "")) == fam]
         frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
-        sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"8a. Checkpoint arm, family {fam}", frame, len(rows),
-                                            n_permutations, f"One row per checkpoint pair of {fam} only.")
+        sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"{number}. Checkpoint arm, family {fam}", frame, len(rows),
+                                            an.n_permutations, f"One row per checkpoint pair of {fam} only.")
         if table is not None:
             tables[fam] = table
-            b.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
+            an.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
         out.append(sec)
-    out[0].text.insert(0, replication_text(b.correlations.get("checkpoint"), tables, families))
+    out[0].text.insert(0, replication_text(an.correlations.get("checkpoint"), tables, families))
     return out
 
 
@@ -177,3 +182,30 @@ def replication_text(pooled, tables: dict[str, Any], families: list[str]) -> str
             ok.append(f"{a} x {c}")
     return (f"Replication across families ({', '.join(families)}): {len(ok)} of the {len(sig)} pooled cells with BH q<0.05 "
             f"have the same sign and q<0.05 in every family" + (f" ({', '.join(ok[:6])}{', ...' if len(ok) > 6 else ''})." if ok else "."))
+
+
+def figure_correlation(table, title: str):
+    plt = pyplot()
+    names = list(dict.fromkeys([*table["a"], *table["b"]]))
+    k = len(names)
+    R = np.eye(k)
+    Q = np.full((k, k), np.nan)
+    idx = {n: i for i, n in enumerate(names)}
+    for r in table.itertuples():
+        i, j = idx[r.a], idx[r.b]
+        R[i, j] = R[j, i] = r.rho
+        Q[i, j] = Q[j, i] = r.q_bh
+    fig, ax = plt.subplots(figsize=(0.7 * k + 3, 0.6 * k + 2))
+    im = ax.imshow(np.nan_to_num(R, nan=0.0), vmin=-1, vmax=1, cmap="RdBu_r")
+    ax.set_xticks(range(k), names, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(k), names, fontsize=8)
+    for i in range(k):
+        for j in range(k):
+            if i != j and np.isfinite(R[i, j]):
+                star = "*" if np.isfinite(Q[i, j]) and Q[i, j] < 0.05 else ""
+                ax.text(j, i, f"{R[i, j]:.2f}{star}", ha="center", va="center", fontsize=7,
+                        color="w" if abs(R[i, j]) > 0.6 else "k")
+    ax.set_title(title + "\n(Spearman rho; * = BH q < 0.05)", fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return fig

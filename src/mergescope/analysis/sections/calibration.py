@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 
 from mergescope.analysis.records import Rec, direction, transport_headline
-from mergescope.analysis.sections import Build
+from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.plotting import pyplot
 
 __all__ = ["epsilon_of", "probe_of", "by_setting", "epsilon_rows", "epsilon_section", "probe_section", "figure_epsilon",
-           "setting_sections", "EPSILON_COLUMNS"]
+           "epsilon_calibration", "probe_count", "EPSILON_COLUMNS"]
 
 EPSILON_COLUMNS = ["epsilon", "directions", "cost mean (1 - rho)", "cost sd", "plan_row_max", "uniform 1/m", "row_max x m",
                    "plan_entropy", "plan_cost_ratio", "log-domain fallbacks", "mean delta_target_lang", "runs"]
@@ -70,25 +70,17 @@ def epsilon_rows(groups: dict[float, list[Rec]]) -> list[list[str]]:
     return rows
 
 
-def failed_settings(b: Build) -> dict[float, list[tuple[str, str, str]]]:
+def failed_settings(an: Analysis) -> dict[float, list[tuple[str, str, str]]]:
     """epsilon -> (run id, direction, reason) of the experiment's FAILED transport runs whose plans did not converge
     (the study records them and goes on: a non-converging epsilon is a calibration result)."""
-    from mergescope.tracking import client_for
-
-    client = client_for(b.study.uri)
-    exp = client.get_experiment_by_name(b.study.experiment)
-    if exp is None:
-        return {}
-    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and tags.kind = 'transport'",
-                              max_results=1000)
     out: dict[float, list[tuple[str, str, str]]] = {}
-    for r in runs:
-        err = r.data.tags.get("error", "")
-        if r.data.tags.get("outcome") == "not_converged" or "did not converge" in err:  # the string: stores before the tag
-            eps = float(r.data.params.get("merge.epsilon", "nan"))
-            d = f"{r.data.tags.get('target')} <- {r.data.tags.get('donor')}"
+    for r in an.study.failed("transport"):
+        err = r.tags.get("error", "")
+        if r.tags.get("outcome") == "not_converged" or "did not converge" in err:  # the string: stores before the tag
+            eps = float(r.params.get("merge.epsilon", "nan"))
+            d = direction(r)
             if all(d != x[1] for x in out.get(eps, [])):  # a relaunch retries and fails again: one per direction
-                out.setdefault(eps, []).append((r.info.run_id, d, err))
+                out.setdefault(eps, []).append((r.run_id, d, err))
     return dict(sorted(out.items()))
 
 
@@ -98,9 +90,9 @@ def failed_rows(failed: dict[float, list[tuple[str, str, str]]], done: dict[floa
              ", ".join(short(rid) for rid, _, _ in fs[:6])] for eps, fs in failed.items()]
 
 
-def epsilon_section(b: Build, runs: list[Rec]) -> Section:
+def epsilon_section(an: Analysis, runs: list[Rec], number: str) -> Section:
     """Per epsilon: the neuron-cost statistics, the plans' sharpness against uniform, cost ratio and fallbacks."""
-    sec = Section("epsilon_calibration", "7e. Epsilon calibration of the transport plans")
+    sec = Section("epsilon_calibration", f"{number}. Epsilon calibration of the transport plans")
     groups = by_setting(runs, epsilon_of)
     sec.text.append("merge.epsilon swept over the same directions (one run per direction and epsilon, at its headline alpha). "
                     "The neuron costs 1 - rho do not depend on epsilon; the plan does: row_max x m = 1 is the uniform coupling "
@@ -109,8 +101,9 @@ def epsilon_section(b: Build, runs: list[Rec]) -> Section:
                              note="Means over directions (and over each direction's plans, every interface and layer). "
                                   "plan_cost_ratio = the plan's transport cost / the exact unregularised optimum; log-domain "
                                   "fallbacks = plans plain Sinkhorn could not solve to merge.marginal_tol, of all plans fitted."))
-    sec.figures.append(("epsilon_calibration", "transport plans against merge.epsilon: sharpness, entropy, cost ratio, fallbacks"))
-    failed = failed_settings(b)
+    sec.add_figure("epsilon_calibration", "transport plans against merge.epsilon: sharpness, entropy, cost ratio, fallbacks",
+                   lambda: figure_epsilon(runs))
+    failed = failed_settings(an)
     if failed:
         sec.tables.append(RTable("Epsilon settings whose plans did not converge (FAILED runs, reason logged as tag `error`)",
                                  ["epsilon", "directions converged", "reason (first failure)", "failed runs"],
@@ -118,14 +111,14 @@ def epsilon_section(b: Build, runs: list[Rec]) -> Section:
                                  note="A plan is accepted only when both marginals meet merge.marginal_tol within merge.max_iter "
                                       "Sinkhorn iterations (plain, then on the reduced cost plain, stabilised, log-domain); "
                                       "no fusion runs through a plan that fails."))
-    b.csv["tables/epsilon_calibration.csv"] = sec.tables[0].csv()
-    b.console_tables.append(sec.tables[0])
+    an.csv["tables/epsilon_calibration.csv"] = sec.tables[0].csv()
+    an.console_tables.append(sec.tables[0])
     return sec
 
 
-def probe_section(b: Build, runs: list[Rec]) -> Section:
+def probe_section(an: Analysis, runs: list[Rec], number: str) -> Section:
     """Per probe set and probe count: the plans' statistics and the fusion deltas, direction by direction."""
-    sec = Section("probe_count", "7f. Probe count: the plans and the deltas against the number of probe sentences")
+    sec = Section("probe_count", f"{number}. Probe count: the plans and the deltas against the number of probe sentences")
     groups = by_setting(runs, probe_of)
     rows = [[ps, str(n), direction(r), f3(r.m("plan_cost_mean"), 4), f3(r.m("plan_row_max"), 4), f3(r.m("plan_entropy")),
              f3(r.m("plan_cost_ratio"), 4), f3(r.m("delta_target_lang"), 4), f3(r.m("ot_minus_rand_target_lang"), 4), short(r.run_id)]
@@ -139,7 +132,7 @@ def probe_section(b: Build, runs: list[Rec]) -> Section:
                for (ps, n), rs in groups.items()]
     sec.tables.append(RTable("Probe count: means over directions", ["probe set", "probes", "directions", "plan_row_max",
                                                                     "plan_entropy", "mean delta_target_lang", "beats control"], summary))
-    b.csv["tables/probe_count.csv"] = sec.tables[0].csv()
+    an.csv["tables/probe_count.csv"] = sec.tables[0].csv()
     return sec
 
 
@@ -168,12 +161,15 @@ def figure_epsilon(runs: list[Rec]):
     return fig
 
 
-def setting_sections(b: Build) -> list[Section]:
-    """The sections for the transport settings this experiment's runs differ in (none for a one-setting study)."""
-    runs = b.study.kind("transport")
-    out = []
-    if len({e for e in map(epsilon_of, runs) if np.isfinite(e)} | set(failed_settings(b))) > 1:
-        out.append(epsilon_section(b, runs))
-    if len({probe_of(r) for r in runs}) > 1:
-        out.append(probe_section(b, runs))
-    return out
+def epsilon_calibration(an: Analysis, number: str) -> Section | None:
+    """The epsilon section, when the experiment's transport runs (or its non-converged ones) differ in merge.epsilon."""
+    runs = an.study.kind("transport")
+    if len({e for e in map(epsilon_of, runs) if np.isfinite(e)} | set(failed_settings(an))) > 1:
+        return epsilon_section(an, runs, number)
+    return None
+
+
+def probe_count(an: Analysis, number: str) -> Section | None:
+    """The probe-count section, when the experiment's transport runs differ in their probe set or count."""
+    runs = an.study.kind("transport")
+    return probe_section(an, runs, number) if len({probe_of(r) for r in runs}) > 1 else None

@@ -14,7 +14,7 @@ import math
 import re
 
 from mergescope.analysis.records import Rec
-from mergescope.analysis.sections import Build
+from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.plotting import pyplot
 
@@ -239,15 +239,15 @@ def expansion_tables(runs: list[Rec]) -> tuple[list[RTable], str]:
     return tables, "; ".join(parts) + "."
 
 
-def adapt_section(b: Build) -> Section:
+def adapt_section(an: Analysis, number: str) -> Section:
     """The dimensional-adaptation arm: the function check of Expand (kind=expansion); curves, choice on validation,
     test numbers, controls, seesaw (kind=adapt)."""
-    sec = Section("adapt", "7b. Dimensional adaptation (Expand / Truncate, then averaging)")
-    checks = [r for r in b.study.records if r.kind == "expansion"]
+    sec = Section("adapt", f"{number}. Dimensional adaptation (Expand / Truncate, then averaging)")
+    checks = [r for r in an.study.records if r.kind == "expansion"]
     if checks:
         tables, sec.finding = expansion_tables(checks)
         sec.tables += tables
-    runs = [r for r in b.study.records if r.tags.get("route") == "adapt" and r.kind in ("adapt", "merge")]
+    runs = [r for r in an.study.records if r.tags.get("route") == "adapt" and r.kind in ("adapt", "merge")]
     if not runs:
         sec.missing.append("dimensional adaptation merges: not measured (no kind=adapt runs; run `python launch.py study=adapt`)")
         return sec
@@ -303,6 +303,6 @@ def adapt_section(b: Build) -> Section:
                                      "test NLL change against ratio 0 per task", ["protocol / pair", "task", *grid], rows,
                                      note="each column is one measured ratio; the choice is made on dev, above"))
     if any(not math.isnan(r.m("test_nll")) for r in runs):
-        sec.add_figure("adapt_ratio_curves", _figure(groups), "test NLL and attention entropy at each measured ratio "
-                       "(points only: no line across unmeasured ratios; x noise control, s scaling control)")
+        sec.add_figure("adapt_ratio_curves", "test NLL and attention entropy at each measured ratio (points only: no line "
+                       "across unmeasured ratios; x noise control, s scaling control)", lambda: _figure(groups))
     return sec

@@ -11,10 +11,9 @@ import math
 import numpy as np
 
 from mergescope.analysis.records import Rec
-from mergescope.analysis.sections import Build
+from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, short
 from mergescope.plotting import pyplot
-from mergescope.tracking import client_for, read_artifact_text
 
 STAND_INS = ("Stand-ins (the paper's probes and tasks are not available here): FLORES-200 domains (wikinews / wikivoyage / "
              "wikibooks; PUD: news / wikipedia) stand in for the paper's probe categories, PUD for its second probe set, "
@@ -25,18 +24,16 @@ def _f(v: float, nd: int = 3) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
 
 
-def _table(client, r: Rec, name: str) -> list[dict]:
-    try:
-        return list(csv.DictReader(io.StringIO(read_artifact_text(client, r.run_id, f"tables/{name}.csv"))))
-    except Exception:  # a run without that table (e.g. no categories): the section says so
-        return []
+def _table(study, r: Rec, name: str) -> list[dict]:
+    text = study.artifact_text(r.run_id, f"tables/{name}.csv")  # None: a run without that table (e.g. no categories)
+    return list(csv.DictReader(io.StringIO(text))) if text is not None else []
 
 
-def _depth_figure(client, runs: list[Rec]):
+def _depth_figure(study, runs: list[Rec]):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
-        rows = _table(client, r, "depth")
+        rows = _table(study, r, "depth")
         d = [float(x["depth"]) for x in rows]
         for ax, key in zip(axes, ("rsa", "nn_match")):
             line, = ax.plot(d, [float(x[key]) for x in rows], "o-", label=f"{r.tags.get('pair', '')} [{short(r.run_id)}]")
@@ -49,11 +46,11 @@ def _depth_figure(client, runs: list[Rec]):
     return fig
 
 
-def _cka_heatmaps(client, runs: list[Rec]):
+def _cka_heatmaps(study, runs: list[Rec]):
     """Every pair's L_a x L_b linear-CKA matrix (from its tables/cka_layers.csv), one panel per pair."""
     mats = []
     for r in runs:
-        rows = _table(client, r, "cka_layers")
+        rows = _table(study, r, "cka_layers")
         if rows:
             mats.append((r, np.array([[float(v) for k, v in x.items() if k != "layer_a"] for x in rows])))
     if not mats:
@@ -77,9 +74,9 @@ def _cka_heatmaps(client, runs: list[Rec]):
     return fig
 
 
-def _space_figures(client, r: Rec):
+def _space_figures(study, r: Rec):
     """GPA and pairwise held-out retrieval per ordered pair (final depth, pool 32) as matrices, and the D sweep."""
-    rows, dims = _table(client, r, "retrieval"), _table(client, r, "dim_sweep")
+    rows, dims = _table(study, r, "retrieval"), _table(study, r, "dim_sweep")
     if not rows:
         return None
     final = max(float(x["depth"]) for x in rows)
@@ -131,8 +128,8 @@ def _agreement_tables(runs: list[Rec]) -> list[RTable]:
     return out
 
 
-def _space_tables(client, r: Rec) -> list[RTable]:
-    rows = _table(client, r, "retrieval")
+def _space_tables(study, r: Rec) -> list[RTable]:
+    rows = _table(study, r, "retrieval")
     per: dict[tuple, list[float]] = {}
     for x in rows:
         per.setdefault((float(x["depth"]), x["method"], x["pool"]), []).append(float(x["p1"]))
@@ -156,11 +153,11 @@ def _space_tables(client, r: Rec) -> list[RTable]:
     out.append(RTable("Retrieval per ordered pair at the final layer, pool 32 (query -> gallery)", ["query", "gallery", "GPA", "pairwise"],
                       [[x["query"], x["gallery"], _f(float(x["p1"])), _f(float(y["p1"]))] for x in mat if x["method"] == "gpa"
                        for y in mat if y["method"] == "pairwise" and y["query"] == x["query"] and y["gallery"] == x["gallery"]]))
-    dims = _table(client, r, "dim_sweep")
+    dims = _table(study, r, "dim_sweep")
     out.append(RTable("D sweep (final layer, pool 32)", ["D requested", "D used", "GPA", "pairwise"], dim_rows(dims),
                       note="D is capped at the rank limit, min(narrowest width, training-fold size - 1): a requested D above "
                            "it repeats the capped D's numbers and is marked, not measured again"))
-    tr = _table(client, r, "transfer")
+    tr = _table(study, r, "transfer")
     if tr:
         out.append(RTable("Category transfer (stand-in: FLORES domains): fit without the held-out domain, then refit with it (pool 32)",
                           ["held-out domain", "unseen: excl.", "refit: incl.", "seen domains: excl.", "seen: incl."],
@@ -213,8 +210,8 @@ def ssm_gap_rows(tables: list[tuple[bool, list[dict]]]) -> list[list[str]]:
     return out
 
 
-def _ssm_tables(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
-    tables = [(r.tags.get("ssm_models", "0") != "0", _table(client, r, "depth")) for r in runs]
+def _ssm_tables(study, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
+    tables = [(r.tags.get("ssm_models", "0") != "0", _table(study, r, "depth")) for r in runs]
     text = []
     if not any(ssm for ssm, _ in tables):
         text.append("§5.3 (state-space vs transformer pairs): no state-space model among this study's arm models, so the "
@@ -238,10 +235,10 @@ def _ssm_tables(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
     return out, text
 
 
-def _centroid_table(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
+def _centroid_table(study, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
     rows, strong, total = [], [], 0
     for r in runs:
-        cent = _table(client, r, "centroids")
+        cent = _table(study, r, "centroids")
         final = max((float(x["depth"]) for x in cent), default=None)
         for x in cent:
             if float(x["depth"]) != final:
@@ -266,8 +263,8 @@ def _centroid_table(client, runs: list[Rec]) -> tuple[list[RTable], list[str]]:
                         "categories); control: the same sentences randomly partitioned into groups of the same sizes")], [verdict]
 
 
-def _content_table(client, r: Rec) -> RTable | None:
-    rows = _table(client, r, "content_types")
+def _content_table(study, r: Rec) -> RTable | None:
+    rows = _table(study, r, "content_types")
     if not rows:
         return None
     cells = [[x["type"] + ("" if int(x.get("n_fit") or 0) else " (too few sentences to test)"), x["n_type"], x.get("n_fit", ""), _f(_num(x.get("type_p1"))), _f(_num(x.get("control_p1"))),
@@ -289,26 +286,25 @@ def _routing_table(r: Rec) -> RTable:
                   note="gain > 0 = better than always-best; oracle = per-sentence best (an upper bound); domain = category-only router")
 
 
-def shared_space_section(b: Build) -> Section:
-    sec = Section("shared_space", "7c. The shared space (the study's models, one space)")
-    ag, sp, ro = b.study.kind("agreement"), b.study.kind("shared_space"), b.study.kind("routing")
+def shared_space_section(an: Analysis, number: str) -> Section:
+    sec = Section("shared_space", f"{number}. The shared space (the study's models, one space)")
+    ag, sp, ro = an.study.kind("agreement"), an.study.kind("shared_space"), an.study.kind("routing")
     if not (ag or sp or ro):
         sec.missing.append("shared space: not measured (no kind=agreement / shared_space / routing runs; run `python launch.py study=shared_space`)")
         return sec
     sec.text.append(STAND_INS)
-    client = client_for(b.study.uri)
+    study = an.study
     sec.tables += _agreement_tables(ag)
     if ag:
-        sec.add_figure("shared_agreement_by_depth", _depth_figure(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag),
-                       "RSA and nearest-neighbour match by relative depth, per pair; band = 95% permutation null")
-        heat = _cka_heatmaps(client, [r for r in ag if r.tags.get("data") == "flores200"] or ag)
-        if heat is not None:
-            sec.add_figure("shared_layer_cka", heat, "layer-by-layer linear CKA, one panel per pair")
+        agreement = [r for r in ag if r.tags.get("data") == "flores200"] or ag
+        sec.add_figure("shared_agreement_by_depth", "RSA and nearest-neighbour match by relative depth, per pair; band = 95% "
+                       "permutation null", lambda: _depth_figure(study, agreement))
+        sec.add_figure("shared_layer_cka", "layer-by-layer linear CKA, one panel per pair", lambda: _cka_heatmaps(study, agreement))
         flores = [r for r in ag if r.tags.get("data") == "flores200"] or ag
-        tables, text = _centroid_table(client, flores)
+        tables, text = _centroid_table(study, flores)
         sec.tables += tables
         sec.text += text
-        tables, text = _ssm_tables(client, flores)
+        tables, text = _ssm_tables(study, flores)
         sec.tables += tables
         sec.text += text
     for r in sp:
@@ -317,12 +313,10 @@ def shared_space_section(b: Build) -> Section:
             sec.finding = (f"At the final layer, held-out retrieval in pools of 32 (chance 0.031) is {g:.3f} in the GPA shared "
                            f"space against {pw:.3f} for pairwise ridge maps fitted per pair (ridge chosen inside each training "
                            f"fold) on {r.tags.get('data')} (run {short(r.run_id)}).")
-        sec.tables += _space_tables(client, r)
-        fig = _space_figures(client, r)
-        if fig is not None:
-            sec.add_figure(f"shared_space_{r.tags.get('data', 'data')}", fig, f"GPA vs pairwise retrieval (P@1, pool 32, final "
-                           f"layer) per ordered pair, and the D sweep, on {r.tags.get('data')}")
-        content = _content_table(client, r)
+        sec.tables += _space_tables(study, r)
+        sec.add_figure(f"shared_space_{r.tags.get('data', 'data')}", f"GPA vs pairwise retrieval (P@1, pool 32, final layer) "
+                       f"per ordered pair, and the D sweep, on {r.tags.get('data')}", lambda r=r: _space_figures(study, r))
+        content = _content_table(study, r)
         if content is not None:
             sec.tables.append(content)
     sec.tables += [_routing_table(r) for r in ro]

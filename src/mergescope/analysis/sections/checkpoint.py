@@ -1,0 +1,89 @@
+"""Section 5: checkpoint merging (pairs of checkpoints of one training run) by trajectory distance."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergescope.analysis.context import Analysis
+from mergescope.analysis.records import Rec, base_name
+from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
+from mergescope.plotting import pyplot
+
+__all__ = ["checkpoint_arm", "figure_checkpoint", "BINS"]
+
+BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
+        ("0.5 to 1.5 decades", lambda x: 0.5 < x <= 1.5),
+        ("beyond 1.5 decades (log10 ratio > 1.5)", lambda x: x > 1.5)]
+
+
+def _bin_row(run_label: str, name: str, rs: list[Rec]) -> list[str]:
+    if not rs:
+        return [run_label, name, "0", "—", "—", "—", ""]
+    beats = [r.m("merge_beats_better_endpoint") for r in rs if np.isfinite(r.m("merge_beats_better_endpoint"))]
+    share = f"{int(sum(beats))}/{len(beats)} ({100 * sum(beats) / len(beats):.0f}%)" if beats else "—"
+    return [run_label, name, str(len(rs)), f3(median(r.m("lmc_barrier") for r in rs)), f3(median(r.m("merge_gain") for r in rs)),
+            share, ", ".join(short(r.run_id) for r in rs) if len(rs) <= 8 else f"{len(rs)} runs (see per-pair table)"]
+
+
+def _bin_rows(ck: list[Rec]) -> list[list[str]]:
+    """Per training run (and pooled when there are several): all pairs, then each trajectory-distance bin."""
+    rows = []
+    fams = sorted({base_name(r.tags["model_a"]) for r in ck})
+    for fam in [None, *fams] if len(fams) > 1 else [None]:
+        sub = [r for r in ck if fam is None or base_name(r.tags["model_a"]) == fam]
+        run_label = fam or ("all runs" if len(fams) > 1 else fams[0])
+        rows.append(_bin_row(run_label, "all", sub))
+        for name, pred in BINS:
+            rows.append(_bin_row(run_label, name, [r for r in sub if np.isfinite(r.m("log10_step_ratio")) and pred(r.m("log10_step_ratio"))]))
+    return rows
+
+
+def checkpoint_arm(an: Analysis, number: str) -> Section:
+    """5. Checkpoint merging by trajectory distance (per run and pooled) and per checkpoint pair."""
+    sec = Section("checkpoint", f"{number}. Checkpoint merging: the native weight-space arm")
+    ck = an.checkpoint
+    if not ck:
+        sec.missing.append("checkpoint arm: not measured (no kind=measure metric=native runs with arm=checkpoint; "
+                           "set checkpoints.models and checkpoints.revisions in the study)")
+        return sec
+    sec.text.append("Pairs of checkpoints of one training run: same architecture, vocabulary and parameter space, so "
+                    "every weight-space quantity is defined. Trajectory distance = log10(step_b / step_a).")
+    sec.tables.append(RTable("By trajectory distance", ["run", "bin", "n", "median lmc_barrier", "median merge_gain",
+                                                          "merge beats better endpoint", "runs"], _bin_rows(ck),
+                             note="lmc_barrier in nats/token (negative: the straight path is better than its chord); "
+                                  "merge_gain = better endpoint's NLL - best merged NLL (positive: merging beats the better endpoint)."))
+    per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], f3(r.m("best_merged_nll")),
+            "yes" if r.m("merge_beats_better_endpoint") == 1 else "no" if np.isfinite(r.m("merge_beats_better_endpoint")) else "—",
+            short(r.run_id)] for r in ck]
+    sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "best_merged_nll", "beats", "run"], per))
+    sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
+    an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
+    an.metrics["checkpoint_pairs"] = float(len(ck))
+    beats = [r for r in ck if r.m("merge_beats_better_endpoint") == 1]
+    bar = median(r.m("lmc_barrier") for r in ck)
+    sec.finding = (f"Over {len(ck)} checkpoint pairs the median LMC barrier is {f3(bar)} nats/token and merging beats the "
+                   f"better endpoint in {len(beats)}/{len(ck)} (the endpoints are the control; runs in the table).")
+    an.console_tables.append(sec.tables[0])
+    return sec
+
+
+def figure_checkpoint(ck: list[Rec]):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fams = sorted({base_name(r.tags["model_a"]) for r in ck})
+    for fam, marker in zip(fams, "osd^v<>"):
+        rs = [r for r in ck if base_name(r.tags["model_a"]) == fam]
+        x = [r.m("log10_step_ratio") for r in rs]
+        axes[0].plot(x, [r.m("lmc_barrier") for r in rs], marker, label=fam, alpha=0.8)
+        axes[1].plot(x, [r.m("merge_gain") for r in rs], marker, label=fam, alpha=0.8)
+    for ax, lab in zip(axes, ("LMC barrier (nats/token)", "merge gain (nats/token)")):
+        ax.axhline(0, color="k", lw=0.8)
+        for x in (0.5, 1.5):
+            ax.axvline(x, color="gray", ls=":", lw=0.8)
+        ax.set_xlabel("trajectory distance log10(step_b / step_a)")
+        ax.set_ylabel(lab)
+        ax.legend(fontsize=8)
+    fig.suptitle("Checkpoint merging vs trajectory distance (merge gain > 0: merging beats the better endpoint)")
+    fig.tight_layout()
+    return fig
+

@@ -1,0 +1,108 @@
+"""Section 6: the natively weight-mergeable cross-model pairs (coverage, weight diagnostics, interpolation, merges,
+lm-eval beside them)."""
+
+from __future__ import annotations
+
+from mergescope.analysis.context import Analysis
+from mergescope.analysis.records import Rec, is_checkpoint_pair
+from mergescope.analysis.tables import RTable, Section, f3, short
+
+__all__ = ["native_pair", "eval_columns", "native_pair_tables", "nll_langs_of", "NATIVE_QUANTITIES"]
+
+NATIVE_QUANTITIES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
+                     "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "best_merged_nll", "merge_gain")
+
+
+def eval_columns(merge_runs: list[Rec], evals: list[Rec]) -> tuple[list[str], dict[str, list[str]]]:
+    """lm-eval results beside the merged models they scored (``eval=lm_eval``: kind=eval runs, ``merge_run`` tag):
+    the metric names any of them logged, and per merge run its values and the eval run id ("—" where not run)."""
+    by_merge = {e.tags.get("merge_run"): e for e in evals}
+    names = sorted({k for r in merge_runs if r.run_id in by_merge for k in by_merge[r.run_id].metrics
+                    if "." in k and not k.endswith("_stderr")})
+    cells = {}
+    for r in merge_runs:
+        e = by_merge.get(r.run_id)
+        cells[r.run_id] = [f3(e.m(k), 4) if e is not None else "—" for k in names] + [short(e.run_id) if e else "—"]
+    return names, cells
+
+
+def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tuple[float, float]],
+                        evals: list[Rec] = ()) -> None:
+    """One cross-model native run: its coverage, weight diagnostics, merged models and interpolation curve."""
+    pair = n.tags["pair"]
+    excluded = n.group("coverage").get("excluded_names") or []
+    reasons = n.group("excluded_reasons")
+    sec.text.append(f"**{pair}** (run {short(n.run_id)}): shared parameter space covers "
+                    f"{int(n.m('n_shared_tensors'))} tensors / {int(n.m('shared_params')):,} parameters; "
+                    "excluded: " + (", ".join(f"{e} ({reasons.get(e, 'shape differs')})" for e in excluded) or "nothing") + ".")
+    tv = n.params.get("task_vectors")
+    if tv:
+        sec.text.append(f"Task vectors: {tv}.")
+    sec.tables.append(RTable(f"{pair}: weight diagnostics and interpolation (run {short(n.run_id)})", ["quantity", "value"],
+                             [[k, f3(n.m(k), 4)] for k in NATIVE_QUANTITIES if k in n.metrics],
+                             note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's."))
+    mrows = []
+    mine = sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", ""))
+    ev_names, ev_cells = eval_columns(mine, list(evals))
+    for r in mine:
+        prm = {k: v for k, v in r.group("merge").items() if k not in ("name", "operator")}
+        nll = f3(r.m("nll"), 4) + (f" ± {f3(r.m('nll_sd'), 4)} ({int(r.m('n_seeds'))} seeds)" if r.m("n_seeds") > 1 else "")
+        same = " (the linear model: weights sum to 1, lambda 1)" if r.tags.get("same_as") == "linear" else ""
+        mrows.append([r.tags.get("merge", "") + same, ", ".join(f"{k}={v}" for k, v in prm.items()), nll,
+                      f3(r.m("merge_gain"), 4), short(r.run_id), *(ev_cells[r.run_id] if ev_names else [])])
+    if mrows:
+        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run",
+                                                                        *(ev_names and [*ev_names, "eval run"])], mrows,
+                                 note="lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
+                                 if ev_names else ""))
+    by_lang = _by_language(n, [r for r in merges if r.tags.get("pair") == pair])
+    if by_lang is not None:
+        sec.tables.append(by_lang)
+    if curve:
+        sec.tables.append(RTable(f"{pair}: linear interpolation NLL((1-t) a + t b) (metric steps lmc_t / lmc_nll of run {short(n.run_id)})",
+                                 ["t", *[f3(t, 2) for t, _ in curve]], [["nll", *[f3(v) for _, v in curve]]]))
+
+
+def nll_langs_of(n: Rec) -> list[str]:
+    """The languages of ``native.nll_langs`` a native run scored on (its ``nll_a_<lang>`` metrics)."""
+    return sorted(k[len("nll_a_"):] for k in n.metrics if k.startswith("nll_a_"))
+
+
+def _by_language(n: Rec, merges: list[Rec]) -> RTable | None:
+    """``native.nll_langs``: each expert, the base and every merged model on every language (does the merge keep
+    both languages?), with the merged model's distance to the better expert there."""
+    langs = nll_langs_of(n)
+    if not langs:
+        return None
+    a, b = n.tags.get("model_a", "a"), n.tags.get("model_b", "b")
+    rows = [[f"expert a ({a})", *[f3(n.m(f"nll_a_{x}"), 4) for x in langs], "", short(n.run_id)],
+            [f"expert b ({b})", *[f3(n.m(f"nll_b_{x}"), 4) for x in langs], "", short(n.run_id)]]
+    if all(f"nll_base_{x}" in n.metrics for x in langs):
+        rows.append([f"base ({n.params.get('task_vector_base', 'native.base')})",
+                     *[f3(n.m(f"nll_base_{x}"), 4) for x in langs], "", short(n.run_id)])
+    for r in sorted(merges, key=lambda r: r.tags.get("merge", "")):
+        if not all(f"nll_{x}" in r.metrics for x in langs):
+            continue
+        gap = [r.m(f"nll_{x}") - min(n.m(f"nll_a_{x}"), n.m(f"nll_b_{x}")) for x in langs]
+        rows.append([r.tags.get("merge", ""), *[f3(r.m(f"nll_{x}"), 4) for x in langs],
+                     ", ".join(f"{x} {g:+.3f}" for x, g in zip(langs, gap)), short(r.run_id)])
+    return RTable(f"{n.tags.get('pair', '')}: NLL by language (native.nll_langs; nats/token)", ["model", *langs,
+                  "merged - better expert", "run"], rows,
+                  note="Each language's first native.nll_sentences FLORES sentences, scored by the host's tokenizer. "
+                       "merged - better expert > 0: the merge is worse there than the better of the two experts.")
+
+
+def native_pair(an: Analysis, number: str) -> Section:
+    """6. The natively weight-mergeable cross-model pairs: coverage, weight diagnostics, interpolation, merges."""
+    sec = Section("native_pair", f"{number}. Natively weight-mergeable cross-model pairs")
+    cross_native = [r for r in an.study.native if not is_checkpoint_pair(r)]
+    if not cross_native:
+        sec.missing.append("native pair: not measured (no cross-model pair shares a parameter space, or its native run is missing)")
+    for n in cross_native:
+        native_pair_tables(sec, n, an.study.kind("merge"), an.study.curves.get(n.run_id) or [], an.study.kind("eval"))
+    if cross_native:
+        n = cross_native[0]
+        sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token, best merged NLL "
+                       f"{f3(n.m('best_merged_nll'))} against the better endpoint (merge gain {f3(n.m('merge_gain'))}; run "
+                       f"{short(n.run_id)}).")
+    return sec

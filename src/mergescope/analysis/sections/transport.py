@@ -1,0 +1,167 @@
+"""Section 7: transport-based cross-architecture fusion for every direction and alpha, with its shuffled-plan
+control, then post-fusion fine-tuning."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mergescope.analysis.context import Analysis
+from mergescope.analysis.records import Rec, direction, transport_headline
+from mergescope.analysis.tables import RTable, Section, f3, median, short
+from mergescope.plotting import pyplot
+
+__all__ = ["transport", "role_table", "figure_transport"]
+
+def _counts(rs: list[Rec]) -> tuple[int, int]:
+    """(fusion helped, the OT plan beat its control) on the target's language, over runs (one per direction)."""
+    return (sum(1 for x in rs if x.m("delta_target_lang") < 0), sum(1 for x in rs if x.m("ot_minus_rand_target_lang") < 0))
+
+
+def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
+    cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
+            "ot_minus_rand_donor_lang", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+    heads = [{"fused_weight_cosine": "transport_weight_cosine", "fused_relative_l2": "transport_relative_l2"}.get(c, c) for c in cols]
+    rows = [[direction(r), r.tags.get("alpha", f3(r.m("alpha"))), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=lambda r: (direction(r), r.m("alpha")))]
+    sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
+                             note="Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
+                                  "shuffled-plan control (same fusion, plan rows shuffled). transport_weight_cosine / "
+                                  "transport_relative_l2: every fused tensor against the target's original, after the transport."))
+    by_dir: dict[str, list[Rec]] = {}
+    for r in runs:
+        by_dir.setdefault(direction(r), []).append(r)
+    head = [x for x in (transport_headline(v) for v in by_dir.values()) if x is not None]
+    helped, beats = _counts(head)
+    med = median(x.m("delta_target_lang") for x in head)
+    top = min(head, key=lambda x: x.m("delta_target_lang")) if head else None
+    at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
+    sec.text.append(f"{len(by_dir)} directions fused. At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
+                    f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
+                    f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
+                    f"target's language in {beats}/{len(head)}."
+                    + (f" Largest gain at that alpha: {direction(top)}, delta {f3(top.m('delta_target_lang'), 4)} "
+                       f"(run {short(top.run_id)})." if top else ""))
+    per_alpha = {}
+    for r in runs:
+        per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
+    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
+                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}"
+                   + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
+    sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
+                                               for a, v in sorted(per_alpha.items())) + ".")
+    an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})
+    if head:
+        sec.tables.append(role_table(head, at))
+        an.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
+    ident = [r for r in runs if "plan_diagonal_share" in r.metrics]
+    if ident:
+        cols = ["plan_diagonal_share", "plan_control_diagonal_share", "plan_chance_diagonal_share",
+                "plan_layer_diagonal_share", "plan_layer_diagonal_kept", "plan_layer_chance"]
+        seen = {}
+        for r in sorted(ident, key=lambda r: (direction(r), r.m("alpha"))):
+            seen.setdefault(direction(r), r)  # the plans are the same in every alpha's run of a direction
+        sec.tables.append(RTable("Same architecture: how near the plans are to the identity",
+                                 ["direction", *cols, "run"],
+                                 [[d, *[f3(r.m(c), 4) for c in cols], short(r.run_id)] for d, r in seen.items()],
+                                 note="plan_diagonal_share: share of the rows of the same-layer neuron plans whose maximum is "
+                                      "on the diagonal (1 = the identity matching; chance 1/width); the control's is the "
+                                      "shuffled-plan control's rows. plan_layer_diagonal_share: target layers whose P_eff "
+                                      "maximum is the same layer; _kept: whose kept donor layers include it."))
+        r = next(iter(seen.values()))
+        sec.text.append(f"Same-architecture plans ({len(seen)} directions): {f3(r.m('plan_diagonal_share'), 3)} of the "
+                        f"same-layer rows peak on the diagonal (control {f3(r.m('plan_control_diagonal_share'), 3)}, chance "
+                        f"{f3(r.m('plan_chance_diagonal_share'), 4)}); layer plan on the diagonal for "
+                        f"{f3(r.m('plan_layer_diagonal_share'), 3)} of the target layers (run {short(r.run_id)}).")
+    sec.add_figure("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control",
+                   lambda: figure_transport(runs))
+    an.csv["tables/transport.csv"] = sec.tables[0].csv()
+    an.console_tables.append(sec.tables[0])
+
+
+def role_table(head: list[Rec], at: str) -> RTable:
+    """Transport by role: the headline-alpha runs (one per direction) grouped by target model, then by donor model."""
+    rows = []
+    for role in ("target", "donor"):
+        groups: dict[str, list[Rec]] = {}
+        for r in head:
+            groups.setdefault(r.tags.get(role, "?"), []).append(r)
+        for model, rs in sorted(groups.items()):
+            helped, beats = _counts(rs)
+            rows.append([role, model, str(len(rs)), f3(float(np.mean([x.m("delta_target_lang") for x in rs])), 4),
+                         f3(float(np.mean([x.m("ot_minus_rand_target_lang") for x in rs])), 4), f"{helped}/{len(rs)}", f"{beats}/{len(rs)}"])
+    return RTable(f"Transport by role (headline alpha {at})", ["role", "model", "directions", "mean delta_target_lang",
+                                                               "mean ot_minus_rand_target_lang", "helped", "beats control"], rows,
+                  note="Every direction with the model as target (its own language, fused from each donor), then every direction "
+                       "with the model as donor. helped: delta_target_lang < 0; beats control: ot_minus_rand_target_lang < 0.")
+
+
+def _adapt_table(sec: Section, runs: list[Rec]) -> None:
+    cols = ["nll_base_before", "nll_fused_before", "nll_baseline_after", "nll_fused_after", "fusion_effect_after_adapt",
+            "rand_fusion_effect_after_adapt", "nll_donor_lang_fused_after"]
+    rows = [[direction(r), r.tags.get("alpha", ""), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=direction)]
+    sec.tables.append(RTable("Post-fusion adaptation (residual-frozen)", ["direction", "alpha", *cols, "run"], rows,
+                             note="fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
+                                  "(negative = fusion helped); rand_ = the same for the random-plan-fused model (its control)."))
+    helped = sum(1 for r in runs if r.m("fusion_effect_after_adapt") < 0)
+    beats = [r for r in runs if np.isfinite(r.m("rand_fusion_effect_after_adapt"))]
+    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions"
+                    + (f"; the OT-fused model beats the adapted random-plan control in "
+                       f"{sum(1 for r in beats if r.m('fusion_effect_after_adapt') < r.m('rand_fusion_effect_after_adapt'))}/{len(beats)}."
+                       if beats else "."))
+
+
+def transport(an: Analysis, number: str) -> Section:
+    """7. Transport fusion for every direction and alpha (with the shuffled-plan control), then adaptation."""
+    sec = Section("transport", f"{number}. Transport-based cross-architecture merging")
+    runs, adapt_runs = an.study.kind("transport"), an.study.adapt
+    if runs:
+        _fusion_table(an, sec, runs)
+    else:
+        sec.missing.append("transport fusion: not measured (no kind=transport runs in this experiment)")
+    if adapt_runs:
+        _adapt_table(sec, adapt_runs)
+    else:
+        sec.missing.append("post-fusion adaptation: not measured (no kind=transport_adapt runs in this experiment)")
+    return sec
+
+
+def _transport_bars(ax, transport: list[Rec]) -> None:
+    dirs = sorted({direction(r) for r in transport})
+    alphas = sorted({r.m("alpha") if np.isfinite(r.m("alpha")) else float(r.tags.get("alpha", "nan")) for r in transport})
+    w = 0.8 / max(1, len(alphas))
+    for ai, a in enumerate(alphas):
+        xs, ot, rd = [], [], []
+        for di, d in enumerate(dirs):
+            r = next((r for r in transport if direction(r) == d and (r.m("alpha") == a or r.tags.get("alpha") == str(a))), None)
+            if r is None:
+                continue
+            xs.append(di + (ai - (len(alphas) - 1) / 2) * w)
+            ot.append(r.m("delta_target_lang"))
+            rd.append(r.m("delta_target_lang") - r.m("ot_minus_rand_target_lang"))
+        ax.bar(xs, ot, width=w, label=f"OT plan, alpha={a:g}")
+        ax.plot(xs, rd, "k_", ms=10, mew=2, label="shuffled-plan control" if ai == 0 else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(dirs)), dirs, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("delta NLL on target's language (fused - unfused)")
+    ax.legend(fontsize=7)
+
+
+def figure_transport(transport: list[Rec]):
+    plt = pyplot()
+    n_dirs = len({direction(r) for r in transport})
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 0.6 * n_dirs + 6), 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    _transport_bars(axes[0], transport)
+    ax = axes[1]
+    x = np.array([r.m("delta_target_lang") - r.m("ot_minus_rand_target_lang") for r in transport])
+    y = np.array([r.m("delta_target_lang") for r in transport])
+    ax.scatter(x, y, s=14)
+    lim = [np.nanmin([x.min(), y.min()]), np.nanmax([x.max(), y.max()])]
+    ax.plot(lim, lim, "k--", lw=0.8)
+    ax.set_xlabel("shuffled-plan delta")
+    ax.set_ylabel("OT-plan delta")
+    ax.set_title("below the diagonal: OT beats control", fontsize=9)
+    fig.suptitle("Transport fusion without adaptation")
+    fig.tight_layout()
+    return fig
+
