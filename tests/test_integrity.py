@@ -348,7 +348,7 @@ def _dead_pid() -> int:
 def test_a_running_run_whose_process_is_gone_is_reaped_by_any_job(reaper, compose_cfg, tmp_path):
     from mergescope import tracking
     from mergescope.errors import MergescopeError
-    from mergescope.runs import run_once
+    from mergescope.runs import JobSpec, run_once
     from mergescope.store import owner_tags
     from mergescope.tracking import Tracker
 
@@ -358,7 +358,7 @@ def test_a_running_run_whose_process_is_gone_is_reaped_by_any_job(reaper, compos
     stale = tracker.client.create_run(tracker.experiment_id, run_name="killed job", tags=tags).info.run_id
     tracking._REAPED.clear()
     if reaper == "another job":
-        run_once(cfg, "unrelated", {"kind": "seed"}, [], lambda job: {"x": 1.0}, task="unrelated", keys=[])
+        run_once(cfg, JobSpec("unrelated", {"kind": "seed"}, task="unrelated", keys=[]), lambda job: {"x": 1.0}, [])
     else:
         from mergescope.analysis import run_analyze
 

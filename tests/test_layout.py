@@ -156,7 +156,7 @@ def test_one_run_name_grammar():
 
     names = []
     for path in SRC.rglob("*.py"):
-        names += re.findall(r"run_once\(\s*[^,]+,\s*(f?\"[^\"]*\")", path.read_text())
+        names += re.findall(r"JobSpec\(\s*(f?\"[^\"]*\")", path.read_text())
     names += re.findall(r"\.start\(\s*[^,]+,\s*(f?\"[^\"]*\")", (SRC / "study.py").read_text())
     assert len(names) >= 15
     for n in names:

@@ -186,25 +186,44 @@ def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:
     return data_mod.content_digest(cfg.data, [x for x in langs if x and x != "None"], splits)
 
 
-def run_once(cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,
-             body: Callable[[Job], dict[str, float]], *, task: str | None = None, keys: list[str] | None = None,
-             cfg_hash: str | None = None, tracker: Tracker | None = None,
-             reuse: Callable[[], bool] | None = None, reads: Sequence[ModelRef] = (),
-             extra: dict[str, Any] | None = None, nested: Callable[[], object] | None = None,
-             prepare: Callable[[], object] | None = None) -> JobResult:
-    """Run ``body`` in one MLflow run unless a FINISHED run with the same hash exists.
+@dataclass(frozen=True)
+class JobSpec:
+    """One job, as :func:`run_once` runs it: its run's name and tags, what identifies it, and its three hooks.
 
-    The hash is ``cfg_hash`` or :func:`identity` of ``task``, ``keys``, the models it ``reads`` and
-    ``extra``; ``tags`` get ``cfg_hash`` added.
-    ``body(job)`` logs what it likes through ``job`` and returns the headline metrics, which are
-    logged and returned. ``reuse`` (optional) must also say yes for a finished run to be reused
-    (the train job: the model folder must still exist). ``nested`` is called when a finished run is
-    reused, so a job whose runs are nested (the native job's merges) still records them in the study's
-    list, and completes any that are missing. ``prepare`` (optional) runs when the job will run, before its run
-    exists: the work that can fail on bad input (loading models, forward passes) fails there, with no run.
-    Runs of the same hash left RUNNING by a process that is gone (killed) are marked KILLED first.
+    The identity is ``cfg_hash`` when given, else :func:`identity` of ``task``, the config ``keys``, the models it
+    ``reads`` and ``extra`` (values outside the config that change its numbers). ``reuse`` (optional) must also say
+    yes for a finished run to be reused (the train job: the model folder must still exist). ``nested`` is called when
+    a finished run is reused, so a job whose runs are nested (the native job's merges) still records them in the
+    study's list, and completes any that are missing. ``prepare`` runs when the job will run, before its run exists:
+    the work that can fail on bad input (loading models, forward passes) fails there, with no run."""
+
+    name: str
+    tags: dict[str, Any]
+    task: str | None = None
+    keys: Sequence[str] | None = None  # None (a job identified by cfg_hash alone): every config key is a param
+    reads: Sequence[ModelRef] = ()
+    extra: dict[str, Any] | None = None
+    cfg_hash: str | None = None
+    reuse: Callable[[], bool] | None = None
+    nested: Callable[[], object] | None = None
+    prepare: Callable[[], object] | None = None
+
+    def identity(self, cfg: DictConfig) -> str:
+        return self.cfg_hash or identity(str(self.task), cfg, list(self.keys or []), self.reads, self.extra)
+
+
+def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, float]], overrides: list[str] | None = None,
+             tracker: Tracker | None = None) -> JobResult:
+    """Run ``body`` in one MLflow run unless a FINISHED run of the same job (:meth:`JobSpec.identity`) exists.
+
+    ``body(job)`` logs what it likes through ``job`` and returns the headline metrics, which are logged and returned;
+    the run's tags get ``cfg_hash`` added. Runs of the same hash left RUNNING by a process that is gone (killed) are
+    marked KILLED first.
     """
-    h = cfg_hash or identity(str(task), cfg, list(keys or []), reads, extra)
+    run_name, tags, reads = spec.name, spec.tags, spec.reads
+    keys = None if spec.keys is None else list(spec.keys)
+    reuse, nested, prepare = spec.reuse, spec.nested, spec.prepare
+    h = spec.identity(cfg)
     tracker = tracker or Tracker(cfg)
     tracker.reap_gone()  # RUNNING runs of any job whose process is gone: marked KILLED (once per process)
     done = finished(cfg, tracker, h)

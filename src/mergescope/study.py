@@ -431,11 +431,7 @@ def _record_failure(j: StudyJob, exc: Exception) -> None:
     donor = "b" if target == "a" else "a"
     tags = {"kind": "transport", "target": model_label(j.cfg.pair[target]), "donor": model_label(j.cfg.pair[donor]),
             "outcome": NotConverged.outcome}
-    try:
-        with Tracker(j.cfg).start(j.cfg, f"transport {tags['target']} <- {tags['donor']} (did not converge)", tags, j.overrides):
-            raise exc
-    except MergescopeError:
-        pass
+    Tracker(j.cfg).record_failed(j.cfg, f"transport {tags['target']} <- {tags['donor']} (did not converge)", tags, j.overrides, exc)
 
 
 def parallel_workers(plan: Plan) -> int:

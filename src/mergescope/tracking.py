@@ -174,33 +174,50 @@ class Tracker:
             return []  # no experiment yet: nothing to reap, and nothing is created here
         return self.reap_stale(None)
 
-    @contextmanager
-    def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None,
-              param_keys: list[str] | None = None) -> Iterator[Job]:
-        """Create a run (tagged with its host and pid), log config, yield a Job; FINISHED on success, KILLED on
-        SIGTERM or Ctrl-C (the process then exits), FAILED on any other exception."""
+    def _open(self, cfg: DictConfig, run_name: str, tags: dict[str, Any]) -> Job:
+        """Create the run: its tags (host, pid, source, parent, description; secrets redacted) and name."""
         extra = cfg.get("tags") or {}
         tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
         if tags.get("reproduces") and not run_name.startswith("reproduce "):  # named as what it is, not as its original
             run_name = f"reproduce {run_name} of {tags['reproduces'][:8]}"
         tags.update(source_tags(tags, run_name))
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
+        return Job(self.client, run.info.run_id, tags.get("mlflow.note.content", ""))
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        """Why it failed, on the run (the report's calibration lists non-converged settings), and FAILED."""
+        self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
+        self.client.set_terminated(job.run_id, status="FAILED")
+
+    @contextmanager
+    def start(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None = None,
+              param_keys: list[str] | None = None) -> Iterator[Job]:
+        """Create a run (tagged with its host and pid), log config, yield a Job; FINISHED on success, KILLED on
+        SIGTERM or Ctrl-C (the process then exits), FAILED on any other exception."""
         with killed_on_sigterm():
-            run = self.client.create_run(self.experiment_id, run_name=run_name, tags={**tags, **owner_tags()})
-            job = Job(self.client, run.info.run_id, tags.get("mlflow.note.content", ""))
+            job = self._open(cfg, run_name, tags)
             try:
                 self._log_config(job, cfg, overrides, param_keys)
                 yield job
             except BaseException as exc:
-                killed = isinstance(exc, (Terminated, KeyboardInterrupt))
-                if killed:  # the signal may have landed inside a store write: free that session's lock first
-                    _release_interrupted(exc)
-                else:  # why it failed, on the run (the report's calibration lists non-converged settings)
-                    self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
-                self.client.set_terminated(job.run_id, status="KILLED" if killed else "FAILED")
+                if isinstance(exc, (Terminated, KeyboardInterrupt)):  # the signal may have landed inside a store write:
+                    _release_interrupted(exc)                          # free that session's lock first
+                    self.client.set_terminated(job.run_id, status="KILLED")
+                else:
+                    self._fail(job, exc)
                 raise
             else:
                 self.client.set_terminated(job.run_id, status="FINISHED")
+
+    def record_failed(self, cfg: DictConfig, run_name: str, tags: dict[str, Any], overrides: list[str] | None,
+                      error: BaseException, param_keys: list[str] | None = None) -> str:
+        """A FAILED run for a job that failed before its own run existed (a transport setting whose plans did not
+        converge: a calibration result): its config as params, the reason as tag ``error``. Returns its run id."""
+        job = self._open(cfg, run_name, tags)
+        self._log_config(job, cfg, overrides, param_keys)
+        self._fail(job, error)
+        return job.run_id
 
     def _log_config(self, job: Job, cfg: DictConfig, overrides: list[str] | None, param_keys: list[str] | None = None) -> None:
         """Params, config/resolved.yaml, config/overrides.yaml, .hydra/ and pip freeze: secrets redacted in all.

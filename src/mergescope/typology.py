@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
 from mergescope.integrity import load_array, save_array
-from mergescope.runs import JobResult, pair_tags, run_once
+from mergescope.runs import JobResult, JobSpec, pair_tags, run_once
 
 FEATURE_SETS = {
     "syntactic": "syntax_knn",
@@ -141,4 +141,5 @@ def run_typology(cfg: DictConfig, overrides: list[str] | None = None) -> JobResu
         job.log_params({"uriel": {"code_a": uriel_code(la), "code_b": uriel_code(lb), "lang2vec": lang2vec_version(), **FEATURE_SETS}})
         return values
 
-    return run_once(cfg, f"typology {la} x {lb}", {"kind": "typology", **pair_tags(cfg)}, overrides, body, task="typology", keys=TYPOLOGY_KEYS)
+    return run_once(cfg, JobSpec(f"typology {la} x {lb}", {"kind": "typology", **pair_tags(cfg)}, task="typology",
+                                 keys=TYPOLOGY_KEYS), body, overrides)

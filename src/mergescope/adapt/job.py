@@ -25,7 +25,7 @@ from mergescope.config import to_plain
 from mergescope.merge import merge_state_dicts, resolve_preset
 from mergescope.native.merges import preset_config
 from mergescope.progress import console
-from mergescope.runs import JobResult, pair_tags, run_once
+from mergescope.runs import JobResult, JobSpec, pair_tags, run_once
 
 CHILD_KEYS = ["pair", "adapt", "data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
               "adaptation.langs", "adaptation.nll_sentences", "adaptation.sample", "adaptation.diag_sentences", "save"]
@@ -78,9 +78,9 @@ def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, contr
         return {**values, "ratio": float(ratio)}
 
     name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}"
-    return run_once(cfg, name, _tags(cfg, setup, f"{ratio:g}", control), overrides, body, task="adapt",
-                    keys=CHILD_KEYS, reads=setup.refs, extra={"ratio": float(ratio), "control": control,
-                                                              "seed": seed if control == "noise" else None})
+    extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None}
+    spec = JobSpec(name, _tags(cfg, setup, f"{ratio:g}", control), task="adapt", keys=CHILD_KEYS, reads=setup.refs, extra=extra)
+    return run_once(cfg, spec, body, overrides)
 
 
 def compare_preset(name: str, ratio: float) -> dict[str, Any]:
@@ -110,8 +110,8 @@ def run_compare(cfg: DictConfig, setup: Setup, loaded: Loaded, name: str, ratio:
         return {**values, "ratio": float(ratio)}
 
     tags = {**_tags(cfg, setup, f"{ratio:g}", "none", kind="merge"), "merge": name}
-    return run_once(cfg, f"adapt-merge {name} r={ratio:g} {setup.small_label} x {setup.large_label}", tags, overrides, body,
-                    task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset})
+    return run_once(cfg, JobSpec(f"adapt-merge {name} r={ratio:g} {setup.small_label} x {setup.large_label}", tags,
+                                 task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset}), body, overrides)
 
 
 def _source_model(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str):
@@ -145,8 +145,8 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
     tags = {"kind": "adapt", "route": "adapt", "ratio": "source", "control": "source", "protocol": "source",
             "source": side, "small": setup.small_label, "large": setup.large_label,
             "pair": f"{setup.small_label}__{setup.large_label}"}  # by size, whichever protocol scored it first
-    return run_once(cfg, f"adapt source {side} {setup.small_label} x {setup.large_label}", tags, overrides, body,
-                    task="adapt_source", keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs})
+    return run_once(cfg, JobSpec(f"adapt source {side} {setup.small_label} x {setup.large_label}", tags, task="adapt_source",
+                                 keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs}), body, overrides)
 
 
 def overlap_of(sources: dict[str, JobResult]) -> Overlap:
@@ -192,9 +192,9 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
     children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
     tags = {**_tags(cfg, setup, "best", "none"), "competence": overlap.competence,
             "small_better_tasks": ",".join(overlap.small_better) or "none"}
-    return run_once(cfg, f"adapt {setup.protocol} best {setup.small_label} x {setup.large_label}", tags, overrides, body,
-                    task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
-                    extra={"children": sorted(r.cfg_hash for r in children)})
+    return run_once(cfg, JobSpec(f"adapt {setup.protocol} best {setup.small_label} x {setup.large_label}", tags,
+                                 task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
+                                 extra={"children": sorted(r.cfg_hash for r in children)}), body, overrides)
 
 
 def _at(cfg: DictConfig, grid: list[float], best: float) -> list[float]:

@@ -42,7 +42,7 @@ from mergescope.errors import MergescopeError
 from mergescope.memory import process_peak_gb
 from mergescope.progress import console
 from mergescope.represent.forward import pad_batch, pad_id
-from mergescope.runs import JobResult, model_label, run_once
+from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
 KEYS = ["model", "expansion.target", "expansion.sentences", "expansion.dtype", "expansion.tol", "data",
         "represent.max_length"]
@@ -255,8 +255,8 @@ def run_expansion(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
 
     tags = {"kind": "expansion", "route": "adapt", "operator": "expand", "mode": check.mode, "model": label,
             "target": t.text(), "dtype": dtype_name}
-    result = run_once(cfg, f"expansion {check.mode} {label} -> {t.text()}", tags, overrides, body, task="expansion",
-                      keys=KEYS, reads=[ref])
+    result = run_once(cfg, JobSpec(f"expansion {check.mode} {label} -> {t.text()}", tags, task="expansion", keys=KEYS,
+                                   reads=[ref]), body, overrides)
     m = result.metrics
     console.print(f"  expand({check.mode}) {label} -> {t.text()}: max |logit diff| {m['max_abs_logit_diff']:.2e} "
                   f"(largest |logit| {m['max_abs_logit']:.1f}), argmax agree {m['argmax_agree']:.4f}, NLL "

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
-from mergescope.runs import JobResult, pair_tags, run_once
+from mergescope.runs import JobResult, JobSpec, pair_tags, run_once
 
 INSTALL = "eval=lm_eval needs lm-evaluation-harness: pip install lm-eval (or pip install -e '.[eval]')"
 TASK_YAML = """task: {name}
@@ -106,5 +106,6 @@ def run_lm_eval(cfg: DictConfig, setup, loaded, ratio: float, merge_run: str, ov
 
     tags = {"kind": "eval", "route": "adapt", "merge_run": merge_run, "protocol": setup.protocol, "ratio": f"{ratio:g}",
             "small": setup.small_label, "large": setup.large_label, **pair_tags(cfg), "seed": cfg.seed}
-    return run_once(cfg, f"eval lm_eval {setup.protocol} r={ratio:g} {setup.small_label} x {setup.large_label}", tags, overrides, body, task="adapt_eval",
-                    keys=["pair", "adapt", "eval", "data"], reads=setup.refs, extra={"ratio": float(ratio), "tasks": tasks})
+    return run_once(cfg, JobSpec(f"eval lm_eval {setup.protocol} r={ratio:g} {setup.small_label} x {setup.large_label}", tags,
+                                 task="adapt_eval", keys=["pair", "adapt", "eval", "data"], reads=setup.refs,
+                                 extra={"ratio": float(ratio), "tasks": tasks}), body, overrides)

@@ -21,7 +21,7 @@ from mergescope.native.pair import (Loaded, base_entry, check_lmc_points, check_
                                     no_base_reason, same_run, step_of)
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
-from mergescope.runs import JobResult, model_label, pair_label, pair_tags, pair_text, run_once
+from mergescope.runs import JobResult, JobSpec, model_label, pair_label, pair_tags, pair_text, run_once
 
 NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
 
@@ -109,9 +109,9 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
     data_aware = any(resolve_preset(preset_config(str(n)))[0].meta.get("needs_stats") for n in cfg.native.merges)
-    return run_once(cfg, f"native {pair_text(cfg)}", tags, overrides, body, task="native",
-                    keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []),
-                    reads=refs, extra=hash_extra(cfg), nested=lambda: _nested_runs(cfg, overrides))
+    return run_once(cfg, JobSpec(f"native {pair_text(cfg)}", tags, task="native",
+                                 keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []), reads=refs, extra=hash_extra(cfg),
+                                 nested=lambda: _nested_runs(cfg, overrides)), body, overrides)
 
 
 def _nested_runs(cfg: DictConfig, overrides) -> None:

@@ -27,7 +27,7 @@ from mergescope.native.spec import Spec, model_entry
 from mergescope.native.stats import STATS_KEYS, check_stats, each_model
 from mergescope.native.stream import streamed_state
 from mergescope.progress import console
-from mergescope.runs import JobResult, model_label, run_once
+from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
 MULTI_ONLY = ("models", "base", "config", "lang")  # merge.* keys that are no operator keyword
 MULTI_KEYS = ["merge", "data", "native.nll_sentences", "native.nll_langs", "native.merge_seeds", "represent.max_length"]
@@ -240,9 +240,9 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         extra["stats_data"] = data_mod.content_digest(cfg.data, [str(e.lang) for e in spec.entries],
                                                       [str(cfg.merge_stats.split)])
     reads = [*refs, *([base_ref] if base_ref is not None else [])]
-    res = run_once(cfg, f"merge {cfg.merge.name} {' + '.join(names)}", tags, overrides, body, task="merge_n",
-                   keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
-                   reads=reads, extra=extra)
+    res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {' + '.join(names)}", tags, task="merge_n",
+                                keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
+                                reads=reads, extra=extra), body, overrides)
     if _lm_eval(cfg):
         from mergescope.native.save import run_native_lm_eval
 

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mergescope.config import to_plain
-from mergescope.runs import JobResult, run_once
+from mergescope.runs import JobResult, JobSpec, run_once
 
 
 def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[str], base: str | None, run_id: str,
@@ -60,9 +60,9 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
         return flat_metrics(res.get("results", {}))
 
     t = {"kind": "eval", "route": "native", "merge_run": merge.run_id, "seed": cfg.seed, **tags}
-    return run_once(cfg, f"eval lm_eval {tags.get('merge', 'merge')}", t, overrides, body, task="native_eval",
-                    keys=["eval"], reads=reads, extra={"merge": merge.cfg_hash, "tasks": tasks, "langs": langs,
-                                                       "data": to_plain(cfg.data)})
+    extra = {"merge": merge.cfg_hash, "tasks": tasks, "langs": langs, "data": to_plain(cfg.data)}
+    spec = JobSpec(f"eval lm_eval {tags.get('merge', 'merge')}", t, task="native_eval", keys=["eval"], reads=reads, extra=extra)
+    return run_once(cfg, spec, body, overrides)
 
 
 def _merge_pair_into_host(cfg: DictConfig, pair, entry, kwargs: dict) -> None:

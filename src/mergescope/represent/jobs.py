@@ -19,7 +19,7 @@ from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem
 from mergescope.represent.forward import POOLINGS, embed, token_nll
-from mergescope.runs import JobResult, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
+from mergescope.runs import JobResult, JobSpec, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
 
 MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length",
                 "represent.padding_side", "control"]
@@ -153,8 +153,8 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
             "seed": cfg.control.seed, "data": cfg.data.name, "split": cfg.data.split}
-    return run_once(cfg, f"measure {cfg.metric.name} {pair_text(cfg)}", tags, overrides, body, task="measure", keys=MEASURE_KEYS,
-                    reads=(ref_a, ref_b), prepare=prepare)
+    return run_once(cfg, JobSpec(f"measure {cfg.metric.name} {pair_text(cfg)}", tags, task="measure", keys=MEASURE_KEYS,
+                                 reads=(ref_a, ref_b), prepare=prepare), body, overrides)
 
 
 def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -177,5 +177,5 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
             "split": cfg.data.split, "seed": cfg.seed}
-    return run_once(cfg, f"quality {model_label(entry)}", tags, overrides, body, task="quality", keys=QUALITY_KEYS,
-                    reads=(ref,), prepare=lambda: loaded.append(models.load(entry, cfg.device, ref=ref)))
+    return run_once(cfg, JobSpec(f"quality {model_label(entry)}", tags, task="quality", keys=QUALITY_KEYS, reads=(ref,),
+                                 prepare=lambda: loaded.append(models.load(entry, cfg.device, ref=ref))), body, overrides)

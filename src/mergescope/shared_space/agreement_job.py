@@ -15,7 +15,7 @@ from mergescope import models
 from mergescope.metrics import linear_cka
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.jobs import check_represent
-from mergescope.runs import JobResult, pair_tags, pair_text, run_once
+from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 from mergescope.shared_space.agreement import agreement, nn_match_null, permutations, rsa
 from mergescope.shared_space.centroids import centroid_rows, flores_topics
 from mergescope.shared_space.depth import depth_layers, distinct_depths
@@ -174,5 +174,5 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
 
     tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": cfg.shared.seed,
             "data": cfg.data.name, "split": cfg.data.split}
-    return run_once(cfg, f"agreement {pair_text(cfg)}", tags, overrides, body, task="agreement", keys=AGREEMENT_KEYS,
-                    reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs})  # conf/metric/*.yaml it read
+    return run_once(cfg, JobSpec(f"agreement {pair_text(cfg)}", tags, task="agreement", keys=AGREEMENT_KEYS,
+                                 reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs}), body, overrides)  # conf/metric/*.yaml it read

@@ -11,7 +11,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from mergescope import models
-from mergescope.runs import JobResult, run_once
+from mergescope.runs import JobResult, JobSpec, run_once
 from mergescope.shared_space.agreement_job import write_csv
 from mergescope.shared_space.domains import domains
 from mergescope.shared_space.reprs import final_layers, main_pooling, models_tags, prepare
@@ -51,5 +51,4 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         return out
 
     tags = models_tags(cfg, "routing", labels)
-    return run_once(cfg, f"routing {len(labels)} models", tags, overrides, body, task="routing", keys=ROUTING_KEYS,
-                    reads=tuple(refs))
+    return run_once(cfg, JobSpec(f"routing {len(labels)} models", tags, task="routing", keys=ROUTING_KEYS, reads=tuple(refs)), body, overrides)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope import models
 from mergescope import data as data_mod
 from mergescope.errors import MergescopeError
-from mergescope.runs import JobResult, run_once
+from mergescope.runs import JobResult, JobSpec, run_once
 from mergescope.shared_space.agreement_job import write_csv
 from mergescope.shared_space.content import content_types, type_transfer
 from mergescope.shared_space.depth import depth_layers, distinct_depths
@@ -150,5 +150,5 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
                 "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
 
     tags = models_tags(cfg, "shared_space", labels)
-    return run_once(cfg, f"shared_space {len(labels)} models", tags, overrides, body, task="shared_space",
-                    keys=SPACE_KEYS, reads=tuple(refs))
+    return run_once(cfg, JobSpec(f"shared_space {len(labels)} models", tags, task="shared_space", keys=SPACE_KEYS,
+                                 reads=tuple(refs)), body, overrides)

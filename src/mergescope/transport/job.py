@@ -38,7 +38,7 @@ from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
-from mergescope.runs import JobResult, finished, model_label, pair_label, run_once, would_run
+from mergescope.runs import JobResult, JobSpec, finished, model_label, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
 from mergescope.transport import finetune as finetune_mod
 from mergescope.transport import fusion as fus
@@ -366,7 +366,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
         return values
 
     tags = d.tags("transport", alpha=a, headline_alpha=d.s.headline_alpha)
-    r = run_once(_alpha_cfg(d.cfg, a), f"transport a={a:g} {d.label}", tags, d.overrides, body, cfg_hash=h)
+    r = run_once(_alpha_cfg(d.cfg, a), JobSpec(f"transport a={a:g} {d.label}", tags, keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
                   f"(control {v['rand_delta_target_lang']:+.4f}), donor lang {v['delta_donor_lang']:+.4f}")
@@ -412,7 +412,8 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
         return {"nll_base_before": base_t, "nll_baseline_after": after, "delta_adapt": after - base_t,
                 "train_loss_first": losses[0], "train_loss_last": losses[-1], "n_adapt_sentences": float(len(d.texts.adapt_t))}
 
-    return run_once(d.cfg, f"transport-adapt baseline {name}", tags, d.overrides, body, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
+    spec = JobSpec(f"transport-adapt baseline {name}", tags, keys=BASELINE_KEYS, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
+    return run_once(d.cfg, spec, body, d.overrides)
 
 
 def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None) -> dict[str, float]:
@@ -452,8 +453,8 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
         return v
 
-    r = run_once(d.cfg, f"transport-adapt a={a:g} {d.label}", d.tags("transport_adapt", stage="fused", alpha=a), d.overrides, body,
-                 cfg_hash=h)
+    r = run_once(d.cfg, JobSpec(f"transport-adapt a={a:g} {d.label}", d.tags("transport_adapt", stage="fused", alpha=a),
+                                keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
     host.set(host.snapshot)
     m = r.metrics
     console.print(f"  {d.label} adapted (alpha={a:g}): {m['nll_fused_after']:.4f} vs no-fusion baseline {base_after:.4f} "

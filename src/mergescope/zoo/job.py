@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.errors import MergescopeError
-from mergescope.runs import JobResult, model_label, run_once
+from mergescope.runs import JobResult, JobSpec, model_label, run_once
 from mergescope.tracking import Job
 from mergescope.zoo.train import check_train, train_model
 
@@ -48,5 +48,5 @@ def run_train(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
         return {k: float(summary[k]) for k in FINAL_METRICS if k in summary}
 
     tags = {"kind": "train", "model": model_label(entry), "lang": entry.lang, "seed": cfg.train.seed}
-    return run_once(cfg, f"train {model_label(entry)}", tags, overrides, body, task="train", keys=JOB_KEYS,
-                    reuse=lambda: (out / "main" / "config.json").is_file())
+    return run_once(cfg, JobSpec(f"train {model_label(entry)}", tags, task="train", keys=JOB_KEYS,
+                                 reuse=lambda: (out / "main" / "config.json").is_file()), body, overrides)
