@@ -12,7 +12,7 @@ from mergescope.errors import MergescopeError
 from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.shared_space.evaluate import effective_dim, retrieval_eval
 from mergescope.shared_space.gpa import apply_map, linear_map, pooled_p1, ridge_lambda, select_ridge
-from mergescope.shared_space.reprs import main_pooling, poolings
+from mergescope.shared_space.settings import SharedSettings
 
 
 # ---------------------------------------------------------------- item 1: the pairwise maps
@@ -89,18 +89,39 @@ def test_retrieval_eval_gives_the_pairwise_baseline_a_fair_ridge_on_planted_late
 
 def test_the_arms_main_pooling_is_its_own_key_and_mean_by_default():
     cfg = OmegaConf.create({"represent": {"pooling": "sgpt"}, "shared": {"poolings": ["mean", "sgpt", "last"]}})
-    assert main_pooling(cfg) == "mean" and poolings(cfg) == ["mean", "sgpt", "last"]
+    s = SharedSettings.from_cfg(cfg)
+    assert s.pooling == "mean" and s.all_poolings == ["mean", "sgpt", "last"]
     cfg.shared.pooling = "last"
-    assert poolings(cfg)[0] == "last"
+    assert SharedSettings.from_cfg(cfg).all_poolings[0] == "last"
     cfg.shared.pooling = "max"
     with pytest.raises(MergescopeError, match="shared.pooling"):
-        main_pooling(cfg)
+        SharedSettings.from_cfg(cfg)
 
 
 def test_the_default_config_and_the_studies_pool_the_arm_by_mean(compose_cfg):
     for study in ("toy", "shared_space", "shared_space_5"):
         cfg, _ = compose_cfg([f"study={study}"])
-        assert cfg.shared.pooling == "mean" and main_pooling(cfg) == "mean"
+        assert cfg.shared.pooling == "mean" and SharedSettings.from_cfg(cfg).pooling == "mean"
+
+
+def test_the_arms_settings_are_typed_and_checked_once_with_the_key_named(compose_cfg):
+    """Every shared.* value converted to its field's type (a wrong type or range is one line naming the key), and the
+    object frozen: the arm's code reads it, not cfg.shared."""
+    import dataclasses
+
+    cfg, _ = compose_cfg(["study=toy"])
+    s = SharedSettings.from_cfg(cfg)
+    assert s.depths == (0.0, 0.25, 0.5, 0.75, 1.0) and s.folds == 3 and s.dims == (4, 16, 64, 200)
+    assert s.pool_sizes == [10, 32, None] and s.ridges == (1e-4, 1e-3, 1e-2, 1e-1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.folds = 5  # type: ignore[misc]
+    for key, bad, msg in (("folds", "three", "shared.folds must be an integer"), ("folds", 1, "shared.folds must be at least 2"),
+                          ("depths", [0.5, 1.5], "shared.depths must be relative depths"),
+                          ("ridges", [], "shared.ridges must be a non-empty list"), ("depths", 0.5, "shared.depths must be a list"),
+                          ("rsa_sentences", 2, "shared.rsa_sentences must be at least 3")):
+        node = {**OmegaConf.to_container(cfg.shared), key: bad}
+        with pytest.raises(MergescopeError, match=msg):
+            SharedSettings.from_node(node)
 
 
 # ---------------------------------------------------------------- item 4: relative depths on shallow models

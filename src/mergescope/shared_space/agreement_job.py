@@ -21,24 +21,25 @@ from mergescope.shared_space.centroids import centroid_rows, flores_topics
 from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.plotting import pyplot as plt
 from mergescope.shared_space.reorganize import change_corr, is_ssm, layer_change
-from mergescope.shared_space.reprs import check_shared, layer_reprs, main_pooling, pc2_share, poolings
+from mergescope.shared_space.reprs import layer_reprs, pc2_share
+from mergescope.shared_space.settings import SharedSettings
 
 AGREEMENT_KEYS = ["pair", "data", "represent.max_length", "represent.padding_side", "shared"]
 
 
-def rsa_rows(n: int, cfg: DictConfig) -> np.ndarray | None:
-    k = cfg.shared.get("rsa_sentences")
+def rsa_rows(n: int, s: SharedSettings) -> np.ndarray | None:
+    k = s.rsa_sentences
     if not k or int(k) >= n:
         return None
-    return np.sort(np.random.default_rng(int(cfg.shared.seed)).choice(n, int(k), replace=False))
+    return np.sort(np.random.default_rng(s.seed).choice(n, int(k), replace=False))
 
 
-def depth_values(cfg: DictConfig, Xa: np.ndarray, Xb: np.ndarray) -> dict[str, float]:
+def depth_values(s: SharedSettings, device: str, Xa: np.ndarray, Xb: np.ndarray) -> dict[str, float]:
     """Everything measured at one depth on the main pooling."""
-    out = agreement(Xa, Xb, n_perm=int(cfg.shared.permutations), seed=int(cfg.shared.seed), rsa_rows=rsa_rows(len(Xa), cfg))
-    for name in cfg.shared.metrics:
+    out = agreement(Xa, Xb, n_perm=s.permutations, seed=s.seed, rsa_rows=rsa_rows(len(Xa), s))
+    for name in s.metrics:
         entry, kwargs = metric_with_kwargs(str(name))
-        vals = entry.fn(Xa, Xb, device=cfg.device, **kwargs)
+        vals = entry.fn(Xa, Xb, device=device, **kwargs)
         out.update({k: float(v) for k, v in vals.items()})
     return out
 
@@ -59,15 +60,15 @@ def cka_matrix(La: np.ndarray, Lb: np.ndarray, device: str) -> np.ndarray:
     return np.array([[linear_cka(a, b, device=device) for b in Lb] for a in La])
 
 
-def pooling_rows(cfg: DictConfig, reps_a, reps_b, la: list[int], lb: list[int]) -> list[dict]:
+def pooling_rows(s: SharedSettings, reps_a, reps_b, la: list[int], lb: list[int]) -> list[dict]:
     """RSA (observed) and nearest-neighbour match (with its null) for every pooling at every depth."""
     rows = []
-    for p in poolings(cfg):
-        for d, i, j in zip(cfg.shared.depths, la, lb):
+    for p in s.all_poolings:
+        for d, i, j in zip(s.depths, la, lb):
             Xa, Xb = reps_a[p][i], reps_b[p][j]
-            perms = permutations(len(Xa), int(cfg.shared.permutations), int(cfg.shared.seed))
+            perms = permutations(len(Xa), s.permutations, s.seed)
             nn, null = nn_match_null(Xa, Xb, perms)
-            sub = rsa_rows(len(Xa), cfg)
+            sub = rsa_rows(len(Xa), s)
             r = rsa(Xa, Xb) if sub is None else rsa(Xa[sub], Xb[sub])
             rows.append({"pooling": p, "depth": float(d), "layer_a": i, "layer_b": j, "rsa": r, "nn_match": nn,
                          "nn_match_p": float((1 + np.sum(null >= nn)) / (1 + null.size)),
@@ -75,13 +76,13 @@ def pooling_rows(cfg: DictConfig, reps_a, reps_b, la: list[int], lb: list[int]) 
     return rows
 
 
-def centroid_table(cfg: DictConfig, La: np.ndarray, Lb: np.ndarray, la: list[int], lb: list[int]) -> list[dict]:
+def centroid_table(cfg: DictConfig, s: SharedSettings, La: np.ndarray, Lb: np.ndarray, la: list[int], lb: list[int]) -> list[dict]:
     """Category-centroid agreement against random partitions (§5.1) at every depth, for each topic count."""
     topics = flores_topics(cfg.data, La.shape[1])
     rows = []
-    for d, i, j in zip(cfg.shared.depths, la, lb):
-        rows += centroid_rows(La[i], Lb[j], topics, [int(k) for k in cfg.shared.centroid_topics], int(cfg.shared.partitions),
-                              int(cfg.shared.seed), depth=float(d), layer_a=i, layer_b=j)
+    for d, i, j in zip(s.depths, la, lb):
+        rows += centroid_rows(La[i], Lb[j], topics, [int(k) for k in s.centroid_topics], s.partitions,
+                              s.seed, depth=float(d), layer_a=i, layer_b=j)
     return rows
 
 
@@ -131,25 +132,25 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     a, b = cfg.pair.a, cfg.pair.b
     ref_a, ref_b = models.resolve_pair(cfg.pair)
     check_represent(cfg)
-    check_shared(cfg)
+    s = SharedSettings.from_cfg(cfg)
     side_a, side_b = data_mod.load_parallel(cfg.data, str(a.lang), str(b.lang))
-    metric_kwargs = {str(name): metric_with_kwargs(str(name))[1] for name in cfg.shared.metrics}
+    metric_kwargs = {str(name): metric_with_kwargs(str(name))[1] for name in s.metrics}
 
     def body(job) -> dict[str, float]:
-        reps_a, meta_a = layer_reprs(cfg, a, ref_a, side_a)
-        reps_b, meta_b = layer_reprs(cfg, b, ref_b, side_b)
-        main = main_pooling(cfg)
+        reps_a, meta_a = layer_reprs(cfg, s, a, ref_a, side_a)
+        reps_b, meta_b = layer_reprs(cfg, s, b, ref_b, side_b)
+        main = s.pooling
         n_a, n_b = reps_a[main].shape[0] - 1, reps_b[main].shape[0] - 1
-        la, lb = depth_layers(cfg.shared.depths, n_a), depth_layers(cfg.shared.depths, n_b)
-        da, db = distinct_depths(cfg.shared.depths, n_a), distinct_depths(cfg.shared.depths, n_b)
-        dup = [float(d) for d, x, y in zip(cfg.shared.depths, da, db) if not (x and y)]
+        la, lb = depth_layers(s.depths, n_a), depth_layers(s.depths, n_b)
+        da, db = distinct_depths(s.depths, n_a), distinct_depths(s.depths, n_b)
+        dup = [float(d) for d, x, y in zip(s.depths, da, db) if not (x and y)]
         job.log_params({"layers_a": n_a, "layers_b": n_b, "depth_layers_a": la, "depth_layers_b": lb,
                         "depths_without_distinct_state": dup or "none",
                         "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
         rows = []
         ca, cb = layer_change(reps_a[main]), layer_change(reps_b[main])
-        for k, (d, i, j) in enumerate(zip(cfg.shared.depths, la, lb)):
-            vals = {**depth_values(cfg, reps_a[main][i], reps_b[main][j]), **change_values(ca, cb, i, j)}
+        for k, (d, i, j) in enumerate(zip(s.depths, la, lb)):
+            vals = {**depth_values(s, cfg.device, reps_a[main][i], reps_b[main][j]), **change_values(ca, cb, i, j)}
             if da[k] and db[k]:  # a depth where either model repeats another depth's state is not a comparison
                 job.log_metrics({f"{m}_by_depth": v for m, v in vals.items() if v == v}, step=k)  # NaN: undefined at depth 0
             rows.append({"depth": float(d), "layer_a": i, "layer_b": j, "distinct_a": int(da[k]), "distinct_b": int(db[k]),
@@ -161,9 +162,9 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
             job.log_metrics({f"pc2_share_{g['model']}_by_layer": g["pc2_share"]}, step=g["layer"])
         M = cka_matrix(reps_a[main], reps_b[main], cfg.device)
         cka_rows = [{"layer_a": i, **{f"layer_b_{j}": float(M[i, j]) for j in range(M.shape[1])}} for i in range(M.shape[0])]
-        cent = centroid_table(cfg, reps_a[main], reps_b[main], la, lb)
+        cent = centroid_table(cfg, s, reps_a[main], reps_b[main], la, lb)
         log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo, "centroids": cent,
-                         "pooling_ablation": pooling_rows(cfg, reps_a, reps_b, la, lb)},
+                         "pooling_ablation": pooling_rows(s, reps_a, reps_b, la, lb)},
                    heatmap(M, models.label(a), models.label(b)))
         final = {k: v for k, v in rows[-1].items()
                  if k not in ("depth", "layer_a", "layer_b", "distinct_a", "distinct_b", "distinct") and v == v}
@@ -172,7 +173,7 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
         return {**final, "n_sentences": float(len(side_a.sentences)), "n_depths": float(len(rows)),
                 "pc2_share_a_final": geo[n_a]["pc2_share"], "pc2_share_b_final": geo[-1]["pc2_share"]}
 
-    tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": cfg.shared.seed,
+    tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": s.seed,
             "data": cfg.data.name, "split": cfg.data.split}
     return run_once(cfg, JobSpec(f"agreement {pair_text(cfg)}", tags, task="agreement", keys=AGREEMENT_KEYS,
                                  reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs}), body, overrides)  # conf/metric/*.yaml it read

@@ -14,7 +14,7 @@ from mergescope import models
 from mergescope.runs import JobResult, JobSpec, run_once
 from mergescope.shared_space.agreement_job import write_csv
 from mergescope.shared_space.domains import domains
-from mergescope.shared_space.reprs import final_layers, main_pooling, models_tags, prepare
+from mergescope.shared_space.reprs import final_layers, models_tags, prepare
 from mergescope.shared_space.routing import bits_per_byte, route, summarise
 
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
@@ -22,21 +22,21 @@ ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "share
 
 def score_all(cfg, entries, refs, sides) -> np.ndarray:
     cols = []
-    for e, r, s in zip(entries, refs, sides):
+    for e, r, side in zip(entries, refs, sides):
         lm = models.load(e, cfg.device, ref=r)
-        cols.append(bits_per_byte(lm.model, lm.tokenizer, s.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
+        cols.append(bits_per_byte(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
     return np.stack(cols, axis=1)
 
 
 def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
-    entries, refs, sides, labels = prepare(cfg)
+    s, entries, refs, sides, labels = prepare(cfg)
 
     def body(job) -> dict[str, float]:
         bpb = score_all(cfg, entries, refs, sides)
-        main = main_pooling(cfg)
-        Xs = [r[main][-1] for r in final_layers(cfg, entries, refs, sides)]
+        main = s.pooling
+        Xs = [r[main][-1] for r in final_layers(cfg, s, entries, refs, sides)]
         doms = domains(cfg.data, str(entries[0].lang), bpb.shape[0])
-        picks = route(bpb, Xs, doms, int(cfg.shared.dim), int(cfg.shared.folds), int(cfg.shared.knn), int(cfg.shared.seed))
+        picks = route(bpb, Xs, doms, s.dim, s.folds, s.knn, s.seed)
         out = summarise(bpb, picks)
         for i, lab in enumerate(labels):
             out[f"bpb_model_{i}"] = float(bpb[:, i].mean())
@@ -50,5 +50,5 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         job.log_params({"models": labels, "domains": sorted(set(doms or []))})
         return out
 
-    tags = models_tags(cfg, "routing", labels)
+    tags = models_tags(cfg, s, "routing", labels)
     return run_once(cfg, JobSpec(f"routing {len(labels)} models", tags, task="routing", keys=ROUTING_KEYS, reads=tuple(refs)), body, overrides)

@@ -20,14 +20,11 @@ from mergescope.shared_space.content import content_types, type_transfer
 from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.shared_space.domains import domains
 from mergescope.shared_space.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
-from mergescope.shared_space.reprs import final_layers, main_pooling, models_tags, prepare, ridges
+from mergescope.shared_space.reprs import final_layers, models_tags, prepare
+from mergescope.shared_space.settings import SharedSettings
 from mergescope.shared_space.space import save_space
 
 SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
-
-
-def pool_sizes(cfg: DictConfig) -> list[int | None]:
-    return [*(int(p) for p in cfg.shared.pools), None]
 
 
 def matrix_rows(res, labels: list[str], **extra) -> list[dict]:
@@ -54,17 +51,17 @@ def ridge_metrics(res) -> dict[str, float]:
             "pairwise_ridge_max": float(chosen.max())}
 
 
-def depth_sweep(cfg, job, per_model, labels) -> list[dict]:
+def depth_sweep(s: SharedSettings, job, per_model, labels) -> list[dict]:
     """GPA against pairwise maps at every relative depth. A depth where some model has no distinct state (it
     repeats another depth's) is computed and kept in the table, flagged ``distinct = 0``, but not logged as a
     metric step: it is not a comparison at that depth."""
     rows = []
-    main = main_pooling(cfg)
-    layers = [depth_layers(cfg.shared.depths, len(r[main]) - 1) for r in per_model]
-    distinct = [distinct_depths(cfg.shared.depths, len(r[main]) - 1) for r in per_model]
-    for k, d in enumerate(cfg.shared.depths):
+    main = s.pooling
+    layers = [depth_layers(s.depths, len(r[main]) - 1) for r in per_model]
+    distinct = [distinct_depths(s.depths, len(r[main]) - 1) for r in per_model]
+    for k, d in enumerate(s.depths):
         Xs = [r[main][layers[i][k]] for i, r in enumerate(per_model)]
-        res = retrieval_eval(Xs, int(cfg.shared.dim), int(cfg.shared.folds), pool_sizes(cfg), int(cfg.shared.seed), ridges(cfg))
+        res = retrieval_eval(Xs, s.dim, s.folds, s.pool_sizes, s.seed, s.ridges)
         ok = all(x[k] for x in distinct)
         if ok:
             job.log_metrics({**{f"{key.replace('@', '_p1_')}_by_depth": off_diagonal_mean(m) for key, m in res.mats.items()},
@@ -74,13 +71,13 @@ def depth_sweep(cfg, job, per_model, labels) -> list[dict]:
     return rows
 
 
-def dim_sweep(cfg, job, Xs) -> list[dict]:
+def dim_sweep(s: SharedSettings, job, Xs) -> list[dict]:
     """Retrieval against the requested D. The D a fold's space really has is capped at its rank limit
     (``effective_dim``); a requested D above the cap repeats the capped numbers, so its row says ``capped = 1``
     and carries the effective D, and only the first row at each effective D is logged as a metric step."""
     rows, seen = [], set()
-    for D in (int(x) for x in cfg.shared.dims):
-        res = retrieval_eval(Xs, D, int(cfg.shared.folds), [32], int(cfg.shared.seed), ridges(cfg))
+    for D in (int(x) for x in s.dims):
+        res = retrieval_eval(Xs, D, s.folds, [32], s.seed, s.ridges)
         row = {"dim": D, "dim_effective": res.dim, "capped": int(res.dim < D),
                "gpa_p1_32": off_diagonal_mean(res.mats["gpa@32"]), "pairwise_p1_32": off_diagonal_mean(res.mats["pairwise@32"])}
         if res.dim not in seen:
@@ -90,18 +87,18 @@ def dim_sweep(cfg, job, Xs) -> list[dict]:
     return rows
 
 
-def space_meta(cfg, entries, layers, sides) -> dict:
+def space_meta(cfg, s: SharedSettings, entries, layers, sides) -> dict:
     return {"models": [{"label": models.label(e), "entry": OmegaConf.to_container(e, resolve=True), "layer": int(l_)}
                        for e, l_ in zip(entries, layers)],
-            "pooling": main_pooling(cfg), "max_length": int(cfg.represent.max_length), "dim": int(cfg.shared.dim),
+            "pooling": s.pooling, "max_length": int(cfg.represent.max_length), "dim": s.dim,
             "data": str(cfg.data.name), "split": str(cfg.data.split), "n_sentences": len(sides[0].sentences)}
 
 
 def content_side(cfg: DictConfig, entries, sides) -> data_mod.Side:
     """The English side of the probes (content types are read from it), else the first model's side."""
-    for e, s in zip(entries, sides):
+    for e, side in zip(entries, sides):
         if str(e.lang) == "eng_Latn":
-            return s
+            return side
     try:
         side = data_mod.load_side(cfg.data, "eng_Latn")
     except MergescopeError:  # the data has no English side: the types are read from the first model's language
@@ -109,11 +106,11 @@ def content_side(cfg: DictConfig, entries, sides) -> data_mod.Side:
     return side if len(side.sentences) == len(sides[0].sentences) else sides[0]
 
 
-def content_rows(cfg: DictConfig, entries, sides, finals) -> list[dict]:
+def content_rows(cfg: DictConfig, s: SharedSettings, entries, sides, finals) -> list[dict]:
     """Shared-space retrieval on each content type, unseen in the fit, against an in-distribution control (§7)."""
     side = content_side(cfg, entries, sides)
-    rows = type_transfer(finals, content_types(side.sentences), int(cfg.shared.dim), int(cfg.shared.content_pool),
-                         seed=int(cfg.shared.seed))
+    rows = type_transfer(finals, content_types(side.sentences), s.dim, s.content_pool,
+                         seed=s.seed)
     return [{**r, "lang": side.lang} for r in rows]
 
 
@@ -126,29 +123,29 @@ def headline(rows: list[dict], depth: float) -> dict[str, float]:
 
 
 def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
-    entries, refs, sides, labels = prepare(cfg)
+    s, entries, refs, sides, labels = prepare(cfg)
 
     def body(job) -> dict[str, float]:
-        per_model = final_layers(cfg, entries, refs, sides)
-        main = main_pooling(cfg)
+        per_model = final_layers(cfg, s, entries, refs, sides)
+        main = s.pooling
         finals = [r[main][-1] for r in per_model]
-        tables = {"retrieval": depth_sweep(cfg, job, per_model, labels), "dim_sweep": dim_sweep(cfg, job, finals)}
+        tables = {"retrieval": depth_sweep(s, job, per_model, labels), "dim_sweep": dim_sweep(s, job, finals)}
         dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
         if dom is not None:
-            tables["transfer"] = domain_transfer(finals, dom, int(cfg.shared.dim), int(cfg.shared.transfer_pool), seed=int(cfg.shared.seed))
-        tables["content_types"] = content_rows(cfg, entries, sides, finals)
-        space = fit_space(finals, int(cfg.shared.dim))
+            tables["transfer"] = domain_transfer(finals, dom, s.dim, s.transfer_pool, seed=s.seed)
+        tables["content_types"] = content_rows(cfg, s, entries, sides, finals)
+        space = fit_space(finals, s.dim)
         with tempfile.TemporaryDirectory() as d:
             for name, rows in tables.items():
                 write_csv(rows, Path(d) / f"{name}.csv")
             job.log_artifacts(d, "tables")
         with tempfile.TemporaryDirectory() as d:
-            job.log_artifacts(save_space(space, space_meta(cfg, entries, [len(r[main]) - 1 for r in per_model], sides), d), "space")
+            job.log_artifacts(save_space(space, space_meta(cfg, s, entries, [len(r[main]) - 1 for r in per_model], sides), d), "space")
         job.log_params({"models": labels, "layers": [len(r[main]) - 1 for r in per_model], "domains": sorted(set(dom or []))})
-        return {**headline(tables["retrieval"], float(cfg.shared.depths[-1])), "gpa_iterations": float(space.fit.iterations),
+        return {**headline(tables["retrieval"], s.depths[-1]), "gpa_iterations": float(space.fit.iterations),
                 "dim_effective": float(space.reductions[0].basis.shape[1]),
                 "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
 
-    tags = models_tags(cfg, "shared_space", labels)
+    tags = models_tags(cfg, s, "shared_space", labels)
     return run_once(cfg, JobSpec(f"shared_space {len(labels)} models", tags, task="shared_space", keys=SPACE_KEYS,
                                  reads=tuple(refs)), body, overrides)
