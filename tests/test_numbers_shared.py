@@ -118,7 +118,8 @@ def test_the_arms_settings_are_typed_and_checked_once_with_the_key_named(compose
     for key, bad, msg in (("folds", "three", "shared.folds must be an integer"), ("folds", 1, "shared.folds must be at least 2"),
                           ("depths", [0.5, 1.5], "shared.depths must be relative depths"),
                           ("ridges", [], "shared.ridges must be a non-empty list"), ("depths", 0.5, "shared.depths must be a list"),
-                          ("rsa_sentences", 2, "shared.rsa_sentences must be at least 3")):
+                          ("rsa_sentences", 2, "shared.rsa_sentences=2 must be at least 3"),
+                          ("rsa_sentences", -1, "shared.rsa_sentences=-1 must be a positive integer")):
         node = {**OmegaConf.to_container(cfg.shared), key: bad}
         with pytest.raises(MergescopeError, match=msg):
             SharedSettings.from_node(node)

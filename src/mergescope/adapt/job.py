@@ -39,7 +39,7 @@ SIDES = ("small", "large")
 def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
     ends = loaded.ends
     values = score(ends.host, ends.tokenizer, loaded.texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
-    n = int(cfg.adaptation.diag_sentences or 0)
+    n = loaded.setup.settings.diag_sentences or 0
     if n:
         diag = attention_diagnostics(ends.host, ends.tokenizer, loaded.texts[0].sentences[:n], int(cfg.represent.max_length))
         for i, (e, ea, r) in enumerate(zip(diag["attn_entropy"], diag["attn_entropy_all"], diag["resid_norm"])):
@@ -63,12 +63,12 @@ def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "
     return {"kind": kind, "route": "adapt", "operator": setup.operator.name, "mode": setup.mode, "ratio": ratio,
             "control": control, "protocol": setup.protocol, "small": setup.small_label, "large": setup.large_label,
             "merge_dtype": setup.dtype,
-            **pair_tags(cfg), "seed": cfg.adaptation.control_seed}
+            **pair_tags(cfg), "seed": setup.settings.control_seed}
 
 
 def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, control: str, overrides) -> JobResult:
     """One scored model: the merge (``control='none'``) or a control at ``ratio``."""
-    seed = int(cfg.adaptation.control_seed)
+    seed = setup.settings.control_seed
 
     def body(job) -> dict[str, float]:
         loaded.ensure()
@@ -133,9 +133,8 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
 
     def body(job) -> dict[str, float]:
         model, tok, host = _source_model(cfg, setup, loaded, side)
-        splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
-        texts = load_texts(cfg.data, setup.langs, splits, cfg.adaptation.get("nll_sentences"),
-                           str(cfg.adaptation.get("sample") or "first"))
+        st = setup.settings
+        texts = load_texts(cfg.data, setup.langs, st.splits, st.nll_sentences, st.sample)
         values = score(model, tok, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
         n_params = float(models.true_config(model)["n_params"])
         if host:
@@ -197,8 +196,8 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
                                  extra={"children": sorted(r.cfg_hash for r in children)}), body, overrides)
 
 
-def _at(cfg: DictConfig, grid: list[float], best: float) -> list[float]:
-    return grid if str(cfg.adaptation.at) == "grid" else [best]
+def _at(setup: Setup, grid: list[float], best: float) -> list[float]:
+    return grid if setup.settings.at == "grid" else [best]
 
 
 def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -212,11 +211,11 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
                       f"test {points[r].metrics['test_nll']:.4f}{' (done before)' if points[r].skipped else ''}")
     best = best_ratio(points, grid)
     controls = {(k, r): run_point(cfg, setup, loaded, r, k, overrides)
-                for r in _at(cfg, grid, best) for k in cfg.adaptation.controls}
+                for r in _at(setup, grid, best) for k in setup.settings.controls}
     compares = {}
     if setup.protocol == "intersection":
         compares = {(n, r): run_compare(cfg, setup, loaded, str(n), r, overrides)
-                    for r in _at(cfg, grid, best) for n in cfg.adaptation.compare}
+                    for r in _at(setup, grid, best) for n in setup.settings.compare}
     sources = {side: run_source(cfg, setup, loaded, side, overrides) for side in SIDES}
     result = _summary(cfg, setup, points, controls, compares, best, sources, overrides)
     m = result.metrics

@@ -34,10 +34,11 @@ from omegaconf import DictConfig
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.adapt.plugins import adapters
+from mergescope.adapt.settings import ExpansionSettings
 from mergescope.adapt.setup import config_of
 from mergescope.adapt.shapes import Shape, config_blockers, expand_maps, repeat_maps, shape_of
 from mergescope.bpb import real_vocab, sentence_ids
-from mergescope.config import plain_copy, to_plain
+from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.memory import process_peak_gb
 from mergescope.progress import console
@@ -191,29 +192,23 @@ def roundtrip(big: dict[str, torch.Tensor], check: Check, theta: dict[str, torch
     return {"roundtrip_max_abs": worst, "roundtrip_tensors_bitwise": float(bitwise), "roundtrip_tensors": float(len(theta))}
 
 
-def _sentences(cfg: DictConfig) -> list[str]:
-    c = plain_copy(cfg.data)
-    side = data_mod.load_side(c, str(cfg.model.lang))
-    n = int(cfg.expansion.sentences)
-    if n < 1:
-        raise MergescopeError(f"expansion.sentences={n}: give at least 1")
+def _sentences(cfg: DictConfig, n: int) -> list[str]:
+    side = data_mod.load_side(plain_copy(cfg.data), str(cfg.model.lang))
     return list(side.sentences[:n])
 
 
 def run_expansion(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     """task=expansion: one model (``model``), one target (``expansion.target``: ``mode``, ``changes``)."""
-    target = to_plain(cfg.expansion.get("target") or {})
+    st = ExpansionSettings.from_cfg(cfg)  # every expansion.* setting checked first
+    target = st.target or {}
     if not target:
         raise MergescopeError("expansion.target is not set: give {mode: zero|repeat, changes: {field: value}}, e.g. "
                               "'expansion.target={mode:repeat,changes:{intermediate_size:3072}}'")
     ref = models.resolve(cfg.model)
     check = target_configs(config_of(ref), target)
-    sentences = _sentences(cfg)
-    tol = float(cfg.expansion.tol)
-    dtype_name = str(cfg.expansion.dtype)
-    dtype = {"float64": torch.float64, "float32": torch.float32}.get(dtype_name)
-    if dtype is None:
-        raise MergescopeError(f"expansion.dtype={dtype_name!r}: choose float64 or float32")
+    sentences = _sentences(cfg, st.sentences)
+    tol, dtype_name = st.tol, st.dtype
+    dtype = {"float64": torch.float64, "float32": torch.float32}[dtype_name]
     label = model_label(cfg.model)
     t = check.tgt
 

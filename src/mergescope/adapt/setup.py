@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from mergescope import models
 from mergescope.adapt.evaluate import Text, load_texts
 from mergescope.adapt.plugins import adapt_state, resolve_adapter
-from mergescope.adapt.protocol import CONTROLS, Ends, host_state, materialize, targets_of
+from mergescope.adapt.protocol import Ends, host_state, materialize, targets_of
+from mergescope.adapt.settings import AdaptationSettings
 from mergescope.adapt.shapes import (Shape, config_blockers, expand_maps, gqa_aligned_heads, gqa_mismatches, repeat_maps,
                                      shape_of, truncate_maps)
 from mergescope.errors import MergescopeError
@@ -39,6 +40,7 @@ class Setup:
     grid: list[float]
     dtype: str = "float32"  # what the merges are computed and scored in (models.merge_dtype of the checkpoints')
     gqa_mismatched: int | None = None  # Truncate(prefix): query heads paired with a KV head they were not trained with
+    settings: AdaptationSettings = AdaptationSettings()  # adaptation.*, checked once in check_adapt
 
     @property
     def small_label(self) -> str:
@@ -75,8 +77,9 @@ def check_tokenizers(ra: models.ModelRef, rb: models.ModelRef) -> None:
 
 def langs_of(cfg: DictConfig, small: Any, large: Any) -> list[str]:
     """``adaptation.langs``, else every training language of both models (zoo.train_langs, else lang)."""
-    if cfg.adaptation.get("langs"):
-        return [str(x) for x in cfg.adaptation.langs]
+    langs = AdaptationSettings.from_cfg(cfg).langs
+    if langs:
+        return list(langs)
     out: list[str] = []
     for e in (small, large):
         zoo = e.get("zoo") or {}
@@ -86,21 +89,10 @@ def langs_of(cfg: DictConfig, small: Any, large: Any) -> list[str]:
     return out
 
 
-def _check_settings(cfg: DictConfig) -> None:
-    bad = [c for c in cfg.adaptation.controls if c not in CONTROLS]
-    if bad:
-        raise MergescopeError(f"adaptation.controls: unknown control '{bad[0]}'; choose from {', '.join(CONTROLS)}")
-    for key in ("union_grid", "intersection_grid"):
-        if any(not 0.0 < float(r) < 1.0 for r in cfg.adaptation[key]):
-            raise MergescopeError(f"adaptation.{key} must hold ratios strictly between 0 and 1 (the anchors are always scored)")
-    if str(cfg.adaptation.at) not in ("best", "grid"):
-        raise MergescopeError(f"adaptation.at={cfg.adaptation.at!r}: choose best or grid")
-
-
 def check_adapt(cfg: DictConfig) -> Setup:
     """Everything before any run exists: operator, pair, shapes, maps, tokenizers, data, settings."""
     entry, kwargs = resolve_adapter(cfg.get("adapt"))
-    _check_settings(cfg)
+    st = AdaptationSettings.from_cfg(cfg)  # every adaptation.* setting checked first
     ra, rb = models.resolve_pair(cfg.pair)
     ca, cb = config_of(ra), config_of(rb)
     sa, sb = shape_of(ca), shape_of(cb)
@@ -124,14 +116,13 @@ def check_adapt(cfg: DictConfig) -> Setup:
                               f"{rl.label if entry.name == 'expand' else rs.label}: " + "; ".join(blockers))
     check_tokenizers(rs, rl)
     langs = langs_of(cfg, small, large)
-    splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
-    load_texts(cfg.data, langs, splits, 1)
+    load_texts(cfg.data, langs, st.splits, 1)
     union = entry.name == "expand"
     mode = str(kwargs.get("mode", "zero") if union else kwargs.get("select", "prefix"))
-    grid = [float(r) for r in (cfg.adaptation.union_grid if union else cfg.adaptation.intersection_grid)]
+    grid = st.grid(union)
     dtype = max((models.merge_dtype(e.get("dtype")) for e in (small, large)), key=lambda d: d == "float64")
     return Setup(entry, kwargs, "union" if union else "intersection", mode, small, large, (rs, rl), (ss, sl), langs, grid,
-                 dtype, mismatched)
+                 dtype, mismatched, st)
 
 
 class Loaded:
@@ -146,9 +137,8 @@ class Loaded:
         if self.ends is not None:
             return
         cfg, s = self.cfg, self.setup
-        splits = {"val": str(cfg.adaptation.val_split), "test": str(cfg.adaptation.test_split)}
-        self.texts = load_texts(cfg.data, s.langs, splits, cfg.adaptation.get("nll_sentences"),
-                           str(cfg.adaptation.get("sample") or "first"))
+        st = s.settings
+        self.texts = load_texts(cfg.data, s.langs, st.splits, st.nll_sentences, st.sample)
         if s.protocol == "union":
             small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True, dtype=s.dtype)
             host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True, dtype=s.dtype)

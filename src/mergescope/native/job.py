@@ -16,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.merge import resolve_preset
 from mergescope.native.merges import merge_configs, preset_config, run_merge
+from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS
-from mergescope.native.pair import (Loaded, base_entry, check_lmc_points, check_pair, lang_endpoints, lmc_curve, nll_sentences,
+from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
                                     no_base_reason, same_run, step_of)
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
@@ -39,7 +40,7 @@ def _weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
         values.update({f"{k}_matrices": wm[k] for k in ("weight_cosine", "relative_l2", "norm_ratio")})
     if loaded.sd_base is not None:
         values.update(task_vector_diagnostics(loaded.sd_a, loaded.sd_b, loaded.sd_base, cov.shared,
-                                              density=float(cfg.native.density), device=cfg.device))
+                                              density=NativeSettings.from_cfg(cfg).density, device=cfg.device))
     sa, sb = step_of(cfg.pair.a.revision), step_of(cfg.pair.b.revision)
     if sa is not None and sb is not None and min(sa, sb) > 0:
         values["log10_step_ratio"] = math.log10(max(sa, sb) / min(sa, sb))
@@ -73,7 +74,7 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
 def hash_extra(cfg: DictConfig) -> dict:
     """What the native job's numbers depend on beyond NATIVE_KEYS: the contents of its merge presets, and for
     checkpoint pairs the settings of the CKA between the checkpoints."""
-    extra = {"merge_presets": {str(n): to_plain(preset_config(str(n))) for n in cfg.native.merges}}
+    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in NativeSettings.from_cfg(cfg).merges}}
     if same_run(cfg):
         extra["checkpoint_cka"] = {"metric": to_plain(load_conf("metric", "cka")),
                                    **{k: OmegaConf.select(cfg, k) for k in ("represent.pooling", "represent.layer", "represent.padding_side")}}
@@ -81,8 +82,8 @@ def hash_extra(cfg: DictConfig) -> dict:
 
 
 def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
+    ns = NativeSettings.from_cfg(cfg)  # every native.* setting checked before the pair's weights are read
     refs = check_pair(cfg)
-    check_lmc_points(cfg)
 
     def body(job) -> dict[str, float]:
         loaded = Loaded(cfg, need_base=True)
@@ -108,7 +109,7 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
             "arm": "checkpoint" if same_run(cfg) else "cross-model"}
-    data_aware = any(resolve_preset(preset_config(str(n)))[0].meta.get("needs_stats") for n in cfg.native.merges)
+    data_aware = any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") for n in ns.merges)
     return run_once(cfg, JobSpec(f"native {pair_text(cfg)}", tags, task="native",
                                  keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []), reads=refs, extra=hash_extra(cfg),
                                  nested=lambda: _nested_runs(cfg, overrides)), body, overrides)

@@ -11,6 +11,7 @@ from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
                                     nll_sentences, no_base_reason)
+from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 
@@ -69,7 +70,7 @@ def same_as_linear(entry, kwargs: dict) -> bool:
 def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job) -> dict[str, float]:
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
     (seed, seed+1, ...), each seed's NLL a metric step."""
-    n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
+    n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
     stats, read = pair_stats(cfg, pair, entry)
     nlls, by_lang = [], {lang: [] for lang in texts}
@@ -111,8 +112,9 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
     if pair.coverage.excluded:
         notes.append(f"mergescope merges the {len(pair.coverage.shared)} shared tensors into model a and keeps a's other "
                      f"{len(pair.coverage.excluded)}; mergekit needs every tensor in every model")
-    if stochastic(kwargs) and int(cfg.native.get("merge_seeds", 1)) > 1:
-        notes.append(f"mergescope's NLL is the mean over {int(cfg.native.merge_seeds)} seeds; this YAML is one merge")
+    seeds = NativeSettings.from_cfg(cfg).merge_seeds
+    if stochastic(kwargs) and seeds > 1:
+        notes.append(f"mergescope's NLL is the mean over {seeds} seeds; this YAML is one merge")
     return mergekit_yaml(entry, kwargs, [ref(pair.ref_a), ref(pair.ref_b)], base,
                          dtype=dt if (dt := models.merge_dtype(cfg.pair.a.get("dtype"))) in ("float32", "float64") else "float32",
                          extra_notes=notes)
@@ -166,12 +168,13 @@ def merge_configs(cfg: DictConfig) -> list[DictConfig]:
     out = []
     plain = to_plain(cfg)  # resolved once: each merge's config is this plus its preset (a study relaunch builds many)
     has_base = base_entry(cfg) is not None
-    for name in cfg.native.merges:
+    ns = NativeSettings.from_cfg(cfg)
+    for name in ns.merges:
         preset = preset_config(str(name))
         entry, _ = resolve_preset(preset)
         if entry.meta.get("needs_base") and not has_base:
             continue
-        for mix in cfg.native.mix:
+        for mix in ns.mix:
             c = OmegaConf.create({**plain, "merge": to_plain(with_mix(preset, float(mix))), "task": {"name": "merge"}})
             out.append(c)
     return out

@@ -24,6 +24,7 @@ from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resol
 from mergescope.native.mergekit_in import read_mergekit
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
+from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS, check_stats, each_model
 from mergescope.native.stream import streamed_state
 from mergescope.progress import console
@@ -199,7 +200,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         if stack.sd_base is not None:
             stack.load_from(stack.sd_base)
             values.update({f"nll_base_{lang}": host_nll(cfg, stack, t, f"nll base {lang}") for lang, t in texts.items()})
-        n = int(cfg.native.get("merge_seeds", 1)) if stochastic(kwargs) else 1
+        n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
         by_lang: dict[str, list[float]] = {lang: [] for lang in langs}
         for s in range(n):
             kw = {**kwargs, "seed": int(kwargs["seed"]) + s} if stochastic(kwargs) else kwargs

@@ -12,12 +12,13 @@ import re
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
+from mergescope.native.settings import NativeSettings
 from mergescope.native.stream import streamed_state
 from mergescope.native.weights import coverage, routes
 from mergescope.represent import token_nll
@@ -40,13 +41,14 @@ def base_entry(cfg: DictConfig) -> Any | None:
     """The task-vector base: ``native.base`` given as a model entry (``defaults: [/model@native.base: <name>]``: the
     pretrained model both sides were fine-tuned from, for any pair); else, for checkpoints of one run, that run at the
     revision ``native.base``; else none."""
-    base = cfg.native.get("base")
-    if isinstance(base, DictConfig):
+    base = NativeSettings.from_cfg(cfg).base
+    if isinstance(base, dict):
+        base = OmegaConf.create(base)
         return None if base_is_a_side(cfg, base) else plain_copy(base)
     if not same_run(cfg) or not base:
         return None
     e = plain_copy(cfg.pair.a)
-    e.revision = str(cfg.native.base)
+    e.revision = str(base)
     return e
 
 
@@ -72,9 +74,9 @@ def base_blockers(shared: list[str], sd_a, sd_base) -> list[str]:
 
 
 def no_base_reason(cfg: DictConfig) -> str:
-    base = cfg.native.get("base")
-    if isinstance(base, DictConfig):
-        return (f"native.base ({model_label(base)}) is one of the pair's own models: its task vector is zero, so "
+    base = NativeSettings.from_cfg(cfg).base
+    if isinstance(base, dict):
+        return (f"native.base ({model_label(OmegaConf.create(base))}) is one of the pair's own models: its task vector is zero, so "
                 "task-vector diagnostics and base-requiring merges are left out")
     if same_run(cfg):
         return "native.base is null"
@@ -156,21 +158,18 @@ class Loaded:
 
 def nll_sentences(cfg: DictConfig) -> tuple[str, ...]:
     side = data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
-    k = cfg.native.get("nll_sentences")
-    return side.sentences[: int(k)] if k else side.sentences
+    return NativeSettings.from_cfg(cfg).sentences(side.sentences)
 
 
 def nll_langs(cfg: DictConfig) -> list[str]:
     """``native.nll_langs``: languages every merged model (and each expert and the base) is also scored on, beside the
     host's (a multilingual merge: does it keep both languages?). Absent or empty: the host's language only."""
-    return [str(x) for x in (cfg.native.get("nll_langs") or [])]
+    return list(NativeSettings.from_cfg(cfg).nll_langs)
 
 
 def lang_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
     """The first ``native.nll_sentences`` sentences of one language's side of the evaluation data."""
-    side = data_mod.load_side(cfg.data, lang)
-    k = cfg.native.get("nll_sentences")
-    return side.sentences[: int(k)] if k else side.sentences
+    return NativeSettings.from_cfg(cfg).sentences(data_mod.load_side(cfg.data, lang).sentences)
 
 
 def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...], float, float] | None = None) -> dict[str, float]:
@@ -206,13 +205,6 @@ def host_nll(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> float:
                      max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=label)["nll"]
 
 
-def check_lmc_points(cfg: DictConfig) -> int:
-    n = int(cfg.native.lmc_points)
-    if n < 3:
-        raise MergescopeError(f"native.lmc_points must be at least 3, got {n}")
-    return n
-
-
 def lmc_grid(n: int) -> np.ndarray:
     """``n`` evenly spaced t in [0, 1], plus t = 0.5 when ``n`` is even: the midpoint is always measured."""
     return np.union1d(np.linspace(0.0, 1.0, n), [0.5])
@@ -224,7 +216,7 @@ def lmc_curve(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[np.ndarray, n
     Interior points only (0 < t < 1): at the endpoints the difference is 0 by construction, and
     including them would floor the barrier at 0, hiding the negative barriers of near checkpoints
     (the spec's median for pairs within half a decade is -0.033)."""
-    ts = lmc_grid(check_lmc_points(cfg))
+    ts = lmc_grid(NativeSettings.from_cfg(cfg).lmc_points)
     nll = []
     for t in ts:
         loaded.interpolate(float(t))

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
+from mergescope.data import positive_count
 from mergescope.errors import MergescopeError
 from mergescope.settings import ArmSettings
 from mergescope.shared_space.evaluate import DEFAULT_RIDGES
@@ -57,8 +58,8 @@ class SharedSettings(ArmSettings):
                 raise MergescopeError(f"shared.pooling must be mean, sgpt or last, got '{p}'")
         if self.dim < 1 or any(d < 1 for d in self.dims):
             raise MergescopeError(f"shared.dim and shared.dims must be positive, got {self.dim} and {list(self.dims)}")
-        if self.rsa_sentences is not None and self.rsa_sentences < 3:
-            raise MergescopeError(f"shared.rsa_sentences must be at least 3 (or null: every sentence), got {self.rsa_sentences}")
+        if positive_count(self.rsa_sentences, "shared.rsa_sentences") is not None and self.rsa_sentences < 3:
+            raise MergescopeError(f"shared.rsa_sentences={self.rsa_sentences} must be at least 3 (RSA correlates pairwise distances)")
         for key in ("transfer_pool", "knn", "partitions", "content_pool"):
             if getattr(self, key) < 1:
                 raise MergescopeError(f"shared.{key} must be at least 1, got {getattr(self, key)}")

@@ -1,0 +1,82 @@
+"""Each arm's settings object: every value typed and checked once, at the job's entry, with the key named; the
+objects are frozen; the composed configs of the shipped studies all pass; and nothing here changes an identity."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from mergescope.adapt.settings import AdaptationSettings, ExpansionSettings
+from mergescope.errors import MergescopeError
+from mergescope.native.settings import NativeSettings
+from mergescope.shared_space.settings import SharedSettings
+
+ARMS = (NativeSettings, SharedSettings, AdaptationSettings, ExpansionSettings)
+
+
+@pytest.mark.parametrize("study", ["toy", "toy_full", "real", "adapt", "adapt_full", "shared_space", "checkpoints_1b", "crossarch_1b"])
+def test_every_shipped_study_passes_every_arms_checks(compose_cfg, study):
+    cfg, _ = compose_cfg([f"study={study}"])
+    for cls in ARMS:
+        s = cls.from_cfg(cfg)
+        node = OmegaConf.to_container(cfg[cls.section], resolve=True)
+        for f in dataclasses.fields(s):  # what the config states is what the object holds (typed)
+            if f.name in node and node[f.name] is not None and not isinstance(node[f.name], dict):
+                want = node[f.name]
+                got = getattr(s, f.name)
+                assert (list(got) if isinstance(got, tuple) else got) == want, (study, cls.section, f.name)
+
+
+def test_the_real_study_reads_its_native_languages_and_sentences(compose_cfg):
+    cfg, _ = compose_cfg(["study=real"])
+    s = NativeSettings.from_cfg(cfg)
+    assert s.nll_langs == ("por_Latn", "ita_Latn", "eng_Latn") and s.nll_sentences == 48 and s.lmc_points == 5
+    assert s.sentences(tuple("abcdefghij" * 10)) == tuple(("abcdefghij" * 10)[:48])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.lmc_points = 7  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls,key,bad,msg", [
+    (NativeSettings, "lmc_points", 2, "native.lmc_points must be at least 3"),
+    (NativeSettings, "lmc_points", "eleven", "native.lmc_points must be an integer, got 'eleven'"),
+    (NativeSettings, "mix", [0.5, 1.5], r"native.mix must be weights of model b in \[0, 1\]"),
+    (NativeSettings, "mix", 0.5, "native.mix must be a list"),
+    (NativeSettings, "density", 0.0, r"native.density must be in \(0, 1\]"),
+    (NativeSettings, "merge_seeds", True, "native.merge_seeds must be an integer, got True"),
+    (NativeSettings, "nll_sentences", 0, "native.nll_sentences=0 must be a positive integer"),
+    (AdaptationSettings, "union_grid", [0.5, 1.0], "adaptation.union_grid must hold ratios strictly between 0 and 1"),
+    (AdaptationSettings, "at", "all", "adaptation.at='all': choose best or grid"),
+    (AdaptationSettings, "controls", ["scaling", "nois"], "adaptation.controls: unknown control 'nois'"),
+    (AdaptationSettings, "test_split", "dev", "adaptation.val_split and adaptation.test_split are both dev"),
+    (AdaptationSettings, "sample", "random", "adaptation.sample must be 'spread' or 'first'"),
+    (ExpansionSettings, "dtype", "bfloat16", "expansion.dtype='bfloat16': choose float64 or float32"),
+    (ExpansionSettings, "sentences", 0, "expansion.sentences=0: give at least 1"),
+    (ExpansionSettings, "tol", -1.0, "expansion.tol must be positive"),
+    (SharedSettings, "folds", 2.5, "shared.folds must be an integer, got 2.5"),
+])
+def test_a_bad_setting_is_one_line_naming_its_key(compose_cfg, cls, key, bad, msg):
+    cfg, _ = compose_cfg(["study=toy"])
+    node = {**OmegaConf.to_container(cfg[cls.section], resolve=True), key: bad}
+    with pytest.raises(MergescopeError, match=msg):
+        cls.from_node(node)
+
+
+def test_an_integer_where_a_number_is_expected_is_a_number_and_null_means_unset():
+    s = NativeSettings.from_node({"mix": [0, 1], "density": 1, "nll_sentences": None, "base": None})
+    assert s.mix == (0.0, 1.0) and isinstance(s.mix[0], float) and s.density == 1.0 and s.nll_sentences is None
+    assert NativeSettings.from_node({}).merge_seeds == 1  # unset: the field's default (the config's omission is kept)
+
+
+def test_the_jobs_refuse_a_bad_setting_before_any_run(compose_cfg, tmp_path):
+    """The native job builds its settings first: a bad one leaves no run in the store."""
+    from mergescope.native.job import run_native
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=native", "native.density=2"])
+    with pytest.raises(MergescopeError, match="native.density must be in"):
+        run_native(cfg, ov)
+    tracker = Tracker(cfg)
+    exp = tracker.client.get_experiment_by_name(str(cfg.tracking.experiment))
+    assert exp is None or not tracker.client.search_runs([exp.experiment_id])
