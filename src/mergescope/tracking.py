@@ -117,6 +117,16 @@ class Tracker:
         """The experiment's description in the MLflow UI (``mlflow.note.content``)."""
         self.client.set_experiment_tag(self.experiment_id, "mlflow.note.content", text)
 
+    def share_view(self, metrics: list[str], expanded: list[str] = ()) -> str:
+        """A saved view of the experiment's runs table (MLflow 3's shared view state, the experiment tag
+        ``mlflow.sharedViewState.<key>`` that the UI's Share button writes): the run's kind, then ``metrics`` as
+        columns, newest first, the ``expanded`` parent runs open. Returns the query string that opens it."""
+        state = {"selectedColumns": ["tags.`kind`", *(f"metrics.`{m}`" for m in metrics)],
+                 "orderByKey": "attributes.start_time", "orderByAsc": False,
+                 "runsExpanded": {rid: True for rid in expanded}}
+        self.client.set_experiment_tag(self.experiment_id, SHARED_VIEW_TAG + HEADLINE_VIEW, json.dumps(state))
+        return f"viewStateShareKey={HEADLINE_VIEW}"
+
     def _create_experiment(self):
         """Create the experiment; None when created here, else the one a parallel writer created first (a tracking
         server serialises its own writes, but get-or-create across clients is a race)."""
@@ -403,12 +413,21 @@ class Job:
 
 
 UI_MODE = "workflowType=machine_learning"  # MLflow 3.17's UI opens on GenAI pages without it, whatever the tag says
+SHARED_VIEW_TAG = "mlflow.sharedViewState."  # the experiment tag prefix MLflow 3's runs table reads a shared view from
+HEADLINE_VIEW = "mergescope-headlines"  # the study's saved view: every run's headline metric as a column
 
 
 def ui_links(uri: str, ui_url: str) -> list[tuple[str, str]]:
-    """(experiment name, the URL of its runs table in the MLflow UI), for every experiment of a store."""
+    """(experiment name, the URL of its runs table in the MLflow UI), for every experiment of a store: the study's
+    saved headline view (:meth:`Tracker.share_view`) where its analysis wrote one, else the plain table."""
     exps = client_for(uri).search_experiments()
-    return [(e.name, f"{ui_url.rstrip('/')}/#/experiments/{e.experiment_id}/runs?{UI_MODE}") for e in exps if e.name != "Default"]
+    out = []
+    for e in exps:
+        if e.name == "Default":
+            continue
+        view = f"viewStateShareKey={HEADLINE_VIEW}&" if SHARED_VIEW_TAG + HEADLINE_VIEW in (e.tags or {}) else ""
+        out.append((e.name, f"{ui_url.rstrip('/')}/#/experiments/{e.experiment_id}/runs?{view}{UI_MODE}"))
+    return out
 
 
 def read_artifact_text(client, run_id: str, path: str) -> str:

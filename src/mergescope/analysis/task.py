@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from mergescope.analysis.report import run_url, summary_lines, write_report
 from mergescope.analysis.tables import RTable, Section, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console, status
-from mergescope.tracking import Job, Tracker, read_artifact_text
+from mergescope.tracking import PARENT_ENV, UI_MODE, Job, Tracker, read_artifact_text
 
 __all__ = ["run_analyze", "main"]
 
@@ -122,6 +123,15 @@ KIND_MEANINGS = {
 }
 
 
+def headline_columns(study: Study) -> list[str]:
+    """The metric each of the study's runs is read by (:func:`mergescope.runs.headline_key`), once each, in the order
+    their kinds first appear: the columns of the study's saved runs-table view."""
+    from mergescope.runs import headline_key
+
+    keys = [headline_key(r.tags, r.metrics) for r in study.records]
+    return list(dict.fromkeys(k for k in keys if k))
+
+
 def experiment_description(study: Study, md_path: Path, run_id: str, run_link: str = "") -> str:
     """The experiment's description for the MLflow UI: the study, what each kind tag holds, where the report is."""
     kinds = sorted({r.kind for r in study.records} | {"analysis"})
@@ -175,6 +185,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         job.log_text("\n".join(summary_lines(an)), SUMMARY_ARTIFACT)
         job.log_params({"report_sha256": hashlib.sha256(Path(md_path).read_bytes()).hexdigest()})
     tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
+    view = tracker.share_view(headline_columns(study), [r for r in [os.environ.get(PARENT_ENV)] if r])
     close_figures(an)
     from rich.markup import escape
 
@@ -183,6 +194,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
     print(f"report: {md_path}")
     print(f"        {html_path}")
+    print(f"runs:   {ui[0].rstrip('/')}/#/experiments/{ui[1]}/runs?{view}&{UI_MODE} (every run's headline metric as a column)")
     return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
             "models": an.models, "pairs": int(an.metrics.get("pairs_cka", 0)),
             "pairs_above": int(an.metrics.get("pairs_cka_above_shuffled", 0)), "analysis": an}
