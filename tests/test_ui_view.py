@@ -13,12 +13,13 @@ def test_the_headline_view_is_a_shared_view_state_and_make_ui_opens_it(compose_c
     tracker = Tracker(cfg)
     uri, _ = store_uri(cfg)
     (name, plain), = [x for x in ui_links(uri, "http://127.0.0.1:5000") if x[0] == str(cfg.tracking.experiment)] or [(None, "")]
-    query = tracker.share_view(["cka", "lmc_barrier"], ["0123abcd" * 4])
+    query = tracker.share_view(["cka", "lmc_barrier"], "0123abcd" * 4)
     assert query == f"viewStateShareKey={HEADLINE_VIEW}"
     state = json.loads(tracker.client.get_experiment(tracker.experiment_id).tags[SHARED_VIEW_TAG + HEADLINE_VIEW])
     # the keys MLflow's runs table reads from a shared view (its uiState and searchFacets), column ids as it spells them
     assert state == {"selectedColumns": ["tags.`kind`", "metrics.`cka`", "metrics.`lmc_barrier`"], "orderByKey": "attributes.start_time",
-                     "orderByAsc": False, "runsExpanded": {"0123abcd" * 4: True}}
+                     "orderByAsc": False, "groupBy": {"aggregateFunction": "average", "groupByKeys": [
+                         {"mode": "tag", "groupByData": "kind"}, {"mode": "tag", "groupByData": "metric"}]}, "searchFilter": f"tags.mlflow.parentRunId = '{'0123abcd' * 4}'"}
     (_, url), = [x for x in ui_links(uri, "http://127.0.0.1:5000") if x[0] == str(cfg.tracking.experiment)]
     assert url == (f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}/runs?viewStateShareKey={HEADLINE_VIEW}"
                    "&workflowType=machine_learning")

@@ -117,13 +117,17 @@ class Tracker:
         """The experiment's description in the MLflow UI (``mlflow.note.content``)."""
         self.client.set_experiment_tag(self.experiment_id, "mlflow.note.content", text)
 
-    def share_view(self, metrics: list[str], expanded: list[str] = ()) -> str:
+    def share_view(self, metrics: list[str], launch: str | None = None) -> str:
         """A saved view of the experiment's runs table (MLflow 3's shared view state, the experiment tag
         ``mlflow.sharedViewState.<key>`` that the UI's Share button writes): the run's kind, then ``metrics`` as
-        columns, newest first, the ``expanded`` parent runs open. Returns the query string that opens it."""
+        columns, newest first, grouped by kind and metric (each group open, its row the mean); with ``launch``, only that study launch's jobs (its children: a shared view cannot
+        expand a parent row, MLflow leaves ``runsExpanded`` out of it). Returns the query string that opens it."""
         state = {"selectedColumns": ["tags.`kind`", *(f"metrics.`{m}`" for m in metrics)],
                  "orderByKey": "attributes.start_time", "orderByAsc": False,
-                 "runsExpanded": {rid: True for rid in expanded}}
+                 "groupBy": {"aggregateFunction": "average",  # one group per kind and metric, open, with its mean
+                             "groupByKeys": [{"mode": "tag", "groupByData": "kind"}, {"mode": "tag", "groupByData": "metric"}]}}
+        if launch:
+            state["searchFilter"] = f"tags.mlflow.parentRunId = '{launch}'"
         self.client.set_experiment_tag(self.experiment_id, SHARED_VIEW_TAG + HEADLINE_VIEW, json.dumps(state))
         return f"viewStateShareKey={HEADLINE_VIEW}"
 

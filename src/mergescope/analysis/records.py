@@ -133,6 +133,14 @@ class Study:
         except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
             return None
 
+    def latest_launch(self) -> str | None:
+        """The run id of the experiment's latest study launch (kind=study, the parent of its jobs), if any."""
+        client = client_for(self.uri)
+        exp = client.get_experiment_by_name(self.experiment)
+        runs = [] if exp is None else client.search_runs([exp.experiment_id], filter_string="tags.kind = 'study'", max_results=1,
+                                                         order_by=["attributes.start_time DESC"])
+        return runs[0].info.run_id if runs else None
+
     def failed(self, kind: str) -> list[Rec]:
         """The experiment's FAILED runs of one kind (a non-converging transport setting is a result, not a gap)."""
         client = client_for(self.uri)

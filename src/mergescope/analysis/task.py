@@ -185,7 +185,8 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         job.log_text("\n".join(summary_lines(an)), SUMMARY_ARTIFACT)
         job.log_params({"report_sha256": hashlib.sha256(Path(md_path).read_bytes()).hexdigest()})
     tracker.describe(experiment_description(study, md_path, job.run_id, run_url(*ui, job.run_id)))
-    view = tracker.share_view(headline_columns(study), [r for r in [os.environ.get(PARENT_ENV)] if r])
+    launch = os.environ.get(PARENT_ENV) or study.latest_launch()  # the runs table opens on this launch's jobs
+    view = tracker.share_view(headline_columns(study), launch)
     close_figures(an)
     from rich.markup import escape
 
@@ -194,7 +195,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
         status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
     print(f"report: {md_path}")
     print(f"        {html_path}")
-    print(f"runs:   {ui[0].rstrip('/')}/#/experiments/{ui[1]}/runs?{view}&{UI_MODE} (every run's headline metric as a column)")
+    print(f"runs:   {ui[0].rstrip('/')}/#/experiments/{ui[1]}/runs?{view}&{UI_MODE} (the launch's jobs, each one's headline metric as a column)")
     return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
             "models": an.models, "pairs": int(an.metrics.get("pairs_cka", 0)),
             "pairs_above": int(an.metrics.get("pairs_cka_above_shuffled", 0)), "analysis": an}
