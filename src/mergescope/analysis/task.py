@@ -193,9 +193,9 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     status.rule(f"[bold]{study.experiment}: findings")  # the terminal ends with the findings and the report's path
     for line in summary_lines(an):
         status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
-    print(f"report: {md_path}")
-    print(f"        {html_path}")
     print(f"runs:   {ui[0].rstrip('/')}/#/experiments/{ui[1]}/runs?{view}&{UI_MODE} (the launch's jobs, each one's headline metric as a column)")
+    print(f"report: {md_path}")  # the report's path last
+    print(f"        {html_path}")
     return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
             "models": an.models, "pairs": int(an.metrics.get("pairs_cka", 0)),
             "pairs_above": int(an.metrics.get("pairs_cka_above_shuffled", 0)), "analysis": an}
