@@ -247,3 +247,7 @@ def test_hydra_unknown_key_errors_get_a_did_you_mean():
     assert key_hint(line.format("represent.layr", "layr"), []) == "did you mean 'layer'?"
     assert {"pooling", "layer", "max_length"} <= set(key_choices("represent", []))
     assert key_hint("some other Hydra error", []) == ""
+    # a misspelt top-level section with a key below it, and the arms' settings, which live in their own groups
+    assert key_hint(line.format("nativ.lmc_points", "nativ"), []) == "did you mean 'native'?"
+    assert key_hint(line.format("native.lmc_pts", "lmc_pts"), []) == "did you mean 'lmc_points'?"
+    assert key_hint(line.format("shared.fold", "fold"), []) == "did you mean 'folds'?"

@@ -14,7 +14,8 @@ from omegaconf.errors import InterpolationResolutionError
 from mergescope.config import CONF_DIR, conf_options
 from mergescope.errors import MergescopeError, did_you_mean
 
-GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking")
+ARM_GROUPS = ("native", "checkpoints", "adaptation", "expansion", "shared")  # each arm's settings: conf/<arm>/default.yaml
+GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking", *ARM_GROUPS)
 
 # task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on
 # use, so a bad command line fails before torch or MLflow are imported.
@@ -67,7 +68,7 @@ def check_argv(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
             raise MergescopeError(f"unknown {group} '{v}': {did_you_mean(v, options(group, conf_dir))}")
 
 
-FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "shared")
+FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "expansion", "shared")
 """Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
 
 
@@ -82,8 +83,11 @@ def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
         parts = arg[1:].split("=", 1)[0].split(".")
         if len(parts) < 2 or parts[0] not in FIXED_SECTIONS:
             continue
-        if base is None:
+        if base is None:  # conf/config.yaml, and each arm's default settings under its own key
             base = yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}
+            for g in ARM_GROUPS:
+                if (conf_dir / g / "default.yaml").is_file():
+                    base[g] = yaml.safe_load((conf_dir / g / "default.yaml").read_text()) or {}
         node = base
         for i, part in enumerate(parts):
             if not isinstance(node, dict):
@@ -159,7 +163,8 @@ def key_hint(line: str, argv: list[str], conf_dir: Path = CONF_DIR) -> str:
     m = re.search(r"Could not override '([^']+)'\. Key '([^']+)' is not in struct", line)
     if not m:
         return ""
-    parent = m.group(1).rpartition(".")[0]
+    parts, missing = m.group(1).split("."), m.group(2)
+    parent = ".".join(parts[:parts.index(missing)]) if missing in parts else m.group(1).rpartition(".")[0]  # 'nativ.x': top
     choices = key_choices(parent, argv, conf_dir)
     return did_you_mean(m.group(2), choices) if choices else ""
 
