@@ -22,8 +22,12 @@ def test_study_sweeps_ten_pairs_and_every_metric(compose_cfg, study, n_models):
 
     cfg, ov = compose_cfg([f"study={study}"])
     full = compose(config_name="config", overrides=ov, return_hydra_config=True)
-    jobs = sweep_jobs(OmegaConf.to_container(full.hydra.sweeper.params))
+    jobs = sweep_jobs(OmegaConf.to_container(full.hydra.sweeper.params), list(cfg.models))
     assert len(jobs) == 10 * 5 and all("task=measure" in j for j in jobs)
+    # the models named once: pair: all is every pair of them in list order, and the arms' lists are the same models
+    assert [o for o in jobs[0] if o.startswith("pair=")] == [f"pair={cfg.models[0]}__{cfg.models[1]}"]
+    if study == "toy":
+        assert list(cfg.shared.models) == list(cfg.models) == list(cfg.checkpoints.models)
     pairs = {o for j in jobs for o in j if o.startswith("pair=")}
     assert len(pairs) == n_models * (n_models - 1) // 2
     assert cfg.tracking.experiment == study
@@ -33,6 +37,15 @@ def test_study_sweeps_ten_pairs_and_every_metric(compose_cfg, study, n_models):
             for side in (c.pair.a, c.pair.b):
                 assert (side.name_or_path, side.lang) == REAL[side.name]
                 assert side.revision is None and side.dtype == "float32"
+
+
+def test_pair_all_needs_the_studys_models():
+    from mergescope.errors import MergescopeError
+    from mergescope.study import every_pair
+
+    assert every_pair(["a", "b", "c"]) == "a__b,a__c,b__c"
+    with pytest.raises(MergescopeError, match="pair: all needs the study's models"):
+        sweep_jobs({"pair": "all", "metric": "cka"}, [])
 
 
 def test_model_and_metric_files_follow_their_contracts(compose_cfg):

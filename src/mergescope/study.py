@@ -61,13 +61,24 @@ def every_metric() -> str:
     return ",".join(e.name for e in metrics.entries() if e.name in have)
 
 
-def sweep_jobs(params: dict[str, str]) -> list[list[str]]:
-    """Cartesian product of the sweeper params, as lists of ``key=value`` overrides (``metric: all`` = every metric)."""
+def every_pair(models: list[str]) -> str:
+    """``pair: all``: every unordered pair of the study's ``models`` (conf/model names), in list order."""
+    if len(models) < 2:
+        raise MergescopeError(f"the sweep's pair: all needs the study's models (a list of at least two conf/model names at "
+                              f"the top level, models: [...]), got {models}")
+    return ",".join(f"{a}__{b}" for i, a in enumerate(models) for b in models[i + 1:])
+
+
+def sweep_jobs(params: dict[str, str], models: list[str] | None = None) -> list[list[str]]:
+    """Cartesian product of the sweeper params, as lists of ``key=value`` overrides (``metric: all`` = every metric,
+    ``pair: all`` = every pair of the study's ``models``)."""
     parser = OverridesParser.create()
     axes = []
     for key, spec in params.items():
         if key == "metric" and str(spec).strip() == "all":
             spec = every_metric()
+        if key == "pair" and str(spec).strip() == "all":
+            spec = every_pair([str(m) for m in models or []])
         ov = parser.parse_override(f"{key}={spec}")
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
         axes.append([f"{key}={v}" for v in values])
@@ -200,7 +211,7 @@ class Plan:
         self.arms = study_arms(self.cfg)
         self.base = _without(overrides, "task")
         self.measures = [StudyJob("measure", ov, composed(ov))
-                         for ov in (self.base + combo for combo in sweep_jobs(params))]
+                         for ov in (self.base + combo for combo in sweep_jobs(params, list(self.cfg.get("models") or [])))]
         self.pairs: dict[str, list[str]] = {}  # pair label -> the overrides that select the pair
         self.entries: dict[str, DictConfig] = {}  # model label -> entry, first-seen order
         for m in self.measures:
