@@ -251,3 +251,53 @@ def test_hydra_unknown_key_errors_get_a_did_you_mean():
     assert key_hint(line.format("nativ.lmc_points", "nativ"), []) == "did you mean 'native'?"
     assert key_hint(line.format("native.lmc_pts", "lmc_pts"), []) == "did you mean 'lmc_points'?"
     assert key_hint(line.format("shared.fold", "fold"), []) == "did you mean 'folds'?"
+
+
+MERGE = "zz_test_average"
+
+
+@pytest.fixture
+def merge_plugin():
+    """What `src/mergescope/merge/<name>.py` + `conf/merge/<name>.yaml` would add: a base-free weighted average written
+    from scratch (a planted truth: at mix 0.5 it is the linear merge, so its merged NLL must equal linear's)."""
+    from mergescope.registry import merges
+
+    @merges.register(MERGE, needs_base=False, reference="https://example.org/average", order=99)
+    def zz_average(tensors, base, weights=None):
+        w = weights or [1.0] * len(tensors)
+        return sum(float(wi) * t.double() for wi, t in zip(w, tensors)).div(sum(float(x) for x in w)).to(tensors[0].dtype)
+
+    yaml = CONF_DIR / "merge" / f"{MERGE}.yaml"
+    yaml.write_text(f"name: {MERGE}\noperator: {MERGE}\nweights: null\n")
+    try:
+        yield merges.get(MERGE)
+    finally:
+        yaml.unlink()
+        merges.unregister(MERGE)
+
+
+def test_a_new_merge_operator_runs_in_the_native_arm_with_no_other_edit(merge_plugin, tiny_models, compose_cfg):
+    """native.merges lists it; the native job runs it as its own kind=merge run beside linear, scored the same way."""
+    from pathlib import Path
+
+    from test_e2e import runs
+
+    from mergescope.native.job import run_native
+
+    p = str(tiny_models["neox_en"])
+    cfg, ov = compose_cfg(["task=native", "pair=custom", f"pair.a.name_or_path={p}", "pair.a.revision=step2", "pair.a.lang=eng_Latn",
+                           f"pair.b.name_or_path={p}", "pair.b.lang=eng_Latn", "native.base=step1",
+                           f"native.merges=[linear,{MERGE}]", "native.lmc_points=3", "native.nll_sentences=16"])
+    run_native(cfg, ov)
+    merged = {r.data.tags["merge"]: r for r in runs(Path(cfg.paths.root)) if r.data.tags["kind"] == "merge"}
+    assert set(merged) == {"linear", MERGE}
+    assert merged[MERGE].data.metrics["nll"] == pytest.approx(merged["linear"].data.metrics["nll"], abs=1e-6)
+    assert merged[MERGE].data.params["merge.weights"] == "[0.5, 0.5]"  # native.mix reached its weights
+
+
+def test_a_new_merge_operator_is_a_comparison_column_of_the_adapt_summary(merge_plugin):
+    from mergescope.analysis.records import Rec
+    from mergescope.analysis.sections.adapt import compared_merges
+
+    best = Rec("b", 0, {"ratio": "best"}, {"test_nll_ties": 3.0, f"test_nll_{MERGE}": 2.9, "test_nll_scaling": 3.1}, {})
+    assert compared_merges([best, Rec("p", 0, {"ratio": "0.5"}, {"test_nll_slerp": 1.0}, {})]) == ["ties", MERGE]  # by name

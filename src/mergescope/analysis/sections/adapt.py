@@ -44,14 +44,22 @@ def _curve_table(key, pts: list[Rec]) -> RTable:
                        "residual norm = the last layer's output before the final norm")
 
 
-def _summary_row(key, runs: list[Rec], pts: list[Rec]) -> list[str] | None:
+def compared_merges(runs: list[Rec]) -> list[str]:
+    """The merge presets the chosen-ratio runs were compared with (``adaptation.compare``: each logs
+    ``test_nll_<preset>``), by name: the summary's comparison columns, derived from the runs, not listed here."""
+    from mergescope.config import conf_options
+
+    best = [r for r in runs if r.tags.get("ratio") == "best"]
+    return [n for n in sorted(conf_options("merge")) if any(f"test_nll_{n}" in r.metrics for r in best)]
+
+
+def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str]) -> list[str] | None:
     best = next((r for r in runs if r.tags.get("ratio") == "best"), None)
     if best is None:
         return None
     ends = [r.m("test_nll") for r in pts if r.m("ratio") in (0.0, 1.0)]
     band = [f"{r.m('ratio'):g}" for r in pts if 0 < r.m("ratio") < 1 and ends and r.m("test_nll") > max(ends)]
-    cells = [f3(best.m(k)) for k in ("test_nll_scaling", "test_nll_noise", "test_nll_ties", "test_nll_dare_ties",
-                                     "test_nll_slerp")]
+    cells = [f3(best.m(k)) for k in ("test_nll_scaling", "test_nll_noise", *(f"test_nll_{n}" for n in compared))]
     return [f"{key[2]} {key[0]} ~ {key[1]}", f"{best.m('best_ratio'):g}", f3(best.m("best_test_nll")),
             f3(best.m("test_nll_r0")), f3(best.m("test_nll_r1")), f3(best.m("gain_vs_small")), *cells,
             ", ".join(band) or "none in grid", short(best.run_id)]
@@ -256,10 +264,11 @@ def adapt_section(an: Analysis, number: str) -> Section:
         if r.kind == "merge":
             key = (r.tags.get("small", ""), r.tags.get("large", ""), r.tags.get("protocol", ""))
             groups.setdefault(key, [])
-    summary = [row for key, rs in groups.items() if (row := _summary_row(key, rs, _points(rs)))]
+    compared = compared_merges(runs)
+    summary = [row for key, rs in groups.items() if (row := _summary_row(key, rs, _points(rs), compared))]
     sec.tables.append(RTable("Best ratio chosen on the validation split, reported on the test split",
                              ["protocol / pair", "best ratio", "test NLL", "ratio 0", "ratio 1", "gain vs small",
-                              "scaling ctl", "noise ctl", "ties", "dare_ties", "slerp", "collapse band", "run"], summary,
+                              "scaling ctl", "noise ctl", *compared, "collapse band", "run"], summary,
                              note="gain vs small = test NLL at ratio 0 minus at the chosen ratio (positive: the merge helps); "
                                   "controls and comparisons at the chosen ratio; collapse band = grid ratios worse than both ends"))
     _gap_table(sec, groups)
