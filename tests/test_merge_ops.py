@@ -394,3 +394,31 @@ def test_tiny_llama_merge_matches_mergekit_tensorwise():
         for k in names:
             ref = mergekit_merge(mk_name, [sds[0][k], sds[1][k]], base[k] if base else None, **mk_params)
             torch.testing.assert_close(out[k], ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", [
+    dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.2),                   # TIES
+    dict(sparsification="magnitude", consensus="sign", normalize=False, density=0.5, lambda_=0.7, weights=[0.5, 1.5, 1.0]),
+    dict(sparsification="magnitude", consensus="count", normalize=True, density=0.3),
+    dict(sparsification="none", consensus="none", normalize=False, lambda_=1.3),                        # task arithmetic
+])
+def test_a_large_tensor_merged_in_row_blocks_is_bitwise_the_whole_tensor_merge(monkeypatch, preset):
+    """generalized_task_arithmetic on a tensor above 4 blocks goes row block by row block (the embedding and head of a
+    1B merge: a few blocks of scratch instead of a full copy per task vector): the same numbers to the last bit, ties
+    at the trim threshold included (quantised values), and the remainder block at the end."""
+    from mergescope.merge import task_arithmetic as ta
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(203, 37, generator=g)
+    xs = [base + torch.round(torch.randn(203, 37, generator=g) * 8) / 64 for _ in range(3)]  # many exact ties
+    monkeypatch.setattr(ta, "BLOCK", 10**9)
+    whole = ta.generalized_task_arithmetic(xs, base, **preset)
+    monkeypatch.setattr(ta, "BLOCK", 3 * 37 + 5)  # 3 rows per block, 68 blocks, a 2-row remainder
+    calls = []
+    real = ta.combine_task_vectors
+    monkeypatch.setattr(ta, "combine_task_vectors", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    blocked = ta.generalized_task_arithmetic(xs, base, **preset)
+    assert len(calls) == 68 and calls[-1] == 2
+    assert torch.equal(whole, blocked)
+    if preset["sparsification"] == "magnitude":  # and the trim really trims (not a no-op on both sides)
+        assert (whole != ta.generalized_task_arithmetic(xs, base, **{**preset, "density": 1.0})).any()

@@ -103,12 +103,14 @@ def merge_state_dicts(
         work = torch.float64 if dtype == torch.float64 else torch.float32
         xs = [t.to(device=dev, dtype=work) for t in src]
         b = b_src.to(device=dev, dtype=work) if b_src is not None else None
+        inputs = {t.data_ptr() for t in src}
+        del src, b_src  # the stored-dtype reads, once upcast: only the work copies stay during the merge
         kw = at(kwargs, name, position(name, n_layers)) if per_tensor else dict(kwargs)
         if has_seed:
             kw["seed"] = tensor_seed(kw.get("seed", entry.params["seed"].default), name)
         res = entry.fn(xs, b, [s.get(name) for s in stats], **kw) if need else entry.fn(xs, b, **kw)
         del xs, b
-        if any(res.data_ptr() == t.data_ptr() for t in src):
+        if res.data_ptr() in inputs:
             res = res.clone()  # never alias an input model's storage
         out[name] = res.to(device="cpu", dtype=dtype)
         del res

@@ -32,10 +32,11 @@ from torch import Tensor
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_choice, check_number, check_seed, check_tensors, check_weights, work_dtype
 from mergescope.merge._mergekit import MK, per_model
-from mergescope.merge.trim import magnitude_trim_, zero_where_not
+from mergescope.merge.trim import magnitude_trim_, trim_threshold_, zero_where_not
 from mergescope.registry import merges
 
 SPARSIFICATION = ("none", "magnitude", "random")
+BLOCK = 1 << 22  # entries per row block of a large tensor's merge (blocked_task_arithmetic)
 CONSENSUS = ("none", "sign", "count")
 RESCALE = ("none", "density", "l1")
 
@@ -199,6 +200,8 @@ def generalized_task_arithmetic(
     w = [1.0] * len(tensors) if weights is None else [float(x) for x in weights]
     gen = torch.Generator().manual_seed(int(seed)) if sparsification == "random" else None
 
+    if sparsification in ("none", "magnitude") and rescale == "none" and b.ndim >= 1 and b.shape[0] > 1 and b.numel() > 4 * BLOCK:
+        return blocked_task_arithmetic(tensors, b, w, density, sparsification, consensus, normalize, lambda_).to(base.dtype)
     deltas: list[Tensor | None] = []
     for x, wi in zip(tensors, w):
         d = torch.sub(x.to(dt), b)  # a fresh tensor: safe to edit in place
@@ -209,6 +212,40 @@ def generalized_task_arithmetic(
 
     mixed = combine_task_vectors(deltas, w, b, consensus, normalize, lambda_)
     return mixed.to(base.dtype)
+
+
+def blocked_task_arithmetic(tensors: list[Tensor], b: Tensor, w: list[float], density: float, sparsification: str,
+                            consensus: str, normalize: bool, lambda_: float) -> Tensor:
+    """:func:`generalized_task_arithmetic` on a large tensor (an embedding, a head) in blocks of rows: the same numbers,
+    with a few blocks of scratch instead of a full-size copy per task vector. Every step after the trim is elementwise,
+    so a block computes exactly what the whole tensor would there; the trim's threshold is each task vector's own,
+    over the whole tensor (:func:`~mergescope.merge.trim.trim_threshold_` on one scratch copy, freed before the next).
+    Deterministic sparsification only (none, magnitude) and rescale none: a random drop draws its mask over the whole
+    tensor, and an l1 rescale needs the whole tensor's sums."""
+    dt = b.dtype
+    thresholds: list[Tensor | None] = []
+    for x in tensors:
+        if sparsification == "magnitude" and density < 1:
+            scratch = torch.sub(x.to(dt), b).abs_()
+            thresholds.append(trim_threshold_(scratch, density))
+            del scratch
+        else:
+            thresholds.append(None)
+    out = torch.empty_like(b)
+    step = max(1, BLOCK // max(1, b[0].numel()))
+    for r0 in range(0, b.shape[0], step):
+        rows = slice(r0, r0 + step)
+        bb = b[rows]
+        deltas: list[Tensor | None] = []
+        for x, wi, thr in zip(tensors, w, thresholds):
+            d = torch.sub(x[rows].to(dt), bb)
+            if thr is not None:
+                d.masked_fill_(d.abs() < thr, 0)  # magnitude_trim_'s rule, at the whole tensor's threshold
+            if wi != 1.0:
+                d.mul_(wi)
+            deltas.append(d)
+        out[rows] = combine_task_vectors(deltas, w, bb, consensus, normalize, lambda_)
+    return out
 
 
 def _check_ta(kwargs: Mapping, context: Mapping) -> None:

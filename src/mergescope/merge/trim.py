@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mergescope.errors import MergescopeError
 
-__all__ = ["keep_count", "magnitude_keep_mask", "magnitude_trim_", "zero_where_not"]
+__all__ = ["keep_count", "magnitude_keep_mask", "magnitude_trim_", "trim_threshold_", "zero_where_not"]
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -50,6 +50,22 @@ def _threshold(a: Tensor, k: int) -> Tensor:
 
         return torch.tensor(np.partition(flat.numpy(), n - k)[n - k], dtype=a.dtype)
     return torch.kthvalue(flat.cpu() if flat.device.type == "mps" else flat, n - k + 1).values.to(a.device)
+
+
+def trim_threshold_(scratch: Tensor, density: float) -> Tensor | None:
+    """The threshold of the TIES trim of the tensor whose |values| ``scratch`` holds (the caller's own copy, reordered
+    here: on CPU numpy's in-place introselect, no second copy), or None when the trim keeps everything (k = numel).
+    The same k-th largest value :func:`magnitude_trim_` compares with, so ``|tau| < threshold`` is its dropped set."""
+    n = scratch.numel()
+    k = keep_count(n, density) if n else 0
+    if k >= n:
+        return None
+    flat = scratch.reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64) and flat.is_contiguous():
+        arr = flat.numpy()
+        arr.partition(n - k)
+        return torch.tensor(arr[n - k], dtype=scratch.dtype)
+    return _threshold(scratch, k).to(scratch.device)
 
 
 def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:
