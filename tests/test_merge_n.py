@@ -365,3 +365,41 @@ def test_transport_save_true_writes_the_fused_model(tiny_models, compose_cfg):
     nll = token_nll(model, tok, eval_t, batch_tokens=c.represent.batch_tokens, max_length=int(c.represent.max_length),
                     progress=False)["nll"]
     assert nll == pytest.approx(tr[0].data.metrics["nll_target_lang"], abs=1e-6)
+
+
+def test_eval_lm_eval_on_a_transport_fusion(tiny_models, compose_cfg):
+    """transport with eval=lm_eval: each alpha's fused target scored by lm-eval in memory on both languages, one kind=eval
+    run (route=transport) tagged merge_run = that alpha's transport run; a relaunch reuses both and fits no plan."""
+    pytest.importorskip("lm_eval")
+    from test_e2e import runs
+    from test_transport import transport_job
+
+    from mergescope.transport import job as tj
+
+    cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=("merge.alphas=[0.1,0.3]", "eval=lm_eval", "eval.limit=2",
+                                                                         "eval.batch_size=2")))
+    tj.run_transport(cfg, ov)
+    rs = runs(cfg.paths.root)
+    tr = {r.data.tags["alpha"]: r for r in rs if r.data.tags["kind"] == "transport"}
+    ev = [r for r in rs if r.data.tags["kind"] == "eval"]
+    assert sorted(tr) == ["0.1", "0.3"] and len(ev) == 2
+    by_merge = {e.data.tags["merge_run"]: e for e in ev}
+    assert set(by_merge) == {r.info.run_id for r in tr.values()}
+    for a, r in tr.items():
+        e = by_merge[r.info.run_id]
+        assert e.data.tags["route"] == "transport" and e.data.tags["direction"] == r.data.tags["direction"]
+        assert e.info.run_name == f"eval lm_eval transport {r.data.tags['direction']} a={a}"
+        langs = {r.data.tags["lang_target"], r.data.tags["lang_donor"]}
+        assert all(0 < e.data.metrics[f"mergescope_flores_{lang}_devtest.bits_per_byte"] < 30 for lang in langs)
+    # the two alphas' fused models differ, so their scores do (the eval saw the fused weights, not the target's own)
+    a1, a3 = (by_merge[tr[a].info.run_id].data.metrics for a in ("0.1", "0.3"))
+    key = f"mergescope_flores_{tr['0.1'].data.tags['lang_target']}_devtest.bits_per_byte"
+    assert a1[key] != a3[key]
+    fits = []
+    real_fit = tj._fit
+    tj._fit = lambda d: fits.append(1) or real_fit(d)
+    try:
+        tj.run_transport(cfg, ov)
+    finally:
+        tj._fit = real_fit
+    assert not fits and len([r for r in runs(cfg.paths.root) if r.data.tags["kind"] == "eval"]) == 2

@@ -40,8 +40,9 @@ def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: d
 
 def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], langs: list[str], merge: JobResult,
                        overrides, reads, tags: dict[str, Any], restore: Callable[[], None] | None = None) -> JobResult:
-    """lm-eval on a native merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only
-    when the eval runs): one kind=eval, route=native run tagged ``merge_run``; its identity is the merge run's."""
+    """lm-eval on a merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only when the
+    eval runs): one kind=eval run (route=native unless ``tags`` says transport) tagged ``merge_run``; its identity is
+    the merge run's."""
     from mergescope.adapt.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
 
     check_lm_eval()
@@ -61,7 +62,8 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
 
     t = {"kind": "eval", "route": "native", "merge_run": merge.run_id, "seed": cfg.seed, **tags}
     extra = {"merge": merge.cfg_hash, "tasks": tasks, "langs": langs, "data": to_plain(cfg.data)}
-    spec = JobSpec(f"eval lm_eval {tags.get('merge', 'merge')}", t, task="native_eval", keys=["eval"], reads=reads, extra=extra)
+    subject = f" {tags['direction']} a={tags['alpha']:g}" if "direction" in tags else ""  # a transport alpha's fused model
+    spec = JobSpec(f"eval lm_eval {tags.get('merge', 'merge')}{subject}", t, task="native_eval", keys=["eval"], reads=reads, extra=extra)
     return run_once(cfg, spec, body, overrides)
 
 

@@ -248,17 +248,53 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
     adapt_hash = _hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
+    lm_eval = cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"
+    if lm_eval:
+        from mergescope.adapt.lmeval import check_lm_eval
+
+        check_lm_eval()  # before any plan is fitted
+    fitted: list[_Fitted] = []
+
+    def fit() -> _Fitted:  # once per direction, only when something runs
+        if not fitted:
+            fitted.append(_fit(d))
+        return fitted[0]
+
     if all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None):
         if s.adapt is not None:  # the reused adaptation's no-fusion baseline is one of the study's runs too
             finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
+        if lm_eval:
+            _lm_evals(d, done, fit)
         return _summary(done, adapt_done, s.headline_alpha, skipped=True)
     would_run()  # a study's done-check pass (runs.only_if_done) stops here: this direction has work to do
-    f = _fit(d)
+    f = fit()
     results = {a: r if r is not None else _alpha_run(d, f, a, hashes[a]) for a, r in done.items()}
     if s.adapt and adapt_done is None:
         known = results.get(s.adapt.alpha)  # the fused model's NLL, when adapt.alpha is on the grid
         adapt_done = _adapt(d, f, adapt_hash, known.metrics.get("nll_target_lang") if known is not None else None)
+    if lm_eval:
+        _lm_evals(d, results, fit)
     return _summary(results, adapt_done, s.headline_alpha, skipped=False)
+
+
+def _lm_evals(d: _Direction, results: dict[float, JobResult], fit) -> None:
+    """``eval=lm_eval``: each alpha's fused target scored by lm-evaluation-harness in memory on both languages, one
+    kind=eval run (route=transport) tagged ``merge_run`` = that alpha's transport run; its identity is that run's. The
+    plans are fitted only when an eval has to run (a reused transport run and its eval fit nothing)."""
+    from mergescope.native.save import run_native_lm_eval
+
+    refs = [models.resolve(d.target), models.resolve(d.donor)]
+    langs = list(dict.fromkeys([str(d.target.lang), str(d.donor.lang)]))
+    for a, r in sorted(results.items()):
+        def merged(a=a):
+            f = fit()
+            f.host.set(f.fusion.weights(a, control=False))
+            return f.host.model, f.host.tok
+
+        tags = {k: v for k, v in d.tags("eval", alpha=a).items() if k not in ("kind", "seed")}
+        tags["route"] = "transport"
+        run_native_lm_eval(_alpha_cfg(d.cfg, a), merged, langs, r, d.overrides, refs, tags,
+                           restore=lambda: fit().host.set(fit().fusion.original))
 
 
 def _fit(d: _Direction) -> _Fitted:
