@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 
 from mergescope.adapt.settings import AdaptationSettings, ExpansionSettings
 from mergescope.errors import MergescopeError
-from mergescope.native.settings import NativeSettings
+from mergescope.native.settings import CheckpointSettings, NativeSettings
 from mergescope.shared_space.settings import SharedSettings
 
-ARMS = (NativeSettings, SharedSettings, AdaptationSettings, ExpansionSettings)
+ARMS = (NativeSettings, SharedSettings, AdaptationSettings, ExpansionSettings, CheckpointSettings)
 
 
 @pytest.mark.parametrize("study", ["toy", "toy_full", "real", "adapt", "adapt_full", "shared_space", "checkpoints_1b", "crossarch_1b"])
@@ -55,6 +55,8 @@ def test_the_real_study_reads_its_native_languages_and_sentences(compose_cfg):
     (ExpansionSettings, "sentences", 0, "expansion.sentences=0: give at least 1"),
     (ExpansionSettings, "tol", -1.0, "expansion.tol must be positive"),
     (SharedSettings, "folds", 2.5, "shared.folds must be an integer, got 2.5"),
+    (CheckpointSettings, "per_model", {"zoo-neox-en": "some"}, "checkpoints.per_model.zoo-neox-en='some': give a list"),
+    (CheckpointSettings, "evict_after", "yes", "checkpoints.evict_after must be true or false"),
 ])
 def test_a_bad_setting_is_one_line_naming_its_key(compose_cfg, cls, key, bad, msg):
     cfg, _ = compose_cfg(["study=toy"])
@@ -80,3 +82,11 @@ def test_the_jobs_refuse_a_bad_setting_before_any_run(compose_cfg, tmp_path):
     tracker = Tracker(cfg)
     exp = tracker.client.get_experiment_by_name(str(cfg.tracking.experiment))
     assert exp is None or not tracker.client.search_runs([exp.experiment_id])
+
+
+def test_the_checkpoint_arms_revisions_per_model_and_shared(compose_cfg):
+    cfg, _ = compose_cfg(["study=toy"])
+    ck = CheckpointSettings.from_cfg(cfg)
+    assert ck.revisions_of("zoo-neox-en") == ["step16", "step64", "step256", "step600"]
+    assert ck.revisions_of("zoo-llama-pt") == ["step64", "step256", "step600"]
+    assert CheckpointSettings.from_node({"per_model": {"m": "all"}}).revisions_of("m") == "all"

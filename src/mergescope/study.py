@@ -34,6 +34,7 @@ from mergescope.cli import handler
 from mergescope.config import CONF_DIR, conf_options, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
+from mergescope.native.settings import CheckpointSettings
 from mergescope.native.weights import routes
 from mergescope.progress import console, phase_bar, set_quiet, status, verbose
 from mergescope.runs import JobResult, model_label, recording
@@ -269,16 +270,16 @@ class Plan:
     def checkpoint_pairs(self) -> list[StudyJob]:
         """Every pair of the listed revisions of each listed model (``checkpoints.per_model`` overrides the
         shared ``checkpoints.revisions`` per model; ``all`` = every stepN revision the model has)."""
-        ck = self.cfg.get("checkpoints") or {}
         out = []
         if "checkpoints" not in self.arms:
             return out
-        for m in ck.get("models") or []:
+        ck = CheckpointSettings.from_cfg(self.cfg)
+        for m in ck.models:
             model = composed([*self.base, f"model={m}"]).model
             entry = OmegaConf.to_container(model)
-            for ra, rb in itertools.combinations(checkpoint_revisions(ck, str(m), model), 2):
+            for ra, rb in itertools.combinations(checkpoint_revisions(ck, m, model), 2):
                 a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
-                out.append(job("native", [*self.base, *pair_override(a, b), *(str(o) for o in ck.get("overrides") or [])]))
+                out.append(job("native", [*self.base, *pair_override(a, b), *ck.overrides]))
         return out
 
     def transport_directions(self) -> list[StudyJob]:
@@ -346,14 +347,10 @@ def train_steps(task: str, entry: DictConfig) -> list[str]:
     return [f"train.steps={int(entry.train_steps)}"] if task == "train" and entry.get("train_steps") else []
 
 
-def checkpoint_revisions(ck: DictConfig, name: str, model: DictConfig) -> list[str]:
-    """The revisions of one model in the checkpoint arm, in step order."""
-    spec = (ck.get("per_model") or {}).get(name, ck.get("revisions") or [])
-    if isinstance(spec, str):
-        if spec != "all":
-            raise MergescopeError(f"checkpoints.per_model.{name}={spec!r}: give a list of revisions or 'all'")
-        return step_revisions(resolve(model))
-    return [str(r) for r in spec]
+def checkpoint_revisions(ck: CheckpointSettings, name: str, model: DictConfig) -> list[str]:
+    """The revisions of one model in the checkpoint arm, in step order (``all``: every stepN revision it has)."""
+    spec = ck.revisions_of(name)
+    return step_revisions(resolve(model)) if spec == "all" else spec
 
 
 def _done(r: JobResult) -> str:
@@ -474,7 +471,7 @@ def _checkpoint_arm(plan: Plan, jobs: list[StudyJob]) -> None:
     for jobs in by_model.values():
         _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
                  parallel_workers(plan), phase=f"checkpoints {model_label(jobs[0].cfg.pair.a)}")
-        if (plan.cfg.get("checkpoints") or {}).get("evict_after"):
+        if CheckpointSettings.from_cfg(plan.cfg).evict_after:
             evict_checkpoints(jobs)
 
 

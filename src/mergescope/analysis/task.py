@@ -25,7 +25,7 @@ from mergescope.analysis.report import run_url, summary_lines, write_report
 from mergescope.analysis.tables import RTable, Section, csv_text, tables_text
 from mergescope.errors import MergescopeError
 from mergescope.progress import console, status
-from mergescope.tracking import PARENT_ENV, UI_MODE, Job, Tracker, read_artifact_text
+from mergescope.tracking import HEADLINE_VIEW, PARENT_ENV, UI_MODE, Job, Tracker, read_artifact_text
 
 __all__ = ["run_analyze", "main"]
 
@@ -80,6 +80,8 @@ def reuse_analysis(cfg: DictConfig, job_runs: list[str] | None) -> dict[str, Any
 
     for line in lines:
         status.print("- " + escape(line.replace("**", "")), soft_wrap=True)
+    ui = str((cfg.get("report") or {}).get("ui_url") or DEFAULT_UI_URL).rstrip("/")
+    print(f"runs:   {ui}/#/experiments/{tracker.experiment_id}/runs?viewStateShareKey={HEADLINE_VIEW}&{UI_MODE}")
     print(f"report: {md}")
     print(f"        {html_path}")
     return {"run_id": run.info.run_id, "report_md": md, "report_html": html_path, "reused": True,

@@ -12,7 +12,7 @@ from mergescope.data import positive_count
 from mergescope.errors import MergescopeError
 from mergescope.settings import ArmSettings
 
-__all__ = ["NativeSettings"]
+__all__ = ["NativeSettings", "CheckpointSettings"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,29 @@ class NativeSettings(ArmSettings):
     def sentences(self, all_sentences: tuple[str, ...]) -> tuple[str, ...]:
         """The first ``nll_sentences`` of a side (all of them when null)."""
         return all_sentences[: self.nll_sentences] if self.nll_sentences else all_sentences
+
+
+@dataclass(frozen=True)
+class CheckpointSettings(ArmSettings):
+    """``checkpoints.*`` (the checkpoint arm of a study: every pair of the listed revisions of each listed model),
+    validated when the study's plan is made."""
+
+    section: ClassVar[str] = "checkpoints"
+
+    models: tuple[str, ...] = ()
+    revisions: tuple[str, ...] = ()
+    per_model: dict[str, Any] | None = None  # model -> [revisions], or "all" (every stepN revision)
+    overrides: tuple[str, ...] = ()          # added to every checkpoint-pair job
+    evict_after: bool = False
+
+    def check(self, cfg: DictConfig | None) -> None:
+        for name, spec in (self.per_model or {}).items():
+            if isinstance(spec, str) and spec != "all":
+                raise MergescopeError(f"checkpoints.per_model.{name}={spec!r}: give a list of revisions or 'all'")
+            if not isinstance(spec, (str, list)):
+                raise MergescopeError(f"checkpoints.per_model.{name}={spec!r}: give a list of revisions or 'all'")
+
+    def revisions_of(self, name: str) -> list[str] | str:
+        """The model's revisions: its own list under ``per_model``, else ``revisions``; or ``"all"``."""
+        spec = (self.per_model or {}).get(name, list(self.revisions))
+        return spec if isinstance(spec, str) else [str(r) for r in spec]
