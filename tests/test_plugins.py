@@ -149,12 +149,15 @@ def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monk
     done_ids = {id(j) for _, _, jobs in phases for j in jobs[::2]}  # every other job done
     monkeypatch.setattr(study_mod, "_done_pass", lambda jobs: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
                                                                [j for j in jobs if id(j) not in done_ids]))
-    monkeypatch.setattr(study_mod, "_duration_s", lambda client, run_id: 10.0)
+    peaks = iter([1.5, 2.5] * 1000)
+    monkeypatch.setattr(study_mod, "_cost", lambda client, run_id: (10.0, next(peaks)))
     monkeypatch.setattr(plan, "phases", lambda: [(arm, name, lambda jobs=jobs: jobs) for arm, name, jobs in phases])
     rows = study_mod.plan_rows(plan, cfg)
     want = [(name, len(jobs), (len(jobs) + 1) // 2) for _, name, jobs in phases if jobs]
     assert [(r["phase"], r["jobs"], r["done"]) for r in rows] == want
     assert all(r["done_s"] == 10.0 * r["done"] and r["todo_s"] == 10.0 * r["todo"] for r in rows)
+    # the phase's peak: the largest of its done jobs' logged peaks (one done job: its own)
+    assert all(r["peak_gb"] == (2.5 if r["done"] > 1 else r["peak_gb"]) and r["peak_gb"] in (1.5, 2.5) for r in rows)
 
 
 def test_a_pair_is_two_model_names(compose_cfg, tmp_path):

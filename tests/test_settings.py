@@ -90,3 +90,31 @@ def test_the_checkpoint_arms_revisions_per_model_and_shared(compose_cfg):
     assert ck.revisions_of("zoo-neox-en") == ["step16", "step64", "step256", "step600"]
     assert ck.revisions_of("zoo-llama-pt") == ["step64", "step256", "step600"]
     assert CheckpointSettings.from_node({"per_model": {"m": "all"}}).revisions_of("m") == "all"
+
+
+def test_a_jobs_own_peak_memory_is_logged_and_the_stretch_keeps_its_peak():
+    """memory.start_job_peak starts a job's own high-water mark without losing the stretch's (the study's arm peak)."""
+    import numpy as np
+
+    from mergescope import memory
+
+    memory.reset_peak()
+    big = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+    del big
+    memory.start_job_peak()
+    small_job = memory.job_peak_gb()
+    assert memory.peak_gb() >= small_job + 0.15  # the stretch remembers the 200 MiB it had before the job
+    keep = np.ones(100 * 2**20 // 8)
+    assert memory.job_peak_gb() >= small_job + 0.09 and keep.size
+
+
+def test_every_job_run_logs_its_peak_memory_beside_its_metrics(compose_cfg):
+    """run_once logs job_peak_rss_gb on the run (plan=true reads it) but does not return it: a reproduction compares
+    the returned metrics only, and a peak is not a result."""
+    from mergescope.runs import JOB_PEAK, JobSpec, run_once
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg([])
+    res = run_once(cfg, JobSpec("seed peak", {"kind": "seed"}, task="peak_test", keys=[]), lambda job: {"x": 1.0}, ov)
+    logged = Tracker(cfg).client.get_run(res.run_id).data.metrics
+    assert res.metrics == {"x": 1.0} and logged["x"] == 1.0 and 0.05 < logged[JOB_PEAK] < 64

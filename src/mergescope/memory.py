@@ -7,14 +7,42 @@ import resource
 GiB = 2**30
 
 
-def reset_peak() -> None:
-    """Start a new stretch: the kernel's high-water mark set back to the current resident set (Linux >= 4.0);
-    elsewhere nothing happens and :func:`peak_gb` reports the process's peak so far."""
+_carried = 0.0  # the stretch's peak before its last job-level restart (start_job_peak), GiB
+
+
+def _clear() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_gb() -> float | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GiB
     except OSError:
         pass
+    return None
+
+
+def reset_peak() -> None:
+    """Start a new stretch: the kernel's high-water mark set back to the current resident set (Linux >= 4.0);
+    elsewhere nothing happens and :func:`peak_gb` reports the process's peak so far."""
+    global _carried
+    _carried = 0.0
+    _clear()
+
+
+def start_job_peak() -> None:
+    """Start one job's own peak (:func:`job_peak_gb`) inside the current stretch, whose peak (:func:`peak_gb`) still
+    counts everything since its :func:`reset_peak`."""
+    global _carried
+    _carried = max(_carried, _hwm_gb() or 0.0)
+    _clear()
 
 
 def process_peak_gb() -> float:
@@ -22,12 +50,13 @@ def process_peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
 
+def job_peak_gb() -> float:
+    """The peak resident set since the last :func:`start_job_peak` (or :func:`reset_peak`), GiB; the process's peak
+    where the kernel cannot reset it (an upper bound)."""
+    hwm = _hwm_gb()
+    return hwm if hwm is not None else process_peak_gb()
+
+
 def peak_gb() -> float:
-    """The process's peak resident set since the last :func:`reset_peak` (GiB)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 / GiB
-    except OSError:
-        pass
-    return process_peak_gb()
+    """The process's peak resident set since the last :func:`reset_peak` (GiB), its jobs' restarts included."""
+    return max(_carried, job_peak_gb())

@@ -20,6 +20,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.config import CONF_DIR, job_hash
 from mergescope.errors import MergescopeError
+from mergescope.memory import job_peak_gb, start_job_peak
 from mergescope.models import ModelRef, fingerprint, label
 from mergescope.tracking import Job, Tracker
 
@@ -104,6 +105,7 @@ def record(results: Sequence[JobResult]) -> None:
         _record(r)
 
 
+JOB_PEAK = "job_peak_rss_gb"  # every job run: its process's peak resident set during the job, GiB
 HEADLINES = {"quality": "nll", "merge": "nll", "transport": "delta_target_lang",
              "transport_adapt": "adapt_effect", "adapt": "test_nll", "expansion": "max_abs_logit_diff",
              "typology": "typology_syntactic", "train": "heldout_nll"}
@@ -240,6 +242,7 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
                     nested()
                 return done
         with data_mod.recording_reads() as read:  # the data sides it reads: the run's dataset inputs
+            start_job_peak()  # the job's own peak memory (metric job_peak_rss_gb; plan=true reads it)
             if prepare is not None:
                 prepare()
             tracker.reap_stale(h)
@@ -249,7 +252,7 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
                     job.log_params({"commit." + PARAM_UNSAFE.sub("_", k): v or "unresolved" for k, v in commits.items()})
                 values = body(job)
                 job.log_datasets(read)
-                job.log_metrics(values)
+                job.log_metrics({**values, JOB_PEAK: job_peak_gb()})  # the peak: logged, not returned (reproduce skips it)
                 head = headline_key(tags, values)
                 if head is not None:
                     job.note_headline(head, float(values[head]))

@@ -37,7 +37,7 @@ from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.settings import CheckpointSettings
 from mergescope.native.weights import routes
 from mergescope.progress import console, phase_bar, set_quiet, status, verbose
-from mergescope.runs import JobResult, model_label, recording
+from mergescope.runs import JOB_PEAK, JobResult, model_label, recording
 from mergescope.workers import group_by, run_groups
 
 
@@ -489,16 +489,20 @@ def evict_checkpoints(jobs: list[StudyJob]) -> dict[str, int]:
     return freed
 
 
-def _duration_s(client, run_id: str) -> float | None:
-    info = client.get_run(run_id).info
-    return (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
+def _cost(client, run_id: str) -> tuple[float | None, float | None]:
+    """A finished run's wall time (s) and its job's peak resident set (GiB; runs from before the metric have none)."""
+    run = client.get_run(run_id)
+    info = run.info
+    secs = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
+    return secs, run.data.metrics.get(JOB_PEAK)
 
 
 def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
     """Per phase: its jobs, how many are done (a FINISHED run of their identity exists: found exactly as a launch finds
     it, stopping before any work), the measured wall time of the done ones (their runs' durations) and an estimate
     for the rest: the median duration of the phase's done jobs in this store, times the jobs left (none when no job
-    of the phase has run yet). Nothing runs and no run is created."""
+    of the phase has run yet); the largest peak resident set of the phase's done jobs (metric ``job_peak_rss_gb``), the
+    estimate of what its other jobs need on this machine. Nothing runs and no run is created."""
     from mergescope.tracking import Tracker
 
     client = Tracker(cfg).client
@@ -507,15 +511,18 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
         try:
             jobs = of()
         except MergescopeError as exc:  # decided from files that do not exist yet (a zoo model not trained)
-            rows.append({"arm": arm, "phase": phase, "jobs": 0, "done": 0, "todo": 0, "done_s": 0.0, "todo_s": None,
+            rows.append({"arm": arm, "phase": phase, "jobs": 0, "done": 0, "todo": 0, "done_s": 0.0, "todo_s": None, "peak_gb": None,
                          "todo_jobs": [], "note": f"decided after training ({str(exc)[:80]})"})
             continue
         if not jobs:
             continue
         done, todo = _done_pass(jobs)
-        secs = [d for d in (_duration_s(client, r.run_id) for _, r in done) if d is not None]
+        costs = [_cost(client, r.run_id) for _, r in done]
+        secs = [c for c, _ in costs if c is not None]
+        peaks = [p for _, p in costs if p is not None]
         med = statistics.median(secs) if secs else None
         rows.append({"arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
+                     "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
                      "todo_jobs": [f"{j.task} {' '.join(j.overrides[len(plan.base):])}" for j in todo], "note": ""})
     return rows
@@ -523,7 +530,7 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
 
 def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     """``plan=true``: the study's jobs per phase, which are done, what the rest would cost (:func:`plan_rows`), printed;
-    with ``-v`` every job left to run. Peak memory and GPU estimates are not given: no per-job memory is logged yet."""
+    with ``-v`` every job left to run; the phase's peak memory from its done jobs. No GPU estimate."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -534,21 +541,23 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     finally:
         set_quiet(was_quiet)
     t = Table(title=f"study {cfg.tracking.experiment}: the plan (nothing runs)")
-    for c in ("arm", "phase", "jobs", "done", "to run", "done: measured s", "to run: estimated s"):
+    for c in ("arm", "phase", "jobs", "done", "to run", "done: measured s", "to run: estimated s", "peak GiB (a job)"):
         t.add_column(c, justify="left" if c in ("arm", "phase") else "right")
     for r in rows:
         est = "—" if r["todo_s"] is None else f"{r['todo_s']:.0f}"
+        peak = "—" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
         if r["note"]:
-            t.add_row(r["arm"], r["phase"], "?", "", "", "", r["note"])
+            t.add_row(r["arm"], r["phase"], "?", "", "", "", r["note"], "")
             continue
-        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", est)
+        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", est, peak)
     status.print(t)
     unknown = [r["phase"] for r in rows if r["todo_s"] is None and not r["note"]]
     left = sum(r["todo_s"] or 0.0 for r in rows)
     status.print(f"{sum(r['todo'] for r in rows)} of {sum(r['jobs'] for r in rows)} jobs to run; estimated {left / 60:.1f} min "
                  "from this store's own runs (median per phase)" + (f", plus the phases with no run yet: {', '.join(unknown)}"
                                                                    if unknown else "")
-                 + ". No peak-memory or GPU estimate: per-job memory is not logged yet.", soft_wrap=True)
+                 + ". Peak GiB: the largest resident set of one of the phase's done jobs in this store (its process, "
+                 "imports included; — where none logged it yet), what the rest need here; no GPU estimate.", soft_wrap=True)
     for r in rows if cfg.get("verbose") else []:
         for line in r["todo_jobs"]:
             status.print(escape(f"  to run [{r['phase']}]: {line}"), soft_wrap=True)
