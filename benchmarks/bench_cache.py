@@ -28,7 +28,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import mergescope.config  # noqa: F401
-    from mergescope.represent.jobs import run_measure
+    from mergescope.represent.job import run_measure
     from mergescope.tracking import Tracker
 
     sys.path.insert(0, str(REPO / "tests"))

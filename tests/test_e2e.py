@@ -183,7 +183,7 @@ def test_bad_inputs_one_line_nonzero_no_run(tiny_models, tmp_path):
 
 
 def test_exception_marks_the_run_failed(tiny_models, compose_cfg, monkeypatch):
-    from mergescope.represent.jobs import run_measure
+    from mergescope.represent.job import run_measure
     from mergescope.registry import metrics
 
     entry = metrics.get("procrustes")

@@ -29,7 +29,7 @@ def _retrain_in_place(folder: Path) -> None:
 
 
 def test_retraining_a_model_in_place_runs_its_measure_job_again(tiny_models, compose_cfg, tmp_path):
-    from mergescope.represent.jobs import run_measure
+    from mergescope.represent.job import run_measure
 
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(tiny_models["neox_en"], a, ignore=shutil.ignore_patterns("step*"))
@@ -48,7 +48,7 @@ def test_retraining_a_model_in_place_runs_its_measure_job_again(tiny_models, com
 def test_every_setting_that_changes_the_vectors_changes_the_cache_key_and_the_hash(tiny_models, compose_cfg, override):
     from mergescope import data as data_mod
     from mergescope import models
-    from mergescope.represent.jobs import MEASURE_KEYS, repr_key
+    from mergescope.represent.job import MEASURE_KEYS, repr_key
     from mergescope.runs import identity
 
     base = _pair(tiny_models["neox_en"], tiny_models["llama_pt"])
@@ -69,7 +69,7 @@ def test_every_setting_that_changes_the_vectors_changes_the_cache_key_and_the_ha
 def test_the_cache_key_follows_the_weights(tiny_models, compose_cfg, tmp_path):
     from mergescope import data as data_mod
     from mergescope import models
-    from mergescope.represent.jobs import repr_key
+    from mergescope.represent.job import repr_key
 
     a = tmp_path / "a"
     shutil.copytree(tiny_models["neox_en"], a, ignore=shutil.ignore_patterns("step*"))

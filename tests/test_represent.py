@@ -86,7 +86,7 @@ def test_cache_roundtrip(tmp_path):
 
 def test_control_permutations_are_per_pair_shared_by_metrics_and_replicated():
     from mergescope.metrics import linear_cka
-    from mergescope.represent.jobs import control_permutations, shuffled_values
+    from mergescope.represent.job import control_permutations, shuffled_values
 
     p1 = control_permutations(50, 0, "a__b", seeds=3)
     assert all(np.array_equal(x, y) for x, y in zip(p1, control_permutations(50, 0, "a__b", seeds=3)))  # every metric

@@ -130,7 +130,7 @@ def test_an_unseen_content_type_in_an_unfitted_subspace_is_not_retrieved():
 
 
 def test_change_values_pair_model_a_layer_i_with_model_b_layer_j():
-    from mergescope.shared_space.agreement_job import change_values
+    from mergescope.shared_space.job import change_values
 
     rng = np.random.default_rng(11)
     Ca, Cb = rng.uniform(size=(4, 30)), rng.uniform(size=(3, 30))

@@ -71,7 +71,7 @@ def test_embed_layers_matches_the_single_layer_path_at_every_layer(english, name
 
 
 def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, compose_cfg):
-    from mergescope.shared_space.agreement_job import run_agreement
+    from mergescope.shared_space.job import run_agreement
     from mergescope.tracking import Tracker
 
     cfg, ov = compose_cfg(["task=agreement", "pair=custom", f"++pair.a={_entry('neox', english['neox'])}",
@@ -104,7 +104,7 @@ def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, comp
         assert sorted({(float(x["depth"]), int(x["categories"])) for x in cent}) == [(d, k) for d in (0, .25, .5, .75, 1) for k in (8, 10)]
         assert all(0 < float(x["centroid_rsa_p"]) <= 1 for x in cent) and "centroid_random_as_strong_k10" in res.metrics
     assert run_agreement(cfg, ov).skipped  # a second launch reuses the run (and the cache)
-    import mergescope.shared_space.agreement_job as aj
+    import mergescope.shared_space.job as aj
 
     real = aj.metric_with_kwargs  # a metric's settings edited in conf/metric/<m>.yaml: the job is another job
     edited = lambda name: (lambda e, kw: (e, {**kw, "n_blocks": 10} if name == "cka" else kw))(*real(name))  # noqa: E731
@@ -116,8 +116,8 @@ def test_agreement_job_logs_every_depth_nulls_and_the_layer_matrix(english, comp
 
 def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, tmp_path):
     from mergescope.shared_space import embed as shared_embed
-    from mergescope.shared_space.routing_job import run_routing
-    from mergescope.shared_space.space_job import run_shared_space
+    from mergescope.shared_space.job import run_routing
+    from mergescope.shared_space.job import run_shared_space
     from mergescope.tracking import Tracker
 
     models = ",".join(_entry(n, p) for n, p in english.items())
@@ -152,8 +152,8 @@ def test_the_report_section_shows_centroids_state_space_gap_and_content_types(en
     """Agreement runs for a transformer pair and a pair with the Mamba model, one shared space, then the analysis:
     the §5.1 centroid table with its verdict, the §5.3 table with both groups, the §7 content-type table."""
     from mergescope.analysis.task import run_analyze
-    from mergescope.shared_space.agreement_job import run_agreement
-    from mergescope.shared_space.space_job import run_shared_space
+    from mergescope.shared_space.job import run_agreement
+    from mergescope.shared_space.job import run_shared_space
 
     ids = []
     for x, y in (("neox", "llama"), ("llama", "mamba")):

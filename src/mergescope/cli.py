@@ -18,22 +18,22 @@ ARM_GROUPS = ("native", "checkpoints", "adaptation", "expansion", "shared")  # e
 GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking", *ARM_GROUPS)
 
 # task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on
-# use, so a bad command line fails before torch or MLflow are imported.
+# use, so a bad command line fails before torch or MLflow are imported. An arm's handlers are in its job.py.
 TASKS: dict[str, str] = {
     "study": "mergescope.study:run_study",
-    "measure": "mergescope.represent.jobs:run_measure",
-    "quality": "mergescope.represent.jobs:run_quality",
+    "measure": "mergescope.represent.job:run_measure",
+    "quality": "mergescope.represent.job:run_quality",
     "train": "mergescope.zoo.job:run_train",
     "native": "mergescope.native.job:run_native",
-    "merge": "mergescope.native.merges:run_merge",
+    "merge": "mergescope.native.job:run_merge",
     "transport": "mergescope.transport.job:run_transport",
     "typology": "mergescope.typology:run_typology",
     "analyze": "mergescope.analysis:run_analyze",
-    "agreement": "mergescope.shared_space.agreement_job:run_agreement",
-    "shared_space": "mergescope.shared_space.space_job:run_shared_space",
-    "routing": "mergescope.shared_space.routing_job:run_routing",
+    "agreement": "mergescope.shared_space.job:run_agreement",
+    "shared_space": "mergescope.shared_space.job:run_shared_space",
+    "routing": "mergescope.shared_space.job:run_routing",
     "adapt": "mergescope.adapt.job:run_adapt",
-    "expansion": "mergescope.adapt.kept:run_expansion",
+    "expansion": "mergescope.adapt.job:run_expansion",
 }
 
 

@@ -9,6 +9,9 @@ validation split and its numbers on the disjoint test split. Before it, the two 
 themselves (kind=adapt, control=source; one run per model, shared by both protocols of the pair) and the summary
 logs the pair's competence overlap from their task profiles (:mod:`.overlap`) and both models' sizes. Bad input is
 refused before any run exists.
+
+The arm's task handlers are here, as every arm's are in its ``job.py``: :func:`run_adapt` (task=adapt) and
+:func:`run_expansion` (task=expansion, the function check of Expand; its work in :mod:`mergescope.adapt.kept`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from omegaconf import DictConfig
 
 from mergescope import models
 from mergescope.adapt.evaluate import attention_diagnostics, load_texts, score
+from mergescope.adapt.kept import run_expansion  # task=expansion (a handler of this arm; see the module doc)
 from mergescope.adapt.overlap import Overlap, competence_overlap, task_profile
 from mergescope.adapt.setup import Loaded, Setup, check_adapt
 from mergescope.config import to_plain
@@ -35,6 +39,8 @@ SOURCE_KEYS = ["data", "represent.max_length", "adaptation.val_split", "adaptati
                "adaptation.nll_sentences", "adaptation.sample"]
 SIDES = ("small", "large")
 
+
+__all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
 
 def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
     ends = loaded.ends

@@ -4,6 +4,9 @@ diagnostics on the shared tensors, task-vector diagnostics against a base (check
 run's ``step0``), the linear mode-connectivity curve NLL((1-t)a + t b) with its barrier, and the
 merge gain over the operators in ``native.merges`` (each merged model its own run, ``merges.py``).
 Nothing is padded or truncated.
+
+The arm's task handlers are here, as every arm's are in its ``job.py``: :func:`run_native` (task=native) and
+:func:`run_merge` (task=merge, on a pair or N models; its work in :mod:`mergescope.native.merges`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, pair_label, pair_tags, pair_text, run_once
 
 NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
+
+
+__all__ = ["run_native", "run_merge", "checkpoint_cka", "hash_extra"]
 
 
 def _weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
@@ -125,7 +131,7 @@ def _nested_runs(cfg: DictConfig, overrides) -> None:
 
 def checkpoint_cka(cfg: DictConfig, overrides) -> float:
     """CKA between the two checkpoints (the representation arm's own measure run, cached)."""
-    from mergescope.represent.jobs import run_measure
+    from mergescope.represent.job import run_measure
 
     c = plain_copy(cfg)
     with open_dict(c):

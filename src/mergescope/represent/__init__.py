@@ -1,5 +1,5 @@
 """The representation arm: pooled sentence representations (batched, length-sorted forward passes),
-their on-disk cache, per-token NLL, and the measure and quality jobs (``represent.jobs``)."""
+their on-disk cache, per-token NLL, and the measure and quality jobs (``represent.job``)."""
 
 from mergescope.represent.cache import ReprCache, ReprKey
 from mergescope.represent.forward import (

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.errors import MergescopeError
-from mergescope.represent.jobs import repr_cache
+from mergescope.represent.job import repr_cache
 from mergescope.represent.layers import LayersKey, cached_layers, embed_layers
 from mergescope.shared_space.settings import SharedSettings
 
@@ -81,7 +81,7 @@ def final_layers(cfg: DictConfig, s: SharedSettings, entries, refs, sides) -> li
 
 def prepare(cfg: DictConfig) -> tuple[SharedSettings, list[Any], list[models.ModelRef], list[data_mod.Side], list[str]]:
     """Checks, then the arm's settings and models (entries, refs, sides, labels) for a job over all of them."""
-    from mergescope.represent.jobs import check_represent
+    from mergescope.represent.job import check_represent
 
     check_represent(cfg)
     s = SharedSettings.from_cfg(cfg)
