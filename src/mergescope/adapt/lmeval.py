@@ -80,8 +80,12 @@ def evaluate(model, tokenizer, tasks: list[str], include: Path | None, batch_siz
     log = logging.getLogger("lm_eval")
     level = log.level
     log.setLevel(logging.ERROR)  # lm-eval's info lines and its warnings about an in-memory model (expected here)
+    class QuietHFLM(HFLM):  # lm-eval 0.4.x opens a progress bar for every batch of a document's rolling windows
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, *args, **kwargs):
+            return super()._loglikelihood_tokens(requests, True, *args, **kwargs)  # the per-task bar stays
+
     try:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size))
+        lm = QuietHFLM(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size))
         manager = TaskManager(include_path=str(include)) if include else TaskManager()
         return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit)
     finally:
