@@ -120,7 +120,7 @@ def test_the_arms_settings_are_typed_and_checked_once_with_the_key_named(compose
                           ("ridges", [], "shared.ridges must be a non-empty list"), ("depths", 0.5, "shared.depths must be a list"),
                           ("rsa_sentences", 2, "shared.rsa_sentences=2 must be at least 3"),
                           ("rsa_sentences", -1, "shared.rsa_sentences=-1 must be a positive integer")):
-        node = {**OmegaConf.to_container(cfg.shared), key: bad}
+        node = {**OmegaConf.to_container(cfg.shared, resolve=True), key: bad}
         with pytest.raises(MergescopeError, match=msg):
             SharedSettings.from_node(node)
 

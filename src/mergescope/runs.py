@@ -141,7 +141,10 @@ def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | No
     if cfg.get("rerun"):
         return None
     done = tracker.find_finished(cfg_hash)
-    return None if done is None else _record(JobResult(done.info.run_id, True, dict(done.data.metrics), cfg_hash))
+    if done is None:
+        return None
+    values = {k: v for k, v in done.data.metrics.items() if k != JOB_PEAK}  # its results, as a fresh run returns them
+    return _record(JobResult(done.info.run_id, True, values, cfg_hash))
 
 
 def identity(task: str, cfg: DictConfig, keys: list[str], reads: Sequence[ModelRef] = (),
