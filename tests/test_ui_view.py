@@ -38,3 +38,33 @@ def test_the_views_columns_are_each_runs_headline_once_in_order():
             rec(4, {"kind": "merge"}, {"nll": 4.1}), rec(5, {"kind": "transport"}, {"nll_target_lang": 4.0}),  # no headline logged
             rec(6, {"kind": "measure", "metric": "procrustes"}, {"procrustes": 0.7})]
     assert headline_columns(Study("x", "", recs)) == ["heldout_nll", "cka", "lmc_barrier", "nll", "procrustes"]
+
+
+def test_two_workers_logging_one_dataset_at_once_both_get_it(compose_cfg):
+    """MLflow's store checks for a dataset and then inserts it; two worker processes logging the same side at once make
+    the second insert hit the unique key (seen in a study with workers=2). log_datasets tries again and finds the row."""
+    from mlflow.exceptions import MlflowException
+
+    from mergescope import data as data_mod
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg([])
+    side = data_mod.load_side(cfg.data, "eng_Latn")
+    tracker = Tracker(cfg)
+    with tracker.start(cfg, "seed first", {"kind": "seed"}, ov) as first:
+        first.log_datasets([side])  # the other worker's: the dataset row now exists
+    with tracker.start(cfg, "seed second", {"kind": "seed"}, ov) as job:
+        real, calls = job.client.log_inputs, []
+
+        def racing(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, datasets.name")
+            return real(*a, **k)
+
+        job.client.log_inputs = racing
+        job.log_datasets([side])
+        job.client.log_inputs = real
+    assert len(calls) == 2
+    inputs = tracker.client.get_run(job.run_id).inputs.dataset_inputs
+    assert [d.dataset.digest for d in inputs] == [side.digest]

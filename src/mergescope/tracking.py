@@ -10,6 +10,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -395,8 +396,20 @@ class Job:
                          source=json.dumps({"uri": str(side.source)}),
                          profile=json.dumps({"num_rows": len(side.sentences), "lang": side.lang}))
             inputs.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", "probe")]))
-        if inputs:
-            self.client.log_inputs(self.run_id, datasets=inputs)
+        if not inputs:
+            return
+        from mlflow.exceptions import MlflowException
+
+        for attempt in range(4):
+            try:
+                self.client.log_inputs(self.run_id, datasets=inputs)
+                return
+            except MlflowException as exc:
+                # two worker processes logging the same dataset at once: MLflow's store checks for it, then inserts, and
+                # the second insert hits the unique key (its transaction rolls back); again, it finds the first's row
+                if "UNIQUE constraint failed: datasets" not in str(exc) or attempt == 3:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
     def log_text(self, text: str, path: str) -> None:
         self.client.log_text(self.run_id, text, path)
