@@ -20,13 +20,18 @@ def plugin():
     def zz_metric(X, Y, scale: float = 1.0, device: str = "auto") -> dict[str, float]:
         return {"zz_overlap": scale * float(np.mean(np.asarray(X) * np.asarray(Y)))}
 
-    yaml = CONF_DIR / "metric" / f"{NAME}.yaml"
-    yaml.write_text(f"name: {NAME}\nscale: 1.0\n")
+    yield from _installed(metrics, "metric", NAME, f"name: {NAME}\nscale: 1.0\n")
+
+
+def _installed(registry, group: str, name: str, preset: str):
+    """The registered plug-in with its ``conf/<group>/<name>.yaml`` written; both removed afterwards."""
+    yaml = CONF_DIR / group / f"{name}.yaml"
+    yaml.write_text(preset)
     try:
-        yield metrics.get(NAME)
+        yield registry.get(name)
     finally:
         yaml.unlink()
-        metrics.unregister(NAME)
+        registry.unregister(name)
 
 
 def test_the_plugin_carries_its_metadata(plugin):
@@ -270,13 +275,7 @@ def merge_plugin():
         w = weights or [1.0] * len(tensors)
         return sum(float(wi) * t.double() for wi, t in zip(w, tensors)).div(sum(float(x) for x in w)).to(tensors[0].dtype)
 
-    yaml = CONF_DIR / "merge" / f"{MERGE}.yaml"
-    yaml.write_text(f"name: {MERGE}\noperator: {MERGE}\nweights: null\n")
-    try:
-        yield merges.get(MERGE)
-    finally:
-        yaml.unlink()
-        merges.unregister(MERGE)
+    yield from _installed(merges, "merge", MERGE, f"name: {MERGE}\noperator: {MERGE}\nweights: null\n")
 
 
 def test_a_new_merge_operator_runs_in_the_native_arm_with_no_other_edit(merge_plugin, tiny_models, compose_cfg):

@@ -10,13 +10,12 @@ GiB = 2**30
 _carried = 0.0  # the stretch's peak before its last job-level restart (start_job_peak), GiB
 
 
-def _clear() -> bool:
+def _clear() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
-        return False
+        pass
 
 
 def _hwm_gb() -> float | None:

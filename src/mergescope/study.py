@@ -468,10 +468,11 @@ def _checkpoint_arm(plan: Plan, jobs: list[StudyJob]) -> None:
     by_model: dict[str, list[StudyJob]] = {}
     for j in jobs:
         by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
+    evict = CheckpointSettings.from_cfg(plan.cfg).evict_after
     for jobs in by_model.values():
         _run_all(jobs, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
                  parallel_workers(plan), phase=f"checkpoints {model_label(jobs[0].cfg.pair.a)}")
-        if CheckpointSettings.from_cfg(plan.cfg).evict_after:
+        if evict:
             evict_checkpoints(jobs)
 
 

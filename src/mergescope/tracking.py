@@ -121,8 +121,9 @@ class Tracker:
     def share_view(self, metrics: list[str], launch: str | None = None) -> str:
         """A saved view of the experiment's runs table (MLflow 3's shared view state, the experiment tag
         ``mlflow.sharedViewState.<key>`` that the UI's Share button writes): the run's kind, then ``metrics`` as
-        columns, newest first, grouped by kind and metric (each group open, its row the mean); with ``launch``, only that study launch's jobs (its children: a shared view cannot
-        expand a parent row, MLflow leaves ``runsExpanded`` out of it). Returns the query string that opens it."""
+        columns, newest first, grouped by kind and metric (each group open, its row the mean); with ``launch``, only
+        that study launch's jobs (its children: MLflow leaves ``runsExpanded`` out of a shared view, so it cannot open
+        the parent row). Returns the query string that opens it."""
         state = {"selectedColumns": ["tags.`kind`", *(f"metrics.`{m}`" for m in metrics)],
                  "orderByKey": "attributes.start_time", "orderByAsc": False,
                  "groupBy": {"aggregateFunction": "average",  # one group per kind and metric, open, with its mean

@@ -55,7 +55,8 @@ def _threshold(a: Tensor, k: int) -> Tensor:
 def trim_threshold_(scratch: Tensor, density: float) -> Tensor | None:
     """The threshold of the TIES trim of the tensor whose |values| ``scratch`` holds (the caller's own copy, reordered
     here: on CPU numpy's in-place introselect, no second copy), or None when the trim keeps everything (k = numel).
-    The same k-th largest value :func:`magnitude_trim_` compares with, so ``|tau| < threshold`` is its dropped set."""
+    The one threshold of the trim: :func:`magnitude_trim_`, :func:`magnitude_keep_mask` and the row-blocked merge
+    (``merge.task_arithmetic.blocked_task_arithmetic``) all compare ``|tau|`` with it."""
     n = scratch.numel()
     k = keep_count(n, density) if n else 0
     if k >= n:
@@ -70,25 +71,16 @@ def trim_threshold_(scratch: Tensor, density: float) -> Tensor | None:
 
 def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:
     """Boolean mask (shape of ``tau``) of the entries the TIES trim keeps; the rule is in the module doc: the
-    threshold is the k-th largest |value| (:func:`_threshold`), the mask ``|tau| >= threshold``."""
-    n = tau.numel()
-    k = keep_count(n, density) if n else 0
-    if k >= n:
-        return torch.ones_like(tau, dtype=torch.bool)
-    a = tau.abs()
-    return a >= _threshold(a, k).to(a.device)
+    threshold is the k-th largest |value| (:func:`trim_threshold_`), the mask ``|tau| >= threshold``."""
+    thr = trim_threshold_(tau.abs(), density)
+    return torch.ones_like(tau, dtype=torch.bool) if thr is None else tau.abs() >= thr
 
 
 def magnitude_trim_(tau: Tensor, density: float) -> Tensor:
     """The TIES trim in place: every entry the mask of :func:`magnitude_keep_mask` drops set to zero (one boolean
     scratch tensor, no float copy of the mask)."""
-    n = tau.numel()
-    k = keep_count(n, density) if n else 0
-    if k >= n:
-        return tau
-    a = tau.abs()
-    thr = _threshold(a, k).to(a.device)
-    return tau.masked_fill_(a < thr, 0)
+    thr = trim_threshold_(tau.abs(), density)
+    return tau if thr is None else tau.masked_fill_(tau.abs() < thr, 0)
 
 
 def zero_where_not(t: Tensor, keep: Tensor) -> Tensor:

@@ -4,7 +4,7 @@ Each entry of the outline is one spec section and its subsections: the first bui
 (``None``: the section has subsections only), the rest its subsections, lettered in order (``4a``; ``8a``, ``8b``).
 A builder takes the :class:`~mergescope.analysis.context.Analysis` and its number and returns a section, a list
 of them (all under that number), or None (its runs do not exist in this study, e.g. no epsilon sweep). Adding a
-section is one function in one module and one entry here; no section number is written anywhere else.
+section is one function in one module and one entry here; every heading takes its number from this list.
 
 Modules: ``models`` (config check, coverage, per-model quality), ``representation`` (CKA matrix, pair matrix),
 ``checkpoint``, ``native_pair``, ``transport``, ``adapt``, ``shared_space``, ``calibration`` (transport settings
