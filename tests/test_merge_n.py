@@ -403,3 +403,83 @@ def test_eval_lm_eval_on_a_transport_fusion(tiny_models, compose_cfg):
     finally:
         tj._fit = real_fit
     assert not fits and len([r for r in runs(cfg.paths.root) if r.data.tags["kind"] == "eval"]) == 2
+
+
+def test_a_bfloat16_family_merges_from_its_stored_tensors(compose_cfg, family, tmp_path, monkeypatch):
+    """bfloat16 checkpoints: task=merge reads every model and the base in their stored bfloat16 (StreamedState.stored,
+    no full float32 copy; the operator upcasts block by block) and the merged float32 host is exactly the merge of the
+    float32 upcasts; the shared-tensor check reads headers only (no tensor read before the scoring)."""
+    from transformers import AutoModelForCausalLM
+
+    from mergescope.native import stream
+    from mergescope.native.merges import run_merge
+
+    bf = []
+    for d in family:
+        out = tmp_path / Path(d).name
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).save_pretrained(out)
+        for f in Path(d).glob("tokenizer*"):
+            (out / f.name).write_bytes(f.read_bytes())
+        bf.append(str(out))
+    from omegaconf import OmegaConf
+
+    from mergescope import models
+    from mergescope.native.multi import shared_names
+
+    states = [stream.streamed_state(models.resolve(OmegaConf.create({"name_or_path": d})), "float32")[0] for d in bf]
+    reads = []
+    real_get = stream.StreamedState.__getitem__
+    monkeypatch.setattr(stream.StreamedState, "__getitem__", lambda s, n: reads.append(n) or real_get(s, n))
+    shared, excluded = shared_names(states[1:], states[0])
+    assert reads == [] and len(shared) == len(states[0]) - len(excluded) > 0
+    monkeypatch.undo()
+
+    seen = []
+    import mergescope.merge.task_arithmetic as ta
+
+    monkeypatch.setattr(ta, "blocked_task_arithmetic",
+                        lambda xs, b, *a, _r=ta.blocked_task_arithmetic: seen.append({x.dtype for x in [*xs, b]}) or _r(xs, b, *a))
+    cfg, ov = n_merge(compose_cfg, bf, "save=true")
+    res = run_merge(cfg, ov)
+    assert seen and all(s == {torch.bfloat16} for s in seen)
+    base, *fts = bf
+    entry, kw = preset("ties", weights=W)
+    up = lambda sd: {k: v.float() for k, v in sd.items()}  # noqa: E731
+    sds, b = [up(weights(d)) for d in fts], up(weights(base))
+    names = [k for k in b if b[k].is_floating_point()]
+    ours = merge_state_dicts(entry, kw, sds, b, names, device="cpu")
+    saved = weights(Path(cfg.paths.merged) / res.run_id)
+    for k in names:
+        assert saved[k].dtype == torch.float32
+        torch.testing.assert_close(saved[k], ours[k], rtol=0, atol=0, msg=lambda s: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("gpt_neox", False), ("mistral", False)])
+def test_a_host_loaded_tensor_by_tensor_is_the_from_pretrained_model(tmp_path, arch, tied):
+    """native.stream.load_streamed (the N-model merge's host: the model plus one tensor at its peak, where
+    from_pretrained maps the whole checkpoint on top of the float32 model) gives from_pretrained's model from a
+    bfloat16 checkpoint: every state-dict tensor, every buffer (rotary frequencies, non-persistent), the ties, the
+    config's name and the logits, exactly."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from conftest import ARCHS
+    from mergescope import models
+    from mergescope.native.stream import load_streamed
+    from mergescope.zoo import build_model, sample_lines
+
+    tok = make_tokenizer(sample_lines("eng_Latn"), vocab_size=320)
+    m = build_model({"family": arch, **ARCHS[arch], "max_position_embeddings": 1024, "tie_word_embeddings": tied}, len(tok), 4)
+    m.to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ref = models.resolve(OmegaConf.create({"name_or_path": str(tmp_path)}))
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, trust_remote_code=False).eval()
+    got = load_streamed(ref, "float32")
+    for a, b in ((dict(want.named_buffers()), dict(got.named_buffers())), (want.state_dict(), got.state_dict())):
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    head, emb = got.get_output_embeddings().weight, got.get_input_embeddings().weight
+    assert (head.data_ptr() == emb.data_ptr()) == tied == want.config.tie_word_embeddings
+    assert got.config.name_or_path == want.config.name_or_path
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(want(ids).logits, got(ids).logits)

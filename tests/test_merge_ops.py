@@ -184,6 +184,30 @@ def test_ties_merge_and_sign_agreement_diagnostic_trim_by_one_rule(density):
         assert int(kept.sum()) >= k
 
 
+@pytest.mark.parametrize("dist", ["normal", "ties", "constant", "sparse"])
+def test_trim_threshold_of_a_large_tensor_is_the_exact_kth_largest(dist):
+    """From 65536 entries the threshold is selected in a sampled band (trim._kth_largest_in_band) instead of over all
+    entries: exactly the k-th largest |value| (the sorted reference) at every density, with many ties, a constant
+    tensor, and a mostly-zero one; a bracket that misses returns None and the full selection answers."""
+    from mergescope.merge import trim
+
+    g = torch.Generator().manual_seed(11)
+    n = trim.SAMPLED + 12345
+    a = {"normal": torch.randn(n, generator=g).abs(),
+         "ties": torch.randint(0, 7, (n,), generator=g).float(),
+         "constant": torch.full((n,), 0.25),
+         "sparse": torch.where(torch.rand(n, generator=g) < 0.97, 0.0, torch.randn(n, generator=g).abs())}[dist]
+    ref = a.sort(descending=True).values
+    for density in (1e-5, 0.01, 0.2, 0.5, 0.9, 0.99999):
+        k = trim.keep_count(n, density)
+        assert float(trim.trim_threshold_(a.clone(), density)) == float(ref[k - 1]), (dist, density)
+    # an adversarial tensor: 0 at exactly the sampled positions, 1 elsewhere -> the bracket [0, 0] misses
+    miss = torch.ones(n)
+    miss[torch.randint(n, (trim._SAMPLE,), generator=torch.Generator().manual_seed(0))] = 0.0
+    assert trim._kth_largest_in_band(miss, n // 2) is None
+    assert float(trim.trim_threshold_(miss.clone(), 0.5)) == 1.0
+
+
 def test_ties_density_rounding_to_zero_keeps_the_largest_entry():
     delta = torch.tensor([[0.5, -2.0, 1.0], [-0.1, 0.3, 1.9]])
     # 0.1 * 6 = 0.6 rounds down to k = 0: the largest |delta| (-2.0) is kept, alone
@@ -396,23 +420,50 @@ def test_tiny_llama_merge_matches_mergekit_tensorwise():
             torch.testing.assert_close(out[k], ref, rtol=1e-6, atol=1e-6)
 
 
+def _whole_tensor_gta(xs, base, sparsification, consensus, normalize, density=1.0, lambda_=1.0, weights=None):
+    """The generalised task arithmetic of the module doc on whole tensors with plain masks (no blocks, no sign
+    arithmetic): the independent formulation the blocked merge is checked against."""
+    from mergescope.merge.trim import magnitude_keep_mask
+
+    w = weights or [1.0] * len(xs)
+    ds = []
+    for x, wi in zip(xs, w):
+        d = x - base
+        if sparsification == "magnitude" and density < 1:
+            d = torch.where(magnitude_keep_mask(d, density), d, torch.zeros_like(d))
+        ds.append(d * wi)
+    if consensus == "none":
+        mixed = sum(ds)
+        mixed = mixed / sum(w) if normalize else mixed
+    else:
+        total = sum(ds) if consensus == "sign" else sum(torch.sign(d) for d in ds)
+        keeps = [torch.where(total >= 0, d > 0, d < 0) for d in ds]
+        mixed = sum(torch.where(k, d, torch.zeros_like(d)) for k, d in zip(keeps, ds))
+        if normalize:
+            div = sum(k.to(base.dtype) * wi for k, wi in zip(keeps, w))
+            mixed = mixed / torch.where(div == 0, torch.ones_like(div), div)
+    return base + lambda_ * mixed if lambda_ != 1 else base + mixed
+
+
 @pytest.mark.parametrize("preset", [
     dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.2),                   # TIES
     dict(sparsification="magnitude", consensus="sign", normalize=False, density=0.5, lambda_=0.7, weights=[0.5, 1.5, 1.0]),
     dict(sparsification="magnitude", consensus="count", normalize=True, density=0.3),
     dict(sparsification="none", consensus="none", normalize=False, lambda_=1.3),                        # task arithmetic
 ])
-def test_a_large_tensor_merged_in_row_blocks_is_bitwise_the_whole_tensor_merge(monkeypatch, preset):
-    """generalized_task_arithmetic on a tensor above 4 blocks goes row block by row block (the embedding and head of a
-    1B merge: a few blocks of scratch instead of a full copy per task vector): the same numbers to the last bit, ties
-    at the trim threshold included (quantised values), and the remainder block at the end."""
+def test_a_tensor_merged_in_blocks_is_bitwise_the_whole_tensor_merge(monkeypatch, preset):
+    """generalized_task_arithmetic goes block by block (whole rows; cache-sized scratch instead of full copies per task
+    vector, the trim's |delta| in the output buffer): the same numbers to the last bit as the whole-tensor formulation
+    with plain masks, ties at the trim threshold included (quantised values), the remainder block at the end, one
+    block or many, and a 1-D tensor in slices."""
     from mergescope.merge import task_arithmetic as ta
 
     g = torch.Generator().manual_seed(3)
     base = torch.randn(203, 37, generator=g)
     xs = [base + torch.round(torch.randn(203, 37, generator=g) * 8) / 64 for _ in range(3)]  # many exact ties
+    whole = _whole_tensor_gta(xs, base, **preset)
     monkeypatch.setattr(ta, "BLOCK", 10**9)
-    whole = ta.generalized_task_arithmetic(xs, base, **preset)
+    assert torch.equal(whole, ta.generalized_task_arithmetic(xs, base, **preset))
     monkeypatch.setattr(ta, "BLOCK", 3 * 37 + 5)  # 3 rows per block, 68 blocks, a 2-row remainder
     calls = []
     real = ta.combine_task_vectors
@@ -420,5 +471,37 @@ def test_a_large_tensor_merged_in_row_blocks_is_bitwise_the_whole_tensor_merge(m
     blocked = ta.generalized_task_arithmetic(xs, base, **preset)
     assert len(calls) == 68 and calls[-1] == 2
     assert torch.equal(whole, blocked)
+    flat = [x.reshape(-1) for x in xs]
+    assert torch.equal(whole.reshape(-1), _whole_tensor_gta(flat, base.reshape(-1), **preset))
+    assert torch.equal(whole.reshape(-1), ta.generalized_task_arithmetic(flat, base.reshape(-1), **preset))  # 1-D, 67 slices
     if preset["sparsification"] == "magnitude":  # and the trim really trims (not a no-op on both sides)
         assert (whole != ta.generalized_task_arithmetic(xs, base, **{**preset, "density": 1.0})).any()
+
+
+@pytest.mark.parametrize("preset", ["ties", "task_arithmetic"])
+def test_bfloat16_inputs_streamed_un_cast_give_the_upcast_merge(monkeypatch, preset):
+    """merge_state_dicts hands a streams_stored operator (task arithmetic, TIES) the bfloat16 tensors as read, and the
+    operator upcasts them block by block (a large tensor) or whole: bitwise the merge of float32 copies, output in
+    bfloat16, no input changed; the un-cast hand-over really happens (the operator sees bfloat16)."""
+    from mergescope.merge import task_arithmetic as ta
+
+    monkeypatch.setattr(ta, "BLOCK", 2 * 37 + 3)  # the 203 x 37 tensor in 2-row blocks; the 37-vector whole
+    g = torch.Generator().manual_seed(5)
+    shapes = {"emb": (203, 37), "norm": (37,)}
+    base = {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
+    sds = [{k: (v.float() + torch.round(torch.randn(v.shape, generator=g) * 8) / 64).to(torch.bfloat16)
+            for k, v in base.items()} for _ in range(3)]
+    before = [{k: v.clone() for k, v in sd.items()} for sd in sds]
+    entry, kw = resolve_preset(yaml.safe_load(open(REPO / "conf" / "merge" / f"{preset}.yaml")), n_models=3)
+    seen = []
+    import dataclasses
+
+    spy = dataclasses.replace(entry, fn=lambda xs, b, **k: seen.append(xs[0].dtype) or entry.fn(xs, b, **k))
+    out = merge_state_dicts(spy, kw, sds, base, list(shapes), device="cpu")
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    f32 = [{k: v.float() for k, v in sd.items()} for sd in sds]
+    ref = merge_state_dicts(entry, kw, f32, {k: v.float() for k, v in base.items()}, list(shapes), device="cpu")
+    for k in shapes:
+        assert out[k].dtype == torch.bfloat16
+        assert torch.equal(out[k], ref[k].to(torch.bfloat16))
+    assert all(torch.equal(sd[k], b4[k]) for sd, b4 in zip(sds, before) for k in shapes)

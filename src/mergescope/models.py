@@ -563,11 +563,15 @@ def merge_dtype(dtype: Any) -> str:
 
 
 def load(entry: Any, device: str | None = "auto", ref: ModelRef | None = None, quiet: bool = False,
-         dtype: str | None = None) -> LoadedModel:
+         dtype: str | None = None, model=None) -> LoadedModel:
     """Load a model entry (``name_or_path``, ``revision``, ``dtype``) with its tokenizer, on ``device``; ``dtype``
-    overrides the entry's (the merging routes pass ``merge_dtype`` of it)."""
+    overrides the entry's (the merging routes pass ``merge_dtype`` of it). ``model``: the weights already loaded
+    another way (``native.stream.load_streamed``), moved to ``device``; only the tokenizer is loaded."""
     ref = ref or resolve(entry)
-    model = load_model(ref, str(dtype or entry.get("dtype") or "float32"), device)
+    if model is None:
+        model = load_model(ref, str(dtype or entry.get("dtype") or "float32"), device)
+    else:
+        model = model.to(resolve_device(device)).eval()
     tc = true_config(model)
     if ref.gguf_file:
         tc.update(gguf_quantization(ref))

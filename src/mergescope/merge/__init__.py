@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from mergescope.device import resolve_device
+from mergescope.merge._common import work_dtype
 from mergescope.errors import MergescopeError
 from mergescope.merge._mergekit import mergekit_config, mergekit_yaml
 from mergescope.registry import Entry, merges
@@ -57,12 +58,16 @@ def merge_state_dicts(
     names: Iterable[str],
     device: str = "auto",
     stats: list[Mapping[str, Tensor]] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """Merge ``names`` of the state dicts ``sds`` tensor by tensor with a registered operator.
 
     Each position is moved to ``device`` (``auto``: CUDA when present), computed in float32
-    (float64 when the inputs are float64) and returned on CPU in the input dtype. Only one
-    position's upcast copies exist at a time. Operators with a ``seed`` get a per-tensor seed
+    (float64 when the inputs or ``out_dtype`` are float64) and returned on CPU in ``out_dtype`` (default: the input
+    dtype). Only one
+    position's upcast copies exist at a time; an operator registered ``streams_stored=True`` (task arithmetic, TIES)
+    gets the stored-dtype tensors and upcasts them itself (a large tensor block by block): the same numbers, without
+    full-size float32 copies of bfloat16 inputs. Operators with a ``seed`` get a per-tensor seed
     (:func:`tensor_seed`). Non-floating tensors must be equal across models and are copied.
 
     A data-aware operator (``register(..., needs_stats="gram" | "fisher")``: RegMean, Fisher merging) gets each model's
@@ -79,6 +84,7 @@ def merge_state_dicts(
         raise MergescopeError(f"merge '{entry.name}' is data-aware (it needs each model's {need} statistics): this route "
                               "computes none; use it in the native arm or task=merge, which compute them on merge_stats.split")
     has_seed = "seed" in entry.params
+    streams = bool(entry.meta.get("streams_stored"))
     per_tensor = any_varies(kwargs)  # filters / gradients (mergescope.tensor_settings): resolved at every name
     n_layers = layer_count(sds[0].keys()) if per_tensor else 0
     out: dict[str, Tensor] = {}
@@ -100,9 +106,14 @@ def merge_state_dicts(
                 raise MergescopeError(f"non-float tensor '{name}' differs between models: exclude it from the merge")
             out[name] = src[0].clone()
             continue
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        xs = [t.to(device=dev, dtype=work) for t in src]
-        b = b_src.to(device=dev, dtype=work) if b_src is not None else None
+        work = torch.float64 if torch.float64 in (dtype, out_dtype) else torch.float32
+        # an operator that upcasts as it goes (streams_stored: task arithmetic / TIES, block by block on a large tensor;
+        # it returns the work dtype) gets the stored-dtype tensors when they all share one dtype whose work dtype is
+        # this one: no full-size float32 copy of a bfloat16 input
+        keep = (streams and work_dtype(src[0]) == work
+                and all(t.dtype == dtype for t in src + ([b_src] if b_src is not None else [])))
+        xs = [t.to(device=dev) if keep else t.to(device=dev, dtype=work) for t in src]
+        b = None if b_src is None else b_src.to(device=dev) if keep else b_src.to(device=dev, dtype=work)
         inputs = {t.data_ptr() for t in src}
         del src, b_src  # the stored-dtype reads, once upcast: only the work copies stay during the merge
         kw = at(kwargs, name, position(name, n_layers)) if per_tensor else dict(kwargs)
@@ -112,7 +123,7 @@ def merge_state_dicts(
         del xs, b
         if res.data_ptr() in inputs:
             res = res.clone()  # never alias an input model's storage
-        out[name] = res.to(device="cpu", dtype=dtype)
+        out[name] = res.to(device="cpu", dtype=out_dtype or dtype)
         del res
     return out
 

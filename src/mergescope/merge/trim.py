@@ -63,10 +63,49 @@ def trim_threshold_(scratch: Tensor, density: float) -> Tensor | None:
         return None
     flat = scratch.reshape(-1)
     if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64) and flat.is_contiguous():
+        if n >= SAMPLED:
+            thr = _kth_largest_in_band(flat, k)
+            if thr is not None:
+                return thr
         arr = flat.numpy()
         arr.partition(n - k)
         return torch.tensor(arr[n - k], dtype=scratch.dtype)
     return _threshold(scratch, k).to(scratch.device)
+
+
+SAMPLED = 1 << 16  # from this many entries the threshold is selected within a sampled band (_kth_largest_in_band)
+_SAMPLE = 1 << 14
+_CHUNK = 1 << 20
+
+
+def _kth_largest_in_band(flat: Tensor, k: int) -> Tensor | None:
+    """The exact k-th largest entry of ``flat``, found in a narrow band instead of a selection over all n entries
+    (about 3x faster on CPU): a fixed-seed sample of 16384 entries brackets the k-th largest between two sample values
+    lo <= hi (its rank +- 6 standard errors); one pass in 1M-entry chunks counts the entries > hi and gathers those
+    in [lo, hi]; when the k-th largest lies in the band (c_hi < k <= c_hi + band size) it is the (k - c_hi)-th
+    largest of the band -- exact whatever the sample, ties included. None when the bracket missed (then the caller
+    selects over everything)."""
+    n = flat.numel()
+    g = torch.Generator().manual_seed(0)
+    sample = flat[torch.randint(n, (_SAMPLE,), generator=g)].sort().values
+    q = 1.0 - k / n  # the k-th largest is the q-quantile
+    se = 6.0 * math.sqrt(max(q * (1 - q), 1.0 / _SAMPLE) / _SAMPLE)
+    lo = sample[max(0, math.floor((q - se) * _SAMPLE) - 1)]
+    hi = sample[min(_SAMPLE - 1, math.ceil((q + se) * _SAMPLE) + 1)]
+    above, parts = 0, []
+    for c in flat.split(_CHUNK):  # in chunks: a few MB of boolean scratch, not three full-size masks
+        above += int(torch.count_nonzero(c > hi))  # (bool).sum() would make an int64 copy
+        parts.append(c[(c >= lo) & (c <= hi)])
+    if above >= k:
+        return None
+    band = torch.cat(parts)
+    del parts
+    r = k - above  # rank of the answer within the band, from the top
+    if r > band.numel():
+        return None
+    arr = band.numpy()
+    arr.partition(band.numel() - r)
+    return torch.tensor(arr[band.numel() - r], dtype=flat.dtype)
 
 
 def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:

@@ -26,7 +26,7 @@ from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS, check_stats, each_model
-from mergescope.native.stream import streamed_state
+from mergescope.native.stream import StreamedState, load_streamed, streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
@@ -91,9 +91,10 @@ class Stack:
 
     def __init__(self, cfg: DictConfig, spec: Spec, refs, base_ref):
         e0 = spec.entries[0]
-        host = models.load(e0, cfg.device, ref=refs[0], quiet=True, dtype=models.merge_dtype(e0.dtype))
-        self.host, self.tok, self.true_config = host.model, host.tokenizer, host.true_config
         cache = cfg.paths.get("cache")
+        streamed = load_streamed(refs[0], models.merge_dtype(e0.dtype), cache_root=cache) if not refs[0].gguf_file else None
+        host = models.load(e0, cfg.device, ref=refs[0], quiet=True, dtype=models.merge_dtype(e0.dtype), model=streamed)
+        self.host, self.tok, self.true_config = host.model, host.tokenizer, host.true_config
         self.sds = []
         for i, (e, r) in enumerate(zip(spec.entries, refs)):
             s = streamed_state(r, models.merge_dtype(e.dtype), model=self.host if i == 0 else None, cache_root=cache)
@@ -132,8 +133,16 @@ class Stack:
         return read
 
     def merge_into_host(self, entry, kwargs: dict, device) -> None:
-        for name in self.shared:  # tensor by tensor: one position of each model in memory at a time
-            self.set(merge_state_dicts(entry, kwargs, self.sds, self.sd_base, [name], device, self.merge_stats))
+        """The merge written into the host tensor by tensor (one position of each model in memory at a time). An
+        operator that upcasts block by block (``streams_stored``: task arithmetic, TIES) reads the streamed models in
+        their stored dtype and returns float32: the same numbers, without full-size float32 copies of a bfloat16
+        checkpoint's embedding and head (the peak of a 1B merge)."""
+        stored = bool(entry.meta.get("streams_stored"))
+        sds = [s.stored() if stored and isinstance(s, StreamedState) else s for s in self.sds]
+        base = self.sd_base.stored() if stored and isinstance(self.sd_base, StreamedState) else self.sd_base
+        host = self.host.state_dict()
+        for name in self.shared:
+            self.set(merge_state_dicts(entry, kwargs, sds, base, [name], device, self.merge_stats, out_dtype=host[name].dtype))
 
 
 def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
@@ -146,18 +155,25 @@ def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
         if name in ties:
             excluded.append((name, f"tied to {ties[name]} (merged once)"))
             continue
-        t0 = first[name]
-        shape = tuple(t0.shape)
+        shape, floating = _header(first, name)
         bad = next((f"not in model {i}" for i, sd in enumerate(sds) if name not in sd), None)
         if bad is None and base is not None and name not in base:
             bad = "not in the base"
-        if bad is None and not t0.is_floating_point():
-            bad = f"not a floating-point tensor ({str(t0.dtype).replace('torch.', '')})"
+        if bad is None and not floating:
+            bad = f"not a floating-point tensor ({str(first[name].dtype).replace('torch.', '')})"
         if bad is None:
-            other = [(f"model {i}", sd[name]) for i, sd in enumerate(sds[1:], 1)] + ([("the base", base[name])] if base is not None else [])
-            bad = next((f"shape {tuple(t.shape)} in {w}, {shape} in model 0" for w, t in other if tuple(t.shape) != shape), None)
+            other = [(f"model {i}", sd) for i, sd in enumerate(sds[1:], 1)] + ([("the base", base)] if base is not None else [])
+            bad = next((f"shape {s} in {w}, {shape} in model 0" for w, sd in other if (s := _header(sd, name)[0]) != shape), None)
         (excluded.append((name, bad)) if bad else shared.append(name))
     return shared, excluded
+
+
+def _header(sd, name: str) -> tuple[tuple[int, ...], bool]:
+    """(shape, floating point) of a tensor: from the file's header for a streamed state (nothing read), else the tensor."""
+    if isinstance(sd, StreamedState):
+        return sd.header(name)
+    t = sd[name]
+    return tuple(t.shape), t.is_floating_point()
 
 
 def labels(spec: Spec) -> list[str]:

@@ -29,9 +29,10 @@ class StreamedState(Mapping[str, torch.Tensor]):
     template dtype. Every access reads the file again (the page cache makes repeats cheap); nothing is kept."""
 
     def __init__(self, sources: dict[str, tuple[Path, str]], dtypes: dict[str, torch.dtype],
-                 ties: dict[str, str] | None = None):
+                 ties: dict[str, str] | None = None, cast: bool = True):
         self.sources = sources
         self.dtypes = dtypes
+        self.cast = cast
         # name -> the first name of its tie group (``lm_head.weight`` -> ``model.embed_tokens.weight`` in a tied
         # model): every access reads a new tensor, so ties cannot be seen from storage as in a loaded state dict
         self.ties = dict(ties or {})
@@ -43,7 +44,24 @@ class StreamedState(Mapping[str, torch.Tensor]):
         with safe_open(str(path), framework="pt") as f:
             t = f.get_tensor(key)
         want = self.dtypes[name]
-        return t.to(want) if t.is_floating_point() and t.dtype != want else t
+        return t.to(want) if self.cast and t.is_floating_point() and t.dtype != want else t
+
+    def stored(self) -> StreamedState:
+        """The same tensors in the dtype the file stores (no cast: a bfloat16 checkpoint's tensors stay bfloat16), for
+        an operator that upcasts block by block itself (``merge_state_dicts``' ``streams_stored``)."""
+        return StreamedState(self.sources, self.dtypes, self.ties, cast=False)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.sources
+
+    def header(self, name: str) -> tuple[tuple[int, ...], bool]:
+        """(shape, is floating point) of ``name`` from the file's header, nothing read."""
+        from safetensors import safe_open
+
+        path, key = self.sources[name]
+        with safe_open(str(path), framework="pt") as f:
+            sl = f.get_slice(key)
+            return tuple(sl.get_shape()), sl.get_dtype().upper().startswith(("F", "BF"))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)
@@ -150,3 +168,42 @@ def streamed_state(ref: models.ModelRef, dtype: str, model=None, cache_root: str
     ties = {name: group[0] for name, group in _alias_groups(template).items() if group[0] != name}
     state = StreamedState(sources, {k: t.dtype for k, t in template.items()}, ties)
     return state, models.true_config(net)
+
+
+def load_streamed(ref: models.ModelRef, dtype: str, cache_root: str | Path | None = None):
+    """The model loaded tensor by tensor from its safetensors files, or None when it cannot be streamed (then load it
+    as usual). Its modules are built on the CPU with weight initialisation switched off (transformers'
+    ``no_init_weights``: the non-persistent buffers, such as the rotary frequencies, are computed as at construction),
+    then every state-dict tensor is read from its file entry, cast as ``from_pretrained`` casts, and copied in; ties
+    are re-tied. The peak is the model plus one tensor: ``from_pretrained`` maps the whole checkpoint while it builds
+    the model (a bfloat16 1.4B file adds 2.6 GiB of mapped pages on top of the 5.3 GiB float32 model). The same
+    weights and buffers as ``from_pretrained`` (``tests/test_merge_n.py``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    folder = model_folder(ref)
+    if not models.weight_files(folder):
+        return None
+    models.quiet_transformers()
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with no_init_weights():
+        net = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(dtype), trust_remote_code=False)
+    net.tie_weights()  # (init_weights, which ties, was switched off): a tied head is then served by its partner
+    made = streamed_state(ref, dtype, model=net, cache_root=cache_root)
+    if made is None:
+        return None
+    state = made[0]
+    with torch.no_grad():
+        for name, t in net.state_dict().items():
+            if name not in state.ties:
+                t.copy_(state[name])
+    net.tie_weights()
+    net.config.name_or_path = ref.location  # as from_pretrained records it
+    if net.can_generate():
+        from transformers import GenerationConfig
+
+        try:
+            net.generation_config = GenerationConfig.from_pretrained(folder)
+        except OSError:  # no generation_config.json: from_pretrained keeps the one built from the config too
+            pass
+    return net.eval()
