@@ -85,13 +85,16 @@ def _kth_largest_in_band(flat: Tensor, k: int) -> Tensor | None:
     in [lo, hi]; when the k-th largest lies in the band (c_hi < k <= c_hi + band size) it is the (k - c_hi)-th
     largest of the band -- exact whatever the sample, ties included. None when the bracket missed (then the caller
     selects over everything)."""
+    import numpy as np
+
     n = flat.numel()
     g = torch.Generator().manual_seed(0)
-    sample = flat[torch.randint(n, (_SAMPLE,), generator=g)].sort().values
+    sample = flat[torch.randint(n, (_SAMPLE,), generator=g)].numpy()
     q = 1.0 - k / n  # the k-th largest is the q-quantile
     se = 6.0 * math.sqrt(max(q * (1 - q), 1.0 / _SAMPLE) / _SAMPLE)
-    lo = sample[max(0, math.floor((q - se) * _SAMPLE) - 1)]
-    hi = sample[min(_SAMPLE - 1, math.ceil((q + se) * _SAMPLE) + 1)]
+    i_lo, i_hi = max(0, math.floor((q - se) * _SAMPLE) - 1), min(_SAMPLE - 1, math.ceil((q + se) * _SAMPLE) + 1)
+    sample.partition([i_lo, i_hi])  # the two order statistics only (a sort of the sample cost as much as the rest)
+    lo, hi = torch.tensor(sample[i_lo]), torch.tensor(sample[i_hi])
     above, parts = 0, []
     for c in flat.split(_CHUNK):  # in chunks: a few MB of boolean scratch, not three full-size masks
         above += int(torch.count_nonzero(c > hi))  # (bool).sum() would make an int64 copy
