@@ -85,8 +85,6 @@ def _kth_largest_in_band(flat: Tensor, k: int) -> Tensor | None:
     in [lo, hi]; when the k-th largest lies in the band (c_hi < k <= c_hi + band size) it is the (k - c_hi)-th
     largest of the band -- exact whatever the sample, ties included. None when the bracket missed (then the caller
     selects over everything)."""
-    import numpy as np
-
     n = flat.numel()
     g = torch.Generator().manual_seed(0)
     sample = flat[torch.randint(n, (_SAMPLE,), generator=g)].numpy()
