@@ -124,3 +124,19 @@ def test_each_run_kind_has_its_headline_metric():
     assert headline_key({"kind": "measure", "metric": "retrieval"}, {"retrieval_p1": 0.5}) == "retrieval_p1"
     assert headline_key({"kind": "expansion"}, {"max_abs_logit_diff": 2e-13}) == "max_abs_logit_diff"
     assert headline_key({"kind": "merge"}, {"nll": float("nan")}) is None
+
+
+def test_the_experiment_id_is_asked_of_the_store_once_per_process(compose_cfg, monkeypatch):
+    """Every job builds a Tracker; the experiment's id is looked up by name once per process and store (387 look-ups
+    on a cached relaunch of the default study before), and the id is the store's."""
+    from mergescope import tracking
+
+    cfg, _ = compose_cfg(["tracking.experiment=memo_check"])
+    first = tracking.Tracker(cfg)
+    eid = first.experiment_id
+    asked = []
+    real = type(first.client).get_experiment_by_name
+    monkeypatch.setattr(type(first.client), "get_experiment_by_name", lambda c, n: asked.append(n) or real(c, n))
+    again = tracking.Tracker(cfg)
+    assert again.experiment_id == eid == first.client.get_experiment_by_name("memo_check").experiment_id
+    assert asked == ["memo_check"]  # only the line above asked; the second Tracker did not

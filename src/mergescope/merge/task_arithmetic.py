@@ -100,9 +100,10 @@ def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor,
 
     The election in sign arithmetic: with s = +1 where the elected sign is + (the sum, or the sign count, >= 0) and
     -1 elsewhere, entry i is kept iff s * d_i > 0, and the kept sum is s * sum_i relu(s * d_i); its weight count
-    sum_i w_i sign(relu(s * d_i)). Multiplying by +-1 is exact and rounding is symmetric, so this is bitwise the
-    masked sum (a zero may come out -0 where the mask gave +0: the same value), in five passes per model instead of
-    the mask's nine."""
+    sum_i w_i sign(relu(s * d_i)). Multiplying by +-1 is exact and rounding is symmetric, so for finite inputs this is
+    bitwise the masked sum (a zero may come out -0 where the mask gave +0: the same value), in five passes per model
+    instead of the mask's eight (a NaN entry, which the mask dropped, now propagates; checkpoints with one are refused
+    at load by ``models.check_weights``)."""
     dt = b.dtype
     if consensus == "none":
         mixed = deltas[0]
@@ -233,9 +234,8 @@ def blocked_task_arithmetic(tensors: list[Tensor], base: Tensor, w: list[float],
     The inputs may be in their stored dtype (bfloat16 files: ``merge_state_dicts`` hands them over un-cast to a
     ``streams_stored`` operator): each block is upcast to the work dtype (float32; float64 for float64 inputs) as it
     is read, and the output is in the work dtype (the caller casts) -- the numbers of upcasting the whole tensors
-    first, without their full-size float32 copies. Deterministic sparsification only
-    (none, magnitude) and rescale none: a random drop draws its mask over the whole tensor, and an l1 rescale needs
-    the whole tensor's sums."""
+    first, without their full-size float32 copies. Deterministic sparsification only (none, magnitude) and rescale
+    none: a random drop draws its mask over the whole tensor, and an l1 rescale needs the whole tensor's sums."""
     dt = work_dtype(base)
     row = max(1, base[0].numel()) if base.ndim > 1 else 1
     step = max(1, BLOCK // row)

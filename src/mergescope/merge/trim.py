@@ -80,7 +80,7 @@ _CHUNK = 1 << 20
 
 def _kth_largest_in_band(flat: Tensor, k: int) -> Tensor | None:
     """The exact k-th largest entry of ``flat``, found in a narrow band instead of a selection over all n entries
-    (about 3x faster on CPU): a fixed-seed sample of 16384 entries brackets the k-th largest between two sample values
+    (2.5x-2.8x faster on 1M-4M entries on this CPU): a fixed-seed sample of 16384 entries brackets the k-th largest between two sample values
     lo <= hi (its rank +- 6 standard errors); one pass in 1M-entry chunks counts the entries > hi and gathers those
     in [lo, hi]; when the k-th largest lies in the band (c_hi < k <= c_hi + band size) it is the (k - c_hi)-th
     largest of the band -- exact whatever the sample, ties included. None when the bracket missed (then the caller
