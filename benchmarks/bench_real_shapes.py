@@ -50,22 +50,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
-PYTHIA = dict(model_type="gpt_neox", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=8192,
-              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048, use_parallel_residual=True,
-              tie_word_embeddings=False)
-MODELS = {
-    "pythia-1.4b": ("eng_Latn", PYTHIA),
-    "zh-pythia-1.4b": ("zho_Hans", {**PYTHIA, "vocab_size": 49953}),
-    "tucano-1b1": ("por_Latn", dict(model_type="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=16,
-                                    num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
-                                    max_position_embeddings=2048, tie_word_embeddings=False)),
-    "bielik-1.5b-v3": ("pol_Latn", dict(model_type="llama", hidden_size=1536, num_hidden_layers=32, num_attention_heads=12,
-                                        num_key_value_heads=2, intermediate_size=8960, vocab_size=32000,
-                                        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True)),
-    "minerva-1b": ("ita_Latn", dict(model_type="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-                                    num_key_value_heads=4, intermediate_size=7168, vocab_size=32768,
-                                    max_position_embeddings=16384, sliding_window=None, tie_word_embeddings=False)),
-}
+SPEC_MODELS = ("pythia-1.4b", "zh-pythia-1.4b", "tucano-1b1", "bielik-1.5b-v3", "minerva-1b")
+
+
+def _spec_models() -> dict[str, tuple[str, dict]]:
+    """The spec's five at their published configurations: the ``shape:`` of their conf/model entries (one source)."""
+    import yaml
+
+    out = {}
+    for name in SPEC_MODELS:
+        entry = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
+        out[name] = (entry["lang"], dict(entry["shape"]))
+    return out
+
+
+MODELS = _spec_models()
 STEPS = {"step0": 0, "step1000": 1, "step143000": 2}  # Pythia checkpoints: base, then noise of this many x 0.002 added
 
 

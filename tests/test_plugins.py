@@ -152,7 +152,7 @@ def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monk
     assert {name: [j.overrides for j in jobs] for _, name, jobs in phases if jobs} == \
         {name: [j.overrides for j in jobs] for name, jobs in ran.items() if jobs}
     done_ids = {id(j) for _, _, jobs in phases for j in jobs[::2]}  # every other job done
-    monkeypatch.setattr(study_mod, "_done_pass", lambda jobs: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
+    monkeypatch.setattr(study_mod, "_done_pass", lambda jobs, unknown=None: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
                                                                [j for j in jobs if id(j) not in done_ids]))
     peaks = iter([1.5, 2.5] * 1000)
     monkeypatch.setattr(study_mod, "_cost", lambda client, run_id: (10.0, next(peaks)))

@@ -396,9 +396,11 @@ def _run_all(jobs: list[StudyJob], describe, workers: int = 1, together=None,
     return out
 
 
-def _done_pass(jobs: list[StudyJob]) -> tuple[list[tuple[StudyJob, JobResult]], list[StudyJob]]:
+def _done_pass(jobs: list[StudyJob], unknown: list[tuple[StudyJob, str]] | None = None
+               ) -> tuple[list[tuple[StudyJob, JobResult]], list[StudyJob]]:
     """Each job run in-process under ``runs.only_if_done``: the done ones return their FINISHED runs, the others stop
-    before any work (``WouldRun``) and are returned to be run."""
+    before any work (``WouldRun``) and are returned to be run. With ``unknown`` (plan=true), a job whose check itself
+    fails in one line (its weights not downloaded yet, a hub that cannot be reached) is one to run, its reason noted."""
     from mergescope.runs import WouldRun, only_if_done
 
     done, todo = [], []
@@ -408,6 +410,11 @@ def _done_pass(jobs: list[StudyJob]) -> tuple[list[tuple[StudyJob, JobResult]], 
                 done.append((j, j.run()))
             except WouldRun:
                 todo.append(j)
+            except MergescopeError as exc:
+                if unknown is None:
+                    raise
+                todo.append(j)
+                unknown.append((j, str(exc)))
     return done, todo
 
 
@@ -501,40 +508,59 @@ def _cost(client, run_id: str) -> tuple[float | None, float | None]:
 
 def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
     """Per phase: its jobs, how many are done (a FINISHED run of their identity exists: found exactly as a launch finds
-    it, stopping before any work), the measured wall time of the done ones (their runs' durations) and an estimate
-    for the rest: the median duration of the phase's done jobs in this store, times the jobs left (none when no job
-    of the phase has run yet); the largest peak resident set of the phase's done jobs (metric ``job_peak_rss_gb``), the
-    estimate of what its other jobs need on this machine. Nothing runs and no run is created."""
+    it, stopping before any work), the measured wall time of the done ones (their runs' durations) and two estimates
+    for the rest: ``todo_s``, the median duration of the phase's done jobs in this store times the jobs left (None when
+    no job of the phase has run yet), and ``cpu_s`` / ``gpu_s`` from the jobs' FLOP and byte counts
+    (:mod:`mergescope.costs`: this CPU's rates fitted on the real-shape benchmark, the GPU of ``conf/costs.yaml``;
+    None when a job's counts are unknown); the largest peak resident set of the phase's done jobs (metric
+    ``job_peak_rss_gb``), and the counted peaks of its jobs left (CPU and GPU). Nothing runs and no run is created."""
+    from mergescope import costs
     from mergescope.tracking import Tracker
 
     client = Tracker(cfg).client
+    rates, gpu = costs.fit(), costs.constants().gpu
+    counter = costs.Counter(costs.constants())
     rows = []
     for arm, phase, of in plan.phases():
         try:
             jobs = of()
-        except MergescopeError as exc:  # decided from files that do not exist yet (a zoo model not trained)
+        except MergescopeError as exc:  # decided from files that do not exist yet (a zoo model not trained, not downloaded)
             rows.append({"arm": arm, "phase": phase, "jobs": 0, "done": 0, "todo": 0, "done_s": 0.0, "todo_s": None, "peak_gb": None,
-                         "todo_jobs": [], "note": f"decided after training ({str(exc)[:80]})"})
+                         "cpu_s": None, "gpu_s": None, "cpu_peak_gb": None, "gpu_peak_gb": None,
+                         "todo_jobs": [], "note": f"decided from the models' files ({str(exc)[:80]})"})
             continue
         if not jobs:
             continue
-        done, todo = _done_pass(jobs)
-        costs = [_cost(client, r.run_id) for _, r in done]
-        secs = [c for c, _ in costs if c is not None]
-        peaks = [p for _, p in costs if p is not None]
+        unknown: list[tuple[StudyJob, str]] = []
+        done, todo = _done_pass(jobs, unknown)
+        costs_ = [_cost(client, r.run_id) for _, r in done]
+        secs = [c for c, _ in costs_ if c is not None]
+        peaks = [p for _, p in costs_ if p is not None]
         med = statistics.median(secs) if secs else None
+        left = {id(j) for j in todo}
+        works = [(j, costs.count(counter, j.task, j.cfg)) for j in jobs]  # in order: an extraction is paid once
+        counted = [w for j, w in works if id(j) in left]
+        known = counted and all(w is not None and not w.missing for w in counted)
         rows.append({"arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
                      "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
+                     "cpu_s": (sum(costs.cpu_seconds(w, rates) for w in counted) if known else None) if todo else 0.0,
+                     "gpu_s": (sum(costs.gpu_seconds(w, rates, gpu) for w in counted) if known else None) if todo else 0.0,
+                     "cpu_peak_gb": max(costs.cpu_peak_gib(w, rates) for w in counted) if known else None,
+                     "gpu_peak_gb": max(costs.gpu_peak_gib(w) for w in counted) if known else None,
+                     "unknown": sorted({why for _, why in unknown}),
                      "todo_jobs": [f"{j.task} {' '.join(j.overrides[len(plan.base):])}" for j in todo], "note": ""})
     return rows
 
 
 def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
-    """``plan=true``: the study's jobs per phase, which are done, what the rest would cost (:func:`plan_rows`), printed;
-    with ``-v`` every job left to run; the phase's peak memory from its done jobs. No GPU estimate."""
+    """``plan=true``: the study's jobs per phase, which are done, what the rest would cost (:func:`plan_rows`: from
+    this store's runs, and from the FLOP and byte counts on this CPU and on the stated GPU), printed; with ``-v``
+    every job left to run."""
     from rich.markup import escape
     from rich.table import Table
+
+    from mergescope import costs
 
     was_quiet = not verbose()
     set_quiet(not cfg.get("verbose"))  # finding what is done prints nothing of the jobs themselves
@@ -542,24 +568,41 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
         rows = plan_rows(plan, cfg)
     finally:
         set_quiet(was_quiet)
+    gpu = costs.constants().gpu
     t = Table(title=f"study {cfg.tracking.experiment}: the plan (nothing runs)")
-    for c in ("arm", "phase", "jobs", "done", "to run", "done: measured s", "to run: estimated s", "peak GiB (a job)"):
+    t.caption = (f"to run, s: store = the phase's median run here x jobs left; CPU, GPU = counted (GPU: one {gpu.name}, "
+                 f"{float(gpu.memory_gib):.0f} GiB). GiB: one job's peak (measured here, else counted)")
+    cols = ("arm", "phase", "jobs", "done", "to run", "done s", "store s", "CPU s", "CPU GiB", "GPU s", "GPU GiB")
+    for c in cols:
         t.add_column(c, justify="left" if c in ("arm", "phase") else "right")
+    num = lambda v, f="{:.0f}": "—" if v is None else f.format(v)  # noqa: E731
     for r in rows:
-        est = "—" if r["todo_s"] is None else f"{r['todo_s']:.0f}"
-        peak = "—" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
         if r["note"]:
-            t.add_row(r["arm"], r["phase"], "?", "", "", "", r["note"], "")
+            t.add_row(r["arm"], r["phase"], "?", "", "", "", r["note"], "", "", "", "")
             continue
-        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", est, peak)
+        peak = r["peak_gb"] if r["peak_gb"] is not None else r["cpu_peak_gb"]
+        gpk = r["gpu_peak_gb"]
+        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", num(r["todo_s"]),
+                  num(r["cpu_s"]), num(peak, "{:.2f}") + ("" if r["peak_gb"] is not None or peak is None else " c"),
+                  num(r["gpu_s"]), "—" if gpk is None else f"{gpk:.1f}" + (" (over)" if gpk > float(gpu.memory_gib) else ""))
     status.print(t)
-    unknown = [r["phase"] for r in rows if r["todo_s"] is None and not r["note"]]
-    left = sum(r["todo_s"] or 0.0 for r in rows)
-    status.print(f"{sum(r['todo'] for r in rows)} of {sum(r['jobs'] for r in rows)} jobs to run; estimated {left / 60:.1f} min "
-                 "from this store's own runs (median per phase)" + (f", plus the phases with no run yet: {', '.join(unknown)}"
-                                                                   if unknown else "")
-                 + ". Peak GiB: the largest resident set of one of the phase's done jobs in this store (its process, "
-                 "imports included; — where none logged it yet), what the rest need here; no GPU estimate.", soft_wrap=True)
+    todo = [r for r in rows if not r["note"] and r["todo"]]
+    store_s = sum(r["todo_s"] or 0.0 for r in todo)
+    cpu_s = sum(r["cpu_s"] or 0.0 for r in todo)
+    gpu_s = sum(r["gpu_s"] or 0.0 for r in todo)
+    missing = [r["phase"] for r in todo if r["cpu_s"] is None]
+    nostore = [r["phase"] for r in todo if r["todo_s"] is None]
+    status.print(
+        f"{sum(r['todo'] for r in rows)} of {sum(r['jobs'] for r in rows)} jobs to run. Estimated: {store_s / 60:.1f} min from "
+        "this store's own runs (median per phase" + (f"; no run yet of: {', '.join(nostore)}" if nostore else "") + "); "
+        f"{cpu_s / 3600:.2f} h on this CPU and {gpu_s / 3600:.2f} h on one {gpu.name} from the jobs' FLOP and byte counts "
+        "(conf/costs.yaml: the CPU's rates fitted on the real-shape benchmark; the GPU's stated peaks at "
+        f"{float(gpu.efficiency):.0%} efficiency, never measured here" + (f"; not counted: {', '.join(missing)}" if missing else "")
+        + "). Peak GiB: the largest resident set of one of the phase's done jobs in this store, else the counted peak "
+        "of its jobs left (c: the models a job holds at once in float32 times the factor fitted for its kind); GPU: those "
+        "models plus 20%.", soft_wrap=True)
+    for why in sorted({w for r in rows for w in r.get("unknown", [])}):
+        status.print(escape(f"  not checked for a run (counted as to run): {why}"), soft_wrap=True)
     for r in rows if cfg.get("verbose") else []:
         for line in r["todo_jobs"]:
             status.print(escape(f"  to run [{r['phase']}]: {line}"), soft_wrap=True)

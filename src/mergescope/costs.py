@@ -1,0 +1,474 @@
+"""What a study's jobs cost before they run: FLOP and byte counts from the models' shapes and each job's settings,
+turned into seconds and peak memory on this machine's CPU (rates fitted on the real-shape benchmark's measured
+points, ``conf/costs.yaml``) and on a GPU of a stated size (its stated peak rates times a stated efficiency).
+
+The counts (per job, :class:`Work`):
+
+- a forward pass: 2 x (the parameters a token meets in matmuls) per token, plus 2 x hidden x vocab per token when
+  the logits are needed (an NLL); the attention score term (4 x layers x hidden x length per token, under 1% at these
+  sentence lengths) is left out. Tokens are UTF-8 bytes / ``bytes_per_token`` of the sentences the job reads (the
+  data files are read for their sizes; 4.0 is stated in ``conf/costs.yaml``: SmolLM2's English tokenizer gives 4.77
+  on FLORES English, a monolingual model's tokenizer on its own language about as much);
+- training: 3x a forward's FLOPs per token (forward and backward);
+- loading: the weights in float32 (the studies' dtype), read from their files;
+- an entropic OT plan: 2 matrix-vector passes over the n x m float64 kernel per Sinkhorn iteration, at the
+  iteration count fitted on the benchmark's transport points (memory-bound: counted as bytes);
+- a representation is extracted once per (model, data, split, pooling, layer) per plan: the later jobs of the same
+  extraction read the cache (as the runs do), so only the first is charged.
+
+CPU seconds = the kind's per-job overhead + float32 bytes loaded / the load rate + FLOPs / the forward rate + Sinkhorn
+iterations x bytes per iteration / the pass bandwidth. The load rate and the iteration count are fitted by least
+squares on the real-shape benchmark's points; the forward rate (``bench_real_throughput.py``), the pass bandwidth and
+the per-job overheads (the default study's per-arm times, what its toy jobs' counts leave) are measured. Mamba's CPU time is multiplied by its measured reference-path slowdown. GPU seconds
+= the same load (the host reads the files) + the bytes over the host link + FLOPs / (peak x efficiency) + OT bytes /
+(bandwidth x efficiency): an estimate from stated numbers, never measured here (no GPU has been lent to this project).
+Peak memory on the CPU: the process's base plus the models the job holds at once in float32, times a factor fitted
+per kind on the benchmark's peaks; on the GPU: the same models plus 20% (activations, allocator), against its size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from mergescope.errors import MergescopeError
+
+COSTS_FILE = Path(__file__).resolve().parents[2] / "conf" / "costs.yaml"
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's size as its matmuls see it."""
+
+    name: str
+    model_type: str
+    params: int        # every parameter (a tied head counted once)
+    embed: int         # input embedding parameters (a lookup, not a matmul)
+    head: int          # vocab x hidden: the logits' matmul (the embedding itself when tied)
+    layers: int
+    hidden: int
+    ffn: int
+    tied: bool
+    body: int          # matrix parameters a token meets before the head (every >= 2-D weight but the embedding and head)
+
+    @property
+    def f32_bytes(self) -> int:
+        return 4 * self.params
+
+
+def _count(config, name: str) -> Shape:
+    """Exact parameter counts of a transformers config: the model built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mergescope.models import quiet_transformers
+
+    quiet_transformers()
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config)
+    emb, out = m.get_input_embeddings().weight, m.get_output_embeddings()
+    tied = out is None or out.weight is emb
+    head = emb.numel() if out is None else out.weight.numel()
+    params = sum(p.numel() for p in m.parameters())  # parameters() yields a tied tensor once
+    matrices = sum(p.numel() for p in m.parameters() if p.ndim >= 2) - emb.numel() - (0 if tied else head)
+    s = lambda k, d=0: int(getattr(config, k, None) or d)  # noqa: E731
+    return Shape(name, str(config.model_type), int(params), int(emb.numel()), int(head), s("num_hidden_layers"),
+                 s("hidden_size", s("d_model")), s("intermediate_size", 2 * s("hidden_size", s("d_model"))), tied,
+                 int(matrices))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_from_json(text: str, name: str) -> Shape:
+    from transformers import AutoConfig
+
+    d = json.loads(text)
+    model_type = d.pop("model_type")
+    return _count(AutoConfig.for_model(model_type, **d), name)
+
+
+def shape_of(entry: Any) -> tuple[Shape | None, str]:
+    """(the model's shape, where it was read from): its config.json when the weights are on disk (a local or trained
+    zoo folder, the hub cache), else the ``zoo:`` architecture a zoo model is trained with, else the ``shape:``
+    transformers config of its conf/model entry (for a hub model not downloaded yet); (None, why) otherwise."""
+    from mergescope import models
+
+    name = models.label(entry)
+    try:
+        ref = models.resolve(entry)
+    except MergescopeError:
+        ref = None
+    path = None
+    if ref is not None and ref.local and ref.gguf_file is None and (Path(ref.location) / "config.json").is_file():
+        path = str(Path(ref.location) / "config.json")
+    elif ref is not None and not ref.local:
+        path = models.cached_hub_file(ref, "config.json")
+    if path:
+        d = json.loads(Path(path).read_text())
+        if "model_type" in d:
+            return _shape_from_json(json.dumps(d, sort_keys=True), name), "config.json"
+    if ref is not None and ref.gguf_file is not None:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(ref.location, gguf_file=ref.gguf_file, trust_remote_code=False)
+        return _shape_from_json(json.dumps(c.to_dict(), sort_keys=True, default=str), name), "gguf"
+    if entry.get("zoo") is not None:
+        from mergescope.zoo.build import _config_class, unresolved_plain
+
+        arch = dict(unresolved_plain(entry.zoo))
+        family = arch.pop("family")
+        for k in ("train_langs", "tokenizer", "steps"):
+            arch.pop(k, None)
+        cfg = _config_class(family)(**arch)
+        return _shape_from_json(json.dumps(cfg.to_dict(), sort_keys=True, default=str), name), "zoo config"
+    if entry.get("shape") is not None:
+        return _shape_from_json(json.dumps(OmegaConf.to_container(entry.shape), sort_keys=True), name), "conf shape"
+    return None, f"{name}: no config.json on disk and no shape: in its conf/model entry"
+
+
+# ------------------------------------------------------------------------------------------------ the counts
+
+
+@dataclass
+class Work:
+    """A job's counts. ``held`` are the models it holds at once (their float32 bytes bound its peak)."""
+
+    kind: str
+    flops: float = 0.0
+    load_bytes: float = 0.0       # float32 bytes of weights loaded (read from files)
+    ot_bytes: float = 0.0         # memory traffic of ONE Sinkhorn iteration of every plan (float64 kernels)
+    held: list[Shape] = field(default_factory=list)
+    slow: float = 1.0             # CPU slowdown of a reference path (Mamba)
+    missing: list[str] = field(default_factory=list)   # why a count is unknown (the estimate is then None)
+
+    def add_load(self, s: Shape) -> None:
+        self.load_bytes += s.f32_bytes
+
+    def add_forward(self, s: Shape, tokens: float, logits: bool, passes: float = 1.0) -> None:
+        self.flops += passes * 2.0 * tokens * (s.body + (s.head if logits else 0))
+
+
+class Counter:
+    """Counts jobs in study order, remembering which extractions an earlier job of the plan already paid for."""
+
+    def __init__(self, constants: DictConfig):
+        self.k = constants
+        self.seen: set[tuple] = set()
+
+    def shape(self, entry: Any, w: Work) -> Shape | None:
+        s, why = shape_of(entry)
+        if s is None:
+            w.missing.append(why)
+        elif s.model_type.startswith("mamba"):
+            w.slow = max(w.slow, float(self.k.mamba_cpu_slowdown))
+        return s
+
+    def tokens(self, data: Any, lang: str, n: int | None = None) -> tuple[int, float]:
+        """(sentences, tokens) of the first ``n`` sentences of one side of the data (all when None)."""
+        from mergescope import data as data_mod
+
+        try:
+            sents = data_mod.load_side(data, str(lang)).sentences
+        except MergescopeError:
+            return 0, 0.0
+        sents = sents[:n] if n else sents
+        return len(sents), sum(len(x.encode("utf-8")) for x in sents) / float(self.k.bytes_per_token)
+
+    def extraction(self, cfg: DictConfig, entry: Any, s: Shape | None, w: Work, data: Any = None, key: tuple = ()) -> None:
+        """A representation of one model on one side of the data: charged once per plan."""
+        data = cfg.data if data is None else data
+        ident = (str(entry.get("name_or_path")), str(entry.get("revision")), str(data.get("name")), str(data.get("split")),
+                 data.get("max_sentences"), *key)
+        if ident in self.seen or s is None:
+            return
+        self.seen.add(ident)
+        _, tok = self.tokens(data, entry.lang, data.get("max_sentences"))
+        w.add_load(s)
+        w.add_forward(s, tok, logits=False)
+
+
+def _native_nll(cfg: DictConfig) -> int | None:
+    n = cfg.get("native", {}).get("nll_sentences")
+    return int(n) if n else None
+
+
+def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
+    s = c.shape(cfg.model, w)
+    if s:
+        t = cfg.train
+        w.add_forward(s, float(t.steps) * float(t.batch_size) * float(t.seq_len), logits=True, passes=3.0)
+        w.held = [s]
+
+
+def _w_quality(c: Counter, cfg: DictConfig, w: Work) -> None:
+    s = c.shape(cfg.model, w)
+    if s:
+        w.add_load(s)
+        w.add_forward(s, c.tokens(cfg.data, cfg.model.lang, cfg.data.get("max_sentences"))[1], logits=True)
+        w.held = [s]
+
+
+def _w_measure(c: Counter, cfg: DictConfig, w: Work) -> None:
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    key = (str(cfg.represent.pooling), str(cfg.represent.layer))
+    c.extraction(cfg, cfg.pair.a, sa, w, key=key)
+    c.extraction(cfg, cfg.pair.b, sb, w, key=key)
+    w.held = [s for s in (sa, sb) if s][:1]  # one model at a time
+
+
+def _w_none(c: Counter, cfg: DictConfig, w: Work) -> None:
+    """Reads tables and cached results only."""
+
+
+def _w_native(c: Counter, cfg: DictConfig, w: Work) -> None:
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    if not (sa and sb):
+        return
+    n = _native_nll(cfg)
+    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
+    nat = cfg.native
+    merges = len(nat.get("merges") or []) * len(nat.get("mix") or [0.5]) * max(1, int(nat.get("merge_seeds") or 1))
+    for s in (sa, sb, sa):  # host, donor, base streamed
+        w.add_load(s)
+    w.add_forward(sa, tok, logits=True, passes=float(nat.get("lmc_points") or 0) + merges + 2)
+    w.held = [sa]
+
+
+def _w_merge(c: Counter, cfg: DictConfig, w: Work) -> None:
+    entries = list(cfg.merge.get("models") or []) if cfg.get("merge") is not None and cfg.merge.get("models") else []
+    if entries:
+        from mergescope.native.multi import model_entry
+
+        entries = [model_entry(cfg, m, f"merge.models[{i}]") for i, m in enumerate(entries)]
+    else:
+        entries = [cfg.pair.a, cfg.pair.b]
+    shapes = [c.shape(e, w) for e in entries]
+    if not all(shapes):
+        return
+    for s in shapes:
+        w.add_load(s)
+    w.add_forward(shapes[0], c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1], logits=True)
+    w.held = [shapes[0]]
+
+
+def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int) -> None:
+    """Both models loaded and probed, the layer-cost pass (two subsampled neuron plans per layer pair, their cost
+    matrices) and the fusion's plans (per target layer and kept donor layer: the hidden units' plan and four
+    residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration."""
+    for s in (st, sd):
+        w.add_load(s)
+        w.add_forward(s, probes * float(k.probe_tokens_per_sentence), logits=False)
+    kk = min(subsample, st.ffn) * min(subsample, sd.ffn)
+    pairs = float(st.layers * sd.layers)
+    w.ot_bytes += 2 * pairs * 2 * 8.0 * kk
+    w.flops += 2 * pairs * 2 * probes * kk  # the layer pass's cost matrices (Pearson: one matmul each)
+    kept = float(st.layers * min(topk, sd.layers))
+    w.ot_bytes += kept * 2 * 8.0 * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
+    w.flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
+
+
+def _w_transport(c: Counter, cfg: DictConfig, w: Work) -> None:
+    from mergescope.transport.job import sides
+
+    t_entry, d_entry = sides(cfg)
+    st, sd = c.shape(t_entry, w), c.shape(d_entry, w)
+    if not (st and sd):
+        return
+    m = cfg.merge
+    transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
+    _, tok = c.tokens(cfg.data, t_entry.lang, None)
+    alphas = len(m.get("alphas") or [])
+    w.add_forward(st, tok, logits=True, passes=1 + 2 * alphas)  # baseline, OT and control at every alpha
+    ad = m.get("adapt") or {}
+    if ad.get("enabled"):
+        w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)
+        w.add_forward(st, tok, logits=True, passes=2)
+    w.held = [st]  # the donor is probed and freed before the target loads; fused from its files
+
+
+def _w_shared(c: Counter, cfg: DictConfig, w: Work) -> None:
+    from mergescope.shared_space.reprs import model_entries
+    from mergescope.shared_space.settings import SharedSettings
+
+    sh = cfg.shared
+    for e in model_entries(cfg, SharedSettings.from_cfg(cfg)):
+        s = c.shape(e, w)
+        for pooling in {str(sh.pooling), *[str(p) for p in sh.get("poolings") or []]}:
+            c.extraction(cfg, e, s, w, key=("shared", pooling))
+        if s:
+            w.held = [s]
+
+
+def _w_adapt(c: Counter, cfg: DictConfig, w: Work) -> None:
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    if not (sa and sb):
+        return
+    big = max(sa, sb, key=lambda s: s.params)
+    ad = cfg.adaptation
+    n = int(ad.get("nll_sentences") or 200)
+    for s in (sa, sb):
+        w.add_load(s)
+    langs = 2
+    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
+    grid = len(ad.get("union_grid") or ad.get("intersection_grid") or [1])
+    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2))  # val and test, every grid point, the ends
+    w.held = [sa, sb]
+
+
+def _w_expansion(c: Counter, cfg: DictConfig, w: Work) -> None:
+    s = c.shape(cfg.model, w)
+    if s:
+        w.add_load(s)
+        tok = float(cfg.expansion.sentences) * c.k.probe_tokens_per_sentence
+        w.add_forward(s, tok, logits=True, passes=2 * 4.0 * 2)  # float64 (2x), the model and its wider and back copies
+        w.held = [s, s, s]
+
+
+WORK: dict[str, Callable[[Counter, DictConfig, Work], None]] = {
+    "train": _w_train, "quality": _w_quality, "measure": _w_measure, "typology": _w_none, "native": _w_native,
+    "merge": _w_merge, "transport": _w_transport, "shared_space": _w_shared, "agreement": _w_shared,
+    "routing": _w_shared, "adapt": _w_adapt, "expansion": _w_expansion,
+}
+"""Per task, its counts (a task with no entry here is estimated from its runs in the store only)."""
+
+
+def count(counter: Counter, task: str, cfg: DictConfig) -> Work | None:
+    fn = WORK.get(task)
+    if fn is None:
+        return None
+    w = Work(task)
+    fn(counter, cfg, w)
+    return w
+
+
+# ------------------------------------------------------------------------------------------------ the rates
+
+
+@functools.lru_cache(maxsize=4)
+def constants(path: str | None = None) -> DictConfig:
+    p = Path(path) if path else COSTS_FILE
+    if not p.is_file():
+        raise MergescopeError(f"{p} is missing: the plan's cost constants; restore it from git")
+    return OmegaConf.load(p)
+
+
+def point_work(p: DictConfig, k: DictConfig) -> Work:
+    """A benchmark point's counts, by the same formulas as the plan's (its models built from their ``shape``s)."""
+    from mergescope.config import load_conf
+
+    from mergescope.models import label
+
+    shapes = {}
+    for name in p.models:
+        entry = load_conf("model", str(name))
+        if entry.get("shape") is None:
+            raise MergescopeError(f"conf/costs.yaml point {p.arm}: conf/model/{name}.yaml has no shape:")
+        d = OmegaConf.to_container(entry.shape)
+        if p.get("layers"):
+            d["num_hidden_layers"] = int(p.layers)  # the benchmark's reduced depth
+        shapes[label(entry)] = _shape_from_json(json.dumps(d, sort_keys=True), label(entry))
+    w = Work(str(p.kind))
+    ss = [shapes[label(load_conf('model', str(n)))] for n in p.models]
+    tok = float(p.sentences) * float(k.bench_tokens_per_sentence)
+    if p.kind == "quality":
+        w.add_load(ss[0])
+        w.add_forward(ss[0], tok, logits=True)
+        w.held = ss[:1]
+    elif p.kind in ("native", "merge"):
+        for s in ss:
+            w.add_load(s)
+        w.add_forward(ss[0], tok, logits=True, passes=float(p.get("passes", 1)))
+        w.held = ss[:1]
+    elif p.kind == "transport":
+        transport_plans(w, ss[0], ss[1], float(p.probes), k, int(p.subsample), 3)
+        w.add_forward(ss[0], tok, logits=True, passes=float(p.get("passes", 1)))
+        w.held = ss[:1]  # the donor is probed and freed before the target loads
+    else:
+        raise MergescopeError(f"conf/costs.yaml point {p.arm}: unknown kind {p.kind}")
+    return w
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The CPU's rates, fitted (``fit``), and how well they reproduce the points they were fitted on."""
+
+    overhead_s: dict[str, float]  # per kind: per job, what the counts do not see (conf/costs.yaml, measured)
+    load_gbps: float         # float32 GB of weights loaded (read, converted, checked) per second
+    flops: float             # forward FLOP/s (measured separately)
+    matvec_gbps: float       # one Sinkhorn pass's bytes per second (measured separately)
+    sinkhorn_iters: float    # Sinkhorn iterations per plan (fitted: the transport points' OT time at that bandwidth)
+    peak_base_gib: float
+    peak_factor: dict[str, float]  # per kind: peak above the base, over the float32 bytes of the models it holds
+    residuals: list[tuple[str, float, float]] = field(default_factory=list)       # (point, measured s, fitted s)
+    peak_residuals: list[tuple[str, float, float]] = field(default_factory=list)  # (point, measured GiB, fitted GiB)
+
+
+def overhead(w: Work, r: Rates) -> float:
+    return r.overhead_s.get(w.kind, r.overhead_s["default"])
+
+
+def cpu_seconds(w: Work, r: Rates) -> float:
+    return w.slow * (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + w.flops / r.flops
+                     + w.ot_bytes * r.sinkhorn_iters / (r.matvec_gbps * 1e9))
+
+
+def held_gib(w: Work) -> float:
+    return sum(s.f32_bytes for s in w.held) / GiB
+
+
+PEAK_KIND = {"train": "quality", "measure": "quality", "shared_space": "quality", "agreement": "quality",
+             "routing": "quality", "expansion": "quality", "adapt": "quality"}
+"""The benchmark kind whose fitted peak factor a task's peak takes (one forward over the models it holds)."""
+
+
+def cpu_peak_gib(w: Work, r: Rates) -> float:
+    kind = PEAK_KIND.get(w.kind, w.kind)
+    return r.peak_base_gib + held_gib(w) * r.peak_factor.get(kind, max(r.peak_factor.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def fit(path: str | None = None) -> Rates:
+    """The CPU rates: non-negative least squares on the measured points of ``conf/costs.yaml`` for the load rate and
+    the Sinkhorn iteration count (the forward FLOP rate, the pass bandwidth and the per-job overheads are measured
+    separately); the peak factor per kind is the median over its points."""
+    from scipy.optimize import nnls
+
+    k = constants(path)
+    cpu = k.cpu
+    flops, bw = float(cpu.forward_gflops) * 1e9, float(cpu.matvec_gbps) * 1e9
+    over = {str(a): float(b) for a, b in cpu.overhead_s.items()}
+    pts = list(cpu.points)
+    works = [point_work(p, k) for p in pts]
+    y = np.array([float(p.wall_s) - w.flops / flops - over.get(w.kind, over["default"]) for p, w in zip(pts, works)])
+    A = np.array([[w.load_bytes / 1e9, w.ot_bytes / bw] for w in works])
+    (s_per_gb, iters), _ = nnls(A, y)
+    base = float(cpu.peak_base_gib)
+    factors: dict[str, list[float]] = {}
+    for p, w in zip(pts, works):
+        factors.setdefault(w.kind, []).append((float(p.peak_gib) - base) / held_gib(w))
+    r = Rates(over, 1.0 / s_per_gb if s_per_gb > 0 else math.inf, flops, bw / 1e9, float(iters), base,
+              {kind: float(np.median(v)) for kind, v in factors.items()})
+    return Rates(**{**r.__dict__,
+                    "residuals": [(str(p.arm), float(p.wall_s), cpu_seconds(w, r)) for p, w in zip(pts, works)],
+                    "peak_residuals": [(str(p.arm), float(p.peak_gib), cpu_peak_gib(w, r)) for p, w in zip(pts, works)]})
+
+
+def gpu_seconds(w: Work, r: Rates, g: DictConfig) -> float:
+    """The same load as on the CPU (the host reads and converts the files), the weights over the host link, FLOPs and
+    the Sinkhorn passes at the GPU's stated peaks times its stated efficiency, and the same per-job overhead."""
+    eff = float(g.efficiency)
+    return (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + w.load_bytes / (float(g.host_link_gbps) * 1e9)
+            + w.flops / (float(g.fp32_tflops) * 1e12 * eff) + w.ot_bytes * r.sinkhorn_iters / (float(g.memory_tbps) * 1e12 * eff))
+
+
+def gpu_peak_gib(w: Work) -> float:
+    """The models the job holds at once (float32) plus 20% for activations and the allocator."""
+    return 1.2 * held_gib(w)

@@ -1,0 +1,153 @@
+"""plan=true's cost counts (mergescope.costs): exact parameter and FLOP counts against independent ones, an
+extraction charged once per plan, the fit against an independent least squares, the GPU formula."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mergescope import costs
+
+
+def _entry(tied: bool, **over) -> OmegaConf:
+    zoo = {"family": "llama", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 80, "max_position_embeddings": 64, "tie_word_embeddings": tied,
+           **over}
+    return OmegaConf.create({"name": f"t{int(tied)}", "name_or_path": "/nonexistent/model", "revision": None,
+                             "lang": "eng_Latn", "zoo": zoo})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shape_counts_the_parameters_of_the_built_model(tied):
+    from mergescope.zoo.build import build_model
+
+    e = _entry(tied)
+    s, src = costs.shape_of(e)
+    m = build_model(OmegaConf.to_container(e.zoo), 300, seed=0)
+    assert src == "zoo config" and s.tied is tied
+    assert s.params == sum(p.numel() for p in m.parameters())
+    assert s.embed == s.head == 300 * 32
+    # the matmul body: every Linear's weight (and bias) before the head
+    lin = sum(p.numel() for n, p in m.named_parameters() if n.startswith("model.layers.") and p.ndim == 2)
+    assert s.body == lin
+
+
+def test_forward_flops_equal_the_matmul_flops_torch_counts():
+    """2 x body x tokens + 2 x head x tokens is exactly what torch's FLOP counter sees in the linear layers
+    (attention's score matmuls are the term the counts leave out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mergescope.zoo.build import build_model
+
+    e = _entry(False)
+    s, _ = costs.shape_of(e)
+    m = build_model(OmegaConf.to_container(e.zoo), 300, seed=0).eval()
+    m.config._attn_implementation = "eager"
+    ids = torch.randint(0, 300, (3, 7))
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        m(input_ids=ids)
+    by_op = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    linear = sum(v for k, v in by_op.items() if k in ("aten.mm", "aten.addmm"))
+    w = costs.Work("quality")
+    w.add_forward(s, tokens=21, logits=True)
+    assert w.flops == linear
+    w2 = costs.Work("quality")
+    w2.add_forward(s, tokens=21, logits=False)
+    assert w.flops - w2.flops == 2 * 21 * 300 * 32
+
+
+def test_an_extraction_is_charged_once_per_plan(tmp_path):
+    k = costs.constants()
+    c = costs.Counter(k)
+    data = OmegaConf.create({"name": "flores200", "source": "local", "root": str(tmp_path), "split": "devtest",
+                             "max_sentences": None})
+    (tmp_path / "devtest").mkdir()
+    (tmp_path / "devtest" / "eng_Latn.devtest").write_text("abcd" * 10 + "\n" + "ab" * 10 + "\n")
+    cfg = OmegaConf.create({"data": data})
+    e = _entry(False)
+    s, _ = costs.shape_of(e)
+    assert c.tokens(data, "eng_Latn") == (2, 60 / k.bytes_per_token)
+    w1, w2, w3 = costs.Work("measure"), costs.Work("measure"), costs.Work("measure")
+    c.extraction(cfg, e, s, w1, key=("mean",))
+    c.extraction(cfg, e, s, w2, key=("mean",))       # the same extraction: read from the cache
+    c.extraction(cfg, e, s, w3, key=("last",))       # another pooling: its own
+    assert w1.flops == 2 * s.body * 60 / k.bytes_per_token and w1.load_bytes == 4 * s.params
+    assert (w2.flops, w2.load_bytes) == (0.0, 0.0)
+    assert (w3.flops, w3.load_bytes) == (w1.flops, w1.load_bytes)
+
+
+def test_the_fit_is_the_least_squares_solution_and_reproduces_its_points():
+    r = costs.fit()
+    k = costs.constants()
+    works = [costs.point_work(p, k) for p in k.cpu.points]
+    bw = float(k.cpu.matvec_gbps) * 1e9
+    y = np.array([float(p.wall_s) - w.flops / r.flops - costs.overhead(w, r) for p, w in zip(k.cpu.points, works)])
+    A = np.array([[w.load_bytes / 1e9, w.ot_bytes / bw] for w in works])
+    (s_per_gb, iters), *_ = np.linalg.lstsq(A, y, rcond=None)  # unconstrained: the same where both are positive
+    assert r.load_gbps == pytest.approx(1 / s_per_gb, rel=1e-9) and r.sinkhorn_iters == pytest.approx(iters, rel=1e-9)
+    assert 100 < r.sinkhorn_iters < 20000  # a plausible iteration count (max_iter is 20000)
+    for arm, measured, fitted in r.residuals:
+        assert abs(fitted / measured - 1) < 0.45, arm
+    for arm, measured, fitted in r.peak_residuals:
+        assert abs(fitted / measured - 1) < 0.05, arm
+    # the transport points: both models' layers grow, the OT time with their product
+    t2, t4 = (w for w in works if w.kind == "transport")
+    assert t4.ot_bytes > 3 * t2.ot_bytes
+
+
+def test_gpu_and_cpu_seconds_follow_their_formulas():
+    r = costs.fit()
+    g = OmegaConf.create({"fp32_tflops": 10.0, "memory_tbps": 2.0, "host_link_gbps": 20.0, "efficiency": 0.5})
+    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9)
+    over = r.overhead_s["quality"]
+    assert costs.gpu_seconds(w, r, g) == pytest.approx(
+        over + 4e9 / (r.load_gbps * 1e9) + 4e9 / 20e9 + 1e13 / 5e12 + 1e9 * r.sinkhorn_iters / 1e12)
+    assert costs.cpu_seconds(w, r) == pytest.approx(
+        over + 4e9 / (r.load_gbps * 1e9) + 1e13 / r.flops + 1e9 * r.sinkhorn_iters / (r.matvec_gbps * 1e9))
+    w.slow = 18.0
+    assert costs.cpu_seconds(w, r) == pytest.approx(18.0 * costs.cpu_seconds(costs.Work("quality", 1e13, 4e9, 1e9), r))
+
+
+def test_a_hub_model_not_downloaded_is_counted_from_its_conf_shape():
+    from mergescope.config import load_conf
+
+    e = load_conf("model", "bielik-1.5b-v3")
+    s, src = costs.shape_of(e)
+    assert src == "conf shape" and s.tied and s.layers == 32 and (s.hidden, s.ffn) == (1536, 8960)
+    # Qwen2.5-1.5B's geometry without its q/k/v biases: 1.54B parameters with the tied 32000 x 1536 embedding
+    layer = 2 * 1536 * 1536 + 2 * 1536 * 256 + 3 * 1536 * 8960 + 2 * 1536
+    assert s.params == 32 * layer + 32000 * 1536 + 1536
+    assert json.loads(json.dumps(s.__dict__))["params"] == s.params
+
+
+def test_the_crossarch_plan_counts_each_models_extraction_once_and_sums_its_jobs(compose_cfg):
+    """study=crossarch_1b with no weights on disk: every job is to run (its check says why), counted from the conf
+    shapes; the measure phase charges each model's extraction once across its 50 jobs, and the phase's estimate is
+    the sum of its jobs' counted seconds."""
+    import mergescope.study as study_mod
+    from mergescope.config import load_conf
+
+    cfg, overrides = compose_cfg(["study=crossarch_1b"])
+    plan = study_mod.Plan(overrides)
+    rows = {r["phase"]: r for r in study_mod.plan_rows(plan, cfg)}
+    r, k = costs.fit(), costs.constants()
+    q, m = rows["quality"], rows["measure"]
+    assert (q["jobs"], q["todo"], m["jobs"], m["todo"]) == (5, 5, 50, 50)
+    assert any("not in the local cache" in why for why in q["unknown"])
+    c = costs.Counter(k)
+    want_m = 50 * r.overhead_s["measure"]
+    want_q = 0.0
+    for name in cfg.models:
+        e = OmegaConf.merge(load_conf("model", name), {"name_or_path": f"nobody/{name}"})
+        s, src = costs.shape_of(e)
+        assert src == "conf shape"
+        _, tok = c.tokens(cfg.data, e.lang)
+        want_m += (4 * s.params / (r.load_gbps * 1e9) + 2 * s.body * tok / r.flops)
+        want_q += r.overhead_s["quality"] + 4 * s.params / (r.load_gbps * 1e9) + 2 * (s.body + s.head) * tok / r.flops
+    assert m["cpu_s"] == pytest.approx(want_m, rel=1e-9)
+    assert q["cpu_s"] == pytest.approx(want_q, rel=1e-9)
+    assert 0 < q["gpu_s"] < q["cpu_s"] and rows["transport"]["cpu_s"] > 10 * rows["transport"]["gpu_s"]
