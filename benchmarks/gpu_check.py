@@ -88,7 +88,37 @@ def check_ot(rng) -> list[tuple[str, float]]:
     C = torch.from_numpy(rng.uniform(0, 2, (96, 80)))
     q_cpu, _ = ot.solve(C, 0.05)
     q_gpu, _ = ot.solve(C.to(DEV), 0.05)
-    return [("entropic OT plan (96x80, eps 0.05)", _rel(q_gpu.cpu(), q_cpu))]
+    out = [("entropic OT plan (96x80, eps 0.05)", _rel(q_gpu.cpu(), q_cpu))]
+    # the layer pass's batched Sinkhorn (the GPU default of transport.fusion.align_layers) against POT on the CPU
+    X = torch.from_numpy(rng.normal(size=(128, 64)))
+    Cs = torch.stack([ot.pearson_cost(X, torch.from_numpy(rng.normal(size=(128, 48))) + s * X[:, :48]) for s in (0.2, 1.0, 4.0)])
+    plans, _ = ot.sinkhorn_batched(Cs.to(DEV), 0.01)
+    ref = [ot.solve(c, 0.01)[0] for c in Cs]
+    out.append(("batched Sinkhorn, 3 plans (64x48, eps 0.01)", max(_rel(p.cpu(), r) for p, r in zip(plans, ref))))
+    return out
+
+
+def layer_pass_timing(layers: int = 8, width: int = 2048, probes: int = 512) -> list[tuple[str, str]]:
+    """The transport layer pass at a 1B model's FFN width (the layer_subsample default, 2048) on random probes:
+    ``layers`` x ``layers`` layer pairs, batched on the GPU against per problem (POT) on the GPU, wall time each."""
+    from mergescope.transport import fusion as fus
+    from mergescope.transport.settings import TransportSettings
+
+    g = torch.Generator().manual_seed(0)
+    pooled = lambda: {k: [torch.randn(probes, width, generator=g, dtype=torch.float64).to(DEV) for _ in range(layers)]  # noqa: E731
+                      for k in ("mlp_pre", "mlp_post")}
+    tp = fus.Probe(pooled(), {}, layers, 0)
+    dp = fus.Probe(pooled(), {}, layers, 0)
+    s = TransportSettings.defaults()
+    rows = []
+    sync = torch.cuda.synchronize if str(DEV).startswith("cuda") else (lambda: None)
+    for batched in (True, False):
+        sync()
+        t0 = time.perf_counter()
+        fus.align_layers(tp, dp, s, progress=False, batched=batched)
+        sync()
+        rows.append((f"{'batched' if batched else 'per problem'}", f"{time.perf_counter() - t0:.1f} s"))
+    return rows
 
 
 def throughput(n_sentences: int = 256) -> list[tuple[str, str]]:
@@ -133,6 +163,8 @@ def main(argv=None) -> int:
     if not args.quick:
         for n, v in throughput():
             print(f"  representation arm forward, {n:16s} {v}")
+        for n, v in layer_pass_timing():
+            print(f"  transport layer pass, 8 x 8 layer pairs at width 2048, {n:12s} {v}")
     print("gpu-check: " + ("every check agrees to 1e-6" if not bad else f"{len(bad)} check(s) differ by more than 1e-6"))
     return 1 if bad else 0
 

@@ -413,6 +413,44 @@ def test_layer_alignment_recovers_a_shuffled_layer_order_and_p_eff_is_both_plans
     # the check has teeth: P_eff from one plan alone, or with the weakest layers kept, is measurably different
     assert np.abs(cut(plans["mlp_pre"]) - ref).max() > 1e-3
     assert np.abs(cut(-plans["mlp_pre"] - plans["mlp_post"] + 1) - ref).max() > 1e-1
+    # the batched layer pass (a GPU's default), a budget of three cost matrices per batch: the same costs and P_eff
+    fus_budget = fus._layer_costs_batched.__defaults__
+    try:
+        fus._layer_costs_batched.__defaults__ = (3 * d_t * d_d * 8,)
+        batched = fus.align_layers(tp, dp, s, progress=False, batched=True)
+    finally:
+        fus._layer_costs_batched.__defaults__ = fus_budget
+    for a_, b_ in ((batched.cost_pre, align.cost_pre), (batched.cost_post, align.cost_post), (batched.kept, align.kept)):
+        np.testing.assert_allclose(a_, b_, rtol=1e-12, atol=0)
+    assert [i.n_iter for i in batched.infos] == [i.n_iter for i in align.infos]
+
+
+@pytest.mark.parametrize("n,m,eps", [(40, 30, 0.05), (64, 64, 0.01), (50, 70, 0.003)])
+def test_batched_sinkhorn_is_pots_sinkhorn_step_for_step(n, m, eps):
+    """ot.sinkhorn_batched on a stack of problems: each one's iteration count and plan are POT's plain Sinkhorn's
+    on it alone (to rounding), in chunks smaller than the stack; a problem that stops on a numerical error is None."""
+    import math
+    import warnings
+
+    import ot as pot
+
+    g = torch.Generator().manual_seed(n + m)
+    X = torch.randn(120, n, generator=g, dtype=torch.float64)
+    C = torch.stack([tot.pearson_cost(X, torch.randn(120, m, generator=g, dtype=torch.float64) + s * X[:, torch.arange(m) % n])
+                     for s in (0.0, 0.3, 1.0, 3.0, 10.0)])
+    plans, iters = tot.sinkhorn_batched(C, eps, 20000, 1e-5, budget_bytes=2 * 2 * 8 * n * m)  # two problems a chunk
+    for Ci, Q, it in zip(C, plans, iters):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref, log = pot.sinkhorn(np.full(n, 1 / n), np.full(m, 1 / m), Ci.numpy(), eps, numItermax=20000,
+                                    stopThr=1e-5 / math.sqrt(max(n, m)), log=True, warn=False)
+        assert it == log["niter"]
+        assert Q is not None and torch.allclose(Q, torch.from_numpy(ref), rtol=1e-11, atol=1e-300)
+    # underflow: every entry of a row of the kernel is 0 at this epsilon, the step stops there, and the plan is None
+    bad = torch.ones(1, 4, 4, dtype=torch.float64)
+    bad[0, 0] = 50.0
+    plans, _ = tot.sinkhorn_batched(bad, 1e-3)
+    assert plans == [None]
 
 
 class _BosTokenizer:

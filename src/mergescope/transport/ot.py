@@ -58,7 +58,8 @@ def marginal_error(Q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:
     return float(max((Q.sum(1) - a).abs().sum(), (Q.sum(0) - b).abs().sum()))
 
 
-def _valid(Q: torch.Tensor | None, a, b, tol: float) -> tuple[bool, float]:
+def plan_checks(Q: torch.Tensor | None, a, b, tol: float) -> tuple[bool, float]:
+    """(accepted, marginal error): finite, non-negative, both marginals within ``tol`` (L1)."""
     if Q is None or not bool(torch.isfinite(Q).all()) or bool((Q < 0).any()):
         return False, math.inf
     err = marginal_error(Q, a, b)
@@ -91,7 +92,7 @@ def _attempt(method: str, C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps
             return None, {"niter": -1, "error": type(exc).__name__}, math.inf
     Q = torch.from_numpy(np.asarray(Q)) if use_numpy else Q
     log = {"niter": log.get("niter") if log.get("niter") is not None else log.get("n_iter", -1)}
-    return Q, log, _valid(Q, a, b, tol)[1]
+    return Q, log, plan_checks(Q, a, b, tol)[1]
 
 
 def solve(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-5,
@@ -158,3 +159,62 @@ def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) ->
         out["cost_opt"] = opt
         out["cost_ratio"] = out["cost"] / opt if opt > 0 else math.nan
     return out
+
+
+def sinkhorn_batched(C: torch.Tensor, epsilon: float, max_iter: int = 20000, tol: float = 1e-5,
+                     budget_bytes: int = 1 << 28) -> tuple[list[torch.Tensor | None], list[int]]:
+    """Plain Sinkhorn on a stack of equal-shape problems ``C`` (B, n, m) with uniform marginals, in batched matrix
+    products on C's device: POT's ``sinkhorn_knopp`` step for step (the same start, updates, numerical-error stop
+    and marginal check every 10th iteration at ``tol / sqrt(max(n, m))``), each problem stopping on its own.
+    Returns per problem its plan, or None where the step stopped on a numerical error (the caller then solves it
+    by :func:`solve`'s chain), and its iteration count. Problems are taken ``budget_bytes`` of kernels at a time
+    (two float64 n x m kernels each). Accepting a plan is the caller's check (:func:`solve`'s)."""
+    B, n, m = C.shape
+    per = max(1, int(budget_bytes // (2 * 8 * n * m)))
+    plans: list[torch.Tensor | None] = []
+    iters: list[int] = []
+    for s in range(0, B, per):
+        p, it = _sinkhorn_chunk(C[s:s + per].to(torch.float64), float(epsilon), int(max_iter), tol)
+        plans += p
+        iters += it
+    return plans, iters
+
+
+def _sinkhorn_chunk(C: torch.Tensor, epsilon: float, max_iter: int, tol: float) -> tuple[list, list[int]]:
+    B, n, m = C.shape
+    a, b = 1.0 / n, 1.0 / m
+    stop = tol / math.sqrt(max(n, m))
+    K = torch.exp(C / -epsilon)
+    Kp = (1.0 / torch.full((n, 1), a, dtype=C.dtype, device=C.device)) * K  # as POT: (1 / a).reshape(-1, 1) * K
+    u = torch.ones(B, n, dtype=C.dtype, device=C.device) / n
+    v = torch.ones(B, m, dtype=C.dtype, device=C.device) / m
+    bvec = torch.full((m,), b, dtype=C.dtype, device=C.device)
+    live = torch.arange(B, device=C.device)      # problems still iterating, in order
+    out_u, out_v = u.clone(), v.clone()
+    niter = [max_iter - 1] * B
+    broken = [False] * B
+    Kl, Kpl, ul, vl = K, Kp, u, v
+    for ii in range(max_iter):
+        ktu = torch.bmm(Kl.transpose(1, 2), ul.unsqueeze(2)).squeeze(2)
+        vn = bvec / ktu
+        un = 1.0 / torch.bmm(Kpl, vn.unsqueeze(2)).squeeze(2)
+        bad = (ktu == 0).any(1) | ~torch.isfinite(un).all(1) | ~torch.isfinite(vn).all(1)
+        done = bad.clone()
+        ul = torch.where(bad.unsqueeze(1), ul, un)  # a numerical error: back to the previous iterate, and stop
+        vl = torch.where(bad.unsqueeze(1), vl, vn)
+        if ii % 10 == 0:
+            marg = torch.einsum("bi,bij,bj->bj", ul, Kl, vl)
+            err = torch.linalg.vector_norm(marg - bvec, dim=1)
+            done |= err < stop
+        if bool(done.any()):
+            for j in done.nonzero().flatten().tolist():
+                g = int(live[j])
+                out_u[g], out_v[g], niter[g], broken[g] = ul[j], vl[j], ii, bool(bad[j])
+            keep = ~done
+            live, Kl, Kpl, ul, vl = live[keep], Kl[keep], Kpl[keep], ul[keep], vl[keep]
+            if live.numel() == 0:
+                break
+    for j, g in enumerate(live.tolist()):  # ran out of iterations: the last iterate (the caller's check refuses it)
+        out_u[g], out_v[g] = ul[j], vl[j]
+    plans = [None if broken[g] else out_u[g].reshape(-1, 1) * K[g] * out_v[g].reshape(1, -1) for g in range(B)]
+    return plans, niter

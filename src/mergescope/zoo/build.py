@@ -33,7 +33,7 @@ def unresolved_plain(obj: Any) -> Any:
     return obj
 
 
-def _config_class(family: Any):
+def config_class_of(family: Any):
     from transformers import GPTNeoXConfig, LlamaConfig, MambaConfig, MistralConfig, OlmoConfig, Qwen2Config
 
     classes = {"gpt_neox": GPTNeoXConfig, "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
@@ -57,7 +57,7 @@ def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
     arch.pop("vocab_size", None)
     for key in ("train_langs", "tokenizer", "steps"):  # text, tokenizer and steps: not architecture
         arch.pop(key, None)
-    config_class = _config_class(family)
+    config_class = config_class_of(family)
     heads, hidden = arch.get("num_attention_heads"), arch.get("hidden_size")
     if heads and hidden and hidden % heads:
         raise MergescopeError(
