@@ -3,6 +3,7 @@ a phase whose jobs are all done starts no worker process."""
 
 from __future__ import annotations
 
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -140,3 +141,34 @@ def test_the_experiment_id_is_asked_of_the_store_once_per_process(compose_cfg, m
     again = tracking.Tracker(cfg)
     assert again.experiment_id == eid == first.client.get_experiment_by_name("memo_check").experiment_id
     assert asked == ["memo_check"]  # only the line above asked; the second Tracker did not
+
+
+def test_a_studys_done_checks_read_one_index_of_the_finished_runs(compose_cfg, monkeypatch):
+    """Inside ``finished_index`` a FINISHED run's hash is answered with no search (one search built the index: the
+    latest run of each hash); a hash not in it is searched; a run opened in this process drops its hash (so the new
+    run is found); outside, every look-up searches as before."""
+    from mergescope import tracking
+
+    cfg, _ = compose_cfg(["tracking.experiment=index_check"])
+    tr = tracking.Tracker(cfg)
+    ids = {}
+    for h in ("aaa", "aaa", "bbb"):
+        with tr.start(cfg, f"job {h}", {"cfg_hash": h}) as job:
+            ids.setdefault(h, []).append(job.run_id)
+        time.sleep(0.005)  # distinct start times (ms): "the latest" is defined
+    with tr.start(cfg, "failed", {"cfg_hash": "ccc"}):
+        pass
+    tr.client.set_terminated(tr.find_finished("ccc").info.run_id, status="FAILED")
+    searches = []
+    real = type(tr.client).search_runs
+    monkeypatch.setattr(type(tr.client), "search_runs", lambda c, *a, **k: searches.append(k.get("filter_string")) or real(c, *a, **k))
+    with tr.finished_index() as n:
+        assert n == 2 and len(searches) == 1
+        assert tr.find_finished("aaa").info.run_id == ids["aaa"][-1]  # the latest of the hash
+        assert tr.find_finished("bbb").info.run_id == ids["bbb"][0]
+        assert len(searches) == 1
+        assert tr.find_finished("ccc") is None and len(searches) == 2  # not FINISHED: not indexed, searched
+        with tr.start(cfg, "job bbb again", {"cfg_hash": "bbb"}) as job:
+            new = job.run_id
+        assert tr.find_finished("bbb").info.run_id == new and len(searches) == 3
+    assert tr.find_finished("aaa").info.run_id == ids["aaa"][-1] and len(searches) == 4

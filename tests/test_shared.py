@@ -190,13 +190,15 @@ def test_pca_reduce_pads_beyond_the_rank_and_pooled_p1_is_at_chance_for_noise():
     assert pooled_p1(q, q, 32) == 1.0
 
 
-def test_gram_side_pca_equals_the_svd():
-    """n < d: the top components from the n x n Gram matrix are the SVD's (values to 1e-9 relative, vectors up to
-    sign), and the reduction gives the same reduced rows up to each column's sign; a planted rank is kept exactly."""
+@pytest.mark.parametrize("n,d", [(120, 400), (400, 120)])
+def test_gram_side_pca_equals_the_svd(n, d):
+    """The top components from the smaller Gram matrix (n x n where n < d, d x d otherwise) are the SVD's (values to
+    1e-9 relative, vectors up to sign), and the reduction gives the same reduced rows up to each column's sign; a
+    planted rank is kept exactly."""
     from mergescope.shared_space.gpa import pca_reduce, top_components
 
     rng = np.random.default_rng(3)
-    n, d, dim = 120, 400, 30
+    dim = 30
     x = rng.standard_normal((n, 20)) * np.linspace(5, 0.5, 20) @ rng.standard_normal((20, d)) + 0.01 * rng.standard_normal((n, d))
     xc = x - x.mean(0)
     s, vt = top_components(xc, dim)
