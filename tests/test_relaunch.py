@@ -3,6 +3,7 @@ a phase whose jobs are all done starts no worker process."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -16,6 +17,7 @@ def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path)
 
     compose_cfg([])  # initialises Hydra on conf/
     study._COMPOSE_CACHE[:] = [tmp_path / "compose"]
+    study._TEMPLATE.clear()  # the first cached read is the template the later ones are copied from
     try:
         for ov in (["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"],
                    ["task=adapt", "adapt=truncate", "adapt.untied_into_tied=true", "study=toy"],
@@ -28,8 +30,19 @@ def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path)
             assert OmegaConf.is_struct(again)
             with pytest.raises(Exception):
                 again.no_such_key  # noqa: B018  struct mode: a typo is an error, as in Hydra's config
+        assert len(study._TEMPLATE) == 1
+        mutated = study.composed(["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"])
+        mutated.pair.a.name = "changed"  # a job editing its config leaves the template and the next job's alone
+        mutated.metric.name = "changed"
+        again = study.composed(["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=cka", "study=toy"])
+        fresh = compose(config_name="config", overrides=["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=cka", "study=toy"])
+        assert OmegaConf.to_yaml(again) == OmegaConf.to_yaml(fresh)
+        # a section equal under == but not in type (1 against 1.0) is replaced, not kept from the template
+        as_float = study._from_template({**json.loads(json.dumps(OmegaConf.to_container(study._TEMPLATE[0][0]))),
+                                         "seed": 0.0})
+        assert isinstance(as_float.seed, float) and as_float.seed == 0.0
         entries = list((tmp_path / "compose").glob("*.json"))
-        assert len(entries) == 3
+        assert len(entries) == 4
         entries[0].write_bytes(b"garbage")  # a bad entry is recomputed, never used
         for ov in (["task=measure", "pair=zoo-neox-en__zoo-llama-pt", "metric=retrieval", "study=toy"],):
             assert OmegaConf.to_yaml(study.composed(ov)) == OmegaConf.to_yaml(compose(config_name="config", overrides=ov))
@@ -172,3 +185,44 @@ def test_a_studys_done_checks_read_one_index_of_the_finished_runs(compose_cfg, m
             new = job.run_id
         assert tr.find_finished("bbb").info.run_id == new and len(searches) == 3
     assert tr.find_finished("aaa").info.run_id == ids["aaa"][-1] and len(searches) == 4
+
+
+def test_a_reused_runs_nested_check_is_answered_from_its_recorded_children(compose_cfg, monkeypatch):
+    """A reused job with nested runs (the native job's merges): its first reuse runs the nested check and leaves the
+    children's hashes on its run; inside a study's index the next reuse records the same children without the check;
+    a child missing from the index, or another conf/ digest, runs the check again."""
+    from mergescope import runs, tracking
+
+    cfg, _ = compose_cfg(["tracking.experiment=children_check"])
+    tr = tracking.Tracker(cfg)
+    calls = []
+
+    def child(name):
+        return runs.run_once(cfg, runs.JobSpec(f"child {name}", {"kind": "child"}, cfg_hash=f"child-{name}"), lambda job: {"v": 1.0})
+
+    def nested():
+        calls.append(1)
+        return [child("x"), child("y")]
+
+    spec = runs.JobSpec("parent", {"kind": "parent"}, cfg_hash="parent-1", nested=nested)
+    runs.run_once(cfg, spec, lambda job: {"p": 2.0})  # runs the parent (nested is for reuse only)
+    nested()  # the children exist
+    calls.clear()
+
+    def reuse():
+        with tr.finished_index(), runs.recording() as ledger:
+            r = runs.run_once(cfg, spec, lambda job: {"p": 2.0})
+        return r, sorted((x.cfg_hash, x.run_id) for x in ledger)
+
+    r1, led1 = reuse()
+    assert r1.skipped and calls == [1]  # no children recorded yet: the check ran, and left them
+    assert tr.client.get_run(r1.run_id).data.tags[runs.CHILDREN_TAG]
+    r2, led2 = reuse()
+    assert calls == [1] and led2 == led1  # answered from the tag: the same runs in the study's list
+    assert {h for h, _ in led2} == {"parent-1", "child-x", "child-y"}
+    tr.client.delete_run(tr.find_finished("child-y").info.run_id)
+    _, led3 = reuse()
+    assert calls == [1, 1] and {h for h, _ in led3} == {"parent-1", "child-x", "child-y"}  # re-checked: y ran again
+    monkeypatch.setattr(runs, "conf_digest", lambda: "another conf/")
+    reuse()
+    assert calls == [1, 1, 1]

@@ -748,6 +748,21 @@ def test_baseline_hash_is_one_per_target_and_covers_its_adaptation_text(tiny_mod
     assert baseline_hash(lr_changed, text) != baseline_hash(job, text)
 
 
+@pytest.mark.parametrize("extra", [[], ["save=true"], ["merge.alphas=[0.2,0.05]", "merge.headline_alpha=0.2"]])
+def test_the_alpha_hashes_are_those_of_each_alphas_own_config(tiny_models, compose_cfg, extra):
+    """The per-alpha run hashes from one plain copy equal _hash of each alpha's full config (what earlier runs were
+    stored under: a changed hash would rerun every transport run)."""
+    from mergescope.transport import job as tj
+
+    job, s = tj.check(compose_cfg(transport_job(tiny_models, extra=extra))[0])
+    reads = list(tj.sides(job))
+    saving = {"save": True} if job.get("save") else {}
+    got = tj._alpha_hashes(job, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
+    want = {a: tj._hash("transport", tj._alpha_cfg(job, a), tj.TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha,
+                        **saving) for a in s.alphas}
+    assert got == want and len(set(got.values())) == len(s.alphas)
+
+
 def test_folder_data_is_cut_into_disjoint_logged_ranges(tiny_models, compose_cfg, tmp_path):
     """data=folder: one file per language, no splits. The probes and the adaptation text must not be the
     evaluation's first lines: the file is cut into evaluation, probes, adaptation (disjoint), or refused."""

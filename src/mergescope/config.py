@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 import json
 import re
 from pathlib import Path
@@ -156,6 +157,17 @@ def register_pairs(conf_dir: Path = CONF_DIR) -> int:
 
 
 register_pairs()
+
+
+@lru_cache(maxsize=1)
+def conf_digest() -> str:
+    """SHA-256 of every file under conf/ (names and bytes): a composed config is a function of these and the overrides."""
+    h = hashlib.sha256()
+    for f in sorted(CONF_DIR.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(CONF_DIR)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def plain_copy(node: Any) -> DictConfig:

@@ -6,6 +6,7 @@ the keys that determine its numbers, its tags and a body that computes and retur
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.config import CONF_DIR, job_hash
+from mergescope.config import CONF_DIR, conf_digest, job_hash
 from mergescope.errors import MergescopeError
 from mergescope.memory import job_peak_gb, start_job_peak
 from mergescope.models import ModelRef, fingerprint, label
@@ -234,7 +235,7 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
     done = finished(cfg, tracker, h)
     if done is not None and (reuse is None or reuse()):
         if nested is not None:
-            nested()
+            _nested_reused(cfg, tracker, h, done, nested)
         return done
     would_run()
     with claim(cfg, h):  # two launches of one job: the second waits here, then finds the first's run
@@ -260,6 +261,34 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
                 if head is not None:
                     job.note_headline(head, float(values[head]))
     return _record(JobResult(job.run_id, False, values, h))
+
+
+CHILDREN_TAG = "mergescope.children"
+"""On a reused run whose job has nested runs: the cfg_hashes its nested check found (JSON, with the conf/ digest)."""
+
+
+def _nested_reused(cfg: DictConfig, tracker: Tracker, h: str, done: JobResult, nested: Callable[[], object]) -> None:
+    """A reused run's nested runs, recorded in the study's list. Inside a study's :meth:`Tracker.finished_index`, a
+    run whose earlier check left its children's hashes (``CHILDREN_TAG``, under the same conf/ digest: a preset
+    edited in conf/ changes a child's identity and not the parent's) and whose children are all FINISHED in the index
+    records those and is done (a cached relaunch's checkpoint arm rebuilt 128 merge configs and their identities
+    for this); otherwise ``nested`` checks and completes them, and the hashes it found are left on the run."""
+    run = tracker.indexed(h)
+    if run is not None:
+        try:
+            kids = json.loads(run.data.tags.get(CHILDREN_TAG) or "null")
+        except ValueError:
+            kids = None
+        if (isinstance(kids, dict) and kids.get("conf") == conf_digest() and isinstance(kids.get("hashes"), list)
+                and all(isinstance(k, str) and tracker.indexed(k) is not None for k in kids["hashes"])):
+            for k in kids["hashes"]:
+                finished(cfg, tracker, k)
+            return
+    with recording() as found:
+        nested()
+    hashes = list(dict.fromkeys(r.cfg_hash for r in found))
+    if all(r.skipped for r in found) and len(json.dumps(hashes)) < 7000:  # all there already: a stable list
+        tracker.client.set_tag(done.run_id, CHILDREN_TAG, json.dumps({"conf": conf_digest(), "hashes": hashes}))
 
 
 @contextmanager

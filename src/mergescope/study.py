@@ -15,6 +15,7 @@ Every job is composed from its own override list, and that list is what its run 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 from collections.abc import Callable
@@ -22,7 +23,6 @@ import json
 import os
 import statistics
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
-from mergescope.config import CONF_DIR, conf_options, to_plain
+from mergescope.config import conf_digest, conf_options, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.settings import CheckpointSettings
@@ -112,17 +112,6 @@ def hydra_value(v: Any) -> str:
 _COMPOSE_CACHE: list[Path] = []  # the study's compose cache folder (set by Plan from its paths.cache)
 
 
-@lru_cache(maxsize=1)
-def _conf_digest() -> str:
-    """SHA-256 of every file under conf/ (names and bytes): a composed config is a function of these and the overrides."""
-    h = hashlib.sha256()
-    for f in sorted(CONF_DIR.rglob("*")):
-        if f.is_file():
-            h.update(str(f.relative_to(CONF_DIR)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def composed(overrides: list[str]) -> DictConfig:
     """``compose(config_name="config", overrides=...)``, cached on disk by (conf/ digest, overrides, Hydra and
     OmegaConf versions): a study composes one config per job (~0.3 s each, 166 in the default study), and a cached
@@ -136,19 +125,40 @@ def composed(overrides: list[str]) -> DictConfig:
 
     if not _COMPOSE_CACHE:
         return compose(config_name="config", overrides=list(overrides))
-    key = hashlib.sha256(json.dumps([_conf_digest(), list(overrides), hydra.__version__, omegaconf.__version__]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([conf_digest(), list(overrides), hydra.__version__, omegaconf.__version__]).encode()).hexdigest()
     path = _COMPOSE_CACHE[0] / f"{key}.json"
     blob = integrity.read_entry(path)
     if blob is not None:
-        cfg = OmegaConf.create(json.loads(blob.decode("utf-8")))
-        OmegaConf.set_struct(cfg, True)
-        return cfg
+        return _from_template(json.loads(blob.decode("utf-8")))
     cfg = compose(config_name="config", overrides=list(overrides))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         integrity.write_entry(path, json.dumps(OmegaConf.to_container(cfg, resolve=False)).encode("utf-8"))
     except OSError:  # an unwritable cache only costs time
         pass
+    return cfg
+
+
+_TEMPLATE: list[tuple[DictConfig, dict]] = []  # the first cached config of this process, and its sections as JSON
+
+
+def _from_template(plain: dict) -> DictConfig:
+    """``OmegaConf.create(plain)`` in struct mode, built as a copy of the process's first cached config with only the
+    top-level sections that differ replaced (the study's job configs differ in a few of their ~20 sections: a copy
+    and those sections take about half the time of a config built node by node); the same config
+    (tests/test_relaunch.py)."""
+    text = {k: json.dumps(v, sort_keys=True) for k, v in plain.items()}  # 1, 1.0 and true differ here, not under ==
+    if not _TEMPLATE or list(_TEMPLATE[0][1]) != list(plain):
+        cfg = OmegaConf.create(plain)
+        OmegaConf.set_struct(cfg, True)
+        if not _TEMPLATE:
+            _TEMPLATE.append((copy.deepcopy(cfg), text))
+        return cfg
+    base, base_text = _TEMPLATE[0]
+    cfg = copy.deepcopy(base)
+    for k, v in plain.items():  # the same keys in the same order: struct mode allows the assignments
+        if text[k] != base_text[k]:
+            cfg[k] = v
     return cfg
 
 

@@ -177,6 +177,10 @@ class Tracker:
         finally:
             _FINISHED.pop(key, None)
 
+    def indexed(self, cfg_hash: str) -> Any | None:
+        """The run :meth:`finished_index` holds for this hash (None when no index is open or it has none)."""
+        return _FINISHED.get((self.uri, self.experiment), {}).get(cfg_hash)
+
     def find_finished(self, cfg_hash: str):
         idx = _FINISHED.get((self.uri, self.experiment))
         if idx is not None and cfg_hash in idx:

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.config import hash_parts, plain_copy
+from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
@@ -80,6 +80,19 @@ def _alpha_cfg(cfg: DictConfig, alpha: float) -> DictConfig:
         c.merge.headline_alpha = None
         c.merge.adapt = {"enabled": False}
     return c
+
+
+def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> dict[float, str]:
+    """Each alpha's ``_hash("transport", _alpha_cfg(cfg, alpha), TRANSPORT_KEYS, reads, **extra)``, from one plain
+    copy of the hashed sections (a config per alpha cost a cached relaunch 25 ms each, 60 of them); the same hashes
+    (tests/test_transport.py)."""
+    parts = {k: to_plain(OmegaConf.select(cfg, k)) for k in TRANSPORT_KEYS}
+    weights = [models.fingerprint(models.resolve(e)) for e in reads]
+    out = {}
+    for a in alphas:
+        merge = {**parts["merge"], "alphas": [float(a)], "headline_alpha": None, "adapt": {"enabled": False}}
+        out[a] = hash_parts("transport", {**parts, "merge": merge, "weights": weights, **extra})
+    return out
 
 
 def _digest(sentences: tuple[str, ...]) -> str:
@@ -243,8 +256,7 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     tracker = Tracker(cfg)
     reads = [target, donor]
     saving = {"save": True} if cfg.get("save") else {}  # save=true: each alpha's fused model written (its own runs)
-    hashes = {a: _hash("transport", _alpha_cfg(cfg, a), TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha, **saving)
-              for a in s.alphas}
+    hashes = _alpha_hashes(cfg, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
     adapt_hash = _hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
