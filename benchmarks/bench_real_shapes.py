@@ -234,20 +234,32 @@ def layer_bytes(name: str) -> int:
     return 4 * (2 * h * h + 2 * h * kv_dim + 3 * h * f + 2 * h)
 
 
-def extrapolate_transport(results: dict[str, dict], depths: list[int]) -> dict | None:
-    """Transport at full depth (target 24 layers <- donor 32) from two reduced depths (both models at L layers):
-    peak RSS linear in the layers, its slope split between target and donor layers by their float32 sizes;
-    wall time linear in L_target x L_donor (the layer-level plans are one OT per layer pair). EXTRAPOLATED."""
-    r = [results.get(f"transport@{n}") for n in depths[:2]]
-    if len(depths) < 2 or any(x is None or "error" in x for x in r):
+def extrapolate_transport(results: dict[str, dict], depths: list[int], known: dict[int, dict] | None = None) -> dict | None:
+    """Transport at full depth (target 24 layers <- donor 32) from the reduced depths measured (both models at L
+    layers; ``known``: depths measured in an earlier run, {L: {"wall_s", "peak_rss_gib"}}, stated as such): wall time
+    t = c (L_target x L_donor)^e with c and the exponent e fitted by least squares in log-log (e = 1 when the layer
+    pass, one OT per layer pair, dominates; below 1 while the per-layer work still weighs); peak RSS linear in the
+    layers (least squares), its slope split between target and donor layers by their float32 sizes. EXTRAPOLATED."""
+    import numpy as np
+
+    pts = {L: v for L, v in (known or {}).items()}
+    for n in depths:
+        r = results.get(f"transport@{n}")
+        if r is not None and "error" not in r:
+            pts[n] = r
+    if len(pts) < 2:
         return None
-    (l1, l2), (m1, m2), (t1, t2) = depths[:2], (x["peak_rss_gib"] for x in r), (x["wall_s"] for x in r)
-    slope = (m2 - m1) / (l2 - l1)  # GiB per (target layer + donor layer)
+    L = np.array(sorted(pts), dtype=float)
+    wall = np.array([pts[int(x)]["wall_s"] for x in L])
+    peak = np.array([pts[int(x)]["peak_rss_gib"] for x in L])
+    e, logc = np.polyfit(np.log(L * L), np.log(wall), 1)
+    slope, icpt = np.polyfit(L, peak, 1)  # GiB per (target layer + donor layer)
     bt, bd = layer_bytes("pythia-1.4b"), layer_bytes("bielik-1.5b-v3")
-    peak = m2 + slope * ((24 - l2) * bt + (32 - l2) * bd) / (bt + bd)
-    tslope = (t2 - t1) / (l2 * l2 - l1 * l1)
-    return {"arm": f"transport (24 <- 32 layers, EXTRAPOLATED from {l1}, {l2})", "peak_rss_gib": peak,
-            "wall_s": t2 + tslope * (24 * 32 - l2 * l2)}
+    top = L[-1]
+    full = peak[-1] + slope * ((24 - top) * bt + (32 - top) * bd) / (bt + bd)
+    return {"arm": f"transport (24 <- 32 layers, EXTRAPOLATED from {', '.join(str(int(x)) for x in L)} layers)",
+            "peak_rss_gib": float(full), "wall_s": float(np.exp(logc) * (24 * 32) ** e), "time_exponent": float(e),
+            "peak_slope_gib_per_layer": float(slope)}
 
 
 def extrapolate(results: dict[str, dict], layers: int) -> dict | None:
@@ -268,6 +280,7 @@ def main() -> None:
     p.add_argument("--eager-layers", type=int, default=4)
     p.add_argument("--transport-probes", type=int, default=64)
     p.add_argument("--transport-layers", default="2,4", help="reduced depths of the transport measurement (both models)")
+    p.add_argument("--transport-known", default="", help="depths measured before, L:wall_s:peak_gib,... (joined to the fit)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--out", default=None)
@@ -279,7 +292,8 @@ def main() -> None:
     d = Path(args.dir or tempfile.mkdtemp(prefix="ms-real-shapes-"))
     args.dir = str(d)
     arms = args.arms.split(",")
-    names = list(MODELS) if "quality" in arms else ["pythia-1.4b", "bielik-1.5b-v3"]
+    full = any(a in arms for a in ("weights", "eager", "merge"))  # the arms that read the full-depth pair
+    names = list(MODELS) if "quality" in arms else (["pythia-1.4b", "bielik-1.5b-v3"] if full else [])
     print(f"building {', '.join(names)} in {d} (bfloat16)", flush=True)
     results = {r["arm"]: r for r in build_all(args, d, names)}
     todo = [f"quality:{n}" for n in names] if "quality" in arms else []
@@ -293,7 +307,9 @@ def main() -> None:
         name = arm.split(":", 1)[1] if arm.startswith("quality:") else None
         if name and name not in ("pythia-1.4b", "bielik-1.5b-v3") and not args.keep:
             shutil.rmtree(d / name, ignore_errors=True)  # disk: only the pair and the donor are needed later
-    for ext in (extrapolate(results, args.eager_layers), extrapolate_transport(results, args.transport_layers)):
+    known = {int(a): {"wall_s": float(b), "peak_rss_gib": float(c)}
+             for a, b, c in (x.split(":") for x in args.transport_known.split(",") if x)}
+    for ext in (extrapolate(results, args.eager_layers), extrapolate_transport(results, args.transport_layers, known)):
         if ext:
             results[ext["arm"]] = ext
             show(ext)

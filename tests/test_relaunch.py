@@ -226,3 +226,17 @@ def test_a_reused_runs_nested_check_is_answered_from_its_recorded_children(compo
     monkeypatch.setattr(runs, "conf_digest", lambda: "another conf/")
     reuse()
     assert calls == [1, 1, 1]
+
+
+def test_a_reused_report_does_not_import_the_sections():
+    """The analysis package gives its names on first use: asking for run_analyze (a study's last step, which on a
+    cached relaunch reuses the report) imports neither the sections nor the report builder; every name still
+    resolves."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mergescope.analysis as a; a.run_analyze; "
+            "print('mergescope.analysis.build' in sys.modules, 'mergescope.analysis.sections' in sys.modules); "
+            "[getattr(a, n) for n in a.__all__]; print('mergescope.analysis.build' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]

@@ -17,7 +17,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mergescope.analysis.build import build_analysis
 from mergescope.analysis.context import N_PERMUTATIONS, Analysis
 from mergescope.analysis.figures import close_figures, make_figures
 from mergescope.analysis.records import STUDY_JOBS, Study, load_study
@@ -160,6 +159,8 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     if reused is not None:
         return reused
     study = load_study(cfg, job_runs)
+    from mergescope.analysis.build import build_analysis  # the sections and scipy.stats: only when a report is built
+
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
     an = build_analysis(study, n_permutations=n_perm)
     if timings:  # the launch's wall time per arm (the study passes it): a section of its own, after the findings
