@@ -80,6 +80,17 @@ def test_an_extraction_is_charged_once_per_plan(tmp_path):
     assert (w3.flops, w3.load_bytes) == (w1.flops, w1.load_bytes)
 
 
+def test_a_side_of_the_data_that_cannot_be_read_leaves_the_estimate_unknown(tmp_path):
+    """The job would stop on its data: its counts say why instead of counting no tokens."""
+    c = costs.Counter(costs.constants())
+    data = OmegaConf.create({"name": "flores200", "source": "local", "root": str(tmp_path / "absent"), "split": "devtest",
+                             "max_sentences": None})
+    cfg = OmegaConf.create({"data": data, "model": _entry(False)})
+    w = costs.count(c, "quality", cfg)
+    assert w.flops == 0 and len(w.missing) == 1 and w.missing[0].startswith("data: data.root=")
+    assert costs.count(c, "typology", cfg).missing == []  # a job that reads no data
+
+
 def test_the_fit_is_the_least_squares_solution_and_reproduces_its_points():
     r = costs.fit()
     k = costs.constants()

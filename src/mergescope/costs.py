@@ -162,6 +162,7 @@ class Counter:
     def __init__(self, constants: DictConfig):
         self.k = constants
         self.seen: set[tuple] = set()
+        self.problems: list[str] = []  # what could not be counted (a side of the data that cannot be read)
 
     def shape(self, entry: Any, w: Work) -> Shape | None:
         s, why = shape_of(entry)
@@ -177,7 +178,8 @@ class Counter:
 
         try:
             sents = data_mod.load_side(data, str(lang)).sentences
-        except MergescopeError:
+        except MergescopeError as exc:  # the job itself would stop on this line: its estimate is unknown, not zero
+            self.problems.append(f"data: {exc}")
             return 0, 0.0
         sents = sents[:n] if n else sents
         return len(sents), sum(len(x.encode("utf-8")) for x in sents) / float(self.k.bytes_per_token)
@@ -345,7 +347,9 @@ def count(counter: Counter, task: str, cfg: DictConfig) -> Work | None:
     if fn is None:
         return None
     w = Work(task)
+    before = len(counter.problems)
     fn(counter, cfg, w)
+    w.missing += counter.problems[before:]
     return w
 
 

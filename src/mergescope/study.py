@@ -559,6 +559,7 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
                      "cpu_peak_gb": max(costs.cpu_peak_gib(w, rates) for w in counted) if known else None,
                      "gpu_peak_gb": max(costs.gpu_peak_gib(w) for w in counted) if known else None,
                      "unknown": sorted({why for _, why in unknown}),
+                     "uncounted": sorted({m for w in counted if w is not None for m in w.missing}),
                      "todo_jobs": [f"{j.task} {' '.join(j.overrides[len(plan.base):])}" for j in todo], "note": ""})
     return rows
 
@@ -613,6 +614,8 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
         "models plus 20%.", soft_wrap=True)
     for why in sorted({w for r in rows for w in r.get("unknown", [])}):
         status.print(escape(f"  not checked for a run (counted as to run): {why}"), soft_wrap=True)
+    for why in sorted({w for r in rows for w in r.get("uncounted", [])}):
+        status.print(escape(f"  not counted: {why}"), soft_wrap=True)
     for r in rows if cfg.get("verbose") else []:
         for line in r["todo_jobs"]:
             status.print(escape(f"  to run [{r['phase']}]: {line}"), soft_wrap=True)
