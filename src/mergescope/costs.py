@@ -121,13 +121,9 @@ def shape_of(entry: Any) -> tuple[Shape | None, str]:
         c = AutoConfig.from_pretrained(ref.location, gguf_file=ref.gguf_file, trust_remote_code=False)
         return _shape_from_json(json.dumps(c.to_dict(), sort_keys=True, default=str), name), "gguf"
     if entry.get("zoo") is not None:
-        from mergescope.zoo.build import config_class_of, unresolved_plain
+        from mergescope.zoo.build import zoo_config
 
-        arch = dict(unresolved_plain(entry.zoo))
-        family = arch.pop("family")
-        for k in ("train_langs", "tokenizer", "steps"):
-            arch.pop(k, None)
-        cfg = config_class_of(family)(**arch)
+        cfg = zoo_config(OmegaConf.to_container(entry.zoo), int(entry.zoo.vocab_size))
         return _shape_from_json(json.dumps(cfg.to_dict(), sort_keys=True, default=str), name), "zoo config"
     if entry.get("shape") is not None:
         return _shape_from_json(json.dumps(OmegaConf.to_container(entry.shape), sort_keys=True), name), "conf shape"

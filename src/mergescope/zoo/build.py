@@ -43,15 +43,9 @@ def config_class_of(family: Any):
     return classes[family]
 
 
-def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
-    """A freshly initialised causal LM (float32) from a transformers config; no hub access.
-
-    ``arch["family"]`` is one of FAMILIES (gpt_neox, llama, mistral, qwen2, olmo, mamba); the other keys are passed to that
-    family's config class (``vocab_size`` in ``arch`` is ignored in favour of the argument).
-    The initialisation is seeded by ``seed`` (the global torch RNG is left untouched).
-    """
-    from transformers import AutoModelForCausalLM
-
+def zoo_config(arch: dict, vocab_size: int, eos_token_id: int = 0):
+    """The transformers config of a zoo architecture (``arch["family"]`` and that family's config keys; text,
+    tokenizer and steps keys left out; ``vocab_size`` from the argument)."""
     arch = dict(unresolved_plain(arch))
     family = arch.pop("family", None)
     arch.pop("vocab_size", None)
@@ -63,13 +57,20 @@ def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
         raise MergescopeError(
             f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; fix the zoo config"
         )
-    config = config_class(
-        vocab_size=int(vocab_size),
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        **arch,
-    )
+    return config_class(vocab_size=int(vocab_size), bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+                        pad_token_id=eos_token_id, **arch)
+
+
+def build_model(arch: dict, vocab_size: int, seed: int, eos_token_id: int = 0):
+    """A freshly initialised causal LM (float32) from a transformers config; no hub access.
+
+    ``arch["family"]`` is one of FAMILIES (gpt_neox, llama, mistral, qwen2, olmo, mamba); the other keys are passed to that
+    family's config class (``vocab_size`` in ``arch`` is ignored in favour of the argument).
+    The initialisation is seeded by ``seed`` (the global torch RNG is left untouched).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = zoo_config(arch, vocab_size, eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
