@@ -203,7 +203,7 @@ def test_trim_threshold_of_a_large_tensor_is_the_exact_kth_largest(dist):
         assert float(trim.trim_threshold_(a.clone(), density)) == float(ref[k - 1]), (dist, density)
     # an adversarial tensor: 0 at exactly the sampled positions, 1 elsewhere -> the bracket [0, 0] misses
     miss = torch.ones(n)
-    miss[torch.randint(n, (trim._SAMPLE,), generator=torch.Generator().manual_seed(0))] = 0.0
+    miss[torch.from_numpy(trim._sample_index(n))] = 0.0
     assert trim._kth_largest_in_band(miss, n // 2) is None
     assert float(trim.trim_threshold_(miss.clone(), 0.5)) == 1.0
 
@@ -505,3 +505,66 @@ def test_bfloat16_inputs_streamed_un_cast_give_the_upcast_merge(monkeypatch, pre
         assert out[k].dtype == torch.bfloat16
         assert torch.equal(out[k], ref[k].to(torch.bfloat16))
     assert all(torch.equal(sd[k], b4[k]) for sd, b4 in zip(sds, before) for k in shapes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_large_tensor_trimmed_through_the_band_pass_is_bitwise_the_whole_tensor_merge(monkeypatch, dtype):
+    """A tensor of >= trim.SAMPLED entries takes trim.delta_thresholds (the sample, one chunked pass for every model,
+    the band's selection) and the trim at that threshold in one hardshrink pass (trim.kept_at): bitwise the
+    whole-tensor formulation with plain masks, with many exact ties at the threshold, in float32, float64 and
+    bfloat16 (upcast as read); the band route really ran (no model fell back), and a bracket that misses falls back to
+    the full selection with the same numbers."""
+    from mergescope.merge import task_arithmetic as ta
+    from mergescope.merge import trim
+
+    g = torch.Generator().manual_seed(8)
+    rows, cols = 700, 131  # 91700 entries: past SAMPLED, several chunks and blocks, a remainder of each
+    monkeypatch.setattr(trim, "_CHUNK", 20000)
+
+    def sorted_keep(d, density):  # the reference's trim from a full sort: independent of the band and its selection
+        a = d.abs().reshape(-1)
+        return d.abs() >= a.sort(descending=True).values[trim.keep_count(a.numel(), density) - 1]
+
+    def independent(*a, **k):
+        with monkeypatch.context() as m:
+            m.setattr(trim, "magnitude_keep_mask", sorted_keep)
+            return _whole_tensor_gta(*a, **k)
+
+    base = torch.randn(rows, cols, generator=g).to(dtype)
+    xs = [(base.double() + torch.round(torch.randn(rows, cols, generator=g) * 8) / 64).to(dtype) for _ in range(3)]
+    seen = []
+    real = trim.delta_thresholds
+    monkeypatch.setattr(ta, "delta_thresholds", lambda *a: seen.append(list(r := real(*a))) or r)
+    up = [x.float() if dtype == torch.bfloat16 else x for x in xs]
+    b_up = base.float() if dtype == torch.bfloat16 else base
+    for preset in (dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.3),
+                   dict(sparsification="magnitude", consensus="count", normalize=True, density=0.7, weights=[0.5, 2.0, 1.0]),
+                   dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.1, weights=[1.0, -0.5, 1.0]),
+                   dict(sparsification="magnitude", consensus="sign", normalize=False, density=0.5, lambda_=0.8)):
+        whole = independent(up, b_up, **preset)
+        seen.clear()
+        assert torch.equal(whole, ta.generalized_task_arithmetic(xs, base, **preset)), preset
+        assert len(seen) == 1 and all(t is not False and t is not None for t in seen[0])
+    smooth = [(base.double() + torch.randn(rows, cols, generator=g) / 10).to(dtype) for _ in range(2)]  # no ties
+    preset = dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.4)
+    assert torch.equal(independent([x.float() if dtype == torch.bfloat16 else x for x in smooth], b_up, **preset),
+                       ta.generalized_task_arithmetic(smooth, base, **preset))
+    # the bracket misses for every model: the full selection answers, the same numbers
+    monkeypatch.setattr(trim, "_bracket", lambda sample, k, n: (sample.dtype.type(-1), sample.dtype.type(-1)))
+    preset = dict(sparsification="magnitude", consensus="sign", normalize=True, density=0.3)
+    seen.clear()
+    assert torch.equal(independent(up, b_up, **preset), ta.generalized_task_arithmetic(xs, base, **preset))
+    assert seen[0] == [False, False, False]
+
+
+def test_kept_at_zeroes_exactly_the_entries_below_the_threshold():
+    """trim.kept_at (hardshrink at the float just below the threshold) keeps |d| >= thr, ties at the threshold
+    included, in float32 and float64, at a zero threshold (everything kept) and at the smallest positive float."""
+    from mergescope.merge import trim
+
+    for dt in (torch.float32, torch.float64):
+        d = torch.tensor([0.25, -0.25, 0.2499999, -0.5, 0.0, 1e-45, -3.0], dtype=dt)
+        for thr in (0.25, 0.0, float(torch.finfo(dt).tiny), 3.0, 0.2499999):
+            t = torch.tensor(thr, dtype=dt)
+            assert torch.equal(trim.kept_at(d.clone(), t), d.masked_fill(d.abs() < t, 0)), (dt, thr)
+    assert trim.kept_at(torch.tensor([0.25, 0.1]), torch.tensor(0.25)).tolist() == [0.25, 0.0]

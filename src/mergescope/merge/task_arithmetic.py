@@ -32,11 +32,11 @@ from torch import Tensor
 from mergescope.errors import MergescopeError
 from mergescope.merge._common import check_choice, check_number, check_seed, check_tensors, check_weights, work_dtype
 from mergescope.merge._mergekit import MK, per_model
-from mergescope.merge.trim import magnitude_trim_, trim_threshold_, zero_where_not
+from mergescope.merge.trim import delta_thresholds, kept_at, magnitude_trim_, trim_threshold_, zero_where_not
 from mergescope.registry import merges
 
 SPARSIFICATION = ("none", "magnitude", "random")
-BLOCK = 1 << 18  # entries per block of a deterministic task-vector merge (blocked_task_arithmetic): 1 MiB of float32
+BLOCK = 1 << 17  # entries per block of a deterministic task-vector merge (blocked_task_arithmetic): 512 KiB of float32
 CONSENSUS = ("none", "sign", "count")
 RESCALE = ("none", "density", "l1")
 
@@ -93,18 +93,21 @@ def _sparsify_(d: Tensor, density: float, method: str, rescale: str, gen: torch.
 
 
 def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor, consensus: str,
-                         normalize: bool, lambda_: float) -> Tensor:
+                         normalize: bool, lambda_: float, out: Tensor | None = None) -> Tensor:
     """Steps 4-6 of the module doc on the weighted (and sparsified) task vectors ``deltas`` = w_i delta_i,
     which it consumes (edited in place, the list emptied): base + lambda_ * (sign-elected) sum, divided when
-    ``normalize``. Shared by every task-vector operator (TIES, DARE, DELLA, Breadcrumbs).
+    ``normalize``; written into ``out`` when given (a block of the output). Shared by every task-vector operator
+    (TIES, DARE, DELLA, Breadcrumbs).
 
     The election in sign arithmetic: with s = +1 where the elected sign is + (the sum, or the sign count, >= 0) and
     -1 elsewhere, entry i is kept iff s * d_i > 0, and the kept sum is s * sum_i relu(s * d_i); its weight count
     sum_i w_i sign(relu(s * d_i)). Multiplying by +-1 is exact and rounding is symmetric, so for finite inputs this is
     bitwise the masked sum (a zero may come out -0 where the mask gave +0: the same value), in five passes per model
     instead of the mask's eight (a NaN entry, which the mask dropped, now propagates; checkpoints with one are refused
-    at load by ``models.check_weights``)."""
-    dt = b.dtype
+    at load by ``models.check_weights``). No boolean tensor is made (a comparison or a ``where`` costs 5-30x an
+    arithmetic pass on this CPU): s = sign(sign(total) + 1/2), which is +1 at total = 0; and with every weight > 0 a
+    zero divisor (no entry kept, the kept sum 0) is raised to the smallest weight instead of set to 1 -- a nonzero
+    divisor is a sum of weights, never below the smallest, and 0 / either is the same 0."""
     if consensus == "none":
         mixed = deltas[0]
         for d in deltas[1:]:
@@ -114,29 +117,41 @@ def combine_task_vectors(deltas: list[Tensor | None], w: list[float], b: Tensor,
         if normalize and abs(divisor) >= 1e-8:
             mixed.div_(divisor)
     else:
-        total = torch.zeros_like(b)
-        for d in deltas:
+        total = deltas[0].clone() if consensus == "sign" else torch.sign(deltas[0])
+        for d in deltas[1:]:
             total.add_(d if consensus == "sign" else torch.sign(d))
-        s = torch.where(total >= 0, torch.ones((), dtype=dt, device=b.device), torch.full((), -1.0, dtype=dt, device=b.device))
+        s = total.sign_().add_(0.5).sign_()  # +1 where total >= 0 (0 included), -1 elsewhere
         del total
-        mixed = torch.zeros_like(b)
-        divisor = torch.zeros_like(b) if normalize else None
+        mixed = divisor = None
         for i in range(len(deltas)):
             d = deltas[i].mul_(s).relu_()  # s * d_i where it agrees with the elected sign, 0 elsewhere
-            mixed.add_(d)
-            if divisor is not None:
-                divisor.add_(d.sign_(), alpha=w[i])
+            if mixed is None:
+                if normalize:
+                    divisor = torch.sign(d) if w[i] == 1 else torch.sign(d).mul_(w[i])
+                mixed = d
+            else:
+                mixed.add_(d)
+                if normalize:
+                    divisor.add_(d.sign_(), alpha=w[i])
             deltas[i] = d = None
-        mixed.mul_(s)
-        del s
-        if divisor is not None:
-            divisor[divisor == 0] = 1
+        if divisor is None:
+            mixed.mul_(s)
+        else:
+            if min(w) > 0:
+                divisor.clamp_min_(min(w))
+            else:
+                divisor[divisor == 0] = 1
+            divisor.mul_(s)  # (s * m) / q == m / (s * q) exactly: s is +-1
+            del s
+            if lambda_ == 1 and out is not None:  # b + m / q in one pass (bitwise the two; not with a value: an FMA)
+                return torch.addcdiv(b, mixed, divisor, out=out)
             mixed.div_(divisor)
             del divisor
     if lambda_ != 1:
         mixed.mul_(lambda_)
-    mixed.add_(b)
-    return mixed
+    if out is None:
+        return mixed.add_(b)
+    return torch.add(mixed, b, out=out)
 
 
 def _mk_rescale(kw) -> tuple[bool, list[str]]:
@@ -227,9 +242,9 @@ def blocked_task_arithmetic(tensors: list[Tensor], base: Tensor, w: list[float],
     """:func:`generalized_task_arithmetic` in blocks of about ``BLOCK`` entries (whole rows; a 1-D tensor in slices):
     the same numbers, with a few cache-sized blocks of scratch instead of full-size copies per task vector. Every step
     after the trim is elementwise, so a block computes exactly what the whole tensor would there; the trim's threshold
-    is each task vector's own, over the whole tensor (:func:`~mergescope.merge.trim.trim_threshold_` on |delta| written
-    block by block into the output buffer, which the merge overwrites block by block afterwards: no other full-size
-    scratch).
+    is each task vector's own, over the whole tensor (:func:`~mergescope.merge.trim.delta_thresholds`: one chunked pass,
+    no full-size scratch; for a small tensor :func:`~mergescope.merge.trim.trim_threshold_` on |delta| written block
+    by block into the output buffer, which the merge overwrites block by block afterwards).
 
     The inputs may be in their stored dtype (bfloat16 files: ``merge_state_dicts`` hands them over un-cast to a
     ``streams_stored`` operator): each block is upcast to the work dtype (float32; float64 for float64 inputs) as it
@@ -241,25 +256,21 @@ def blocked_task_arithmetic(tensors: list[Tensor], base: Tensor, w: list[float],
     step = max(1, BLOCK // row)
     blocks = [slice(r0, r0 + step) for r0 in range(0, base.shape[0], step)]
     out = torch.empty(base.shape, dtype=dt, device=base.device)
-    thresholds: list[Tensor | None] = []
-    for x in tensors:
-        if sparsification == "magnitude" and density < 1:
-            for rows in blocks:  # |delta| in the output buffer (overwritten by the merge below)
+    thresholds = delta_thresholds(tensors, base, density, dt) if sparsification == "magnitude" else [None] * len(tensors)
+    for i, x in enumerate(tensors):
+        if thresholds[i] is False:  # a small or non-CPU tensor: |delta| in the output buffer (overwritten below)
+            for rows in blocks:
                 torch.sub(x[rows].to(dt), base[rows].to(dt), out=out[rows]).abs_()
-            thresholds.append(trim_threshold_(out, density))
-        else:
-            thresholds.append(None)
+            thresholds[i] = trim_threshold_(out, density)
     for rows in blocks:
         bb = base[rows].to(dt)
         deltas: list[Tensor | None] = []
         for x, wi, thr in zip(tensors, w, thresholds):
-            d = torch.sub(x[rows].to(dt), bb)
-            if thr is not None:
-                d.masked_fill_(d.abs() < thr, 0)  # magnitude_trim_'s rule, at the whole tensor's threshold
+            d = kept_at(torch.sub(x[rows].to(dt), bb), thr)  # magnitude_trim_'s rule, at the whole tensor's threshold
             if wi != 1.0:
                 d.mul_(wi)
             deltas.append(d)
-        out[rows] = combine_task_vectors(deltas, w, bb, consensus, normalize, lambda_)
+        combine_task_vectors(deltas, w, bb, consensus, normalize, lambda_, out=out[rows])
     return out
 
 

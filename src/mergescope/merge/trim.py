@@ -23,14 +23,17 @@ The rule, per tensor of ``numel`` entries:
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mergescope.errors import MergescopeError
 
-__all__ = ["keep_count", "magnitude_keep_mask", "magnitude_trim_", "trim_threshold_", "zero_where_not"]
+__all__ = ["delta_thresholds", "keep_count", "kept_at", "magnitude_keep_mask", "magnitude_trim_", "trim_threshold_",
+           "zero_where_not"]
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -46,8 +49,6 @@ def _threshold(a: Tensor, k: int) -> Tensor:
     n = a.numel()
     flat = a.reshape(-1)
     if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
-        import numpy as np
-
         return torch.tensor(np.partition(flat.numpy(), n - k)[n - k], dtype=a.dtype)
     return torch.kthvalue(flat.cpu() if flat.device.type == "mps" else flat, n - k + 1).values.to(a.device)
 
@@ -75,38 +76,138 @@ def trim_threshold_(scratch: Tensor, density: float) -> Tensor | None:
 
 SAMPLED = 1 << 16  # from this many entries the threshold is selected within a sampled band (_kth_largest_in_band)
 _SAMPLE = 1 << 14
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18  # entries per chunk of the band pass: 1 MiB of float32, cache-resident
+
+
+_RUN = 16  # entries per sampled run: one 64-byte cache line of float32
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_rows(n: int) -> np.ndarray:
+    """The fixed-seed sample of a tensor of ``n`` entries, as the numbers of the 16-entry runs it reads (the flat
+    tensor seen as rows of 16, in memory order): n / 16 entries, 4096 to 16384, from random runs -- a random position
+    costs a cache miss to read, a run the same miss for 16 entries, and a row gather copies them whole (the
+    element-wise gather was the band pass's largest single cost). The same for every tensor of that size; the
+    selection's exactness never depends on it, only how often the bracket misses."""
+    size = min(_SAMPLE, max(_SAMPLE // 4, n // 16))
+    rows = np.sort(torch.randint(n // _RUN, (size // _RUN,), generator=torch.Generator().manual_seed(0)).numpy())
+    rows.setflags(write=False)  # shared by every call for this n
+    return rows
+
+
+def _sample(a: np.ndarray) -> np.ndarray:
+    """The sample (:func:`_sample_rows`) of the flat array ``a``: a copy."""
+    n = a.size
+    return a[: n // _RUN * _RUN].reshape(-1, _RUN)[_sample_rows(n)].reshape(-1)
+
+
+def _sample_index(n: int) -> np.ndarray:
+    """The flat positions :func:`_sample` reads."""
+    return (_sample_rows(n)[:, None] * _RUN + np.arange(_RUN)).reshape(-1)
+
+
+def _bracket(sample: np.ndarray, k: int, n: int) -> tuple[np.generic, np.generic]:
+    """Two sample values lo <= hi that bracket the k-th largest of the n entries the sample was drawn from (its rank
+    +- 4 standard errors: a miss, about 1 in 16000 tensors, costs one full selection; a wider band costs every
+    tensor its gather)."""
+    m = sample.size
+    q = 1.0 - k / n  # the k-th largest is the q-quantile
+    se = 4.0 * math.sqrt(max(q * (1 - q), 1.0 / m) / m)
+    i_lo, i_hi = max(0, math.floor((q - se) * m) - 1), min(m - 1, math.ceil((q + se) * m) + 1)
+    sample.partition([i_lo, i_hi])  # the two order statistics only (a sort of the sample cost as much as the rest)
+    return sample[i_lo], sample[i_hi]
+
+
+def _select_in_band(chunks, k: int, lo, hi, dtype) -> Tensor | None:
+    """The k-th largest of the entries the numpy arrays ``chunks`` yield, given that it lies in [lo, hi]: one pass
+    counts the entries > hi and gathers those in [lo, hi] (numpy: its comparisons are ~5x torch's to a bool tensor on
+    this CPU, and ``np.compress`` 2.6x its boolean index); the answer is the (k - above)-th largest of the band. None when the bracket missed."""
+    above, parts = 0, []
+    for a in chunks:
+        above += int(np.count_nonzero(a > hi))
+        parts.append(np.compress((a >= lo) & (a <= hi), a))
+    return _kth_of_band(parts, k, above, dtype)
+
+
+def _kth_of_band(parts: list[np.ndarray], k: int, above: int, dtype) -> Tensor | None:
+    """The k-th largest entry given the ``above`` entries > hi and the band's entries (``parts``): the (k - above)-th
+    largest of the band, or None when the bracket missed (k-th largest above hi, or below lo)."""
+    if above >= k:
+        return None
+    band = np.concatenate(parts)
+    r = k - above  # rank of the answer within the band, from the top
+    if r > band.size:
+        return None
+    band.partition(band.size - r)
+    return torch.tensor(band[band.size - r], dtype=dtype)
 
 
 def _kth_largest_in_band(flat: Tensor, k: int) -> Tensor | None:
-    """The exact k-th largest entry of ``flat``, found in a narrow band instead of a selection over all n entries
-    (2.5x-2.8x faster on 1M-4M entries on this CPU): a fixed-seed sample of 16384 entries brackets the k-th largest between two sample values
-    lo <= hi (its rank +- 6 standard errors); one pass in 1M-entry chunks counts the entries > hi and gathers those
-    in [lo, hi]; when the k-th largest lies in the band (c_hi < k <= c_hi + band size) it is the (k - c_hi)-th
-    largest of the band -- exact whatever the sample, ties included. None when the bracket missed (then the caller
-    selects over everything)."""
+    """The exact k-th largest entry of ``flat``, found in a narrow band instead of a selection over all n entries: a
+    fixed-seed sample (:func:`_sample_index`) brackets it between two sample values lo <= hi (:func:`_bracket`); when it lies
+    in the band it is selected there (:func:`_select_in_band`) -- exact whatever the sample, ties included. None when
+    the bracket missed (then the caller selects over everything)."""
     n = flat.numel()
-    g = torch.Generator().manual_seed(0)
-    sample = flat[torch.randint(n, (_SAMPLE,), generator=g)].numpy()
-    q = 1.0 - k / n  # the k-th largest is the q-quantile
-    se = 6.0 * math.sqrt(max(q * (1 - q), 1.0 / _SAMPLE) / _SAMPLE)
-    i_lo, i_hi = max(0, math.floor((q - se) * _SAMPLE) - 1), min(_SAMPLE - 1, math.ceil((q + se) * _SAMPLE) + 1)
-    sample.partition([i_lo, i_hi])  # the two order statistics only (a sort of the sample cost as much as the rest)
-    lo, hi = torch.tensor(sample[i_lo]), torch.tensor(sample[i_hi])
-    above, parts = 0, []
-    for c in flat.split(_CHUNK):  # in chunks: a few MB of boolean scratch, not three full-size masks
-        above += int(torch.count_nonzero(c > hi))  # (bool).sum() would make an int64 copy
-        parts.append(c[(c >= lo) & (c <= hi)])
-    if above >= k:
-        return None
-    band = torch.cat(parts)
-    del parts
-    r = k - above  # rank of the answer within the band, from the top
-    if r > band.numel():
-        return None
-    arr = band.numpy()
-    arr.partition(band.numel() - r)
-    return torch.tensor(arr[band.numel() - r], dtype=flat.dtype)
+    a = flat.numpy()
+    lo, hi = _bracket(_sample(a), k, n)
+    return _select_in_band((a[i:i + _CHUNK] for i in range(0, n, _CHUNK)), k, lo, hi, flat.dtype)
+
+
+def delta_thresholds(xs: list[Tensor], base: Tensor, density: float, dtype: torch.dtype) -> list[Tensor | None | bool]:
+    """The TIES trim threshold of each task vector ``x - base`` (x in ``xs``) computed in ``dtype`` (:func:`trim_threshold_`
+    of its |values|) without a full-size copy: the sample's |delta| read at its positions, then one pass in cache-sized
+    chunks of the base, each chunk's |delta| for every model computed, counted and its band gathered while the chunk is
+    in cache. Per model: None when the trim keeps everything; False when this route does not apply (not on CPU, fewer
+    than ``SAMPLED`` entries, a non-contiguous input, or the bracket missed): the caller then computes that |delta|
+    whole and calls :func:`trim_threshold_`. The same number as that route, exactly: both select the k-th largest of
+    the same values."""
+    n = base.numel()
+    k = keep_count(n, density) if n else 0
+    if k >= n:
+        return [None] * len(xs)
+    if (n < SAMPLED or dtype not in (torch.float32, torch.float64) or base.device.type != "cpu"
+            or not base.is_contiguous() or any(x.device.type != "cpu" or not x.is_contiguous() for x in xs)):
+        return [False] * len(xs)
+    bf = base.reshape(-1)
+    xfs = [x.reshape(-1) for x in xs]
+    brackets = []
+    for xf in xfs:
+        if xf.dtype == bf.dtype == dtype:
+            sample = np.abs(_sample(xf.numpy()) - _sample(bf.numpy()))
+        else:  # a stored bfloat16 tensor: its sampled entries upcast as the merge upcasts them
+            ti = torch.from_numpy(_sample_index(n))
+            sample = torch.sub(xf[ti].to(dtype), bf[ti].to(dtype)).abs_().numpy()
+        brackets.append(_bracket(sample, k, n))
+    scratch = torch.empty(min(n, _CHUNK), dtype=dtype)
+    above, parts = [0] * len(xs), [[] for _ in xs]
+    for i in range(0, n, _CHUNK):
+        bc = bf[i:i + _CHUNK].to(dtype)
+        c = scratch[: bc.numel()]
+        for j, xf in enumerate(xfs):
+            torch.sub(xf[i:i + _CHUNK].to(dtype), bc, out=c).abs_()
+            a = c.numpy()
+            lo, hi = brackets[j]
+            above[j] += int(np.count_nonzero(a > hi))
+            parts[j].append(np.compress((a >= lo) & (a <= hi), a))
+    out = []
+    for j in range(len(xs)):
+        thr = _kth_of_band(parts[j], k, above[j], dtype)
+        out.append(False if thr is None else thr)
+    return out
+
+
+def kept_at(d: Tensor, thr: Tensor | None) -> Tensor:
+    """``d`` with the entries |d| < ``thr`` set to zero (the trim at a threshold from :func:`trim_threshold_` or
+    :func:`delta_thresholds`), as a new tensor in one elementwise pass: ``hardshrink`` at the largest float below
+    ``thr`` in ``d``'s dtype zeroes exactly |d| <= that float, i.e. |d| < thr (the boolean mask and masked fill it
+    replaces cost ~6x more on this CPU). ``thr`` None keeps everything."""
+    if thr is None:
+        return d
+    if d.dtype not in (torch.float32, torch.float64):
+        return d.masked_fill(d.abs() < thr, 0)
+    info = np.float32 if d.dtype == torch.float32 else np.float64
+    below = float(np.nextafter(info(float(thr)), info(-np.inf)))
+    return torch.nn.functional.hardshrink(d, below)
 
 
 def magnitude_keep_mask(tau: Tensor, density: float) -> Tensor:
