@@ -13,15 +13,16 @@ from mergescope.shared_space.evaluate import fit_space
 
 
 def main(n: int = 1012, dim: int = 200, models: int = 5) -> None:
-    import torch
+    from mergescope.device import set_threads
 
-    torch.set_num_threads(1)  # the project's default (num_threads=1): 2 threads on a loaded 2-core box oversubscribe
+    set_threads(1)  # the project's default (num_threads=1), torch and BLAS: 2 threads on a 2-core box oversubscribe
     rng = np.random.default_rng(0)
     base = rng.standard_normal((n, 256)) * np.linspace(4, 0.5, 256)
     widths = [2048, 2048, 2048, 1536, 768][:models]
     Xs = [base @ rng.standard_normal((256, w)) + rng.standard_normal((n, w)) for w in widths]
     from mergescope.shared_space.gpa import pca_reduce
 
+    pca_reduce(rng.standard_normal((64, 128)), 8)  # warm-up: scipy.linalg's import and BLAS's threads, not the PCAs
     t0 = time.perf_counter()
     for x in Xs:
         pca_reduce(x, dim)

@@ -296,9 +296,9 @@ def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     check_counts(cfg)
     overrides = task_overrides() if overrides is None else overrides
     if cfg.get("num_threads"):
-        import torch
+        from mergescope.device import set_threads
 
-        torch.set_num_threads(int(cfg.num_threads))
+        set_threads(int(cfg.num_threads))
     return fn(cfg, overrides)
 
 

@@ -21,14 +21,13 @@ def run_group(specs: list[tuple[str, DictConfig, list[str]]],
               threads: int | None) -> tuple[list[JobResult], list[JobResult], float]:
     """Jobs ``(task, cfg, overrides)`` one after another in a worker process: their results, every result they
     recorded, and the worker's peak resident set over the group (GiB)."""
-    import torch
-
     from mergescope.cli import handler
+    from mergescope.device import set_threads
     from mergescope.memory import peak_gb, reset_peak
 
     reset_peak()
     if threads:
-        torch.set_num_threads(int(threads))
+        set_threads(int(threads))
     with recording() as ledger:
         results = [handler(task)(cfg, overrides) for task, cfg, overrides in specs]
     return results, list(ledger), peak_gb()
