@@ -462,7 +462,8 @@ def _record_failure(j: StudyJob, exc: Exception) -> None:
 
 def parallel_workers(plan: Plan) -> int:
     """``workers``: processes for the study's heavy independent jobs (zoo training, the checkpoint arm, transport
-    directions); everything else runs in-process, in order (it shares the caches the earlier jobs fill)."""
+    directions, the adapt arm's operators); everything else runs in-process, in order (it shares the caches the
+    earlier jobs fill)."""
     return max(1, int(plan.cfg.get("workers") or 1))
 
 
@@ -732,7 +733,7 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
              phase="shared space")
     lap("shared_space")
     _run_all(ph["adapt"](), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}",
-             phase="adapt")
+             parallel_workers(plan), phase="adapt")  # no cache between its jobs: union and intersection side by side
     lap("adapt")
     _run_all(ph["expansion"](), lambda j, r: f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
              f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}", phase="expansion")
