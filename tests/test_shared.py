@@ -213,3 +213,19 @@ def test_gram_side_pca_equals_the_svd(n, d):
     red, zl = pca_reduce(low, dim)
     rank = np.linalg.matrix_rank(low - low.mean(0))
     assert int((np.abs(red.basis).sum(0) > 0).sum()) == rank and np.allclose(zl[:, rank:], 0)
+
+
+def test_permutations_are_drawn_once_and_their_inverses_are_exact():
+    """agreement.permutations draws a set once per (n, count, seed) (the same draws as a fresh generator, read-only)
+    and inverse_permutations gives each row's inverse (argsort's answer) for that set and for any other array."""
+    import importlib
+
+    A = importlib.import_module("mergescope.shared_space.agreement")
+    p = A.permutations(37, 50, 3)
+    assert p is A.permutations(37, 50, 3) and not p.flags.writeable
+    assert np.array_equal(p, np.random.default_rng(3).permuted(np.tile(np.arange(37), (50, 1)), axis=1))
+    assert np.array_equal(A.inverse_permutations(p), np.argsort(p, axis=1))
+    other = np.random.default_rng(9).permuted(np.tile(np.arange(37), (6, 1)), axis=1)
+    inv = A.inverse_permutations(other)
+    assert np.array_equal(inv, np.argsort(other, axis=1))
+    assert np.array_equal(np.take_along_axis(other, inv, axis=1), np.tile(np.arange(37), (6, 1)))

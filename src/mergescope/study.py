@@ -730,7 +730,7 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     _run_sweep(ph["transport settings"]())
     lap("transport")
     _run_all(ph["shared space"](), lambda j, r: f"{j.task} {_pair_text(j) if j.task == 'agreement' else 'all models'} on {j.cfg.data.name}",
-             phase="shared space")
+             parallel_workers(plan), phase="shared space")
     lap("shared_space")
     _run_all(ph["adapt"](), lambda j, r: f"adapt {j.cfg.adapt.name} {_pair_text(j)}: best ratio {r.metrics.get('best_ratio', float('nan')):g}",
              parallel_workers(plan), phase="adapt")  # no cache between its jobs: union and intersection side by side

@@ -49,9 +49,51 @@ def rank_matrix(X: Any) -> tuple[np.ndarray, float]:
 
 
 def permutations(n: int, count: int, seed: int) -> np.ndarray:
-    """(count, n) independent uniform permutations of range(n), from ``seed``."""
-    rng = np.random.default_rng(seed)
-    return rng.permuted(np.tile(np.arange(n), (int(count), 1)), axis=1)
+    """(count, n) independent uniform permutations of range(n), from ``seed`` (read-only: one array per (n, count,
+    seed) is drawn once and shared, with its inverses: a pair's agreement job asks for the same set at every depth
+    and pooling)."""
+    return _drawn(int(n), int(count), int(seed))[0]
+
+
+def inverse_permutations(perms: np.ndarray) -> np.ndarray:
+    """Each row's inverse permutation (``inv[k, perms[k, i]] = i``): the cached set's own when ``perms`` is one
+    :func:`permutations` returned, else by one scatter (O(n) a row, not argsort's O(n log n))."""
+    for drawn, inv in _drawn.cache_values():
+        if perms is drawn:
+            return inv
+    return _inverse(perms)
+
+
+def _inverse(perms: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perms)
+    np.put_along_axis(inv, perms, np.broadcast_to(np.arange(perms.shape[1]), perms.shape), axis=1)
+    return inv
+
+
+class _Drawn:
+    """A small cache of drawn permutation sets and their inverses, by (n, count, seed)."""
+
+    def __init__(self, size: int = 8):
+        self.size, self.sets = size, {}
+
+    def __call__(self, n: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (n, count, seed)
+        if key not in self.sets:
+            rng = np.random.default_rng(seed)
+            perms = rng.permuted(np.tile(np.arange(n), (count, 1)), axis=1)
+            inv = _inverse(perms)
+            perms.setflags(write=False)
+            inv.setflags(write=False)
+            if len(self.sets) >= self.size:
+                self.sets.pop(next(iter(self.sets)))
+            self.sets[key] = (perms, inv)
+        return self.sets[key]
+
+    def cache_values(self):
+        return list(self.sets.values())
+
+
+_drawn = _Drawn()
 
 
 def rsa(X: Any, Y: Any) -> float:
@@ -90,7 +132,7 @@ def nn_match_null(X: Any, Y: Any, perms: np.ndarray) -> tuple[float, np.ndarray]
     """(observed rate, rate with B's rows reordered by each permutation): with B' = B[p], the neighbour of
     row i in B' is p⁻¹(nn_B(p_i)), so no similarity matrix is recomputed."""
     na, nb = nearest_neighbours(X), nearest_neighbours(Y)
-    inv = np.argsort(perms, axis=1)
+    inv = inverse_permutations(perms)
     moved = np.take_along_axis(inv, nb[perms], axis=1)
     return float((na == nb).mean()), (moved == na[None, :]).mean(axis=1)
 
