@@ -108,8 +108,9 @@ def _sample_index(n: int) -> np.ndarray:
 
 def _bracket(sample: np.ndarray, k: int, n: int) -> tuple[np.generic, np.generic]:
     """Two sample values lo <= hi that bracket the k-th largest of the n entries the sample was drawn from (its rank
-    +- 4 standard errors: a miss, about 1 in 16000 tensors, costs one full selection; a wider band costs every
-    tensor its gather)."""
+    +- 4 standard errors: for independent draws a miss comes about once in 16000 tensors and costs one full
+    selection, where a wider band would cost every tensor a larger gather; the sample's runs of neighbouring entries
+    can miss more often on a tensor whose neighbours are alike)."""
     m = sample.size
     q = 1.0 - k / n  # the k-th largest is the q-quantile
     se = 4.0 * math.sqrt(max(q * (1 - q), 1.0 / m) / m)
@@ -124,9 +125,14 @@ def _select_in_band(chunks, k: int, lo, hi, dtype) -> Tensor | None:
     this CPU, and ``np.compress`` 2.6x its boolean index); the answer is the (k - above)-th largest of the band. None when the bracket missed."""
     above, parts = 0, []
     for a in chunks:
-        above += int(np.count_nonzero(a > hi))
-        parts.append(np.compress((a >= lo) & (a <= hi), a))
+        above += _band_step(a, lo, hi, parts)
     return _kth_of_band(parts, k, above, dtype)
+
+
+def _band_step(a: np.ndarray, lo, hi, parts: list[np.ndarray]) -> int:
+    """One chunk of the band pass: its entries in [lo, hi] appended to ``parts``; returns how many are > hi."""
+    parts.append(np.compress((a >= lo) & (a <= hi), a))
+    return int(np.count_nonzero(a > hi))
 
 
 def _kth_of_band(parts: list[np.ndarray], k: int, above: int, dtype) -> Tensor | None:
@@ -185,10 +191,7 @@ def delta_thresholds(xs: list[Tensor], base: Tensor, density: float, dtype: torc
         c = scratch[: bc.numel()]
         for j, xf in enumerate(xfs):
             torch.sub(xf[i:i + _CHUNK].to(dtype), bc, out=c).abs_()
-            a = c.numpy()
-            lo, hi = brackets[j]
-            above[j] += int(np.count_nonzero(a > hi))
-            parts[j].append(np.compress((a >= lo) & (a <= hi), a))
+            above[j] += _band_step(c.numpy(), *brackets[j], parts[j])
     out = []
     for j in range(len(xs)):
         thr = _kth_of_band(parts[j], k, above[j], dtype)
