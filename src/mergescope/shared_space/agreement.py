@@ -71,9 +71,10 @@ def _inverse(perms: np.ndarray) -> np.ndarray:
 
 
 class _Drawn:
-    """A small cache of drawn permutation sets and their inverses, by (n, count, seed)."""
+    """A small cache of drawn permutation sets and their inverses, by (n, count, seed): the last four (a set of 2000
+    permutations of 1012 sentences and its inverses take 32 MB)."""
 
-    def __init__(self, size: int = 8):
+    def __init__(self, size: int = 4):
         self.size, self.sets = size, {}
 
     def __call__(self, n: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
