@@ -195,16 +195,20 @@ def test_gram_side_pca_equals_the_svd(n, d):
     """The top components from the smaller Gram matrix (n x n where n < d, d x d otherwise) are the SVD's (values to
     1e-9 relative, vectors up to sign), and the reduction gives the same reduced rows up to each column's sign; a
     planted rank is kept exactly."""
-    from mergescope.shared_space.gpa import pca_reduce, top_components
+    from mergescope.shared_space.gpa import components, pca_reduce
 
     rng = np.random.default_rng(3)
     dim = 30
     x = rng.standard_normal((n, 20)) * np.linspace(5, 0.5, 20) @ rng.standard_normal((20, d)) + 0.01 * rng.standard_normal((n, d))
     xc = x - x.mean(0)
-    s, vt = top_components(xc, dim)
-    _, s_ref, vt_ref = np.linalg.svd(xc, full_matrices=False)
+    s, vt, u = components(xc, dim)
+    u_ref, s_ref, vt_ref = np.linalg.svd(xc, full_matrices=False)
     assert np.allclose(s, s_ref[:dim], rtol=1e-9)
     assert np.allclose(np.abs(np.sum(vt * vt_ref[:dim], axis=1)), 1.0, atol=1e-8)
+    if n < d:  # the n x n side's eigenvectors are the left singular vectors (pca_reduce's rows are u * s)
+        assert np.allclose(np.abs(np.sum(u * u_ref[:, :dim], axis=0)), 1.0, atol=1e-8)
+    else:
+        assert u is None
     _, z = pca_reduce(x, dim)
     z_ref = xc @ vt_ref[:dim].T
     z_ref /= np.linalg.norm(z_ref)

@@ -462,8 +462,8 @@ def _record_failure(j: StudyJob, exc: Exception) -> None:
 
 def parallel_workers(plan: Plan) -> int:
     """``workers``: processes for the study's heavy independent jobs (zoo training, the checkpoint arm, transport
-    directions, the adapt arm's operators); everything else runs in-process, in order (it shares the caches the
-    earlier jobs fill)."""
+    directions, the shared-space arm, the adapt arm's operators); everything else runs in-process, in order (it shares
+    the caches the earlier jobs fill)."""
     return max(1, int(plan.cfg.get("workers") or 1))
 
 

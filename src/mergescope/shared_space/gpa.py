@@ -34,12 +34,6 @@ class Reduction:
         return (np.asarray(X, dtype=np.float64) - self.mean) @ self.basis / self.scale
 
 
-def top_components(xc: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`components` without the left singular vectors."""
-    s, vt, _ = components(xc, dim)
-    return s, vt
-
-
 def components(xc: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The leading singular values (descending) and right singular vectors (rows) of the centred ``xc`` (n, d), at
     most ``dim`` of them, from the smaller of its two Gram matrices: where n < d (1012 sentences x 2048 features) the
@@ -50,7 +44,7 @@ def components(xc: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray, np.nda
     and conquer (scipy's or torch's ``syevd``, the previous route, with torch's Gram at 0.09 s; measured on the
     benchmark's inputs). Both sides agree with the SVD on every component above the rank cut
     (tests/test_shared.py); a Gram matrix loses the components below ~1e-7 of the largest singular value, which the
-    cut leaves out. Third: the left singular vectors (columns) where the n x n side gave them, else None."""
+    cut leaves out. Third: the left singular vectors (columns) where the SVD or the n x n side gave them, else None."""
     n, d = xc.shape
     if dim >= min(n, d):
         u, s, vt = np.linalg.svd(xc, full_matrices=False)
