@@ -502,6 +502,15 @@ def test_passthrough_stack_layers_matches_mergekit(tmp_path):
     assert set(ours) == set(got)
     for k in ours:
         torch.testing.assert_close(ours[k], got[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    # the state dicts in file order (safetensors lists lm_head.weight first) and reversed: the same model (the head
+    # and the final norm by rule from the last slice, the embeddings from the first; issue 39)
+    from safetensors.torch import load_file
+
+    files = [load_file(str(Path(d) / "model.safetensors")) for d in dirs]
+    assert next(iter(files[0])) == "lm_head.weight"
+    for order in (files, [dict(reversed(list(f.items()))) for f in files]):
+        again, _ = stack_layers([(order[0], 0, 2), (order[1], 1, 3)], cfg.to_dict())
+        assert set(again) == set(got) and all(torch.equal(again[k], got[k]) for k in got)
     assert torch.equal(ours["model.layers.3.mlp.up_proj.weight"], sds[1]["model.layers.2.mlp.up_proj.weight"])
     assert torch.equal(ours["lm_head.weight"], sds[1]["lm_head.weight"])  # after the layers: the last slice's
     assert torch.equal(ours["model.embed_tokens.weight"], sds[0]["model.embed_tokens.weight"])

@@ -23,9 +23,9 @@ def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[st
     lines = ["---", "library_name: transformers", "tags: [merge, mergescope]", "---", "",
              f"# Merged with mergescope ({preset})", "",
              f"- operator: `{operator}` (preset `{preset}`)",
-             f"- settings: `{json.dumps({k: v for k, v in kwargs.items() if k != 'weights'}, default=str)}`",
-             f"- base: {base or 'none'}", "- models (weight):"]
-    lines += [f"  - {m} ({w[i] if w is not None else 1.0})" for i, m in enumerate(models)]
+             f"- settings{' (first slice)' if layout else ''}: `{json.dumps({k: v for k, v in kwargs.items() if k != 'weights'}, default=str)}`",
+             f"- base: {base or 'none'}", "- models:" if layout else "- models (weight):"]
+    lines += [f"  - {m}" if layout else f"  - {m} ({w[i] if w is not None else 1.0})" for i, m in enumerate(models)]
     lines += [f"- MLflow run id: `{run_id}`" + (f"; from {source}" if source else ""), "",
               layout or "Tensors every model holds with one name and shape are merged; the rest are the first model's.", ""]
     return "\n".join(lines)

@@ -204,7 +204,9 @@ def mergekit_slices_yaml(entry, plan: list[Slice], refs: list[str], dtype: str =
 def _layout(plan: list[Slice], names: list[str]) -> str:
     parts = []
     for k, sl in enumerate(plan):
-        srcs = ", ".join(f"{names[s.model]} layers {s.start}-{s.end - 1}" for s in sl.inputs)
+        w = sl.kwargs.get("weights")
+        srcs = ", ".join(f"{names[s.model]} layers {s.start}-{s.end - 1}" + (f" (weight {w[i]})" if w is not None else "")
+                         for i, s in enumerate(sl.inputs))
         parts.append(f"  - slice {k}: {srcs}" + (f" (base {names[sl.base.model]} layers {sl.base.start}-{sl.base.end - 1})"
                                                    if sl.base is not None else ""))
     return "\n".join([f"Merged by layer slices into {depth(plan)} layers (embeddings from slice 0, final norm and head "
