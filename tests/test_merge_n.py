@@ -182,7 +182,8 @@ ROUND = [("ties", {"weights": W, "density": 0.4}), ("ties", {"weights": W, "norm
          ("breadcrumbs_ties", {"weights": W, "density": 0.7, "gamma": 0.05}), ("della_linear", {"weights": W, "density": 1.0}),
          ("linear", {"weights": [0.2, 0.3, 0.5]}), ("model_stock", {}), ("sce", {"select_topk": 0.5}), ("karcher", {}),
          ("multislerp", {"weights": W}), ("multislerp", {"weights": W, "task_vectors": True}), ("nuslerp", {"weights": [0.3, 0.7]}),
-         ("slerp", {"t": 0.3})]
+         ("slerp", {"t": 0.3}), ("nearswap", {"t": 0.2}), ("arcee_fusion", {}), ("ram", {"epsilon": 0.1}),
+         ("ramplus_tl", {"r": 0.3, "alpha": 0.5})]
 
 
 @pytest.mark.parametrize("name,over", ROUND, ids=[f"{c[0]}-{i}" for i, c in enumerate(ROUND)])
@@ -191,7 +192,7 @@ def test_export_then_import_gives_the_same_merge(name, over):
     from mergescope.native.mergekit_in import parse
 
     entry, kw = preset(name, **over)
-    n = 2 if name in ("nuslerp", "slerp") else 3
+    n = 2 if name in ("nuslerp", "slerp", "nearswap", "arcee_fusion") else 3
     uses_base = entry.meta["needs_base"] or kw.get("task_vectors")
     text = mergekit_yaml(entry, kw, [f"/m{i}" for i in range(n)], "/base" if uses_base else None)
     got = parse(text)
@@ -246,9 +247,17 @@ def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, famil
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"slices": [{"sources": []}]}, "mergekit config .*: slices is not supported"),
+    ({"models": None, "slices": [{"sources": []}]}, r"mergekit config .*: slices\[0\].sources must be a non-empty list"),
+    ({"models": None, "slices": [{"sources": [{"model": "/a", "layer_range": [2, 2]}]}]}, r"layer_range \[2, 2\] must be \[start, end\]"),
+    ({"slices": [{"sources": [{"model": "/base", "layer_range": [0, 2]}, {"model": "/a", "layer_range": [0, 2]}]}]},
+     "models and slices together"),
+    ({"models": None, "slices": [{"sources": [{"model": "/a", "layer_range": [0, 2], "parameters": {"weight": 1.0}}]}]},
+     r"slices\[0\] base_model /base is not among the slice's sources"),
+    ({"merge_method": "passthrough", "base_model": None}, "passthrough without slices"),
+    ({"merge_method": "nearswap", "models": [{"model": "/a"}]}, "parameters.t is required by mergekit's nearswap"),
+    ({"modules": {}}, "modules is not supported"),
     ({"tokenizer_source": "union"}, "tokenizer_source is not supported"),
-    ({"merge_method": "nearswap"}, "merge_method 'nearswap' has no mergescope operator"),
+    ({"merge_method": "nonesuch"}, "merge_method 'nonesuch' has no mergescope operator"),
     ({"parameters": {"density": [{"filter": "mlp", "value": 0.5}, 0.7]}}, "parameters.density mixes numbers and filters"),
     ({"parameters": {"density": [{"filter": "mlp", "val": 0.5}]}}, r"parameters.density\[0\] must be \{filter"),
     ({"models": [{"model": "/a", "parameters": {"weight": 1, "density": 0.5}}, {"model": "/b", "parameters": {"weight": 1, "density": 0.7}}]},

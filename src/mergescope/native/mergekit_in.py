@@ -83,7 +83,7 @@ FIRST = ("slerp", "nearswap", "arcee_fusion")  # two-model methods: mergekit's b
 
 def _refuse(path: str, key: str, why: str = "is not supported") -> MergescopeError:
     return MergescopeError(f"mergekit config {path}: {key} {why} (mergescope reads merge_method, base_model, models with "
-                           "numeric per-model parameters, parameters, dtype)")
+                           "numeric per-model parameters or slices of sources with layer_range, parameters, dtype)")
 
 
 def _number(path: str, key: str, v: Any) -> Any:
