@@ -30,7 +30,7 @@ from mergescope.config import to_plain
 from mergescope.device import resolve_device
 from mergescope.errors import MergescopeError
 from mergescope.merge import check_base, resolve_preset, stochastic
-from mergescope.merge._mergekit import _put_varying
+from mergescope.merge._mergekit import put_varying
 from mergescope.merge.passthrough import Slice, Source, check_slices, depth, embedding_names, stacked, stacked_config
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.settings import NativeSettings
@@ -169,7 +169,7 @@ def mergekit_slices_config(entry, plan: list[Slice], refs: list[str], dtype: str
         if mk.method is None:
             return None, mk.notes
         if per_tensor:
-            _put_varying(mk, sl.kwargs)
+            put_varying(mk, sl.kwargs)
         method = mk.method
         notes += [n for n in mk.notes if n not in notes]
         params = mk.model_parameters or [{}] * len(sl.inputs)
