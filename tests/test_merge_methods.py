@@ -755,3 +755,11 @@ def test_per_tensor_settings_are_checked_before_any_model_loads():
     sd = {"model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}
     with pytest.raises(MergescopeError, match=r"weights\[0\] gives no value for tensor 'model.layers.0.self_attn"):
         merge_state_dicts(entry, kw, [sd, sd], None, list(sd), "cpu")
+
+
+def test_native_mix_leaves_nearswaps_distance():
+    """native.merges mixes set an interpolation t, never nearswap's t (a distance per entry: register(..., mix=False))."""
+    from mergescope.native.merges import preset_config as native_preset, with_mix
+
+    assert with_mix(native_preset("nearswap"), 0.3).t == 0.0001
+    assert with_mix(native_preset("slerp"), 0.3).t == 0.3
