@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -59,7 +60,8 @@ def three(shape=(23, 19)):
 
 
 W3 = [1.0, 0.6, 0.3]
-NEW = ["breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock", "karcher", "multislerp", "nuslerp"]
+NEW = ["breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock", "karcher", "multislerp", "nuslerp",
+       "nearswap", "arcee_fusion", "ram", "ramplus_tl", "passthrough"]
 
 
 def test_every_new_method_is_a_plugin_with_a_reference():
@@ -270,6 +272,117 @@ def test_nuslerp_refuses_three_models():
         run("nuslerp", [rand(3), rand(3), rand(3)], None)
 
 
+# ---------------------------------------------------------------- nearswap, arcee_fusion, ram, ramplus_tl (issue 39)
+
+
+@pytest.mark.parametrize("t", [1e-4, 0.05, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("shape", [(23, 19), (37,)])
+def test_nearswap_matches_mergekit_and_is_a_clipped_step(t, shape):
+    """tensors[0] is mergekit's base_model; the result is a + clip(b - a, -t, t) (t >= 1e-6), written out here."""
+    a, b = rand(*shape, seed=1), rand(*shape, seed=1) + 0.3 * rand(*shape, seed=2)
+    ours = run("nearswap", [a, b], None, t=t)
+    torch.testing.assert_close(ours, mergekit_merge("nearswap", [b], a, t=t), rtol=0, atol=0)
+    torch.testing.assert_close(ours, a + (b - a).clamp(-t, t), rtol=0, atol=1e-6)
+
+
+def _fence_numpy(scores: torch.Tensor) -> float:
+    s = np.sort(scores.double().numpy().reshape(-1))
+    q1, q2, q3 = (s[int(np.floor(q * (s.size - 1)))] for q in (0.25, 0.5, 0.75))
+    return q2 + 1.5 * (q3 - q1)
+
+
+@pytest.mark.parametrize("shape", [(23, 19), (300, 40), (37,), (64, 4, 5)])
+def test_arcee_fusion_matches_mergekit_and_its_definition(shape):
+    """Equal to mergekit (tensors[0] its base_model); and, independently, b's value exactly where |b - a| times the row's
+    KL(softmax b || softmax a) (float64 here) reaches median + 1.5 IQR of those importances."""
+    a = rand(*shape, seed=1)
+    b = a + 0.3 * rand(*shape, seed=2) * (rand(*shape, seed=3) > 0.5)
+    ours = run("arcee_fusion", [a, b], None)
+    torch.testing.assert_close(ours, mergekit_merge("arcee_fusion", [b], a), rtol=0, atol=0)
+    p, q = torch.softmax(b.double(), -1) + 1e-8, torch.softmax(a.double(), -1) + 1e-8
+    imp = (b.double() - a.double()).abs() * (p * (p / q).log()).sum(-1, keepdim=True)
+    keep = imp >= _fence_numpy(imp)
+    assert 0 < int(keep.sum()) < keep.numel()
+    torch.testing.assert_close(ours, torch.where(keep, b, a), rtol=0, atol=1e-6)
+
+
+def test_arcee_fusion_quartiles_are_exact_above_mergekits_sample_size():
+    """Over 1,000,000 entries mergekit estimates the quartiles from a random sample; ours stay the exact order statistics."""
+    from mergescope.merge.arcee_fusion import fence
+
+    x = rand(1100, 1001, seed=4).abs()
+    assert x.numel() > 1_000_000
+    assert float(fence(x)) == pytest.approx(_fence_numpy(x), abs=1e-7)
+    torch.manual_seed(0)
+    assert float(fence(x)) == float(fence(x))  # no draw: the same threshold every time
+
+
+def _sparse_family(n=3, shape=(29, 17), p=0.45):
+    """A base and n models each changing a random ~p of the entries (so 0, 1 or several models change each entry), plus
+    changes below epsilon that must not count."""
+    base = rand(*shape, seed=9)
+    xs = []
+    for i in range(n):
+        mask = rand(*shape, seed=20 + i).abs() < p * 1.7  # P(|z| < 0.77) ~ 0.56
+        tiny = 1e-6 * rand(*shape, seed=40 + i)
+        xs.append(base + torch.where(mask, rand(*shape, seed=30 + i), tiny))
+    return xs, base
+
+
+def _ram_loop(xs, base, epsilon, r=None, alpha=None):
+    """RAM / RAM+ tensor-local written entry by entry in float64 (the module's definition, independently)."""
+    d = [(x.double() - base.double()).reshape(-1) for x in xs]
+    changed = [(v.abs() > epsilon) for v in d]
+    count = sum(c.long() for c in changed)
+    lam = []
+    for c in changed:
+        uniq = int((c & (count == 1)).sum())
+        shared = int((c & (count > 1)).sum())
+        lam.append(1.0 if r is None else 1 + r * min(max(shared / max(uniq, epsilon), 0.0), alpha))
+    out = base.double().reshape(-1).clone()
+    for j in range(out.numel()):
+        who = [i for i in range(len(xs)) if changed[i][j]]
+        if len(who) == 1:
+            out[j] += lam[who[0]] * d[who[0]][j]
+        elif who:
+            out[j] += sum(d[i][j] for i in who) / len(who)
+    return out.reshape(base.shape).float()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("epsilon", [1e-5, 0.3])
+def test_ram_matches_mergekit_and_an_entrywise_loop(n, epsilon):
+    xs, base = _sparse_family(n)
+    ours = run("ram", xs, base, epsilon=epsilon)
+    torch.testing.assert_close(ours, mergekit_merge("ram", xs, base, epsilon=epsilon), **TOL)
+    torch.testing.assert_close(ours, _ram_loop(xs, base, epsilon), **TOL)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("r,alpha,epsilon", [(0.1, 0.2, 1e-5), (0.5, 3.0, 1e-5), (1.0, 0.5, 0.3)])
+def test_ramplus_tl_matches_mergekit_and_an_entrywise_loop(n, r, alpha, epsilon):
+    xs, base = _sparse_family(n)
+    ours = run("ramplus_tl", xs, base, r=r, alpha=alpha, epsilon=epsilon)
+    torch.testing.assert_close(ours, mergekit_merge("ramplus_tl", xs, base, r=r, alpha=alpha, epsilon=epsilon), **TOL)
+    torch.testing.assert_close(ours, _ram_loop(xs, base, epsilon, r, alpha), **TOL)
+    if n > 1:
+        assert not torch.allclose(ours, run("ram", xs, base, epsilon=epsilon))  # the unique entries were boosted
+
+
+def test_new_methods_refuse_what_they_cannot_merge():
+    xs, base = three((5, 4))
+    with pytest.raises(MergescopeError, match="merge 'nearswap' merges exactly 2 models, got 3"):
+        run("nearswap", xs, None)
+    with pytest.raises(MergescopeError, match="t=-1 is negative"):
+        preset("nearswap", t=-1)
+    with pytest.raises(MergescopeError, match="merge 'arcee_fusion' merges exactly 2 models, got 1"):
+        run("arcee_fusion", xs[:1], None)
+    with pytest.raises(MergescopeError, match="'ram' needs a common base"):
+        run("ram", xs, None)
+    with pytest.raises(MergescopeError, match="alpha=-0.5 is negative"):
+        preset("ramplus_tl", alpha=-0.5)
+
+
 # ---------------------------------------------------------------- a tiny Llama model, N = 3 + base
 
 
@@ -294,6 +407,8 @@ CASES = [  # (preset, overrides, mergekit method, mergekit parameters with model
     ("model_stock", {}, "model_stock", {}),
     ("multislerp", {"weights": W3, "task_vectors": True}, "multislerp", {"weight": per_model(W3)}),
     ("karcher", {}, "karcher", {}),
+    ("ram", {}, "ram", {}),
+    ("ramplus_tl", {"r": 0.5, "alpha": 1.0}, "ramplus_tl", {"r": 0.5, "alpha": 1.0}),
 ]
 
 
@@ -336,6 +451,9 @@ ROUND_TRIP = [  # deterministic merges whose YAML has no departures: mergekit's 
     ("task_arithmetic", {"weights": [0.5, 0.8, -0.2], "lambda_": 0.7}),
     ("nuslerp", {"weights": [0.3, 0.7]}),  # two models, no base
     ("slerp", {"t": 0.3}),
+    ("nearswap", {"t": 0.01}),  # two models, the first as mergekit's base_model
+    ("ram", {"epsilon": 0.04}),
+    ("ramplus_tl", {"r": 0.5, "alpha": 1.0, "epsilon": 0.04}),
 ]
 
 
@@ -397,17 +515,39 @@ def test_mergekit_yaml_round_trip(name, over, tiny_model_dirs, tmp_path):
     dirs, sds = tiny_model_dirs
     entry, kw = preset(name, **over)
     b = sds[0] if entry.meta["needs_base"] or kw.get("task_vectors") else None
-    n = 2 if name in ("nuslerp", "slerp") else 3
+    n = 2 if name in ("nuslerp", "slerp", "nearswap") else 3
     dirs, sds = dirs[: n + 1], sds[: n + 1]
     cfg, notes = mergekit_config(entry, kw, dirs[1:], dirs[0] if b is not None else None)
     assert cfg is not None and notes == [], notes
     text = mergekit_yaml(entry, kw, dirs[1:], dirs[0] if b is not None else None)
     got = _mergekit_out(text, tmp_path / "out", cli=name == ROUND_TRIP[0][0])
+    print(f"{name}: max |mergescope - mergekit| = "
+          f"{max(float((merge_state_dicts(entry, kw, sds[1:], b, [k], device='cpu')[k] - got[k]).abs().max()) for k in got):.3g}")
     names = [k for k in sds[0] if sds[0][k].is_floating_point()]
     ours = merge_state_dicts(entry, kw, sds[1:], b, names, device="cpu")
     assert set(got) == set(names)
     for k in names:
         torch.testing.assert_close(ours[k], got[k], **TOL, msg=lambda m: f"{name} {k}: {m}")
+
+
+def test_arcee_fusion_yaml_round_trip(tiny_model_dirs, tmp_path):
+    """arcee_fusion's YAML (two models, the first as base_model) run by mergekit gives our tensors exactly; its only
+    departure note is the quartile sampling above 1,000,000 entries, which no tensor of this model reaches."""
+    from mergescope.merge import mergekit_config, mergekit_yaml
+
+    dirs, sds = tiny_model_dirs
+    entry, kw = preset("arcee_fusion")
+    cfg, notes = mergekit_config(entry, kw, dirs[1:3])
+    assert cfg["base_model"] == dirs[1] and [m["model"] for m in cfg["models"]] == [dirs[2]]
+    assert len(notes) == 1 and "1,000,000" in notes[0]
+    got = _mergekit_out(mergekit_yaml(entry, kw, dirs[1:3]), tmp_path / "out", cli=False)
+    names = [k for k in sds[0] if sds[0][k].is_floating_point()]
+    assert max(sds[1][k].numel() for k in names) < 1_000_000
+    ours = merge_state_dicts(entry, kw, sds[1:3], None, names, device="cpu")
+    print(f"arcee_fusion: max |mergescope - mergekit| = {max(float((ours[k] - got[k]).abs().max()) for k in names):.3g}")
+    assert any(not torch.equal(ours[k], sds[1][k]) for k in names)
+    for k in names:
+        torch.testing.assert_close(ours[k], got[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
 def test_mergekit_yaml_says_where_it_departs():
@@ -502,6 +642,15 @@ def test_passthrough_stack_layers_matches_mergekit(tmp_path):
     assert set(ours) == set(got)
     for k in ours:
         torch.testing.assert_close(ours[k], got[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    # the state dicts in file order (safetensors lists lm_head.weight first) and reversed: the same model (the head
+    # and the final norm by rule from the last slice, the embeddings from the first; issue 39)
+    from safetensors.torch import load_file
+
+    files = [load_file(str(Path(d) / "model.safetensors")) for d in dirs]
+    assert next(iter(files[0])) == "lm_head.weight"
+    for order in (files, [dict(reversed(list(f.items()))) for f in files]):
+        again, _ = stack_layers([(order[0], 0, 2), (order[1], 1, 3)], cfg.to_dict())
+        assert set(again) == set(got) and all(torch.equal(again[k], got[k]) for k in got)
     assert torch.equal(ours["model.layers.3.mlp.up_proj.weight"], sds[1]["model.layers.2.mlp.up_proj.weight"])
     assert torch.equal(ours["lm_head.weight"], sds[1]["lm_head.weight"])  # after the layers: the last slice's
     assert torch.equal(ours["model.embed_tokens.weight"], sds[0]["model.embed_tokens.weight"])
@@ -606,3 +755,11 @@ def test_per_tensor_settings_are_checked_before_any_model_loads():
     sd = {"model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}
     with pytest.raises(MergescopeError, match=r"weights\[0\] gives no value for tensor 'model.layers.0.self_attn"):
         merge_state_dicts(entry, kw, [sd, sd], None, list(sd), "cpu")
+
+
+def test_native_mix_leaves_nearswaps_distance():
+    """native.merges mixes set an interpolation t, never nearswap's t (a distance per entry: register(..., mix=False))."""
+    from mergescope.native.merges import preset_config as native_preset, with_mix
+
+    assert with_mix(native_preset("nearswap"), 0.3).t == 0.0001
+    assert with_mix(native_preset("slerp"), 0.3).t == 0.3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -181,7 +182,8 @@ ROUND = [("ties", {"weights": W, "density": 0.4}), ("ties", {"weights": W, "norm
          ("breadcrumbs_ties", {"weights": W, "density": 0.7, "gamma": 0.05}), ("della_linear", {"weights": W, "density": 1.0}),
          ("linear", {"weights": [0.2, 0.3, 0.5]}), ("model_stock", {}), ("sce", {"select_topk": 0.5}), ("karcher", {}),
          ("multislerp", {"weights": W}), ("multislerp", {"weights": W, "task_vectors": True}), ("nuslerp", {"weights": [0.3, 0.7]}),
-         ("slerp", {"t": 0.3})]
+         ("slerp", {"t": 0.3}), ("nearswap", {"t": 0.2}), ("arcee_fusion", {}), ("ram", {"epsilon": 0.1}),
+         ("ramplus_tl", {"r": 0.3, "alpha": 0.5})]
 
 
 @pytest.mark.parametrize("name,over", ROUND, ids=[f"{c[0]}-{i}" for i, c in enumerate(ROUND)])
@@ -190,7 +192,7 @@ def test_export_then_import_gives_the_same_merge(name, over):
     from mergescope.native.mergekit_in import parse
 
     entry, kw = preset(name, **over)
-    n = 2 if name in ("nuslerp", "slerp") else 3
+    n = 2 if name in ("nuslerp", "slerp", "nearswap", "arcee_fusion") else 3
     uses_base = entry.meta["needs_base"] or kw.get("task_vectors")
     text = mergekit_yaml(entry, kw, [f"/m{i}" for i in range(n)], "/base" if uses_base else None)
     got = parse(text)
@@ -245,9 +247,17 @@ def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, famil
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"slices": [{"sources": []}]}, "mergekit config .*: slices is not supported"),
+    ({"models": None, "slices": [{"sources": []}]}, r"mergekit config .*: slices\[0\].sources must be a non-empty list"),
+    ({"models": None, "slices": [{"sources": [{"model": "/a", "layer_range": [2, 2]}]}]}, r"layer_range \[2, 2\] must be \[start, end\]"),
+    ({"slices": [{"sources": [{"model": "/base", "layer_range": [0, 2]}, {"model": "/a", "layer_range": [0, 2]}]}]},
+     "models and slices together"),
+    ({"models": None, "slices": [{"sources": [{"model": "/a", "layer_range": [0, 2], "parameters": {"weight": 1.0}}]}]},
+     r"slices\[0\] base_model /base is not among the slice's sources"),
+    ({"merge_method": "passthrough", "base_model": None}, "passthrough without slices"),
+    ({"merge_method": "nearswap", "models": [{"model": "/a"}]}, "parameters.t is required by mergekit's nearswap"),
+    ({"modules": {}}, "modules is not supported"),
     ({"tokenizer_source": "union"}, "tokenizer_source is not supported"),
-    ({"merge_method": "nearswap"}, "merge_method 'nearswap' has no mergescope operator"),
+    ({"merge_method": "nonesuch"}, "merge_method 'nonesuch' has no mergescope operator"),
     ({"parameters": {"density": [{"filter": "mlp", "value": 0.5}, 0.7]}}, "parameters.density mixes numbers and filters"),
     ({"parameters": {"density": [{"filter": "mlp", "val": 0.5}]}}, r"parameters.density\[0\] must be \{filter"),
     ({"models": [{"model": "/a", "parameters": {"weight": 1, "density": 0.5}}, {"model": "/b", "parameters": {"weight": 1, "density": 0.7}}]},
@@ -483,3 +493,109 @@ def test_a_host_loaded_tensor_by_tensor_is_the_from_pretrained_model(tmp_path, a
     ids = torch.arange(1, 17).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(want(ids).logits, got(ids).logits)
+
+
+# ---------------------------------------------------------------- merges by layer slices (passthrough, per-slice methods)
+
+
+SLICED = {  # mergekit slices YAMLs on the family (base, ft1..ft3: 3-layer Llamas); {b} the base, {f1}.. the fine-tunes
+    "passthrough": {"merge_method": "passthrough", "slices": [
+        {"sources": [{"model": "{f1}", "layer_range": [0, 2]}]},
+        {"sources": [{"model": "{f2}", "layer_range": [1, 3]}]},
+        {"sources": [{"model": "{f3}", "layer_range": [1, 2], "parameters": {
+            "scale": [{"filter": "o_proj", "value": 0.0}, {"filter": "down_proj", "value": 0.5}, {"value": 1.0}]}}]}]},
+    "slerp": {"merge_method": "slerp", "base_model": "{f1}", "parameters": {"t": [{"filter": "self_attn", "value": [0.0, 1.0]},
+                                                                             {"value": 0.3}]},
+              "slices": [{"sources": [{"model": "{f1}", "layer_range": [0, 3]}, {"model": "{f2}", "layer_range": [0, 3]}]},
+                         {"sources": [{"model": "{f1}", "layer_range": [1, 3]}, {"model": "{f2}", "layer_range": [0, 2]}],
+                          "parameters": {"t": 0.8}}]},
+    "ties": {"merge_method": "ties", "base_model": "{b}", "parameters": {"density": 0.6},
+             "slices": [{"sources": [{"model": "{b}", "layer_range": [0, 2]},
+                                     {"model": "{f1}", "layer_range": [0, 2], "parameters": {"weight": 0.7}},
+                                     {"model": "{f2}", "layer_range": [0, 2], "parameters": {"weight": [0.2, 0.9]}}]},
+                        {"sources": [{"model": "{b}", "layer_range": [1, 3]}, {"model": "{f3}", "layer_range": [1, 3],
+                                                                              "parameters": {"weight": 1.0}},
+                                     {"model": "{f1}", "layer_range": [1, 3],
+                                      "parameters": {"weight": 0.5}}]}]},
+}
+
+
+def _fill(node, family):
+    base, *fts = family
+    names = {"{b}": base, **{f"{{f{i + 1}}}": d for i, d in enumerate(fts)}}
+    if isinstance(node, dict):
+        return {k: _fill(v, family) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, family) for v in node]
+    return names.get(node, node)
+
+
+@pytest.mark.parametrize("name", list(SLICED))
+def test_sliced_mergekit_yaml_equals_mergekit(name, compose_cfg, family, tmp_path):
+    """A mergekit slices YAML through task=merge merge=mergekit (save=true): the saved model equals mergekit's own output
+    on the same YAML tensor by tensor (passthrough: exactly; slerp, TIES per slice: 1e-6), its config.json states the new
+    depth, and it reloads and scores. passthrough: 2 + 2 + 1 = 5 layers from three models, a filtered per-source scale;
+    slerp: 3 + 2 layers, a gradient over each slice's own layers under a filter and a slice-level t; TIES: the base among
+    each slice's sources, per-source weights (one a gradient)."""
+    pytest.importorskip("mergekit")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from test_merge_methods import _mergekit_out
+
+    from mergescope.native.merges import run_merge
+
+    hand = {**_fill(SLICED[name], family), "dtype": "float32"}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(hand))
+    cfg, ov = compose_cfg(["task=merge", "merge=mergekit", f"merge.config={path}", "save=true", "native.nll_sentences=4"])
+    res = run_merge(cfg, ov)
+    layers = sum(s["sources"][0]["layer_range"][1] - s["sources"][0]["layer_range"][0] for s in hand["slices"])
+    assert res.metrics["n_layers"] == layers and np.isfinite(res.metrics["nll"])
+    client, logged = artifact(cfg, res.run_id, "merge/mergekit.yaml", tmp_path)
+    run = client.get_run(res.run_id)
+    assert run.data.tags["sliced"] == "True" and run.data.tags["n_layers"] == str(layers)
+    saved = Path(run.data.params["saved_to"])
+    got = weights(saved)
+    mk = _mergekit_out(path.read_text(), tmp_path / "mk", cli=name == "passthrough")
+    assert set(got) == set(mk), sorted(set(got) ^ set(mk))
+    diffs = {k: float((got[k] - mk[k]).abs().max()) for k in got}
+    print(f"{name}: max |mergescope - mergekit| = {max(diffs.values()):.3g} over {len(diffs)} tensors")
+    for k in got:
+        torch.testing.assert_close(got[k], mk[k], **(dict(rtol=0, atol=0) if name == "passthrough" else TOL),
+                                   msg=lambda s: f"{k}: {s}")
+    assert AutoConfig.from_pretrained(saved).num_hidden_layers == layers == AutoConfig.from_pretrained(tmp_path / "mk").num_hidden_layers
+    AutoModelForCausalLM.from_pretrained(saved)  # a loadable model of the new depth
+    # the logged slices YAML, read back, gives the same tensors
+    again = tmp_path / "again.yaml"
+    again.write_text(logged)
+    assert "NOT identical" not in logged, logged
+    cfg2, ov2 = compose_cfg(["task=merge", "merge=mergekit", f"merge.config={again}", "save=true", "native.nll_sentences=4"])
+    got2 = weights(client.get_run(run_merge(cfg2, ov2).run_id).data.params["saved_to"])
+    for k in got:
+        assert torch.equal(got[k], got2[k]), k
+
+
+def test_passthrough_preset_route_equals_the_mergekit_route(compose_cfg, family, tmp_path):
+    """task=merge merge=passthrough '+merge.slices=[...]' (conf/merge/passthrough.yaml, the one-source shorthand) gives
+    the tensors of the same stacking as a mergekit YAML; a layer range past a model's depth is refused before any run."""
+    from mergescope.native.merges import run_merge
+
+    base, f1, f2, _ = family
+    slices = f"+merge.slices=[{{model:{f1},layer_range:[0,2]}},{{sources:[{{model:{f2},layer_range:[1,3]}}]}}]"
+    cfg, ov = compose_cfg(["task=merge", "merge=passthrough", slices, "save=true", "native.nll_sentences=4"])
+    res = run_merge(cfg, ov)
+    assert res.metrics["n_layers"] == 4.0
+    client, _ = artifact(cfg, res.run_id, "merge/mergekit.yaml", tmp_path)
+    got = weights(client.get_run(res.run_id).data.params["saved_to"])
+    a, b = weights(f1), weights(f2)
+    assert torch.equal(got["model.layers.3.mlp.up_proj.weight"], b["model.layers.2.mlp.up_proj.weight"])
+    assert torch.equal(got["model.layers.1.self_attn.q_proj.weight"], a["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(got["model.norm.weight"], b["model.norm.weight"])  # after the layers: the last slice's
+    assert torch.equal(got["model.embed_tokens.weight"], a["model.embed_tokens.weight"])
+    bad = f"+merge.slices=[{{model:{f1},layer_range:[2,4]}}]"
+    cfg, ov = compose_cfg(["task=merge", "merge=passthrough", bad])
+    with pytest.raises(MergescopeError, match=r"layers \[2, 4\) of a model with 3"):
+        run_merge(cfg, ov)
+    cfg, ov = compose_cfg(["task=merge", "merge=ties", f"+merge.base={base}",
+                           f"+merge.slices=[{{sources:[{{model:{f1},layer_range:[0,2]}},{{model:{f2},layer_range:[0,2]}}]}}]"])
+    with pytest.raises(MergescopeError, match=r"merge.slices\[0\] does not list the base"):
+        run_merge(cfg, ov)

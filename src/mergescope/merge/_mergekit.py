@@ -47,7 +47,7 @@ def as_mergekit(v: Any) -> Any:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
-def _put_varying(mk: MK, kwargs: Mapping[str, Any]) -> None:
+def put_varying(mk: MK, kwargs: Mapping[str, Any]) -> None:
     for k, v in kwargs.items():
         if not varies(k, v):
             continue
@@ -78,7 +78,7 @@ def mergekit_config(entry: Entry, kwargs: Mapping[str, Any], models: Sequence[st
     if mk.method is None:
         return None, mk.notes
     if per_tensor:  # filters and gradients are mergekit's own syntax: written back where the operator put the value
-        _put_varying(mk, kwargs)
+        put_varying(mk, kwargs)
     if mk.base == "first":
         base_model, listed, params = models[0], list(models[1:]), mk.model_parameters[1:]
     else:

@@ -1,11 +1,14 @@
 """``task=merge merge=mergekit merge.config=path.yaml``: a mergekit (0.1.5) YAML run through mergescope's operators.
 
 Read: ``merge_method``, ``base_model``, ``models`` (``model`` + ``parameters``: per-model ``weight``, ``density``,
-``gamma``, ``epsilon``), ``parameters`` (the method's shared settings), ``dtype``; any setting may be mergekit's parameter
-filters (``[{filter: self_attn, value: ...}, {value: ...}]``) or a layer gradient (a list of numbers), resolved per
-tensor exactly as mergekit does (:mod:`mergescope.tensor_settings`).
+``gamma``, ``epsilon``, ``scale``) or ``slices`` (each ``sources`` of ``model`` + ``layer_range`` + ``parameters``, with
+its own ``parameters`` and ``base_model``: a merge by layer slices, :mod:`mergescope.native.sliced`), ``parameters`` (the
+method's shared settings), ``dtype``; any setting may be mergekit's parameter filters (``[{filter: self_attn, value:
+...}, {value: ...}]``) or a layer gradient (a list of numbers), resolved per tensor exactly as mergekit does
+(:mod:`mergescope.tensor_settings`; in a slice, over the slice's own layers). A slice's settings are its sources', then
+its own, then the config's, as in mergekit.
 Settings a config leaves out take mergekit 0.1.5's defaults (:data:`MK_DEFAULTS`, checked against mergekit's own
-method specs in the tests), not the mergescope preset's. Anything else (``slices``, ``tokenizer_source``,
+method specs in the tests), not the mergescope preset's. Anything else (``modules``, ``tokenizer_source``,
 LoRA ``+`` models, per-model densities that differ) is refused in one line naming
 the key. The models are scored on ``merge.lang`` (FLORES devtest, English by default).
 """
@@ -19,7 +22,8 @@ from omegaconf import DictConfig
 
 from mergescope.config import load_conf, to_plain
 from mergescope.errors import MergescopeError
-from mergescope.native.spec import Spec, model_entry
+from mergescope.merge.passthrough import Source
+from mergescope.native.spec import SliceSpec, Spec, model_entry
 
 # mergekit method -> (mergescope preset, shared key -> our keyword, per-model key -> our keyword)
 _GTA = {"normalize": "normalize", "lambda": "lambda_", "rescale": "rescale", "int8_mask": None}
@@ -41,6 +45,11 @@ METHODS: dict[str, tuple[str, dict[str, str | None], dict[str, str | None]]] = {
     "della_linear": ("della_linear", _GTA, {"weight": "weights", "density": "density", "epsilon": "epsilon"}),
     "sce": ("sce", {"select_topk": "select_topk", "int8_mask": None}, {}),
     "model_stock": ("model_stock", {"filter_wise": "filter_wise"}, {}),
+    "nearswap": ("nearswap", {"t": "t"}, {}),
+    "arcee_fusion": ("arcee_fusion", {}, {}),
+    "ram": ("ram", {"epsilon": "epsilon"}, {}),
+    "ramplus_tl": ("ramplus_tl", {"r": "r", "alpha": "alpha", "epsilon": "epsilon"}, {}),
+    "passthrough": ("passthrough", {}, {"scale": "scale"}),  # layer stacking: with slices only
 }
 _GTA_D = {"int8_mask": False, "lambda": 1.0}
 MK_DEFAULTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # mergekit 0.1.5: (shared, per-model) defaults
@@ -59,15 +68,22 @@ MK_DEFAULTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # mergekit 0.
     "della_linear": ({**_GTA_D, "normalize": False, "rescale": True}, {"density": 1.0, "epsilon": 0.15}),
     "sce": ({"int8_mask": False, "select_topk": 1.0}, {}),
     "model_stock": ({"filter_wise": False}, {}),
+    "nearswap": ({}, {}),
+    "arcee_fusion": ({}, {}),
+    "ram": ({"epsilon": 1e-05}, {}),
+    "ramplus_tl": ({"r": 0.1, "alpha": 0.2, "epsilon": 1e-05}, {}),
+    "passthrough": ({}, {"scale": None}),
 }
-TOP_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "name")
+REQUIRED = {"nearswap": ("t",)}  # mergekit parameters without a default: a config must set them
+TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "name")
 BASED = {"task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della",
-         "della_linear", "sce", "model_stock"}
+         "della_linear", "sce", "model_stock", "ram", "ramplus_tl"}
+FIRST = ("slerp", "nearswap", "arcee_fusion")  # two-model methods: mergekit's base_model is the operator's first model
 
 
 def _refuse(path: str, key: str, why: str = "is not supported") -> MergescopeError:
     return MergescopeError(f"mergekit config {path}: {key} {why} (mergescope reads merge_method, base_model, models with "
-                           "numeric per-model parameters, parameters, dtype)")
+                           "numeric per-model parameters or slices of sources with layer_range, parameters, dtype)")
 
 
 def _number(path: str, key: str, v: Any) -> Any:
@@ -106,9 +122,117 @@ def _model_ref(path: str, key: str, ref: Any) -> str:
     return ref
 
 
+def _group(path: str, method: str, items: list[tuple[str, str, dict]], base: str | None, shared_raw: dict[str, Any],
+           where: str) -> tuple[list[str], str | None, dict[str, Any]]:
+    """One merge group (the ``models`` list, or one slice's ``sources``): ``items`` as (where, ref, parameters), the
+    group's base and shared settings -> (the operator's inputs in its order, the base it uses or None, its keywords)."""
+    _, shared_map, per_map = METHODS[method]
+    shared_d, per_d = MK_DEFAULTS[method]
+    if method == "passthrough":
+        base = None  # mergekit's passthrough ignores base_model (its tokenizer's donor only)
+    refs, per = [], []
+    for at, ref, params in items:
+        if ref == base and method not in ("linear", "karcher"):
+            continue  # the base listed among the models: mergekit takes no task vector of it
+        if unknown := [k for k in params if k not in per_map]:
+            raise _refuse(path, f"{at}.parameters.{unknown[0]}", f"is not a per-model parameter of {method} here")
+        refs.append(ref)
+        per.append({k: _number(path, f"{at}.parameters.{k}", v) for k, v in params.items()})
+    shared = {k: _number(path, f"parameters.{k}", v) for k, v in shared_raw.items()}
+    if unknown := [k for k in shared if k not in shared_map and k not in per_map]:
+        raise _refuse(path, f"parameters.{unknown[0]}", f"is not a parameter of {method} here")
+    if missing := [k for k in REQUIRED.get(method, ()) if k not in shared]:
+        raise _refuse(path, f"parameters.{missing[0]}", f"is required by mergekit's {method} (it has no default)")
+    kw: dict[str, Any] = {}
+    values = {**shared_d, **{k: v for k, v in shared.items() if k in shared_map}}
+    for k, v in values.items():
+        if shared_map.get(k):
+            kw[shared_map[k]] = v
+    for k, ours in per_map.items():  # per-model (a top-level value is every model's, as in mergekit)
+        vals = [p.get(k, shared.get(k, per_d.get(k))) for p in per]
+        if ours is None:
+            continue
+        if k == "weight":
+            if any(v is None for v in vals):
+                raise _refuse(path, f"{where}[{vals.index(None)}].parameters.weight", f"is required by mergekit's {method}")
+            kw[ours] = [v if isinstance(v, list) else float(v) for v in vals]
+        elif not _same(vals):
+            raise _refuse(path, f"per-model {k} {vals}", "differing across models is not supported: give every model one value")
+        elif vals and vals[0] is not None:
+            kw[ours] = vals[0] if isinstance(vals[0], list) else float(vals[0])
+    if "rescale" in kw:
+        kw["rescale"] = "l1" if kw["rescale"] else "none"
+    if method in FIRST:  # mergekit's base_model is the operator's first model
+        if base is None or len(refs) != 1:
+            raise _refuse(path, method, "needs base_model and exactly one other model")
+        refs, base = [base, *refs], None
+    elif method in ("multislerp", "nuslerp"):
+        kw["task_vectors"] = base is not None
+    elif method in BASED:
+        if base is None:
+            raise _refuse(path, "base_model", f"is required by {method}")
+    elif base is not None:  # linear, karcher: the base is one more input, listed among the models
+        if base not in refs:
+            raise _refuse(path, "base_model", f"of {method} must also be listed in {where} (with its weight)")
+        base = None
+    return refs, base, kw
+
+
+def _entry(path: str, at: str, m: Any, keys: set[str]) -> tuple[str, dict]:
+    if not isinstance(m, dict) or "model" not in m or set(m) - keys:
+        bad = sorted(set(m) - keys) if isinstance(m, dict) else ["model"]
+        raise _refuse(path, f"{at}.{bad[0] if bad else 'model'}")
+    return _model_ref(path, f"{at}.model", m["model"]), m.get("parameters") or {}
+
+
+def _layer_range(path: str, at: str, r: Any) -> tuple[int, int]:
+    if (not isinstance(r, list) or len(r) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in r)
+            or not 0 <= r[0] < r[1]):
+        raise _refuse(path, f"{at}.layer_range {r!r}", "must be [start, end] with 0 <= start < end (layers start..end-1)")
+    return int(r[0]), int(r[1])
+
+
+def _slices(path: str, method: str, cfg: dict, base: str | None, preset0: dict) -> tuple[list[str], list[dict[str, Any]]]:
+    """mergekit's ``slices:`` -> (every model once, in order of appearance; per slice {inputs, base: (ref, start, end),
+    preset})."""
+    if not isinstance(cfg["slices"], list) or not cfg["slices"]:
+        raise _refuse(path, "slices", "must be a non-empty list of {sources: [{model, layer_range}, ...]}")
+    models: list[str] = []
+    out = []
+    for s, sl in enumerate(cfg["slices"]):
+        if not isinstance(sl, dict) or "sources" not in sl or set(sl) - {"sources", "parameters", "base_model"}:
+            bad = sorted(set(sl) - {"sources", "parameters", "base_model"}) if isinstance(sl, dict) else []
+            raise _refuse(path, f"slices[{s}].{bad[0] if bad else 'sources'}")
+        srcs = sl["sources"]
+        if not isinstance(srcs, list) or not srcs:
+            raise _refuse(path, f"slices[{s}].sources", "must be a non-empty list of {model, layer_range, parameters}")
+        ranges: dict[str, tuple[int, int]] = {}
+        items = []
+        for i, m in enumerate(srcs):
+            at = f"slices[{s}].sources[{i}]"
+            ref, params = _entry(path, at, m, {"model", "layer_range", "parameters"})
+            if ref in ranges:
+                raise _refuse(path, f"{at}.model {ref}", "appears twice in one slice (mergekit keys a slice's inputs by model)")
+            ranges[ref] = _layer_range(path, at, m.get("layer_range"))
+            items.append((at, ref, params))
+        sbase = _model_ref(path, f"slices[{s}].base_model", sl["base_model"]) if sl.get("base_model") is not None else base
+        shared = {**(cfg.get("parameters") or {}), **(sl.get("parameters") or {})}
+        refs, b, kw = _group(path, method, items, sbase, shared, f"slices[{s}].sources")
+        if b is not None and b not in ranges:
+            raise _refuse(path, f"slices[{s}] base_model {b}", "is not among the slice's sources: list it with its layer_range")
+        for r in [*refs, *([b] if b else [])]:
+            if r not in models:
+                models.append(r)
+        out.append({"inputs": [(r, *ranges[r]) for r in refs], "base": (b, *ranges[b]) if b else None,
+                    "preset": {**preset0, **kw}})
+    return models, out
+
+
 def parse(text: str, path: str = "config") -> dict[str, Any]:
-    """A mergekit YAML -> {preset, models (refs), base (ref or None), notes}: the mergescope operator preset with
-    the config's settings (mergekit's defaults where it sets none)."""
+    """A mergekit YAML -> {preset, models (refs), base (ref or None), dtype, notes, slices}: the mergescope operator
+    preset with the config's settings (mergekit's defaults where it sets none). With ``slices:`` (layer ranges), the
+    ``slices`` entry holds each output slice's inputs and base as (ref, start, end) and its preset; ``models`` lists
+    every model once and ``base`` is None; without, ``slices`` is None."""
     import yaml
 
     cfg = yaml.safe_load(text)
@@ -119,66 +243,25 @@ def parse(text: str, path: str = "config") -> dict[str, Any]:
     method = cfg.get("merge_method")
     if method not in METHODS:
         raise _refuse(path, f"merge_method {method!r}", f"has no mergescope operator here; one of {', '.join(METHODS)}")
-    preset_name, shared_map, per_map = METHODS[method]
-    shared_d, per_d = MK_DEFAULTS[method]
-    entries = cfg.get("models") or []
-    if not isinstance(entries, list) or not entries:
-        raise _refuse(path, "models", "must be a non-empty list of {model: ..., parameters: ...}")
     base = _model_ref(path, "base_model", cfg["base_model"]) if cfg.get("base_model") is not None else None
-    refs, per = [], []
-    for i, m in enumerate(entries):
-        if not isinstance(m, dict) or "model" not in m or set(m) - {"model", "parameters"}:
-            bad = sorted(set(m) - {"model", "parameters"}) if isinstance(m, dict) else ["model"]
-            raise _refuse(path, f"models[{i}].{bad[0] if bad else 'model'}")
-        ref = _model_ref(path, f"models[{i}].model", m["model"])
-        params = m.get("parameters") or {}
-        if ref == base and method not in ("linear", "karcher"):
-            continue  # the base listed among the models: mergekit takes no task vector of it
-        if unknown := [k for k in params if k not in per_map]:
-            raise _refuse(path, f"models[{i}].parameters.{unknown[0]}", f"is not a per-model parameter of {method} here")
-        refs.append(ref)
-        per.append({k: _number(path, f"models[{i}].parameters.{k}", v) for k, v in params.items()})
-    shared = {k: _number(path, f"parameters.{k}", v) for k, v in (cfg.get("parameters") or {}).items()}
-    if unknown := [k for k in shared if k not in shared_map and k not in per_map]:
-        raise _refuse(path, f"parameters.{unknown[0]}", f"is not a parameter of {method} here")
-    kw: dict[str, Any] = {}
-    values = {**shared_d, **{k: _number(path, f"parameters.{k}", v) for k, v in shared.items() if k in shared_map}}
-    for k, v in values.items():
-        if shared_map.get(k):
-            kw[shared_map[k]] = v
-    for k, ours in per_map.items():  # per-model (a top-level value is every model's, as in mergekit)
-        vals = [p.get(k, shared.get(k, per_d.get(k))) for p in per]
-        if ours is None:
-            continue
-        if k == "weight":
-            if any(v is None for v in vals):
-                raise _refuse(path, f"models[{vals.index(None)}].parameters.weight", f"is required by mergekit's {method}")
-            kw[ours] = [v if isinstance(v, list) else float(v) for v in vals]
-        elif not _same(vals):
-            raise _refuse(path, f"per-model {k} {vals}", "differing across models is not supported: give every model one value")
-        else:
-            kw[ours] = vals[0] if isinstance(vals[0], list) else float(vals[0])
-    if "rescale" in kw:
-        kw["rescale"] = "l1" if kw["rescale"] else "none"
-    if method == "slerp":
-        if base is None or len(refs) != 1:
-            raise _refuse(path, "slerp", "needs base_model and exactly one other model")
-        refs, base = [base, *refs], None
-    elif method in ("multislerp", "nuslerp"):
-        kw["task_vectors"] = base is not None
-    elif method in BASED:
-        if base is None:
-            raise _refuse(path, "base_model", f"is required by {method}")
-    elif base is not None:  # linear, karcher: the base is one more input, listed among the models
-        if base not in refs:
-            raise _refuse(path, "base_model", f"of {method} must also be listed in models (with its weight)")
-        base = None
     notes = []
     dtype = str(cfg.get("dtype") or "float32")
     if dtype not in ("float32", "float64"):
         notes.append(f"dtype {dtype}: mergekit computes in {dtype}, mergescope in float32")
-    preset = {**to_plain(load_conf("merge", preset_name)), **kw}
-    return {"preset": preset, "models": refs, "base": base, "dtype": dtype, "notes": notes}
+    preset0 = to_plain(load_conf("merge", METHODS[method][0]))
+    if cfg.get("slices") is not None:
+        if cfg.get("models") is not None:
+            raise _refuse(path, "models", "and slices together: give one of them (as mergekit requires)")
+        models, slices = _slices(path, method, cfg, base, preset0)
+        return {"preset": slices[0]["preset"], "models": models, "base": None, "dtype": dtype, "notes": notes, "slices": slices}
+    if method == "passthrough":
+        raise _refuse(path, "passthrough", "without slices copies one model: give slices with layer_range")
+    entries = cfg.get("models") or []
+    if not isinstance(entries, list) or not entries:
+        raise _refuse(path, "models", "must be a non-empty list of {model: ..., parameters: ...} (or give slices)")
+    items = [(f"models[{i}]", *_entry(path, f"models[{i}]", m, {"model", "parameters"})) for i, m in enumerate(entries)]
+    refs, base, kw = _group(path, method, items, base, cfg.get("parameters") or {}, "models")
+    return {"preset": {**preset0, **kw}, "models": refs, "base": base, "dtype": dtype, "notes": notes, "slices": None}
 
 
 def read_mergekit(cfg: DictConfig):
@@ -200,4 +283,10 @@ def read_mergekit(cfg: DictConfig):
 
     entries = [entry(r, f"{p.name} models[{i}]") for i, r in enumerate(got["models"])]
     base = entry(got["base"], f"{p.name} base_model") if got["base"] is not None else None
-    return Spec(got["preset"], entries, base, source=f"mergekit config {p}", notes=got["notes"])
+    slices = None
+    if got["slices"] is not None:  # every (ref, start, end) as a Source of the model's index in entries
+        idx = {r: i for i, r in enumerate(got["models"])}
+        slices = [SliceSpec([Source(idx[r], a, b) for r, a, b in sl["inputs"]],
+                            Source(idx[sl["base"][0]], *sl["base"][1:]) if sl["base"] else None, sl["preset"])
+                  for sl in got["slices"]]
+    return Spec(got["preset"], entries, base, source=f"mergekit config {p}", notes=got["notes"], slices=slices)

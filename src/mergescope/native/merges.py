@@ -29,9 +29,12 @@ def preset_config(name: str) -> DictConfig:
 
 
 def with_mix(merge_cfg: DictConfig, mix: float) -> DictConfig:
-    """Set the weight of model b: ``t`` for interpolating operators, ``weights`` = [1-w, w] otherwise."""
+    """Set the weight of model b: ``t`` for interpolating operators, ``weights`` = [1-w, w] otherwise; nothing for an
+    operator registered ``mix=False`` (no mix weight: nearswap's ``t`` is a distance)."""
     m = plain_copy(merge_cfg)
     entry, _ = resolve_preset(m)
+    if entry.meta.get("mix") is False:
+        return m
     if "t" in entry.params:
         m.t = float(mix)
     elif "weights" in entry.params:

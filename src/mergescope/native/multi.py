@@ -30,18 +30,24 @@ from mergescope.native.stream import StreamedState, load_streamed, streamed_stat
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
-MULTI_ONLY = ("models", "base", "config", "lang")  # merge.* keys that are no operator keyword
+MULTI_ONLY = ("models", "base", "config", "lang", "slices")  # merge.* keys that are no operator keyword
 MULTI_KEYS = ["merge", "data", "native.nll_sentences", "native.nll_langs", "native.merge_seeds", "represent.max_length"]
 
 
 def is_multi(cfg: DictConfig) -> bool:
     m = cfg.get("merge")
-    return m is not None and (m.get("models") is not None or m.get("name") == "mergekit")
+    return m is not None and (m.get("models") is not None or m.get("slices") is not None or m.get("name") == "mergekit")
 
 
 def spec_of(cfg: DictConfig) -> Spec:
     if cfg.merge.get("name") == "mergekit":
         return read_mergekit(cfg)
+    if cfg.merge.get("slices") is not None:
+        if cfg.merge.get("models") is not None:
+            raise MergescopeError("merge.models and merge.slices together: give one of them (slices name their models)")
+        from mergescope.native.sliced import preset_slices
+
+        return preset_slices(cfg, {k: v for k, v in to_plain(cfg.merge).items() if k not in MULTI_ONLY})
     ms = cfg.merge.models
     if isinstance(ms, str) or len(ms) < 1:
         raise MergescopeError("merge.models must be a list of models: +merge.models=[<conf/model name or path>, ...]")
@@ -197,6 +203,10 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     ``save=true`` writes the merged model under ``paths.merged/<run id>/``; ``eval=lm_eval`` scores it with
     lm-evaluation-harness afterwards, one kind=eval run tagged ``merge_run``."""
     spec = spec_of(cfg)
+    if spec.slices is not None:  # a merge by layer slices: its own depth, its own route
+        from mergescope.native.sliced import run_sliced
+
+        return run_sliced(cfg, spec, overrides)
     entry, kwargs, refs, base_ref = check_spec(cfg, spec)
     langs = langs_of(cfg, spec)
     names = labels(spec)

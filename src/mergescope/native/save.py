@@ -16,26 +16,27 @@ from mergescope.runs import JobResult, JobSpec, run_once
 
 
 def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[str], base: str | None, run_id: str,
-         source: str = "") -> str:
+         source: str = "", layout: str = "") -> str:
     """The saved model's README.md: how it was made (operator, its settings, the models and their weights, base,
-    the MLflow run)."""
+    the MLflow run; ``layout``: how a merge by layer slices was put together, instead of the shared-tensor line)."""
     w = kwargs.get("weights")
     lines = ["---", "library_name: transformers", "tags: [merge, mergescope]", "---", "",
              f"# Merged with mergescope ({preset})", "",
              f"- operator: `{operator}` (preset `{preset}`)",
-             f"- settings: `{json.dumps({k: v for k, v in kwargs.items() if k != 'weights'}, default=str)}`",
-             f"- base: {base or 'none'}", "- models (weight):"]
-    lines += [f"  - {m} ({w[i] if w is not None else 1.0})" for i, m in enumerate(models)]
+             f"- settings{' (first slice)' if layout else ''}: `{json.dumps({k: v for k, v in kwargs.items() if k != 'weights'}, default=str)}`",
+             f"- base: {base or 'none'}", "- models:" if layout else "- models (weight):"]
+    lines += [f"  - {m}" if layout else f"  - {m} ({w[i] if w is not None else 1.0})" for i, m in enumerate(models)]
     lines += [f"- MLflow run id: `{run_id}`" + (f"; from {source}" if source else ""), "",
-              "Tensors every model holds with one name and shape are merged; the rest are the first model's.", ""]
+              layout or "Tensors every model holds with one name and shape are merged; the rest are the first model's.", ""]
     return "\n".join(lines)
 
 
 def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: dict, models: Sequence[str],
-                base: str | None, source: str = "") -> str:
+                base: str | None, source: str = "", layout: str = "") -> str:
     from mergescope.adapt.save import save_model
 
-    return save_model(cfg, model, tokenizer, run_id, card(entry.name, str(cfg.merge.name), kwargs, models, base, run_id, source))
+    return save_model(cfg, model, tokenizer, run_id,
+                      card(entry.name, str(cfg.merge.name), kwargs, models, base, run_id, source, layout))
 
 
 def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], langs: list[str], merge: JobResult,

@@ -15,14 +15,27 @@ from mergescope.errors import MergescopeError, did_you_mean
 
 
 @dataclass
+class SliceSpec:
+    """One output slice of a sliced merge: its inputs and base as :class:`mergescope.merge.passthrough.Source` (model
+    = an index into :attr:`Spec.entries`) and the operator preset of this slice."""
+
+    inputs: list[Any]
+    base: Any | None
+    preset: dict[str, Any]
+
+
+@dataclass
 class Spec:
-    """What an N-model merge merges: the operator preset, the models, the base, and where it came from."""
+    """What an N-model merge merges: the operator preset, the models, the base, and where it came from. ``slices``: a
+    merge by layer slices (passthrough stacking, or an operator per slice; :mod:`mergescope.native.sliced`), its
+    models all in ``entries`` and ``base`` None."""
 
     preset: dict[str, Any]
     entries: list[DictConfig]
     base: DictConfig | None
     source: str = "merge.models"
     notes: list[str] = field(default_factory=list)
+    slices: list[SliceSpec] | None = None
 
 
 
