@@ -150,6 +150,29 @@ def test_a_damaged_representation_entry_is_reported_deleted_and_recomputed(case,
     assert client_for(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(third.run_id).data.params["cache_a"] == "hit"
 
 
+def test_a_misfiled_representation_entry_is_never_read_as_another_models(tiny_models, compose_cfg, tmp_path, capsys):
+    """Issue 36 (4): side a's entry (array and metadata, intact) copied over side b's: its checksum and shape hold, but
+    its metadata names another key, so it is reported, deleted and recomputed, never measured as side b."""
+    data = _folder(tmp_path / "data")
+    args = _measure(tiny_models, data)
+    first = _run(compose_cfg, args)
+    from mergescope.integrity import load_json
+
+    folder = tmp_path / ".cache" / "mergescope" / "reprs"
+    by_lang = {load_json(f)["key"]["lang"]: f.stem for f in folder.glob("*.json")}
+    for suffix in ("npy", "json"):
+        shutil.copyfile(folder / f"{by_lang['eng_Latn']}.{suffix}", folder / f"{by_lang['por_Latn']}.{suffix}")
+    capsys.readouterr()
+    again = _run(compose_cfg, [*args, "rerun=true"])
+    err = capsys.readouterr().err
+    assert again.metrics["cka"] == pytest.approx(first.metrics["cka"], abs=1e-12)  # side b recomputed, not side a's copy
+    assert err.count("names another key") == 1
+    from mergescope.tracking import client_for
+
+    params = client_for(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(again.run_id).data.params
+    assert (params["cache_a"], params["cache_b"]) == ("hit", "miss")
+
+
 def _probe_value():
     import torch
 
