@@ -210,6 +210,11 @@ CASES = {
                                        "have NaN or infinite representations"),
     "merge.marginal_tol < 0": ("inproc", lambda w: ["task=transport", "merge=transport", "merge.marginal_tol=-1", *measure(w)[2:]],
                                "merge.marginal_tol must be a positive number (the largest marginal error"),
+    # issue 36 (6): a non-finite setting, before any model loads
+    "merge.weights=[nan,1]": ("inproc", lambda w: ["task=merge", "merge=linear", "merge.weights=[nan,1]", *native(w, "en", "en",
+                              "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "merge.weights[0]=nan is not a finite number"),
+    "merge.weights=[inf,1]": ("launch", lambda w: ["task=merge", "merge=linear", "merge.weights=[inf,1]", *native(w, "en", "en",
+                              "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "merge.weights[0]=inf is not a finite number"),
     "dead tracking server": ("launch", lambda w: measure(w, "en", "tracking.uri=http://127.0.0.1:9"), "start it with `make server`"),
 }
 

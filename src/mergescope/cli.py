@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
-from mergescope.config import CONF_DIR, conf_options
+from mergescope.config import CONF_DIR, check_finite, conf_options
 from mergescope.errors import MergescopeError, did_you_mean
 
 ARM_GROUPS = ("native", "checkpoints", "adaptation", "expansion", "shared")  # each arm's settings: conf/<arm>/default.yaml
@@ -293,6 +293,7 @@ def check_counts(cfg: DictConfig) -> None:
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
     fn = handler(str(cfg.task.name))
+    check_finite(cfg)  # a NaN or infinite setting anywhere (merge.weights=[nan,1]): refused before any model loads
     check_counts(cfg)
     overrides = task_overrides() if overrides is None else overrides
     if cfg.get("num_threads"):

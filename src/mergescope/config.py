@@ -44,6 +44,34 @@ def redact_uri(text: str) -> str:
     return URI_PASSWORD.sub(r"\1<redacted>@", text)
 
 
+def nonfinite_paths(value: Any, where: str = "") -> list[str]:
+    """The dotted paths (``merge.weights[0]``) of every NaN or infinite number in a plain value or a config node
+    (interpolations are not resolved: the value they point at is checked where it is set)."""
+    import math
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where}={value}"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nonfinite_paths(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in nonfinite_paths(v, f"{where}[{i}]")]
+    return []
+
+
+def check_finite(value: Any, where: str = "") -> None:
+    """Refuse every NaN or infinite setting (a merge weight, a density, a learning rate...) in one line, before any
+    model loads: no setting of mergescope takes one, and a run with one would finish with NaN numbers."""
+    from mergescope.errors import MergescopeError
+
+    bad = nonfinite_paths(value, where)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise MergescopeError(f"{bad[0]}{more} is not a finite number: every numeric setting must be finite; set "
+                              f"{bad[0].split('=')[0]} to a finite value")
+
+
 def _first_dir(*candidates: str) -> str:
     """The first candidate that is an existing folder, else the last one (for the error message)."""
     for c in candidates:

@@ -31,7 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
-from mergescope.config import conf_digest, conf_options, to_plain
+from mergescope.config import check_finite, conf_digest, conf_options, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.settings import CheckpointSettings
@@ -50,6 +50,7 @@ class StudyJob:
     cfg: DictConfig
 
     def run(self) -> JobResult:
+        check_finite(self.cfg)  # the study's check of every job before any runs: a NaN setting of one job refused
         return handler(self.task)(self.cfg, self.overrides)
 
 
