@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ class ModelRef:
     revision: str | None  # hub revision, or the local sub-folder's name
     local: bool
     gguf_file: str | None = None  # a GGUF file's name in the folder / hub repo (dequantised at load)
+    entry: str = field(default="", compare=False, repr=False)  # entry_identity of the entry it was resolved from
 
     @property
     def label(self) -> str:
@@ -76,12 +77,35 @@ def check_revision(rev: Any) -> None:
                               "sub-folder's name (no '..', no absolute path)")
 
 
+ENTRY_LABEL_FIELDS = ("name", "setup", "shape", "zoo", "train_steps")
+"""The fields of a model entry that change no job's numbers: its label, the command that fetches it, its published
+shape (read only to plan before a download), and how the zoo trains it (what training gives is in the weights'
+fingerprint). Every other field (name_or_path, revision, gguf_file, lang, dtype, and any field added later) is in
+every job's identity, through :func:`entry_identity`."""
+
+
+def entry_identity(entry: Any) -> str:
+    """The one identity of a model entry beside its weights' fingerprint: every field but :data:`ENTRY_LABEL_FIELDS`,
+    resolved, as canonical JSON. :func:`resolve` keeps it on the ModelRef, and ``runs.identity`` hashes it for every
+    model a job reads, so a job never needs the entry under one of its config keys (a shared-space job names its
+    models; a dtype changed in conf/model/ changes the job)."""
+    from mergescope.config import to_plain
+
+    plain = to_plain(entry) if not isinstance(entry, dict) else entry
+    return json.dumps({k: v for k, v in dict(plain or {}).items() if k not in ENTRY_LABEL_FIELDS}, sort_keys=True, default=str)
+
+
 def resolve(entry: Any) -> ModelRef:
-    """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist.
+    """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist; the ref carries
+    the entry's :func:`entry_identity`.
 
     For a local folder, ``revision`` names a sub-folder (``step64``); with no revision the folder
     itself is used, or its ``main/`` sub-folder when the folder holds checkpoints.
     """
+    return replace(_resolve(entry), entry=entry_identity(entry))
+
+
+def _resolve(entry: Any) -> ModelRef:
     path = str(entry.name_or_path)
     rev = entry.get("revision")
     check_revision(rev)
