@@ -188,3 +188,59 @@ def test_a_model_entrys_identity_is_every_field_but_its_label():
     for key, value in (("dtype", "bfloat16"), ("lang", "por_Latn"), ("revision", "step1"), ("gguf_file", "m.gguf"),
                        ("a_field_added_later", 1)):
         assert entry_identity({**base, key: value}) != entry_identity(base), key
+
+
+# ---------------------------------------------------------------- issue 36 (5): a model edited in place
+
+def _edit_one_weight_in_place(f: Path) -> None:
+    """One float of the first tensor's bytes changed (same size), then the file's mtime restored."""
+    import json
+    import os
+    import struct
+
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, t in header.items() if k != "__metadata__" and t["dtype"] == "F32")
+    at = 8 + n + header[name]["data_offsets"][0]
+    (x,) = struct.unpack("<f", data[at:at + 4])
+    data[at:at + 4] = struct.pack("<f", x + 0.5)
+    with open(f, "r+b") as out:  # in place: the same inode
+        out.write(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = f.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def test_a_weight_edited_in_place_with_its_mtime_restored_changes_the_identity_and_a_relaunch_reads_no_file(
+        tiny_models, compose_cfg, tmp_path, monkeypatch):
+    """Issue 36 (5): the fingerprint is each file's content digest, not its size and mtime; the digest is read once
+    per version of a file (remembered under its stat, on disk for the next process), so a relaunch reads no weights."""
+    import time
+
+    from mergescope import models
+    from mergescope.represent.job import MEASURE_KEYS
+    from mergescope.runs import identity
+
+    a = tmp_path / "a"
+    shutil.copytree(tiny_models["neox_en"], a, ignore=shutil.ignore_patterns("step*"))
+    monkeypatch.setattr(models, "DIGEST_CACHE", [tmp_path / "digests"])
+    monkeypatch.setattr(models, "_DIGESTS", {})
+    reads = []
+    real_read = models._read_sha256
+    monkeypatch.setattr(models, "_read_sha256", lambda p: reads.append(Path(p).name) or real_read(p))
+    cfg, _ = compose_cfg(_pair(a, tiny_models["llama_pt"]))
+    time.sleep(models.RACY_NS / 1e9 + 0.1)  # files older than the racy window: their digests are remembered
+    ref = models.resolve(cfg.pair.a)
+    fp0, h0 = models.fingerprint(ref), identity("measure", cfg, MEASURE_KEYS, (ref,))
+    _edit_one_weight_in_place(a / "model.safetensors")
+    time.sleep(models.RACY_NS / 1e9 + 0.1)
+    reads.clear()
+    fp1, h1 = models.fingerprint(ref), identity("measure", cfg, MEASURE_KEYS, (ref,))
+    assert fp1 != fp0 and h1 != h0
+    assert reads == ["model.safetensors"]  # the other files' digests were remembered under their unchanged stat
+    monkeypatch.setattr(models, "_DIGESTS", {})  # a relaunch: a new process, the digests on disk
+    reads.clear()
+    assert models.fingerprint(ref) == fp1 and reads == []
+    assert len(list((tmp_path / "digests").glob("*.json"))) >= 3

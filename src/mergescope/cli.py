@@ -296,6 +296,9 @@ def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     check_finite(cfg)  # a NaN or infinite setting anywhere (merge.weights=[nan,1]): refused before any model loads
     check_counts(cfg)
     overrides = task_overrides() if overrides is None else overrides
+    from mergescope import models
+
+    models.DIGEST_CACHE[:] = [Path(str(cfg.paths.cache)) / "digests"]  # model files' digests, read once per version
     if cfg.get("num_threads"):
         from mergescope.device import set_threads
 

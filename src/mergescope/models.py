@@ -166,17 +166,60 @@ def gguf_fingerprint(ref: ModelRef) -> str:
         return f"hub:{ref.location}@{ref.revision or 'main'}:{ref.gguf_file}"
     f = Path(ref.location) / str(ref.gguf_file)
     st = f.stat()
-    return f"gguf:{f}:{st.st_size}:{file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)[:16]}"
+    return f"gguf:{f}:{st.st_size}:{file_digest(f)[:16]}"
 
 
 @lru_cache(maxsize=64)
 def file_sha256(path: str, _size: int = 0, _mtime_ns: int = 0) -> str:
     """sha256 of a file, read in 1 MiB blocks (memoised on path, size and mtime)."""
+    return _read_sha256(path)
+
+
+def _read_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+DIGEST_CACHE: list[Path] = []
+"""Where :func:`file_digest` keeps each file's digest across processes (``<paths.cache>/digests``, set by
+``cli.dispatch``); empty: in this process only."""
+_DIGESTS: dict[tuple, str] = {}
+RACY_NS = 2_000_000_000
+"""A file changed less than this long before it was read (ns) is read again next time: a write within the same
+timestamp tick as the read would keep its stat (git's racy-clean rule)."""
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes, read once per version of the file: remembered in the process and on disk
+    (:data:`DIGEST_CACHE`) under its stat (size, mtime, ctime, inode), so a relaunch does not read a 7 GB checkpoint
+    again. Any write changes the file's ctime, and ``os.utime`` cannot set it back, so a file edited in place is read
+    again even when its size and mtime were restored."""
+    import time
+
+    from mergescope import integrity
+
+    st = Path(path).stat()
+    key = [str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    if tuple(key) in _DIGESTS:
+        return _DIGESTS[tuple(key)]
+    entry = (DIGEST_CACHE[0] / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json") if DIGEST_CACHE else None
+    hit = integrity.load_json(entry) if entry is not None and entry.is_file() else None
+    if isinstance(hit, dict) and hit.get("stat") == key and isinstance(hit.get("sha256"), str):
+        _DIGESTS[tuple(key)] = hit["sha256"]
+        return hit["sha256"]
+    digest = _read_sha256(key[0])
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS:
+        return digest  # changed just now: not remembered
+    _DIGESTS[tuple(key)] = digest
+    if entry is not None:
+        try:
+            integrity.save_json(entry, {"stat": key, "sha256": digest})
+        except OSError:  # an unwritable cache only costs a read of the file next time
+            pass
+    return digest
 
 
 def gguf_kwargs(ref: ModelRef) -> dict[str, Any]:
@@ -403,15 +446,15 @@ def resolve_pair(pair: Any) -> tuple[ModelRef, ModelRef]:
 
 
 def fingerprint(ref: ModelRef) -> str:
-    """Content identity for caching: weight files' names, sizes and mtimes (local), or id@revision (hub)."""
+    """Content identity for caching: the names and the bytes' digests (:func:`file_digest`, read once per version of
+    a file) of a local model's weight, config and tokenizer files, or id@revision#commit (hub)."""
     if ref.gguf_file:
         return gguf_fingerprint(ref)
     if ref.local:
         h = hashlib.sha256()
         for p in sorted(Path(ref.location).iterdir()):
             if p.suffix in (".safetensors", ".json", ".model", ".txt"):
-                st = p.stat()
-                h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                h.update(f"{p.name}:{file_digest(p)}".encode())
         return f"local:{ref.location}:{h.hexdigest()[:16]}"
     return f"hub:{ref.location}@{ref.revision or 'main'}#{hub_commit(ref) or 'unresolved'}"
 
