@@ -102,15 +102,15 @@ def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
 
 
 def scrub(text: str, argv: list[str] | None = None) -> str:
-    """``text`` with the value of every secret override of the command line (``+hf_token=...``) replaced, and every
-    URI password: what an error message or a traceback may print."""
-    from mergescope.config import is_secret, redact_uri
+    """``text`` with every secret of the command line replaced (the value of a secret key, ``+hf_token=...``, also
+    inside a dict value, and every secret-shaped value: ``config.override_secrets``), and every URI password and
+    secret-shaped value: what an error message or a traceback may print."""
+    from mergescope.config import override_secrets, redact_text
 
     for arg in sys.argv[1:] if argv is None else argv:
-        key, _, value = arg.partition("=")
-        if value and is_secret(key.lstrip("+~")):
+        for value in override_secrets(arg):
             text = text.replace(value, "<redacted>")
-    return redact_uri(text)
+    return redact_text(text)
 
 
 def verbose_flag(argv: list[str]) -> list[str]:
