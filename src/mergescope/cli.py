@@ -290,11 +290,34 @@ def check_counts(cfg: DictConfig) -> None:
         positive_count(OmegaConf.select(cfg, key), key)
 
 
+def check_outputs(cfg: DictConfig) -> None:
+    """What a job writes and needs besides its inputs, checked before any run: ``save=true`` writes under
+    ``paths.merged`` (a folder, or one it can create), and ``eval=lm_eval`` needs lm-evaluation-harness installed."""
+    if cfg.get("save"):
+        merged = Path(str(cfg.paths.get("merged") or Path(str(cfg.paths.root)) / "merged")).expanduser()
+        blocker = next((p for p in (merged, *merged.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise MergescopeError(f"paths.merged={merged}: {blocker} is a file, not a folder; save=true writes each "
+                                  "model into a folder there: point paths.merged at a folder (or set save=false)")
+    if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec("lm_eval") is not None
+        except (ImportError, ValueError):  # a module entry of None: not importable
+            found = False
+        if not found:
+            from mergescope.adapt.lmeval import INSTALL
+
+            raise MergescopeError(INSTALL)
+
+
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
     fn = handler(str(cfg.task.name))
     check_finite(cfg)  # a NaN or infinite setting anywhere (merge.weights=[nan,1]): refused before any model loads
     check_counts(cfg)
+    check_outputs(cfg)
     overrides = task_overrides() if overrides is None else overrides
     from mergescope import models
 

@@ -153,11 +153,41 @@ def resolve_gguf(entry: Any, path: str, rev: Any, name: str) -> ModelRef:
         if not (folder / gguf).is_file():
             how = f"run `{entry.get('setup')}`" if entry.get("setup") else "fix name_or_path= / gguf_file="
             raise MergescopeError(f"GGUF file {folder / gguf} does not exist; {how}")
+        check_gguf_file(folder / gguf)
         return ModelRef(name=name, location=str(folder), revision=str(rev) if rev else None, local=True, gguf_file=gguf)
     if path.count("/") != 1:
         raise MergescopeError(f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; "
                               "fix name_or_path=")
     return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False, gguf_file=gguf)
+
+
+def check_gguf_file(path: Path) -> None:
+    """A local GGUF file reads as GGUF before any run: its magic, header and every tensor's extent inside the file
+    (a truncated download, or another file named .gguf, is one line here, not a traceback at load)."""
+    st = path.stat()
+    problem = _gguf_problem(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if problem:
+        raise MergescopeError(f"{path} is not a readable GGUF file ({problem}); re-download it, or point gguf_file= at "
+                              "a complete .gguf file")
+
+
+@lru_cache(maxsize=64)
+def _gguf_problem(path: str, size: int, *_stat: int) -> str | None:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return "it does not start with the GGUF magic bytes"
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None  # transformers' GGUF loader needs the gguf package: load_model says so in one line
+    try:
+        reader = GGUFReader(path)  # memory-mapped: the header and tensor table are read, not the weights
+        ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on a damaged file
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else 'unreadable header'}"
+    if ends and max(ends) > size:
+        return f"truncated: its tensors end at byte {max(ends)}, the file has {size}"
+    return None
 
 
 def gguf_fingerprint(ref: ModelRef) -> str:
