@@ -87,3 +87,17 @@ def compose_cfg(tmp_path):
     yield _compose
     ctx.__exit__(None, None, None)
     GlobalHydra.instance().clear()
+
+
+def write_tiny_gguf(path: Path, value: float = 0.0) -> Path:
+    """A small valid GGUF file (one 64 x 64 float32 tensor of ``value`` + 0..4095), written with the gguf package."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", (np.arange(4096, dtype=np.float32) + value).reshape(64, 64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -7,6 +7,7 @@ still holds exactly the one run it was seeded with, no RUNNING or FAILED run exi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -121,6 +122,20 @@ def world(tiny_models, tmp_path):
     nul = tmp_path / "nul" / "eng_Latn.txt"
     nul.write_bytes(nul.read_bytes().replace(b"\n", b"\x00\n", 3)[:-1] + b"\n")
     (tmp_path / "artifacts_file").write_text("not a folder")
+    # issue 36 (13): a file named .gguf that is not one, a truncated GGUF, mergekit YAMLs that do not parse
+    for name in ("not_gguf", "trunc_gguf"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "not_gguf" / "m.gguf").write_text("this is a text file, not a model\n")
+    if importlib.util.find_spec("gguf") is not None:
+        from conftest import write_tiny_gguf
+
+        full = write_tiny_gguf(tmp_path / "trunc_gguf" / "m.gguf").read_bytes()
+        (tmp_path / "trunc_gguf" / "m.gguf").write_bytes(full[: len(full) // 2])
+    w["mk_syntax"] = tmp_path / "mk_syntax.yaml"
+    w["mk_syntax"].write_text(f"merge_method: linear\nmodels: [{{model: {en}}}\n  - model: {en}\n")
+    w["mk_python"] = tmp_path / "mk_python.yaml"
+    w["mk_python"].write_text(f"merge_method: !!python/object/apply:os.system ['touch {tmp_path / 'PWNED'}']\nmodels: []\n")
+    (tmp_path / "merged_file").write_text("a file where the merged models' folder should be")
     (tmp_path / "corrupt_db").mkdir()
     (tmp_path / "corrupt_db" / "mlflow.db").write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
     return w
@@ -210,6 +225,25 @@ CASES = {
                                        "have NaN or infinite representations"),
     "merge.marginal_tol < 0": ("inproc", lambda w: ["task=transport", "merge=transport", "merge.marginal_tol=-1", *measure(w)[2:]],
                                "merge.marginal_tol must be a positive number (the largest marginal error"),
+    # issue 36 (13): one line instead of a traceback
+    "not a GGUF file": ("launch", lambda w: ["task=quality", "model=custom", f"model.name_or_path={w['tmp'] / 'not_gguf'}",
+                                             "+model.gguf_file=m.gguf", "model.lang=eng_Latn", f"data.max_sentences={N}"],
+                        "m.gguf is not a readable GGUF file (it does not start with the GGUF magic bytes)"),
+    "truncated GGUF": ("inproc", lambda w: ["task=quality", "model=custom", f"model.name_or_path={w['tmp'] / 'trunc_gguf'}",
+                                            "+model.gguf_file=m.gguf", "model.lang=eng_Latn", f"data.max_sentences={N}"],
+                       "m.gguf is not a readable GGUF file (ValueError: cannot reshape array"),
+    "mergekit YAML syntax error": ("inproc", lambda w: ["task=merge", "merge=mergekit", f"merge.config={w['mk_syntax']}"],
+                                   "mk_syntax.yaml is not valid YAML (expected ',' or ']'"),
+    "mergekit YAML !!python tag": ("launch", lambda w: ["task=merge", "merge=mergekit", f"merge.config={w['mk_python']}"],
+                                   "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply"),
+    "paths.merged is a file (save=true)": ("launch", lambda w: ["task=merge", "merge=linear", "save=true",
+                                           f"paths.merged={w['tmp'] / 'merged_file'}", *native(w, "en", "en",
+                                           "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "is a file, not a folder"),
+    # issue 36 (6): a non-finite setting, before any model loads
+    "merge.weights=[nan,1]": ("inproc", lambda w: ["task=merge", "merge=linear", "merge.weights=[nan,1]", *native(w, "en", "en",
+                              "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "merge.weights[0]=nan is not a finite number"),
+    "merge.weights=[inf,1]": ("launch", lambda w: ["task=merge", "merge=linear", "merge.weights=[inf,1]", *native(w, "en", "en",
+                              "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "merge.weights[0]=inf is not a finite number"),
     "dead tracking server": ("launch", lambda w: measure(w, "en", "tracking.uri=http://127.0.0.1:9"), "start it with `make server`"),
 }
 
@@ -277,6 +311,22 @@ def test_every_class_of_bad_input_is_one_line_exit_2_no_run_nothing_cached(world
             problems.append(f"{name}: the store's runs changed: {[(r.info.run_name, r.info.status) for r in runs]}")
     assert not problems, "\n".join(problems)
     assert not (world["custom"] / "EXECUTED").exists()  # the model's own code never ran
+    assert not (root / "PWNED").exists()  # the mergekit YAML's !!python tag was never constructed
     cached = list((root / ".cache" / "mergescope" / "reprs").glob("*.npy"))
     assert cached == []  # no representation was cached, the non-finite ones least of all
     assert not (world["tmp"] / "nope").exists()  # a missing store folder is not created behind the user's back
+
+
+def test_eval_lm_eval_without_the_harness_is_refused_before_any_run(tiny_models, compose_cfg, capsys, monkeypatch, tmp_path):
+    """Issue 36 (14): ``eval=lm_eval`` with lm-eval not importable is one line, exit 2, before the merge run (which
+    used to FINISH first)."""
+    w = {"en": tiny_models["neox_en"], "pt": tiny_models["llama_pt"], "tmp": tmp_path}
+    seed_store(compose_cfg)
+    before = [r.info.run_id for r in store_runs(tmp_path)]
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError: not installed
+    code, err = inproc(["task=merge", "merge=linear", "eval=lm_eval", *native(w, "en", "en", "pair.a.revision=step1",
+                        "pair.b.revision=step2")[1:]], compose_cfg, capsys)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and lines == ["error: eval=lm_eval needs lm-evaluation-harness: pip install lm-eval (or pip install -e "
+                                   "'.[eval]')"]
+    assert [r.info.run_id for r in store_runs(tmp_path)] == before

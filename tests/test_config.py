@@ -86,6 +86,57 @@ def test_unknown_options_get_did_you_mean():
         assert msg in str(e.value) and "\n" not in str(e.value)
 
 
+# issue 36 (12): secrets recognised by their value, and inside dict-valued overrides
+GHP, HF, AKIA = "ghp_" + "Q7wErTy9" * 5, "hf_" + "ZxCvBnM4" * 5, "AKIAQWERTYUIOPASDFGH"
+PEM = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----"
+
+
+def test_a_secret_is_redacted_by_its_value_under_any_key_and_inside_a_dict_override():
+    from mergescope.cli import scrub
+    from mergescope.config import flatten, redact
+
+    plain = {"notes": {"comment": GHP, "hub": f"use {HF} here", "aws": AKIA, "key_file": PEM,
+                       "header": "Authorization: Bearer abc.DEF-ghi_jkl", "fine": "github_pat_" + "x1" * 15},
+             "paths": {"cache": "/data/hf_cache/hf_models"}, "represent": {"batch_tokens": 2048}}
+    flat = flatten(plain)
+    for key in ("notes.comment", "notes.aws", "notes.key_file", "notes.fine"):
+        assert flat[key] == "<redacted>", key
+    assert flat["notes.hub"] == "use <redacted> here" and flat["notes.header"] == "Authorization: Bearer <redacted>"
+    assert flat["paths.cache"] == "/data/hf_cache/hf_models" and flat["represent.batch_tokens"] == "2048"  # no false alarm
+    assert redact(plain)["notes"] == {k: flat[f"notes.{k}"] for k in plain["notes"]}
+    ov = ["+y={hf_token:abc,n:1}", "+z={a:{api_key:'q w'},b:[{private_key:pk1}],n:2}", "+w={tokens:[t1,t2]}",
+          f"+notes.comment={GHP}", "metric=cka,svcca", "+v={k:'x,y'}"]
+    assert redact(ov) == ["+y={hf_token:<redacted>,n:1}", "+z={a:{api_key:<redacted>},b:[{private_key:<redacted>}],n:2}",
+                          "+w={tokens:<redacted>}", "+notes.comment=<redacted>", "metric=cka,svcca", "+v={k:'x,y'}"]
+    assert redact({"job": {"override_dirname": f"+y={{hf_token:abc}},+c={GHP}"}}) == {
+        "job": {"override_dirname": "+y={hf_token:<redacted>},+c=<redacted>"}}
+    msg = scrub(f"bad value 'q w' near abc and {GHP}; t1 t2", ov)
+    assert "q w" not in msg and "abc" not in msg and GHP not in msg and "t1" not in msg and "t2" not in msg
+
+
+def test_the_compose_cache_never_holds_a_secret(compose_cfg, tmp_path):
+    """A study launch with a secret on its command line composes each job without the cache: no file under
+    <paths.cache>/compose holds it (the same config as Hydra's either way)."""
+    from hydra import compose
+
+    from mergescope import study
+
+    compose_cfg([])
+    study._COMPOSE_CACHE[:] = [tmp_path / "compose"]
+    try:
+        for ov in (["task=typology", "+x.hf_token=abc123SECRET"], ["task=typology", f"+notes.comment={GHP}"],
+                   ["task=typology", "+y={hf_token:DICTSECRET9}"], ["task=typology"]):
+            got = study.composed(ov)
+            assert OmegaConf.to_yaml(got) == OmegaConf.to_yaml(compose(config_name="config", overrides=ov))
+            study.composed(ov)
+        files = list((tmp_path / "compose").rglob("*"))
+        assert len([f for f in files if f.is_file()]) == 1  # only the config without a secret was cached
+        blob = b"".join(f.read_bytes() for f in files if f.is_file())
+        assert not [s for s in ("abc123SECRET", GHP, "DICTSECRET9") if s.encode() in blob]
+    finally:
+        study._COMPOSE_CACHE[:] = []
+
+
 def test_secrets_are_redacted_but_settings_that_mention_tokens_are_not():
     from mergescope.config import flatten, redact
 

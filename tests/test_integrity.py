@@ -150,6 +150,29 @@ def test_a_damaged_representation_entry_is_reported_deleted_and_recomputed(case,
     assert client_for(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(third.run_id).data.params["cache_a"] == "hit"
 
 
+def test_a_misfiled_representation_entry_is_never_read_as_another_models(tiny_models, compose_cfg, tmp_path, capsys):
+    """Issue 36 (4): side a's entry (array and metadata, intact) copied over side b's: its checksum and shape hold, but
+    its metadata names another key, so it is reported, deleted and recomputed, never measured as side b."""
+    data = _folder(tmp_path / "data")
+    args = _measure(tiny_models, data)
+    first = _run(compose_cfg, args)
+    from mergescope.integrity import load_json
+
+    folder = tmp_path / ".cache" / "mergescope" / "reprs"
+    by_lang = {load_json(f)["key"]["lang"]: f.stem for f in folder.glob("*.json")}
+    for suffix in ("npy", "json"):
+        shutil.copyfile(folder / f"{by_lang['eng_Latn']}.{suffix}", folder / f"{by_lang['por_Latn']}.{suffix}")
+    capsys.readouterr()
+    again = _run(compose_cfg, [*args, "rerun=true"])
+    err = capsys.readouterr().err
+    assert again.metrics["cka"] == pytest.approx(first.metrics["cka"], abs=1e-12)  # side b recomputed, not side a's copy
+    assert err.count("names another key") == 1
+    from mergescope.tracking import client_for
+
+    params = client_for(f"sqlite:///{tmp_path}/mlruns/mlflow.db").get_run(again.run_id).data.params
+    assert (params["cache_a"], params["cache_b"]) == ("hit", "miss")
+
+
 def _probe_value():
     import torch
 
@@ -376,6 +399,14 @@ SECRETS = {"+hf_token": "abc123SECRET", "+github_pat": "ghpSECRET2", "+aws_acces
            "+db_password": "PWSECRET7", "+credentials": "CREDSECRET8"}
 
 
+# issue 36 (12): a secret inside a dict-valued override, and secret-shaped values under plain keys (redacted by value)
+GHP, HF = "ghp_" + "Q7wErTy9" * 5, "hf_" + "ZxCvBnM4" * 5
+VALUE_SECRETS = {"+y": ("{hf_token:DICTSECRET9,n:1}", "DICTSECRET9"), "+notes.comment": (GHP, GHP),
+                 "+notes.other": (HF, HF), "+notes.aws": ("AKIAQWERTYUIOPASDFGH", "AKIAQWERTYUIOPASDFGH"),
+                 "+notes.header": ("'Bearer abc.DEF-ghi_jkl'", "abc.DEF-ghi_jkl")}
+NEEDLES = [*SECRETS.values(), *(needle for _, needle in VALUE_SECRETS.values())]
+
+
 def _launch(args: list[str], root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGESCOPE_DATA": str(SHARED)}
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args, f"paths.root={root}", "progress=false",
@@ -388,12 +419,12 @@ def _raw_hits(root: Path) -> list[str]:
     for f in root.rglob("*"):
         if f.is_file():
             blob = f.read_bytes()
-            hits += [f"{f}: {v}" for v in SECRETS.values() if v.encode() in blob]
+            hits += [f"{f}: {v}" for v in NEEDLES if v.encode() in blob]
     return hits
 
 
 def test_secrets_are_redacted_in_the_store_artifacts_hydra_outputs_and_errors(tmp_path):
-    secrets = [f"{k}={v}" for k, v in SECRETS.items()]
+    secrets = [f"{k}={v}" for k, v in SECRETS.items()] + [f"{k}={v}" for k, (v, _) in VALUE_SECRETS.items()]
     ok = _launch(["task=typology", "pair=zoo-neox-en__zoo-llama-pt", *secrets], tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     multi = _launch(["-m", "task=typology", "pair=zoo-neox-en__zoo-llama-pt,zoo-neox-en__zoo-neox-zh", *secrets], tmp_path)
@@ -405,13 +436,15 @@ def test_secrets_are_redacted_in_the_store_artifacts_hydra_outputs_and_errors(tm
     assert all(f.stat().st_mode & 0o077 == 0 for f in hydra_files)  # owner-only
     assert _raw_hits(tmp_path) == []  # the whole store (mlflow.db), every artifact, every Hydra output
     for p in (ok, multi, *bad):
-        assert not [v for v in SECRETS.values() if v in p.stdout + p.stderr]
+        assert not [v for v in NEEDLES if v in p.stdout + p.stderr]
     assert all(p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 for p in bad)
     from mergescope.tracking import client_for
 
     c = client_for(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     run = c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1)[0]
     assert run.data.params["hf_token"] == "<redacted>" and run.data.params["wandb.auth.key"] == "<redacted>"
+    assert run.data.params["y.hf_token"] == run.data.params["notes.comment"] == run.data.params["notes.aws"] == "<redacted>"
+    assert run.data.params["y.n"] == "1"  # what is not a secret stays readable
 
 
 def test_secret_key_patterns():

@@ -59,15 +59,19 @@ def lm(folder):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed (make install)")
 def test_gguf_fingerprint_covers_the_file(tmp_path):
-    f = tmp_path / "m.gguf"
-    f.write_bytes(b"GGUF" + bytes(100))
+    from conftest import write_tiny_gguf
+
+    f = write_tiny_gguf(tmp_path / "m.gguf")
     entry = OmegaConf.create({"name": "m", "name_or_path": str(tmp_path), "gguf_file": "m.gguf"})
     ref = models.resolve(entry)
     assert ref.local and ref.gguf_file == "m.gguf" and ref.location == str(tmp_path.resolve())
     fp = models.fingerprint(ref)
     assert "m.gguf" in fp and models.file_sha256(str(f))[:16] in fp
-    f.write_bytes(b"GGUF" + bytes(99) + b"\x01")  # same size, other content
+    blob = bytearray(f.read_bytes())
+    blob[-1] ^= 0x01  # same size, other content (a tensor's last byte)
+    f.write_bytes(bytes(blob))
     assert models.fingerprint(ref) != fp
     hub = models.resolve(OmegaConf.create({"name_or_path": "owner/repo", "gguf_file": "m.gguf", "revision": "v1"}))
     assert not hub.local and models.fingerprint(hub) == "hub:owner/repo@v1:m.gguf"

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mergescope.adapt.settings import AdaptationSettings, ExpansionSettings
+from mergescope.config import CONF_DIR
 from mergescope.errors import MergescopeError
 from mergescope.native.settings import CheckpointSettings, NativeSettings
 from mergescope.shared_space.settings import SharedSettings
@@ -126,3 +127,77 @@ def test_every_job_run_logs_its_peak_memory_beside_its_metrics(compose_cfg):
     res = run_once(cfg, JobSpec("seed peak", {"kind": "seed"}, task="peak_test", keys=[]), lambda job: {"x": 1.0}, ov)
     logged = Tracker(cfg).client.get_run(res.run_id).data.metrics
     assert res.metrics == {"x": 1.0} and logged["x"] == 1.0 and 0.05 < logged[JOB_PEAK] < 64
+
+
+# ---------------------------------------------------------------- issue 36 (6): no setting is NaN or infinite
+
+def _numeric_leaves(node, where: str = ""):
+    """The dotted path of every number in a plain config node (a list element as ``key[i]``)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _numeric_leaves(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _numeric_leaves(v, f"{where}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield where
+
+
+def _set(plain: dict, path: str, value) -> None:
+    import re
+
+    parts = [p for p in re.split(r"\.|\[(\d+)\]", path) if p]
+    node = plain
+    for p in parts[:-1]:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+# every preset of the groups whose numbers feed a merge, a fusion or an adaptation, and every arm's section
+GROUP_OPTIONS = [("merge", p.stem) for p in sorted((CONF_DIR / "merge").glob("*.yaml")) if p.stem != "mergekit"] + [
+    ("adapt", "expand"), ("adapt", "truncate"), ("eval", "lm_eval")]
+SECTIONS = ("native", "checkpoints", "adaptation", "expansion", "shared", "represent", "control", "train", "merge_stats")
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_numeric_setting_set_to_nan_or_inf_is_refused_before_any_model_loads(compose_cfg, monkeypatch, group, option):
+    """Every number of the preset (and, once, of every arm's section) set to NaN, +inf or -inf: ``dispatch`` refuses it
+    in one line naming the key, and the job's handler (which would load the models) is never reached."""
+    import math
+
+    from mergescope import cli
+
+    reached = []
+    monkeypatch.setattr(cli, "handler", lambda task: lambda cfg, ov: reached.append(task))
+    cfg, ov = compose_cfg(["task=merge", f"{group}={option}"])
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    paths = [f"{group}.{p}" for p in _numeric_leaves(plain[group])]
+    if group == "merge" and "weights" in plain["merge"]:
+        paths.append("merge.weights")  # a list of per-model weights, one of them not finite (issue 36: [nan,1], [inf,1])
+    if option == "linear":  # once: every number of every arm's section
+        paths += [f"{s}.{p}" for s in SECTIONS for p in _numeric_leaves(plain[s])]
+    problems = []
+    for path in paths:
+        for bad in (math.nan, math.inf, -math.inf):
+            broken = OmegaConf.to_container(cfg, resolve=False)
+            _set(broken, path, [bad, 1.0] if path == "merge.weights" else bad)
+            node = OmegaConf.create(broken)
+            try:
+                cli.dispatch(node, ov)
+                problems.append(f"{path}={bad}: accepted")
+            except MergescopeError as exc:
+                if path.split("[")[0] not in str(exc) or "not a finite number" not in str(exc):
+                    problems.append(f"{path}={bad}: {exc}")
+    assert not problems and not reached, problems[:5]
+
+
+def test_a_merge_preset_with_a_nan_weight_is_refused_by_the_registry_too():
+    from mergescope.merge import resolve_preset
+
+    for weights in ([float("nan"), 1.0], [float("inf"), 1.0], [[0.2, float("-inf")], 1.0]):
+        with pytest.raises(MergescopeError, match=r"merge\.weights\[0\].* is not a finite number"):
+            resolve_preset({"name": "linear", "weights": weights, "normalize": True}, n_models=2)

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
-from mergescope.config import CONF_DIR, conf_options
+from mergescope.config import CONF_DIR, check_finite, conf_options
 from mergescope.errors import MergescopeError, did_you_mean
 
 ARM_GROUPS = ("native", "checkpoints", "adaptation", "expansion", "shared")  # each arm's settings: conf/<arm>/default.yaml
@@ -102,15 +102,15 @@ def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
 
 
 def scrub(text: str, argv: list[str] | None = None) -> str:
-    """``text`` with the value of every secret override of the command line (``+hf_token=...``) replaced, and every
-    URI password: what an error message or a traceback may print."""
-    from mergescope.config import is_secret, redact_uri
+    """``text`` with every secret of the command line replaced (the value of a secret key, ``+hf_token=...``, also
+    inside a dict value, and every secret-shaped value: ``config.override_secrets``), and every URI password and
+    secret-shaped value: what an error message or a traceback may print."""
+    from mergescope.config import override_secrets, redact_text
 
     for arg in sys.argv[1:] if argv is None else argv:
-        key, _, value = arg.partition("=")
-        if value and is_secret(key.lstrip("+~")):
+        for value in override_secrets(arg):
             text = text.replace(value, "<redacted>")
-    return redact_uri(text)
+    return redact_text(text)
 
 
 def verbose_flag(argv: list[str]) -> list[str]:
@@ -290,11 +290,38 @@ def check_counts(cfg: DictConfig) -> None:
         positive_count(OmegaConf.select(cfg, key), key)
 
 
+def check_outputs(cfg: DictConfig) -> None:
+    """What a job writes and needs besides its inputs, checked before any run: ``save=true`` writes under
+    ``paths.merged`` (a folder, or one it can create), and ``eval=lm_eval`` needs lm-evaluation-harness installed."""
+    if cfg.get("save"):
+        merged = Path(str(cfg.paths.get("merged") or Path(str(cfg.paths.root)) / "merged")).expanduser()
+        blocker = next((p for p in (merged, *merged.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise MergescopeError(f"paths.merged={merged}: {blocker} is a file, not a folder; save=true writes each "
+                                  "model into a folder there: point paths.merged at a folder (or set save=false)")
+    if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec("lm_eval") is not None
+        except (ImportError, ValueError):  # a module entry of None: not importable
+            found = False
+        if not found:
+            from mergescope.adapt.lmeval import INSTALL
+
+            raise MergescopeError(INSTALL)
+
+
 def dispatch(cfg: DictConfig, overrides: list[str] | None = None):
     """Run the configured task; raises MergescopeError on bad input."""
     fn = handler(str(cfg.task.name))
+    check_finite(cfg)  # a NaN or infinite setting anywhere (merge.weights=[nan,1]): refused before any model loads
     check_counts(cfg)
+    check_outputs(cfg)
     overrides = task_overrides() if overrides is None else overrides
+    from mergescope import models
+
+    models.DIGEST_CACHE[:] = [Path(str(cfg.paths.cache)) / "digests"]  # model files' digests, read once per version
     if cfg.get("num_threads"):
         from mergescope.device import set_threads
 

@@ -44,6 +44,51 @@ def redact_uri(text: str) -> str:
     return URI_PASSWORD.sub(r"\1<redacted>@", text)
 
 
+SECRET_VALUES = re.compile("|".join((
+    r"\bgh[oprsu]_[A-Za-z0-9]{20,}",  # GitHub tokens: personal (ghp_), OAuth (gho_), app (ghs_, ghu_), refresh (ghr_)
+    r"\bgithub_pat_[A-Za-z0-9_]{20,}",  # GitHub fine-grained personal access token
+    r"\bhf_[A-Za-z0-9]{20,}",  # Hugging Face access token
+    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",  # AWS access key id (long-term, temporary)
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----(?:.|\n)*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",  # a private-key block
+    r"(?<=[Bb]earer )[A-Za-z0-9._~+/=-]{8,}",  # an HTTP bearer token (``Authorization: Bearer <token>``)
+)))
+"""Secrets recognised by their value, whatever key holds them (``+notes.comment=ghp_...``): redacted like the values
+of secret keys."""
+
+
+def redact_text(text: str) -> str:
+    """A string with every URI password and every secret-shaped value (:data:`SECRET_VALUES`) replaced."""
+    return SECRET_VALUES.sub("<redacted>", redact_uri(text))
+
+
+def nonfinite_paths(value: Any, where: str = "") -> list[str]:
+    """The dotted paths (``merge.weights[0]``) of every NaN or infinite number in a plain value or a config node
+    (interpolations are not resolved: the value they point at is checked where it is set)."""
+    import math
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where}={value}"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nonfinite_paths(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in nonfinite_paths(v, f"{where}[{i}]")]
+    return []
+
+
+def check_finite(value: Any, where: str = "") -> None:
+    """Refuse every NaN or infinite setting (a merge weight, a density, a learning rate...) in one line, before any
+    model loads: no setting of mergescope takes one, and a run with one would finish with NaN numbers."""
+    from mergescope.errors import MergescopeError
+
+    bad = nonfinite_paths(value, where)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise MergescopeError(f"{bad[0]}{more} is not a finite number: every numeric setting must be finite; set "
+                              f"{bad[0].split('=')[0]} to a finite value")
+
+
 def _first_dir(*candidates: str) -> str:
     """The first candidate that is an existing folder, else the last one (for the error message)."""
     for c in candidates:
@@ -189,7 +234,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
         val = "null" if d is None else json.dumps(d) if isinstance(d, list) else str(d)
         if is_secret(key) and d not in (None, ""):
             val = "<redacted>"
-        val = redact_uri(val)
+        val = redact_text(val)
         out[key] = val[:6000]
     return out
 
@@ -197,9 +242,24 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
 OVERRIDE_KEY = re.compile(r"(?:^|(?<=,))[+~]{0,2}([A-Za-z_][\w.@/-]*)=")
 
 
+# a secret key inside a dict-valued override (``+y={hf_token:abc}``, ``+y={a:{api_key:'x y'}}``): its value
+DICT_ENTRY = re.compile(r"""([{,]\s*)([A-Za-z_][\w.-]*)(\s*:\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^,{}\[\]\s]+)""")
+
+
+LIST_ENTRY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*)(\s*:\s*)(\[[^\[\]{}]*\])")  # a flat list: {tokens:[a,b]}
+
+
+def _redact_dict_entries(text: str) -> str:
+    for pattern in (DICT_ENTRY, LIST_ENTRY):
+        text = pattern.sub(lambda m: m.group(1) + m.group(2) + m.group(3) + "<redacted>"
+                           if is_secret(m.group(2)) else m.group(0), text)
+    return text
+
+
 def redact_override(text: str) -> str:
     """A command-line override (``+hf_token=abc``), or several joined by commas (Hydra's ``override_dirname``),
-    with the value of every secret key replaced: ``+hf_token=<redacted>``."""
+    with the value of every secret key replaced: ``+hf_token=<redacted>``, also inside a dict value
+    (``+y={hf_token:<redacted>}``)."""
     keys = list(OVERRIDE_KEY.finditer(text))
     out, pos = [], 0
     for i, m in enumerate(keys):
@@ -207,12 +267,27 @@ def redact_override(text: str) -> str:
         if is_secret(m.group(1)) and stop > m.end():
             out.append(text[pos:m.end()] + "<redacted>")
             pos = stop
-    return "".join(out) + text[pos:]
+    return _redact_dict_entries("".join(out) + text[pos:])
+
+
+def override_secrets(arg: str) -> list[str]:
+    """The secret values a command-line override carries (what a message must never print): the value of a secret
+    key, the values of secret keys inside a dict value, and every secret-shaped value (:data:`SECRET_VALUES`)."""
+    key, _, value = arg.partition("=")
+    found = [value] if value and is_secret(key.lstrip("+~")) else []
+    for m in [*DICT_ENTRY.finditer(value), *LIST_ENTRY.finditer(value)]:
+        v = m.group(4)
+        if is_secret(m.group(2)):
+            found += [v, *(x.strip().strip("'\"") for x in v.strip("[]").split(","))] if v.startswith("[") else \
+                [v, v[1:-1]] if v[:1] in "'\"" and len(v) > 1 else [v]
+    found += [m.group(0) for m in SECRET_VALUES.finditer(arg)]
+    return sorted({f for f in found if f}, key=len, reverse=True)  # the longest first: no half-replaced value
 
 
 def redact(d: Any) -> Any:
-    """A copy of a plain config with secret-looking values replaced (for logged YAML): values of secret keys, and
-    secret values inside override strings (``overrides.yaml``, Hydra's ``.hydra/*.yaml``)."""
+    """A copy of a plain config with secret-looking values replaced (for logged YAML): values of secret keys,
+    secret-shaped values under any key (:data:`SECRET_VALUES`), and secret values inside override strings
+    (``overrides.yaml``, Hydra's ``.hydra/*.yaml``), dict-valued ones included."""
     if isinstance(d, dict):
         return {
             k: ("<redacted>" if is_secret(k) and v not in (None, "") and not isinstance(v, dict) else redact(v))
@@ -221,7 +296,7 @@ def redact(d: Any) -> Any:
     if isinstance(d, list):
         return [redact(x) for x in d]
     if isinstance(d, str):
-        d = redact_uri(d)
+        d = redact_text(d)
     if isinstance(d, str) and "=" in d:
         return redact_override(d)
     return d

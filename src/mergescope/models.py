@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ class ModelRef:
     revision: str | None  # hub revision, or the local sub-folder's name
     local: bool
     gguf_file: str | None = None  # a GGUF file's name in the folder / hub repo (dequantised at load)
+    entry: str = field(default="", compare=False, repr=False)  # entry_identity of the entry it was resolved from
 
     @property
     def label(self) -> str:
@@ -76,12 +77,35 @@ def check_revision(rev: Any) -> None:
                               "sub-folder's name (no '..', no absolute path)")
 
 
+ENTRY_LABEL_FIELDS = ("name", "setup", "shape", "zoo", "train_steps")
+"""The fields of a model entry that change no job's numbers: its label, the command that fetches it, its published
+shape (read only to plan before a download), and how the zoo trains it (what training gives is in the weights'
+fingerprint). Every other field (name_or_path, revision, gguf_file, lang, dtype, and any field added later) is in
+every job's identity, through :func:`entry_identity`."""
+
+
+def entry_identity(entry: Any) -> str:
+    """The one identity of a model entry beside its weights' fingerprint: every field but :data:`ENTRY_LABEL_FIELDS`,
+    resolved, as canonical JSON. :func:`resolve` keeps it on the ModelRef, and ``runs.identity`` hashes it for every
+    model a job reads, so a job never needs the entry under one of its config keys (a shared-space job names its
+    models; a dtype changed in conf/model/ changes the job)."""
+    from mergescope.config import to_plain
+
+    plain = to_plain(entry) if not isinstance(entry, dict) else entry
+    return json.dumps({k: v for k, v in dict(plain or {}).items() if k not in ENTRY_LABEL_FIELDS}, sort_keys=True, default=str)
+
+
 def resolve(entry: Any) -> ModelRef:
-    """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist.
+    """Turn a model entry (name_or_path, revision) into a ModelRef, checking that local paths exist; the ref carries
+    the entry's :func:`entry_identity`.
 
     For a local folder, ``revision`` names a sub-folder (``step64``); with no revision the folder
     itself is used, or its ``main/`` sub-folder when the folder holds checkpoints.
     """
+    return replace(_resolve(entry), entry=entry_identity(entry))
+
+
+def _resolve(entry: Any) -> ModelRef:
     path = str(entry.name_or_path)
     rev = entry.get("revision")
     check_revision(rev)
@@ -129,11 +153,41 @@ def resolve_gguf(entry: Any, path: str, rev: Any, name: str) -> ModelRef:
         if not (folder / gguf).is_file():
             how = f"run `{entry.get('setup')}`" if entry.get("setup") else "fix name_or_path= / gguf_file="
             raise MergescopeError(f"GGUF file {folder / gguf} does not exist; {how}")
+        check_gguf_file(folder / gguf)
         return ModelRef(name=name, location=str(folder), revision=str(rev) if rev else None, local=True, gguf_file=gguf)
     if path.count("/") != 1:
         raise MergescopeError(f"'{path}' is neither an existing local folder nor a hub id of the form owner/name; "
                               "fix name_or_path=")
     return ModelRef(name=name, location=path, revision=str(rev) if rev else None, local=False, gguf_file=gguf)
+
+
+def check_gguf_file(path: Path) -> None:
+    """A local GGUF file reads as GGUF before any run: its magic, header and every tensor's extent inside the file
+    (a truncated download, or another file named .gguf, is one line here, not a traceback at load)."""
+    st = path.stat()
+    problem = _gguf_problem(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if problem:
+        raise MergescopeError(f"{path} is not a readable GGUF file ({problem}); re-download it, or point gguf_file= at "
+                              "a complete .gguf file")
+
+
+@lru_cache(maxsize=64)
+def _gguf_problem(path: str, size: int, *_stat: int) -> str | None:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return "it does not start with the GGUF magic bytes"
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None  # transformers' GGUF loader needs the gguf package: load_model says so in one line
+    try:
+        reader = GGUFReader(path)  # memory-mapped: the header and tensor table are read, not the weights
+        ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on a damaged file
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else 'unreadable header'}"
+    if ends and max(ends) > size:
+        return f"truncated: its tensors end at byte {max(ends)}, the file has {size}"
+    return None
 
 
 def gguf_fingerprint(ref: ModelRef) -> str:
@@ -142,17 +196,60 @@ def gguf_fingerprint(ref: ModelRef) -> str:
         return f"hub:{ref.location}@{ref.revision or 'main'}:{ref.gguf_file}"
     f = Path(ref.location) / str(ref.gguf_file)
     st = f.stat()
-    return f"gguf:{f}:{st.st_size}:{file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)[:16]}"
+    return f"gguf:{f}:{st.st_size}:{file_digest(f)[:16]}"
 
 
 @lru_cache(maxsize=64)
 def file_sha256(path: str, _size: int = 0, _mtime_ns: int = 0) -> str:
     """sha256 of a file, read in 1 MiB blocks (memoised on path, size and mtime)."""
+    return _read_sha256(path)
+
+
+def _read_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+DIGEST_CACHE: list[Path] = []
+"""Where :func:`file_digest` keeps each file's digest across processes (``<paths.cache>/digests``, set by
+``cli.dispatch``); empty: in this process only."""
+_DIGESTS: dict[tuple, str] = {}
+RACY_NS = 2_000_000_000
+"""A file changed less than this long before it was read (ns) is read again next time: a write within the same
+timestamp tick as the read would keep its stat (git's racy-clean rule)."""
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes, read once per version of the file: remembered in the process and on disk
+    (:data:`DIGEST_CACHE`) under its stat (size, mtime, ctime, inode), so a relaunch does not read a 7 GB checkpoint
+    again. Any write changes the file's ctime, and ``os.utime`` cannot set it back, so a file edited in place is read
+    again even when its size and mtime were restored."""
+    import time
+
+    from mergescope import integrity
+
+    st = Path(path).stat()
+    key = [str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    if tuple(key) in _DIGESTS:
+        return _DIGESTS[tuple(key)]
+    entry = (DIGEST_CACHE[0] / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json") if DIGEST_CACHE else None
+    hit = integrity.load_json(entry) if entry is not None and entry.is_file() else None
+    if isinstance(hit, dict) and hit.get("stat") == key and isinstance(hit.get("sha256"), str):
+        _DIGESTS[tuple(key)] = hit["sha256"]
+        return hit["sha256"]
+    digest = _read_sha256(key[0])
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS:
+        return digest  # changed just now: not remembered
+    _DIGESTS[tuple(key)] = digest
+    if entry is not None:
+        try:
+            integrity.save_json(entry, {"stat": key, "sha256": digest})
+        except OSError:  # an unwritable cache only costs a read of the file next time
+            pass
+    return digest
 
 
 def gguf_kwargs(ref: ModelRef) -> dict[str, Any]:
@@ -396,15 +493,15 @@ def resolve_pair(pair: Any) -> tuple[ModelRef, ModelRef]:
 
 
 def fingerprint(ref: ModelRef) -> str:
-    """Content identity for caching: weight files' names, sizes and mtimes (local), or id@revision (hub)."""
+    """Content identity for caching: the names and the bytes' digests (:func:`file_digest`, read once per version of
+    a file) of a local model's weight, config and tokenizer files, or id@revision#commit (hub)."""
     if ref.gguf_file:
         return gguf_fingerprint(ref)
     if ref.local:
         h = hashlib.sha256()
         for p in sorted(Path(ref.location).iterdir()):
             if p.suffix in (".safetensors", ".json", ".model", ".txt"):
-                st = p.stat()
-                h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                h.update(f"{p.name}:{file_digest(p)}".encode())
         return f"local:{ref.location}:{h.hexdigest()[:16]}"
     return f"hub:{ref.location}@{ref.revision or 'main'}#{hub_commit(ref) or 'unresolved'}"
 

@@ -71,6 +71,9 @@ class Entry:
             raise MergescopeError(
                 f"{self.kind} '{self.name}' needs parameter '{missing[0]}': set {self.kind}.{missing[0]}=..."
             )
+        from mergescope.config import check_finite
+
+        check_finite(dict(kwargs), self.kind)  # merge.weights=[nan,1]: refused here too, whatever the route
         for k, v in kwargs.items():
             if self.kind == "merge" and varies(k, v):  # a per-tensor setting (filters, gradient): each value it takes
                 for x in (leaves(v) if k not in PER_MODEL else ()):

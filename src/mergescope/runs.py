@@ -150,15 +150,23 @@ def finished(cfg: DictConfig, tracker: Tracker, cfg_hash: str) -> JobResult | No
 
 def identity(task: str, cfg: DictConfig, keys: list[str], reads: Sequence[ModelRef] = (),
              extra: dict[str, Any] | None = None) -> str:
-    """A job's cfg_hash: the config sections that change its numbers, plus the fingerprint of every model
-    it reads (so a model retrained in place makes its jobs run again), plus ``extra`` parts."""
+    """A job's cfg_hash: the config sections that change its numbers, plus every model it reads (:func:`model_parts`:
+    its weights' fingerprint, so a model retrained in place makes its jobs run again, and its entry's fields: dtype,
+    lang), plus ``extra`` parts."""
     parts = dict(extra or {})
     if reads:
-        parts["weights"] = [fingerprint(r) for r in reads]
+        parts.update(model_parts(reads))
     content = data_reads(cfg, keys)
     if content:  # the bytes of the data files it reads: a file edited in place runs its jobs again
         parts["data_content"] = content
     return job_hash(task, cfg, keys, parts)
+
+
+def model_parts(reads: Sequence[ModelRef]) -> dict[str, Any]:
+    """The identity of the models a job reads: each one's weights (:func:`mergescope.models.fingerprint`) and its
+    entry's fields that change numbers (:func:`mergescope.models.entry_identity`: dtype, lang, ...). Every job's
+    identity hashes its models through this one function."""
+    return {"weights": [fingerprint(r) for r in reads], "entries": [r.entry for r in reads]}
 
 
 def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:

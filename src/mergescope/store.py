@@ -119,11 +119,11 @@ def server_problem(uri: str, timeout: float = 3.0) -> str | None:
 def check_server(uri: str, key: str) -> None:
     """A tracking server answers within a few seconds; else one line naming ``make server`` (MLflow's own client would
     retry for minutes)."""
-    from mergescope.config import redact_uri
+    from mergescope.config import redact_text
 
     problem = server_problem(uri)
     if problem:
-        raise MergescopeError(f"{key}={redact_uri(uri)}: no tracking server answers ({problem}); start it with `make "
+        raise MergescopeError(f"{key}={redact_text(uri)}: no tracking server answers ({problem}); start it with `make "
                               f"server` (or fix {key} / MERGESCOPE_TRACKING_URI)")
 
 

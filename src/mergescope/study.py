@@ -31,7 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from mergescope.cli import handler
-from mergescope.config import conf_digest, conf_options, to_plain
+from mergescope.config import check_finite, conf_digest, conf_options, redact, to_plain
 from mergescope.errors import MergescopeError, NotConverged, did_you_mean
 from mergescope.models import load_config, resolve, step_revisions
 from mergescope.native.settings import CheckpointSettings
@@ -50,6 +50,7 @@ class StudyJob:
     cfg: DictConfig
 
     def run(self) -> JobResult:
+        check_finite(self.cfg)  # the study's check of every job before any runs: a NaN setting of one job refused
         return handler(self.task)(self.cfg, self.overrides)
 
 
@@ -117,13 +118,15 @@ def composed(overrides: list[str]) -> DictConfig:
     OmegaConf versions): a study composes one config per job (~0.3 s each, 166 in the default study), and a cached
     relaunch needs them only to decide that every job is done. The entry is the unresolved config as JSON
     (interpolations kept, so it is independent of the machine's paths; JSON keeps every value's type and reads in
-    about 60% of the time of OmegaConf's YAML), checksummed (``mergescope.integrity``), struct mode restored."""
+    about 60% of the time of OmegaConf's YAML), checksummed (``mergescope.integrity``), struct mode restored. A
+    config with a secret (an override or a value that ``config.redact`` would replace) is never cached: composed each
+    time."""
     import hydra
     import omegaconf
 
     from mergescope import integrity
 
-    if not _COMPOSE_CACHE:
+    if not _COMPOSE_CACHE or redact(list(overrides)) != list(overrides):  # a secret is never written to the cache
         return compose(config_name="config", overrides=list(overrides))
     key = hashlib.sha256(json.dumps([conf_digest(), list(overrides), hydra.__version__, omegaconf.__version__]).encode()).hexdigest()
     path = _COMPOSE_CACHE[0] / f"{key}.json"
@@ -131,9 +134,12 @@ def composed(overrides: list[str]) -> DictConfig:
     if blob is not None:
         return _from_template(json.loads(blob.decode("utf-8")))
     cfg = compose(config_name="config", overrides=list(overrides))
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    if redact(plain) != plain:  # a secret from a conf/ file: composed each time, never written
+        return cfg
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        integrity.write_entry(path, json.dumps(OmegaConf.to_container(cfg, resolve=False)).encode("utf-8"))
+        integrity.write_entry(path, json.dumps(plain).encode("utf-8"))
     except OSError:  # an unwritable cache only costs time
         pass
     return cfg

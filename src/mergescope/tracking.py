@@ -24,7 +24,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one-li
 import yaml  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from mergescope.config import flatten, is_secret, redact, to_plain  # noqa: E402
+from mergescope.config import flatten, is_secret, redact, redact_text, to_plain  # noqa: E402
 from mergescope.store import (  # noqa: E402
     check_artifacts,
     check_store,
@@ -228,7 +228,7 @@ class Tracker:
     def _open(self, cfg: DictConfig, run_name: str, tags: dict[str, Any]) -> Job:
         """Create the run: its tags (host, pid, source, parent, description; secrets redacted) and name."""
         extra = cfg.get("tags") or {}
-        tags = {k: "<redacted>" if is_secret(k) else str(v) for k, v in {**tags, **extra}.items() if v is not None}
+        tags = {k: "<redacted>" if is_secret(k) else redact_text(str(v)) for k, v in {**tags, **extra}.items() if v is not None}
         tags.setdefault("git_sha", git_sha())
         if tags.get("reproduces") and not run_name.startswith("reproduce "):  # named as what it is, not as its original
             run_name = f"reproduce {run_name} of {tags['reproduces'][:8]}"

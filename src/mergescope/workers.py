@@ -28,6 +28,12 @@ def run_group(specs: list[tuple[str, DictConfig, list[str]]],
     reset_peak()
     if threads:
         set_threads(int(threads))
+    if specs:  # the study's model-file digests (cli.dispatch sets them in the study's own process)
+        from pathlib import Path
+
+        from mergescope import models
+
+        models.DIGEST_CACHE[:] = [Path(str(specs[0][1].paths.cache)) / "digests"]
     with recording() as ledger:
         results = [handler(task)(cfg, overrides) for task, cfg, overrides in specs]
     return results, list(ledger), peak_gb()

@@ -235,7 +235,15 @@ def parse(text: str, path: str = "config") -> dict[str, Any]:
     every model once and ``base`` is None; without, ``slices`` is None."""
     import yaml
 
-    cfg = yaml.safe_load(text)
+    try:
+        cfg = yaml.safe_load(text)  # safe: a !!python/... tag is refused here, never constructed
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        fix = ("remove the tag: a mergekit config holds plain values, and mergescope never constructs Python objects"
+               if "constructor for the tag" in what else "fix its YAML syntax")
+        raise MergescopeError(f"mergekit config {path} is not valid YAML ({what}{where}): {fix}") from None
     if not isinstance(cfg, dict):
         raise MergescopeError(f"mergekit config {path} is not a YAML mapping")
     if extra := [k for k in cfg if k not in TOP_KEYS]:

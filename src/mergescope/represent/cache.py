@@ -57,7 +57,8 @@ class ReprCache:
         return self.root / f"{key.digest}.npy", self.root / f"{key.digest}.json"
 
     def get(self, key: ReprKey) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """The entry of ``key``; None when absent, or when either file is bad (reported, deleted: recomputed)."""
+        """The entry of ``key``; None when absent, or when either file is bad or its metadata names another key (a
+        file copied or misfiled under this key's name): reported, deleted, recomputed."""
         npy, mpath = self._paths(key)
         if not (npy.is_file() and mpath.is_file()):
             return None
@@ -68,6 +69,10 @@ class ReprCache:
             return None
         if meta.get("sha256") != hashlib.sha256(X.tobytes()).hexdigest() or list(X.shape) != meta.get("shape"):
             discard(npy, "its array does not match its metadata's checksum")
+            mpath.unlink(missing_ok=True)
+            return None
+        if meta.get("key") != json.loads(json.dumps(key.__dict__)):  # a misfiled entry: another model's or setting's
+            discard(npy, "its metadata names another key (a misfiled or copied entry)")
             mpath.unlink(missing_ok=True)
             return None
         # an entry written before representations were checked may hold NaN: a miss, never a result

@@ -38,7 +38,7 @@ from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
-from mergescope.runs import JobResult, JobSpec, finished, model_label, pair_label, run_once, would_run
+from mergescope.runs import JobResult, JobSpec, finished, model_label, model_parts, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
 from mergescope.transport import finetune as finetune_mod
 from mergescope.transport import fusion as fus
@@ -87,11 +87,11 @@ def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> di
     copy of the hashed sections (a config per alpha cost a cached relaunch 25 ms each, 60 of them); the same hashes
     (tests/test_transport.py)."""
     parts = {k: to_plain(OmegaConf.select(cfg, k)) for k in TRANSPORT_KEYS}
-    weights = [models.fingerprint(models.resolve(e)) for e in reads]
+    read = model_parts([models.resolve(e) for e in reads])
     out = {}
     for a in alphas:
         merge = {**parts["merge"], "alphas": [float(a)], "headline_alpha": None, "adapt": {"enabled": False}}
-        out[a] = hash_parts("transport", {**parts, "merge": merge, "weights": weights, **extra})
+        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, **extra})
     return out
 
 
@@ -102,8 +102,7 @@ def _digest(sentences: tuple[str, ...]) -> str:
 def _hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **extra: Any) -> str:
     """A job's cfg_hash: the config sections in ``keys``, the fingerprint of every model it reads, and ``extra``."""
     refs = [models.resolve(e) for e in reads]
-    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, "weights": [models.fingerprint(r) for r in refs],
-                             **extra})
+    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), **extra})
 
 
 @dataclass(frozen=True)
