@@ -342,7 +342,14 @@ def test_analysis_run_logged_with_inputs(built):
     assert run.data.metrics["input_runs"] == len(all_inputs) and run.data.metrics["pairs_cka"] == 6
     assert run.data.metrics["transport_directions"] == 4
     corr = (arts / "tables/checkpoint_correlations.csv").read_text().splitlines()
-    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28
+    assert corr[0] == "a,b,n,rho,p_perm,q_bh,p_mantel,q_mantel" and len(corr) == 1 + 28
+    # pairs share checkpoints: the checkpoint-level null (labels permuted within each run) beside the row shuffles,
+    # tested on every cell (a complete design within each run), and the table's caption says which null is which
+    p_mantel = [float(line.split(",")[6]) for line in corr[1:]]
+    assert all(0 < p <= 1 for p in p_mantel)
+    md = (arts / "report.md").read_text()
+    assert "p_mantel / q_mantel: the checkpoint-level null (checkpoint labels permuted within each training run)" in md
+    assert "p_mantel permutes the checkpoint labels within each run instead" in md
 
 
 def test_missing_pieces_say_not_measured(compose_cfg, tmp_path):
