@@ -202,6 +202,12 @@ def test_report_sections_and_numbers(built):
     cov = {r[0]: r for r in _md_table(md, "Coverage")[1:]}
     assert cov["m-en__m-zh"][1].startswith("yes (transformer blocks") and "measured" in cov["m-en__m-zh"][1]
     assert cov["m-en__m-pt"][1].startswith("no: architecture family differs (gpt_neox vs llama)")
+    # a logged reason holding ": " is the sentence as written, not a Python dict read back from the param
+    from mergescope.native.weights import routes
+
+    why = routes(MODELS["m-en"][1], MODELS["m-zh"][1])["adapt"]["blocked_by"]
+    assert ": " in why and cov["m-en__m-zh"][3] == f"no: {why}."
+    assert not any("{" in cell for row in cov.values() for cell in row)
     assert "measured (2 runs)" not in cov["m-en__m-it"][2] and "not measured (no transport runs)" in cov["m-en__m-it"][2]
     assert "measured (4 runs)" in cov["m-pt__m-it"][2]
 
