@@ -74,6 +74,32 @@ def test_union_runs_grid_anchors_controls_and_chooses_on_validation(scale, compo
     assert run_adapt(cfg, ov).skipped
 
 
+def test_one_file_per_language_data_chooses_and_reports_on_disjoint_lines(scale, compose_cfg):
+    """NTREX-128 is one file per language: val_split=dev and test_split=devtest read its odd- and even-numbered lines
+    (data.FOLDER_RULE), so the ratio is chosen on sentences the reported numbers never see. Before, both splits read
+    the whole file: best_val_nll was best_test_nll, to the last bit. A split that shares lines is refused, no run."""
+    from mergescope.adapt.evaluate import load_texts
+    from mergescope.adapt.job import run_adapt
+
+    args = ["task=adapt", "adapt=expand", *_pair(scale["s"], scale["l"]), "data=ntrex128", "adaptation.langs=[eng_Latn]",
+            "adaptation.nll_sentences=6", "adaptation.diag_sentences=0", "adaptation.compare=[]", "adaptation.controls=[]",
+            "adaptation.union_grid=[0.5]"]
+    cfg, ov = compose_cfg(args)
+    texts = load_texts(cfg.data, ["eng_Latn"], {"val": "dev", "test": "devtest"}, 6)
+    val, test = ({t.split: t for t in texts}[k].sentences for k in ("val", "test"))
+    lines = (Path(str(cfg.data.root)) / "eng_Latn.txt").read_text(encoding="utf-8").splitlines()
+    assert val == tuple(lines[0:12:2]) and test == tuple(lines[1:12:2]) and not set(val) & set(test)
+    res = run_adapt(cfg, ov)
+    assert res.metrics["best_val_nll"] != res.metrics["best_test_nll"]
+    scored = [r.data.metrics for r in _runs(cfg, kind="adapt", control="none") if "val_nll" in r.data.metrics]
+    assert len(scored) == 3 and all(m["val_nll"] != m["test_nll"] for m in scored)  # ratios 0, 0.5, 1
+    bad, ov2 = compose_cfg([*args, "adaptation.test_split=test"])
+    with pytest.raises(MergescopeError, match="adaptation.val_split=dev and adaptation.test_split=test: 'dev' and 'test' "
+                                              "share lines of .*ntrex128"):
+        run_adapt(bad, ov2)
+    assert len(_runs(bad)) == len(_runs(cfg))  # nothing new
+
+
 def test_intersection_compares_registry_merges_in_the_small_space(scale, compose_cfg):
     from mergescope.adapt.job import run_adapt
 

@@ -112,6 +112,30 @@ def test_expand_repeat_keeps_a_gqa_rmsnorm_model(tok):
     assert _max_logit_diff(small, big, tok) < 1e-9
 
 
+REPEAT_SHAPES = {"qwen2": (SMALL, {**LARGE, "intermediate_size": 128, "num_key_value_heads": 4}),
+                 "gpt_neox": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+                              dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=12))}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_expand_repeat_keeps_tied_and_untied_models(family, tied, tok):
+    """A tied head is the tiled embedding (not divided: it is the input lookup too), so without the final norm's 1/r
+    the logits came out r times the source's (x2 into twice the hidden, x3 here for NeoX)."""
+    s, t = REPEAT_SHAPES[family]
+    small = _model(family, **s, tie_word_embeddings=tied)
+    big = _model(family, seed=1, **t, tie_word_embeddings=tied)
+    assert small.config.tie_word_embeddings is tied and big.config.tie_word_embeddings is tied
+    big.load_state_dict(_adapt("expand", small, big, mode="repeat"), strict=True)
+    emb, head = big.get_input_embeddings().weight, big.get_output_embeddings().weight
+    assert (emb.data_ptr() == head.data_ptr()) is tied  # the tie survived loading
+    assert _max_logit_diff(small, big, tok) < 1e-5
+    enc = tok(_sentences(2), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ratio = big(**enc).logits.abs().sum() / small(**enc).logits.abs().sum()
+    assert abs(float(ratio) - 1.0) < 1e-9
+
+
 def test_truncate_to_its_own_shape_is_the_identity():
     m = _model("qwen2", **SMALL)
     out = _adapt("truncate", m, m)

@@ -190,8 +190,14 @@ def test_statistics_on_the_scored_split_are_refused_before_any_run(tiny_models, 
     from mergescope.tracking import Tracker
 
     cfg, ov = compose_cfg(_pair(tiny_models, "merge=fisher", "merge_stats.split=devtest"))
-    with pytest.raises(MergescopeError, match="merge_stats.split=devtest is the split the merged model is scored on"):
+    with pytest.raises(MergescopeError, match="merge_stats.split=devtest and the scored split data.split=devtest: both are 'devtest'"):
         run_merge(cfg, ov)
+    # one file per language (NTREX-128, split test = every line): dev is a part of it, so its statistics would be read
+    # on scored sentences (the names differ, which was all the check compared)
+    folder, ov2 = compose_cfg(_pair(tiny_models, "merge=fisher", "data=ntrex128"))
+    with pytest.raises(MergescopeError, match="merge_stats.split=dev and the scored split data.split=test: 'dev' and 'test' "
+                                              "share lines of .*ntrex128"):
+        run_merge(folder, ov2)
     assert Tracker(cfg).runs("", status=None) == []
 
 

@@ -599,3 +599,28 @@ def test_passthrough_preset_route_equals_the_mergekit_route(compose_cfg, family,
                            f"+merge.slices=[{{sources:[{{model:{f1},layer_range:[0,2]}},{{model:{f2},layer_range:[0,2]}}]}}]"])
     with pytest.raises(MergescopeError, match=r"merge.slices\[0\] does not list the base"):
         run_merge(cfg, ov)
+
+
+def test_docs_list_as_refused_only_what_the_parser_refuses():
+    """docs/native.md said parameter filters and gradients were refused; they are read (and equal mergekit's:
+    test_mergekit_config_run_round_trip_and_mergekit_yaml_cli, test_merge_methods.test_per_tensor_filters_and_gradients_*).
+    The doc's refusal list names only what the parser refuses."""
+    import re
+
+    from mergescope.native.mergekit_in import parse
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "native.md").read_text(encoding="utf-8")
+    refused = " ".join(re.search(r"Refused, in one line naming the key: (.*?)\. Tested:", doc, re.S)[1].split())
+    assert "filter" not in refused and "gradient" not in refused, refused
+    text = yaml.safe_dump({"merge_method": "ties", "base_model": "/base", "dtype": "float32",
+                           "models": [{"model": "/a", "parameters": {"weight": [{"filter": "self_attn", "value": 0.2},
+                                                                                {"value": 1.0}], "density": [0.4, 0.9]}}],
+                           "parameters": {"lambda": [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 0.9}]}})
+    got = parse(text, "x.yaml")
+    assert got["preset"]["weights"] == [[{"filter": "self_attn", "value": 0.2}, {"value": 1.0}]]
+    assert got["preset"]["lambda_"] == [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 0.9}]
+    assert "slices" not in refused  # read since issue 39 (test_sliced_mergekit_yaml_equals_mergekit)
+    for kind, change in (("tokenizer_source", {"tokenizer_source": "union"}),):
+        assert kind in refused
+        with pytest.raises(MergescopeError, match=f"{kind} is not supported"):
+            parse(yaml.safe_dump({**yaml.safe_load(text), **change}), "x.yaml")

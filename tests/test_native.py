@@ -78,6 +78,8 @@ def test_native_refused_across_architectures_with_the_blocking_difference(tiny_m
 
 
 def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, compose_cfg):
+    from transformers import AutoModelForCausalLM
+
     from mergescope.native.job import run_native
 
     # an even number of points: t=0.5 is added to the grid and measured, never interpolated
@@ -93,8 +95,16 @@ def test_linear_merge_equals_the_lmc_midpoint_and_is_its_own_run(tiny_models, co
     lin = merges["linear"].data.metrics
     assert lin["nll"] == pytest.approx(r.metrics["lmc_midpoint_nll"], abs=1e-9)  # (a+b)/2 both ways
     assert merges["ties"].data.params["merge.operator"] == "generalized_task_arithmetic"
-    best = min(m.data.metrics["nll"] for m in merges.values())
-    assert r.metrics["merge_gain"] == pytest.approx(min(r.metrics["nll_a"], r.metrics["nll_t1"]) - best, abs=1e-12)
+    # the operator is chosen on native.select_split (FLORES dev), its gain reported on data.split (devtest)
+    chosen = min(merges.values(), key=lambda m: m.data.metrics["val_nll"]).data.metrics
+    assert r.metrics["chosen_val_nll"] == chosen["val_nll"] and r.metrics["chosen_merged_nll"] == chosen["nll"]
+    assert r.metrics["merge_gain"] == pytest.approx(min(r.metrics["nll_a"], r.metrics["nll_t1"]) - chosen["nll"], abs=1e-12)
+    assert "best_merged_nll" not in r.metrics
+    dev = (FLORES / "dev" / "eng_Latn.dev").read_text(encoding="utf-8").splitlines()[:N]
+    sa = AutoModelForCausalLM.from_pretrained(tiny_models["neox_en"] / "step2", dtype=torch.float32).state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(tiny_models["neox_en"], dtype=torch.float32).state_dict()
+    assert lin["val_nll"] == pytest.approx(outside_nll({k: (sa[k] + sb[k]) / 2 for k in sa}, tiny_models["neox_en"], dev),
+                                           abs=1e-4)  # the linear merge's NLL on the first N dev sentences
 
 
 def test_dare_is_replicated_over_seeds_and_task_arithmetic_at_half_is_the_linear_model(tiny_models, compose_cfg):
@@ -114,7 +124,44 @@ def test_dare_is_replicated_over_seeds_and_task_arithmetic_at_half_is_the_linear
     ta, lin = merges["task_arithmetic"], merges["linear"]
     assert ta.data.tags["same_as"] == "linear" and "same_as" not in lin.data.tags
     assert ta.data.metrics["nll"] == pytest.approx(lin.data.metrics["nll"], abs=1e-6)  # base + (a-base)/2 + (b-base)/2
-    assert r.metrics["best_merged_nll"] == pytest.approx(min(lin.data.metrics["nll"], dare.data.metrics["nll"]), abs=1e-12)
+    chosen = min((lin, dare), key=lambda m: m.data.metrics["val_nll"])  # task arithmetic at 1/2 is linear: not counted
+    assert r.metrics["chosen_merged_nll"] == chosen.data.metrics["nll"]
+
+
+def test_merge_gain_takes_the_operator_chosen_on_the_selection_split_not_the_reported_one(compose_cfg, monkeypatch):
+    """Planted: operator 'a' is best on the selection split, 'b' on the reported one. merge_gain is a's gain (the
+    minimum of the reported NLLs would have been b's, chosen on the sentences it reports); with
+    native.select_split=null nothing is chosen and the native run has no merge_gain."""
+    from types import SimpleNamespace
+
+    import mergescope.native.job as nj
+    from mergescope.runs import JobResult
+
+    planted = {"a": {"nll": 5.0, "val_nll": 4.0}, "b": {"nll": 4.5, "val_nll": 4.2}, "c": {"nll": 4.0, "val_nll": 9.0,
+                                                                                            "same_as_linear": 1.0}}
+    monkeypatch.setattr(nj, "merge_configs", lambda cfg: [SimpleNamespace(merge=SimpleNamespace(name=n)) for n in planted])
+    monkeypatch.setattr(nj, "run_merge", lambda mc, *a, **k: JobResult(mc.merge.name * 32, False, planted[mc.merge.name], "h"))
+    logged = {}
+    job = SimpleNamespace(log_params=logged.update)
+    cfg, _ = compose_cfg(["task=native"])
+    out = nj._merge_values(cfg, None, job, [], (5.2, 5.3), {})
+    assert out["merge_gain"] == pytest.approx(5.2 - 5.0) and out["chosen_merged_nll"] == 5.0 and out["chosen_val_nll"] == 4.0
+    assert out["merge_beats_better_endpoint"] == 1.0 and logged["merge_chosen"]["merge"] == "a"
+    none, _ = compose_cfg(["task=native", "native.select_split=null"])
+    assert nj._merge_values(none, None, job, [], (5.2, 5.3), {}) == {}
+
+
+def test_a_selection_split_that_shares_the_reported_lines_is_refused_before_any_run(tiny_models, compose_cfg):
+    """NTREX-128 is one file per language: its split test is every line, dev a part of it (data.FOLDER_RULE)."""
+    from mergescope.native.job import run_native
+
+    cfg, ov = compose_cfg([*ckpt_pair(tiny_models, merges="[linear,ties]"), "data=ntrex128"])
+    with pytest.raises(MergescopeError, match="native.select_split=dev and data.split=test: 'dev' and 'test' share lines"):
+        run_native(cfg, ov)
+    cfg, ov = compose_cfg([*ckpt_pair(tiny_models, merges="[linear,ties]"), "native.select_split=devtest"])
+    with pytest.raises(MergescopeError, match="native.select_split=devtest and data.split=devtest: both are 'devtest'"):
+        run_native(cfg, ov)
+    assert runs(Path(cfg.paths.root)) == []
 
 
 def test_cross_model_native_pair_blocks_only_and_refuses_base_operators(tiny_models, compose_cfg):
@@ -211,7 +258,8 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
     got = {i.dataset.name: i.dataset.digest for i in inputs}
     por = data_mod.load_side(cfg.data, "por_Latn")
     assert got[f"{Path(por.source).parent.name}/{Path(por.source).name}"] == por.digest
-    assert len(got) == 2 and all(i.tags[0].value == "probe" for i in inputs)
+    # eng and por devtest, and the host's dev sentences its merges were chosen on (native.select_split)
+    assert len(got) == 3 and "dev/eng_Latn.dev" in got and all(i.tags[0].value == "probe" for i in inputs)
     # the host's language reuses the LMC curve's ends (no second forward), and they are the right ends
     en = list(data_mod.load_side(cfg.data, "eng_Latn").sentences[:N])
     assert (r.metrics["nll_a_eng_Latn"], r.metrics["nll_b_eng_Latn"]) == (r.metrics["nll_a"], r.metrics["nll_t1"])

@@ -304,6 +304,49 @@ def test_the_mantel_null_permutes_model_labels_exactly():
     assert np.isnan(mantel_table({"x": x, "y": y2}, la, lb)[("x", "y")]["p_mantel"])
 
 
+def test_the_stratified_mantel_null_relabels_checkpoints_within_each_run():
+    """The checkpoint arm's null (issue 36 item 10): pairs share checkpoints, and pair only checkpoints of one run, so
+    a relabelling permutes each run's checkpoints among themselves (4! x 4! = 576 here), checked against brute force;
+    without strata the design (no pair across runs) is incomplete and untested. The draws of the unstratified null
+    are the ones the code drew before strata existed (the cross-model table's numbers are unchanged)."""
+    import itertools
+
+    from scipy.stats import spearmanr
+
+    from mergescope.stats import mantel_table
+
+    runs_ = {f: [f"{f}@step{k}" for k in (1, 2, 4, 8)] for f in ("en", "zh")}
+    pairs = [(a, b) for ck in runs_.values() for a, b in itertools.combinations(ck, 2)]
+    rng = np.random.default_rng(1)
+    size = {m: rng.standard_normal() for ck in runs_.values() for m in ck}
+    x = np.array([size[a] + size[b] for a, b in pairs])
+    y = x + 0.5 * rng.standard_normal(len(pairs))
+    la, lb = [a for a, _ in pairs], [b for _, b in pairs]
+    strata = {m: m.split("@")[0] for m in size}
+    out = mantel_table({"x": x, "y": y}, la, lb, strata=strata)[("x", "y")]
+    assert out["n_relabellings"] == 576 and out["rho"] == pytest.approx(spearmanr(x, y)[0], abs=1e-12)
+    val = {frozenset(p): v for p, v in zip(pairs, y)}
+    rhos = []
+    for pe, pz in itertools.product(itertools.permutations(runs_["en"]), itertools.permutations(runs_["zh"])):
+        to = {**dict(zip(runs_["en"], pe)), **dict(zip(runs_["zh"], pz))}
+        rhos.append(spearmanr(x, [val[frozenset((to[a], to[b]))] for a, b in pairs])[0])
+    assert out["p_mantel"] == pytest.approx(np.mean(np.abs(rhos) >= abs(out["rho"]) - 1e-12), abs=1e-12)
+    assert np.isnan(mantel_table({"x": x, "y": y}, la, lb)[("x", "y")]["p_mantel"])  # no stratum: incomplete design
+    drawn = mantel_table({"x": x, "y": y}, la, lb, strata=strata, exact_max_models=3, n_permutations=4000)[("x", "y")]
+    assert drawn["n_relabellings"] == 4000 and abs(drawn["p_mantel"] - out["p_mantel"]) < 0.03
+    # unstratified draws: argsort of one (draws, N) uniform block, as before
+    models = [f"m{i}" for i in range(6)]
+    pp = list(itertools.combinations(range(6), 2))
+    xs, ys = rng.standard_normal(15), rng.standard_normal(15)
+    got = mantel_table({"x": xs, "y": ys}, [models[i] for i, _ in pp], [models[j] for _, j in pp], n_permutations=500,
+                       exact_max_models=4)[("x", "y")]
+    perms = np.argsort(np.random.default_rng(0).random((500, 6)), axis=1)
+    v = {frozenset(p): t for p, t in zip(pp, ys)}
+    r = [spearmanr(xs, [v[frozenset((q[i], q[j]))] for i, j in pp])[0] for q in perms]
+    want = (np.sum(np.abs(r) >= abs(spearmanr(xs, ys)[0]) - 1e-12) + 1) / 501
+    assert got["p_mantel"] == pytest.approx(want, abs=1e-12)
+
+
 def test_the_start_token_is_the_document_separator_not_a_declared_chat_bos(tok):
     """A tokenizer that adds no BOS but declares a chat-role marker as its BOS (SmolLM2: <|im_start|>) starts from
     its document separator; one that adds its BOS itself starts from that."""

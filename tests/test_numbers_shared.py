@@ -162,3 +162,33 @@ def test_a_d_above_the_rank_cap_is_reported_as_capped():
     rows = dim_rows([{"dim": "4", "dim_effective": "4", "capped": "0", "gpa_p1_32": "0.5", "pairwise_p1_32": "0.4"},
                      {"dim": "200", "dim_effective": "8", "capped": "1", "gpa_p1_32": "0.6", "pairwise_p1_32": "0.5"}])
     assert rows[0][1] == "4" and rows[1][1] == "8 (capped: repeats D=8)"
+
+
+# ---------------------------------------------------------------- issue 36 item 11: what the section says and draws
+
+def test_the_depth_figure_plots_each_layer_once_and_marks_collapsed_depths():
+    """A 2-layer model: depths .25 and .75 round onto the layers of .5 and 1 (distinct = 0). They were plotted as
+    points beside the depths they repeat; now each layer is plotted once and a collapsed depth is a dotted line."""
+    from mergescope.analysis.records import Rec
+    from mergescope.analysis.sections.shared_space import _depth_figure, pooling_text
+
+    cols = ["depth", "distinct", "rsa", "nn_match", "rsa_null_q025", "rsa_null_q975", "nn_match_null_q025", "nn_match_null_q975"]
+    rows = [(0.0, 1, 0.1), (0.25, 0, 0.5), (0.5, 1, 0.5), (0.75, 0, 0.9), (1.0, 1, 0.9)]
+    text = "\n".join([",".join(cols), *(f"{d},{k},{v},{v},0,0.2,0,0.2" for d, k, v in rows)]) + "\n"
+
+    class Study:
+        def artifact_text(self, run_id, path):
+            return text if path == "tables/depth.csv" else None
+
+    r = Rec("1" * 32, 0, {"kind": "agreement", "pair": "a__b"}, {}, {"shared.pooling": "mean", "shared.poolings": "['mean', 'sgpt']"})
+    fig = _depth_figure(Study(), [r])
+    for ax in fig.axes[:2]:
+        data = [ln for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+        assert len(data) == 1 and list(data[0].get_xdata()) == [0.0, 0.5, 1.0]  # each layer once
+        dotted = sorted(float(ln.get_xdata()[0]) for ln in ax.get_lines() if ln.get_linestyle() == ":")
+        assert dotted == [0.25, 0.75]
+    assert any("collapsed depth" in t.get_text() for t in fig.axes[1].get_legend().get_texts())
+    # the section names its pooling
+    said = pooling_text([r])
+    assert said.startswith("Pooling: every sentence representation in this section is the mean of the hidden states")
+    assert "shared.pooling=mean" in said and "compares mean, sgpt" in said

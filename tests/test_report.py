@@ -84,7 +84,8 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     curve = [5.5, 5.6, 6.1, 7.0, 7.6]
     nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.0163,
            "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
-           "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "best_merged_nll": 5.7, "merge_beats_better_endpoint": 0.0}
+           "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "chosen_merged_nll": 5.7, "chosen_val_nll": 5.65,
+           "merge_beats_better_endpoint": 0.0}
     from mergescope.native.weights import routes
 
     rt = routes(MODELS["m-en"][1], MODELS["m-zh"][1])
@@ -92,14 +93,16 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     for op, nll in (("linear", 5.8), ("slerp", 5.7)):
         merge_ids[op] = _log(tracker, cfg, f"merge:{op}", {"kind": "merge", "route": "native", "merge": op, "pair": pair,
                                                           "model_a": "m-en", "model_b": "m-zh", "cfg_hash": f"mg-{op}"},
-                             {"nll": nll, "merge_gain": 5.5 - nll}, {"merge": {"name": op, "operator": op, "t": 0.5}})
+                             {"nll": nll, "merge_gain": 5.5 - nll, "val_nll": nll - 0.05},
+                             {"merge": {"name": op, "operator": op, "t": 0.5}})
     ids["native"] = _log(tracker, cfg, f"native:{pair}",
                          {"kind": "measure", "metric": "native", "route": "native", "arm": "cross-model", "pair": pair,
                           "model_a": "m-en", "model_b": "m-zh", "lang_a": "eng_Latn", "lang_b": "zho_Hans", "cfg_hash": "nat"},
                          nat, {"coverage": {"n_shared": 38, "excluded_names": ["gpt_neox.embed_in.weight", "embed_out.weight"]},
                                "routes": rt, "excluded_reasons": {"gpt_neox.embed_in.weight": "vocabulary rows differ (2048 vs 2560)",
                                                                   "embed_out.weight": "vocabulary rows differ (2048 vs 2560)"},
-                               "task_vectors": "not measured: trained separately", "merge_runs": merge_ids},
+                               "task_vectors": "not measured: trained separately", "merge_runs": merge_ids,
+                               "merge_chosen": {"merge": "slerp", "run": merge_ids["slerp"], "on": "dev"}},
                          steps=[{"lmc_nll": v, "lmc_t": t} for v, t in zip(curve, np.linspace(0, 1, 5))])
     ids["merge"] = merge_ids
     if checkpoints:
@@ -199,6 +202,12 @@ def test_report_sections_and_numbers(built):
     cov = {r[0]: r for r in _md_table(md, "Coverage")[1:]}
     assert cov["m-en__m-zh"][1].startswith("yes (transformer blocks") and "measured" in cov["m-en__m-zh"][1]
     assert cov["m-en__m-pt"][1].startswith("no: architecture family differs (gpt_neox vs llama)")
+    # a logged reason holding ": " is the sentence as written, not a Python dict read back from the param
+    from mergescope.native.weights import routes
+
+    why = routes(MODELS["m-en"][1], MODELS["m-zh"][1])["adapt"]["blocked_by"]
+    assert ": " in why and cov["m-en__m-zh"][3] == f"no: {why}."
+    assert not any("{" in cell for row in cov.values() for cell in row)
     assert "measured (2 runs)" not in cov["m-en__m-it"][2] and "not measured (no transport runs)" in cov["m-en__m-it"][2]
     assert "measured (4 runs)" in cov["m-pt__m-it"][2]
 
@@ -256,6 +265,11 @@ def test_report_sections_and_numbers(built):
     assert "vocabulary rows differ (2048 vs 2560)" in md and "Task vectors: not measured: trained separately." in md
     curve = _md_table(md, "m-en__m-zh: linear interpolation")
     assert curve[0][1:] == ["0.00", "0.25", "0.50", "0.75", "1.00"] and curve[1][1:] == ["5.500", "5.600", "6.100", "7.000", "7.600"]
+    # the merge gain is the merge chosen on a disjoint split, named, never "the best merged NLL" on the reported one
+    assert "best merged" not in md.lower() and "best_merged" not in md
+    assert re.search(r"m-en__m-zh: LMC barrier 0\.987 nats/token; the merge chosen on a disjoint split, slerp \(lowest NLL "
+                     r"on dev, run \w{8}\), has NLL 5\.700 against the better endpoint \(merge gain -0\.200\)", md)
+    assert "NLL of the merge chosen on native.select_split" in md
     merges = {r[0]: r for r in _md_table(md, "m-en__m-zh: merged models")[1:]}
     assert merges["slerp"][2] == "5.7000" and merges["slerp"][-1] == ids["merge"]["slerp"][:8]
 
@@ -334,7 +348,14 @@ def test_analysis_run_logged_with_inputs(built):
     assert run.data.metrics["input_runs"] == len(all_inputs) and run.data.metrics["pairs_cka"] == 6
     assert run.data.metrics["transport_directions"] == 4
     corr = (arts / "tables/checkpoint_correlations.csv").read_text().splitlines()
-    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28
+    assert corr[0] == "a,b,n,rho,p_perm,q_bh,p_mantel,q_mantel" and len(corr) == 1 + 28
+    # pairs share checkpoints: the checkpoint-level null (labels permuted within each run) beside the row shuffles,
+    # tested on every cell (a complete design within each run), and the table's caption says which null is which
+    p_mantel = [float(line.split(",")[6]) for line in corr[1:]]
+    assert all(0 < p <= 1 for p in p_mantel)
+    md = (arts / "report.md").read_text()
+    assert "p_mantel / q_mantel: the checkpoint-level null (checkpoint labels permuted within each training run)" in md
+    assert "p_mantel permutes the checkpoint labels within each run instead" in md
 
 
 def test_missing_pieces_say_not_measured(compose_cfg, tmp_path):

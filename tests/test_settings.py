@@ -50,7 +50,7 @@ def test_the_real_study_reads_its_native_languages_and_sentences(compose_cfg):
     (AdaptationSettings, "union_grid", [0.5, 1.0], "adaptation.union_grid must hold ratios strictly between 0 and 1"),
     (AdaptationSettings, "at", "all", "adaptation.at='all': choose best or grid"),
     (AdaptationSettings, "controls", ["scaling", "nois"], "adaptation.controls: unknown control 'nois'"),
-    (AdaptationSettings, "test_split", "dev", "adaptation.val_split and adaptation.test_split are both dev"),
+    (AdaptationSettings, "test_split", "dev", "adaptation.val_split=dev and adaptation.test_split=dev: both are 'dev'"),
     (AdaptationSettings, "sample", "random", "adaptation.sample must be 'spread' or 'first'"),
     (ExpansionSettings, "dtype", "bfloat16", "expansion.dtype='bfloat16': choose float64 or float32"),
     (ExpansionSettings, "sentences", 0, "expansion.sentences=0: give at least 1"),

@@ -784,6 +784,11 @@ def test_folder_data_is_cut_into_disjoint_logged_ranges(tiny_models, compose_cfg
     whole, _ = compose_cfg(transport_job(tiny_models, extra=["data=folder", f"data.root={folder}", "native.nll_sentences=null"]))
     with pytest.raises(MergescopeError, match="is both the evaluation set and the probe split"):
         texts(*check(whole), "eng_Latn", "por_Latn")
+    # evaluated on devtest, the folder's even-numbered lines: the probes and adaptation text are dev, its odd-numbered ones
+    part, _ = compose_cfg(transport_job(tiny_models, extra=["data=folder", f"data.root={folder}", "data.split=devtest"]))
+    pt = texts(*check(part), "eng_Latn", "por_Latn")
+    assert pt.eval_t == tuple(eng[1::2][:20]) and pt.probe_t == tuple(eng[0::2][:40]) and pt.adapt_t == tuple(eng[0::2])
+    assert pt.probe_d == tuple(por[0::2][:40]) and not set(pt.eval_t) & set(pt.adapt_t)
     # FLORES: the probe split is another file; probes are its first lines, the adaptation text all of it
     fl = texts(*check(compose_cfg(transport_job(tiny_models))[0]), "eng_Latn", "por_Latn")
     assert fl.probe_t == tuple(lines("eng_Latn", "dev", 40)) and fl.eval_t == tuple(lines("eng_Latn", "devtest", 20))

@@ -234,6 +234,7 @@ def _w_native(c: Counter, cfg: DictConfig, w: Work) -> None:
     _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
     nat = cfg.native
     merges = len(nat.get("merges") or []) * len(nat.get("mix") or [0.5]) * max(1, int(nat.get("merge_seeds") or 1))
+    merges *= 2 if nat.get("select_split") else 1  # each merge also on native.select_split (about as many tokens)
     for s in (sa, sb, sa):  # host, donor, base streamed
         w.add_load(s)
     w.add_forward(sa, tok, logits=True, passes=float(nat.get("lmc_points") or 0) + merges + 2)
@@ -253,7 +254,10 @@ def _w_merge(c: Counter, cfg: DictConfig, w: Work) -> None:
         return
     for s in shapes:
         w.add_load(s)
-    w.add_forward(shapes[0], c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1], logits=True)
+    from mergescope.native.multi import is_multi
+
+    select = not is_multi(cfg) and (cfg.get("native") or {}).get("select_split")  # the pair form's val_nll
+    w.add_forward(shapes[0], c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1], logits=True, passes=2.0 if select else 1.0)
     w.held = [shapes[0]]
 
 

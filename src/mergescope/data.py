@@ -2,6 +2,14 @@
 
 Every side of a pair is read from the same source and split; the only thing two sides share is
 the line index, so sides that are not line-aligned are an error.
+
+A folder of ``<lang>.txt`` files (NTREX-128, PUD, ``data=folder``) has one file per language and no splits of its
+own. There FLORES-200's split names select a fixed partition of the lines, by position (:data:`FOLDER_PARTS`):
+``dev`` is the odd-numbered lines (1, 3, 5, ...), ``devtest`` the even-numbered ones (2, 4, 6, ...); any other
+split name (``all``, ``test``) reads every line. The same line numbers in every language, so the sides stay
+aligned. Two splits of one data config share no line (:func:`split_overlap`) only when they are differently named
+FLORES-200 or hub splits, or the two parts of that partition: a job that chooses anything on one split and reports
+another checks this before it runs.
 """
 
 from __future__ import annotations
@@ -19,12 +27,19 @@ from mergescope.errors import MergescopeError, did_you_mean
 # FLORES-200 code -> FLORES+ (openlanguagedata/flores_plus) code, where they differ.
 FLORES_PLUS_CODES = {"zho_Hans": "cmn_Hans", "zho_Hant": "cmn_Hant"}
 
+# One file per language: split name -> the first line (0-based) of its part; every second line from there.
+FOLDER_PARTS = {"dev": 0, "devtest": 1}
+FOLDER_RULE = ("one file per language (<lang>.txt), split by line position: dev = the odd-numbered lines (1, 3, 5, ...), "
+               "devtest = the even-numbered ones (2, 4, 6, ...), any other split every line")
+
 
 @dataclass(frozen=True)
 class Side:
     lang: str
     sentences: tuple[str, ...]
     source: str  # file path or hub id, for the record
+    part: str | None = None  # which lines of the file, when a split is a part of it (FOLDER_PARTS)
+    file_lines: int | None = None  # the whole file's line count, when ``part`` is set (the alignment check's)
 
     @property
     def digest(self) -> str:
@@ -44,6 +59,48 @@ def _layout(root: Path, split: str) -> str:
         f"data.root={root} holds neither FLORES-200 files (<root>/{split}/<lang>.{split}) "
         "nor line-aligned <lang>.txt files; point data.root at one of those"
     )
+
+
+def folder_part(split: str, n_lines: int) -> range:
+    """The line indices (0-based) of ``split`` in a one-file-per-language folder of ``n_lines`` lines
+    (:data:`FOLDER_PARTS`; every line for another split name)."""
+    start = FOLDER_PARTS.get(str(split))
+    return range(n_lines) if start is None else range(start, n_lines, 2)
+
+
+def _data_key(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key) if OmegaConf.is_config(cfg) else cfg.get(key)  # None when unset (???)
+
+
+def _layout_of(cfg: Any, split: str) -> str | None:
+    """``hub``, ``flores`` or ``folder`` for ``split`` of a data config; None when its root is unset or holds
+    neither layout (the read itself then says why)."""
+    if _data_key(cfg, "source") == "hub":
+        return "hub"
+    root = _data_key(cfg, "root")
+    if not root or not Path(str(root)).expanduser().is_dir():
+        return None
+    try:
+        return _layout(Path(str(root)).expanduser(), str(split))
+    except MergescopeError:
+        return None
+
+
+def split_overlap(cfg: Any, a: str, b: str) -> str | None:
+    """Why splits ``a`` and ``b`` of data config ``cfg`` may share sentences, or None when they share none: two
+    differently named FLORES-200 (or hub) splits are two files; in a one-file-per-language folder only ``dev``
+    and ``devtest`` are disjoint (:data:`FOLDER_RULE`). The reason is one clause, for a message naming the fix."""
+    a, b = str(a), str(b)
+    if a == b:
+        return f"both are '{a}'"
+    la, lb = _layout_of(cfg, a), _layout_of(cfg, b)
+    if None in (la, lb) or (la == lb and la in ("hub", "flores")):
+        return None  # two files (or no such data: the read names the problem)
+    if la == lb == "folder" and {a, b} == set(FOLDER_PARTS):
+        return None
+    return f"'{a}' and '{b}' share lines of {_data_key(cfg, 'root')}: {FOLDER_RULE}"
 
 
 def available_langs(root: str | Path, split: str) -> list[str]:
@@ -87,6 +144,10 @@ def _local_side(root: Path, split: str, lang: str) -> Side:
     empty = [i for i, s in enumerate(sents) if not s.strip()]
     if empty:
         raise MergescopeError(f"{path} has an empty line at line {empty[0] + 1}; parallel files need one sentence per line")
+    if layout == "folder" and split in FOLDER_PARTS:
+        lines = folder_part(split, len(sents))
+        part = f"{split}: lines {lines.start + 1}, {lines.start + 3}, {lines.start + 5}, ... of {len(sents)} (every second line)"
+        return Side(lang=lang, sentences=tuple(sents[i] for i in lines), source=str(path), part=part, file_lines=len(sents))
     return Side(lang=lang, sentences=sents, source=str(path))
 
 
@@ -135,7 +196,8 @@ def _full_side(cfg: Any, lang: str) -> Side:
 
 
 def _cut(side: Side, limit: int | None) -> Side:
-    return side if limit is None else Side(lang=side.lang, sentences=side.sentences[:limit], source=side.source)
+    return side if limit is None else Side(lang=side.lang, sentences=side.sentences[:limit], source=side.source, part=side.part,
+                                                 file_lines=side.file_lines)
 
 
 _RECORDERS: list[list[Side]] = []
@@ -171,10 +233,11 @@ def load_parallel(cfg: Any, lang_a: str, lang_b: str) -> tuple[Side, Side]:
     before ``max_sentences`` cuts them."""
     limit = sentence_limit(cfg)
     a, b = _full_side(cfg, lang_a), _full_side(cfg, lang_b)
-    if len(a.sentences) != len(b.sentences):
+    na, nb = (s.file_lines or len(s.sentences) for s in (a, b))
+    if na != nb:
         raise MergescopeError(
-            f"parallel sides are misaligned: {a.source} has {len(a.sentences)} lines but {b.source} has "
-            f"{len(b.sentences)}; give line-aligned files (line i = the same sentence in every language)"
+            f"parallel sides are misaligned: {a.source} has {na} lines but {b.source} has "
+            f"{nb}; give line-aligned files (line i = the same sentence in every language)"
         )
     a, b = _cut(a, limit), _cut(b, limit)
     _noted(a, b)

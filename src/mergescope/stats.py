@@ -438,23 +438,28 @@ def _power_text(ps: dict, how: str) -> str:
 
 
 def mantel_table(frame: Any, model_a: Sequence[str], model_b: Sequence[str], n_permutations: int = 20000,
-                 seed: int = 0, exact_max_models: int = 8) -> dict[tuple[str, str], dict[str, float]]:
+                 seed: int = 0, exact_max_models: int = 8,
+                 strata: Mapping[str, str] | None = None) -> dict[tuple[str, str], dict[str, float]]:
     """A model-level (Mantel-style) permutation null for a table whose rows are pairs of models.
 
     Rows built from N models share models (10 pairs from 5 models), so shuffling rows as if they were independent
     (``correlation_table``'s ``p_perm``) overstates the evidence. Here a cell's Spearman rho is recomputed after
     relabelling the models of ONE column by a permutation of the N model labels: row (a, b) takes that column's
-    value at (pi(a), pi(b)), the structure of shared models kept. Exact over all N! relabellings for N <=
-    ``exact_max_models`` (p = #{|rho_pi| >= |rho|} / N!, the identity included), else ``n_permutations`` seeded
-    draws (p = (# + 1) / (draws + 1)).
+    value at (pi(a), pi(b)), the structure of shared models kept. Exact over all relabellings when there are at most
+    ``exact_max_models``! of them (p = #{|rho_pi| >= |rho|} / #relabellings, the identity included), else
+    ``n_permutations`` seeded draws (p = (# + 1) / (draws + 1)).
 
-    A cell is tested only on a complete design: every unordered pair of the models that appear in it has a finite
-    value in both columns (otherwise p_mantel is NaN). Returns ``{(a, b): {"rho", "p_mantel", "n_models",
-    "n_relabellings"}}`` for every column pair a < b in column order.
+    ``strata`` (model label -> its group, e.g. the checkpoints of one training run): the rows pair models of one group
+    only, and a relabelling permutes the labels within each group (the product of the groups' permutations).
+
+    A cell is tested only on a complete design: every unordered pair of the models that appear in it (within each
+    group, and no row across groups) has a finite value in both columns (otherwise p_mantel is NaN). Returns
+    ``{(a, b): {"rho", "p_mantel", "n_models", "n_relabellings"}}`` for every column pair a < b in column order.
     """
     cols = {k: np.asarray(v, dtype=np.float64) for k, v in (frame.items() if hasattr(frame, "items") else frame)}
     names = list(cols)
     la, lb = [str(x) for x in model_a], [str(x) for x in model_b]
+    group = (lambda m: "") if strata is None else (lambda m: str(strata[m]))
     out: dict[tuple[str, str], dict[str, float]] = {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -464,7 +469,12 @@ def mantel_table(frame: Any, model_a: Sequence[str], model_b: Sequence[str], n_p
             labels = sorted({la[r] for r in rows} | {lb[r] for r in rows})
             pos = {(frozenset((la[r], lb[r]))): k for k, r in enumerate(rows)}
             n_m = len(labels)
-            complete = n_m >= 3 and len(pos) == len(rows) == n_m * (n_m - 1) // 2
+            groups: dict[str, list[int]] = {}
+            for k, m in enumerate(labels):
+                groups.setdefault(group(m), []).append(k)
+            within = all(group(la[r]) == group(lb[r]) for r in rows)
+            complete = (n_m >= 3 and within and len(pos) == len(rows) >= 3
+                        and len(rows) == sum(len(g) * (len(g) - 1) // 2 for g in groups.values()))
             res = {"rho": float("nan"), "p_mantel": float("nan"), "n_models": float(n_m), "n_relabellings": 0.0}
             if complete:
                 rx, ry = _sps.rankdata(x[rows]), _sps.rankdata(y[rows])
@@ -477,17 +487,25 @@ def mantel_table(frame: Any, model_a: Sequence[str], model_b: Sequence[str], n_p
                     lookup = np.full((n_m, n_m), -1)
                     for k in range(len(rows)):
                         lookup[ia[k], ib[k]] = lookup[ib[k], ia[k]] = k
-                    if n_m <= exact_max_models:
-                        perms = np.array(list(itertools.permutations(range(n_m))))
+                    members = [np.array(g) for g in groups.values()]
+                    total = math.prod(math.factorial(len(g)) for g in members)
+                    exact = total <= math.factorial(exact_max_models)
+                    if exact:  # every relabelling: the product of each group's permutations
+                        per = [np.array(list(itertools.permutations(g))) for g in members]
+                        picks = np.meshgrid(*(np.arange(len(p)) for p in per), indexing="ij")
+                        perms = np.empty((total, n_m), dtype=np.int64)
+                        for g, p, pick in zip(members, per, picks):
+                            perms[:, g] = p[pick.reshape(-1)]
                     else:
                         rng = np.random.default_rng(seed)
-                        perms = np.argsort(rng.random((int(n_permutations), n_m)), axis=1)
+                        perms = np.tile(np.arange(n_m), (int(n_permutations), 1))
+                        for g in members:
+                            perms[:, g] = g[np.argsort(rng.random((int(n_permutations), len(g))), axis=1)]
                     moved = lookup[perms[:, ia], perms[:, ib]]  # (P, R): the row whose y value each row takes
                     rho_obs = float(rx @ ry) / den
                     rho_perm = (ry[moved] @ rx) / den
                     hits = int(np.sum(np.abs(rho_perm) >= abs(rho_obs) - 1e-12))
-                    p = hits / len(perms) if n_m <= exact_max_models else (hits + 1) / (len(perms) + 1)
-                    res = {"rho": rho_obs, "p_mantel": float(p), "n_models": float(n_m),
-                           "n_relabellings": float(math.factorial(n_m) if n_m <= exact_max_models else len(perms))}
+                    p = hits / len(perms) if exact else (hits + 1) / (len(perms) + 1)
+                    res = {"rho": rho_obs, "p_mantel": float(p), "n_models": float(n_m), "n_relabellings": float(len(perms))}
             out[(a, b)] = res
     return out

@@ -417,7 +417,8 @@ class Job:
 
     def log_datasets(self, sides) -> None:
         """The data sides the job read, as MLflow dataset inputs (the UI's Datasets column): one per distinct side, named
-        by its file (``devtest/por_Latn.devtest``) or hub id, with the digest of its sentences (``data.Side.digest``) and
+        by its file (``devtest/por_Latn.devtest``; a part of a one-file-per-language folder adds the split and its lines:
+        ``ntrex128/eng_Latn.txt (dev)``) or hub id, with the digest of its sentences (``data.Side.digest``) and
         its row count; context ``probe``."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
@@ -429,9 +430,12 @@ class Job:
             seen.add(key)
             local = Path(side.source).exists()
             name = f"{Path(side.source).parent.name}/{Path(side.source).name}" if local else str(side.source)
+            part = getattr(side, "part", None)  # a split that is a part of one file: its lines (data.FOLDER_PARTS)
+            if part:
+                name += f" ({part.split(':')[0]})"
             ds = Dataset(name=name[:500], digest=side.digest, source_type="local" if local else "hub",
                          source=json.dumps({"uri": str(side.source)}),
-                         profile=json.dumps({"num_rows": len(side.sentences), "lang": side.lang}))
+                         profile=json.dumps({"num_rows": len(side.sentences), "lang": side.lang, **({"lines": part} if part else {})}))
             inputs.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", "probe")]))
         if not inputs:
             return

@@ -63,9 +63,10 @@ def sample_rows(n: int, limit: int | None, how: str = "spread") -> list[int]:
 def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | None, sample: str = "first") -> list[Text]:
     """The ``val`` and ``test`` splits (names from ``splits``) of every language, ``limit`` sentences chosen by
     ``sample`` (:func:`sample_rows`), with their FLORES domains."""
-    if splits["val"] == splits["test"]:
-        raise MergescopeError(f"adaptation.val_split and test_split are both '{splits['val']}': the best ratio must be "
-                              "chosen on one split and reported on a disjoint one")
+    why = data_mod.split_overlap(data_cfg, splits["val"], splits["test"])
+    if why:
+        raise MergescopeError(f"adaptation.val_split={splits['val']} and test_split={splits['test']}: {why}; the best ratio "
+                              "must be chosen on one split and reported on a disjoint one (use dev and devtest)")
     out = []
     for role, split in splits.items():
         c = plain_copy(data_cfg)

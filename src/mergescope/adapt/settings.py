@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig
 
 from mergescope.adapt.protocol import CONTROLS
-from mergescope.data import positive_count
+from mergescope.data import positive_count, split_overlap
 from mergescope.errors import MergescopeError
 from mergescope.settings import ArmSettings
 
@@ -48,9 +48,12 @@ class AdaptationSettings(ArmSettings):
             raise MergescopeError(f"adaptation.at={self.at!r}: choose best or grid")
         if self.sample not in ("spread", "first"):
             raise MergescopeError(f"adaptation.sample must be 'spread' or 'first', got {self.sample!r}")
-        if self.val_split == self.test_split:
-            raise MergescopeError(f"adaptation.val_split and adaptation.test_split are both {self.val_split}: the ratio is chosen "
-                                  "on one split and reported on another (use dev and devtest)")
+        data = cfg.get("data") if cfg is not None else None
+        why = split_overlap(data, self.val_split, self.test_split) if data is not None else (
+            f"both are '{self.val_split}'" if self.val_split == self.test_split else None)
+        if why:
+            raise MergescopeError(f"adaptation.val_split={self.val_split} and adaptation.test_split={self.test_split}: {why}; the "
+                                  "ratio is chosen on one split and reported on another, disjoint one (use dev and devtest)")
         positive_count(self.nll_sentences, "adaptation.nll_sentences")
 
     @property

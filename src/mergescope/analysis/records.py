@@ -48,6 +48,12 @@ class Rec:
         except yaml.YAMLError:
             return raw
 
+    def text(self, key: str) -> str | None:
+        """A logged param that is prose, as written (``param`` would read "a (1 vs 2): b" as a YAML mapping);
+        None where it is unset or was logged as None."""
+        raw = self.params.get(key)
+        return None if raw in (None, "None", "null", "") else str(raw)
+
     def group(self, prefix: str) -> dict[str, Any]:
         p = prefix + "."
         return {k[len(p):]: self.param(k) for k in self.params if k.startswith(p)}

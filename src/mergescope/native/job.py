@@ -2,7 +2,8 @@
 route=native): coverage (which tensors share name and shape, which are excluded and why), weight
 diagnostics on the shared tensors, task-vector diagnostics against a base (checkpoint pairs: the
 run's ``step0``), the linear mode-connectivity curve NLL((1-t)a + t b) with its barrier, and the
-merge gain over the operators in ``native.merges`` (each merged model its own run, ``merges.py``).
+merge gain of the operator in ``native.merges`` with the lowest NLL on ``native.select_split`` (each merged model
+its own run, ``merges.py``), reported on ``data.split``.
 Nothing is padded or truncated.
 
 The arm's task handlers are here, as every arm's are in its ``job.py``: :func:`run_native` (task=native) and
@@ -17,6 +18,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope.config import load_conf, plain_copy, to_plain
+from mergescope.errors import MergescopeError
 from mergescope.merge import resolve_preset
 from mergescope.native.merges import merge_configs, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
@@ -68,13 +70,17 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
         r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints, lang_ends=lang_ends)
         merges.append((mc.merge.name, r))
         console.print(f"  merge {mc.merge.name} {pair_label(cfg)}: nll={r.metrics['nll']:.4f}{' (done before)' if r.skipped else ''}")
-    independent = [(n, r) for n, r in merges if not r.metrics.get("same_as_linear")]
-    if not independent:
-        return {}
-    best = min(r.metrics["nll"] for _, r in independent)
-    gain = min(endpoints) - best
     job.log_params({"merge_runs": {name: r.run_id for name, r in merges}})
-    return {"merge_gain": gain, "best_merged_nll": best, "merge_beats_better_endpoint": float(gain > 0)}
+    independent = [(n, r) for n, r in merges if not r.metrics.get("same_as_linear")]
+    if not independent or NativeSettings.from_cfg(cfg).select_split is None:
+        return {}
+    # The operator is chosen on native.select_split (its lines disjoint from data.split's), and its gain reported on
+    # data.split: the minimum over operators of the reported NLLs would be chosen on the sentences it reports.
+    name, chosen = min(independent, key=lambda nr: nr[1].metrics["val_nll"])
+    gain = min(endpoints) - chosen.metrics["nll"]
+    job.log_params({"merge_chosen": {"merge": name, "run": chosen.run_id, "on": NativeSettings.from_cfg(cfg).select_split}})
+    return {"merge_gain": gain, "chosen_merged_nll": chosen.metrics["nll"], "chosen_val_nll": chosen.metrics["val_nll"],
+            "merge_beats_better_endpoint": float(gain > 0)}
 
 
 def hash_extra(cfg: DictConfig) -> dict:
@@ -89,6 +95,10 @@ def hash_extra(cfg: DictConfig) -> dict:
 
 def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     ns = NativeSettings.from_cfg(cfg)  # every native.* setting checked before the pair's weights are read
+    if ns.merges and (why := ns.select_overlap(cfg)):
+        raise MergescopeError(f"native.select_split={ns.select_split} and data.split={cfg.data.split}: {why}; the operator "
+                              "behind merge_gain is chosen on one split and reported on another, disjoint one (use "
+                              "native.select_split=dev and data.split=devtest, or native.select_split=null to choose none)")
     refs = check_pair(cfg)
 
     def body(job) -> dict[str, float]:

@@ -10,12 +10,13 @@ from mergescope.config import conf_options, load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
-                                    nll_sentences, no_base_reason)
+                                    nll_sentences, no_base_reason, select_sentences)
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 
-MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "represent.max_length"]
+MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "native.select_split",
+              "represent.max_length"]
 TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
                   "run it with task=transport (the study runs it for every pair)")
 
@@ -72,11 +73,13 @@ def same_as_linear(entry, kwargs: dict) -> bool:
 
 def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job) -> dict[str, float]:
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
-    (seed, seed+1, ...), each seed's NLL a metric step."""
+    (seed, seed+1, ...), each seed's NLL a metric step. ``val_nll``: the same on ``native.select_split`` (what the
+    native run chooses its operator on), when that split shares no line with the scored one."""
     n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
+    val = select_sentences(cfg)
     stats, read = pair_stats(cfg, pair, entry)
-    nlls, by_lang = [], {lang: [] for lang in texts}
+    nlls, vals, by_lang = [], [], {lang: [] for lang in texts}
     for i in range(n):
         kw = {**kwargs, "seed": int(kwargs["seed"]) + i} if stochastic(kwargs) else kwargs
         for name in pair.coverage.shared:  # tensor by tensor into the host: no second whole model in memory
@@ -85,12 +88,15 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
         nlls.append(host_nll(cfg, pair, sentences, what))
         for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
             by_lang[lang].append(nlls[-1] if tuple(t) == tuple(sentences) else host_nll(cfg, pair, t, f"{what} {lang}"))
+        if val is not None:
+            vals.append(host_nll(cfg, pair, val, f"{what} {NativeSettings.from_cfg(cfg).select_split}"))
         pair.restore()
         if n > 1:
             job.log_metrics({"nll_by_seed": nlls[-1]}, step=i)
     a = np.asarray(nlls, dtype=np.float64)
     return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n),
-            **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}, **read}
+            **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}, **read,
+            **({"val_nll": float(np.mean(vals)), "n_val_sentences": float(len(val))} if val is not None else {})}
 
 
 def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:

@@ -161,6 +161,18 @@ def nll_sentences(cfg: DictConfig) -> tuple[str, ...]:
     return NativeSettings.from_cfg(cfg).sentences(side.sentences)
 
 
+def select_sentences(cfg: DictConfig) -> tuple[str, ...] | None:
+    """The host language's first ``native.nll_sentences`` sentences of ``native.select_split``: what the native run
+    chooses the operator behind its ``merge_gain`` on, never the reported sentences. None when the split is unset or
+    shares lines with ``data.split`` (nothing is chosen then; the native job refuses that case before any run)."""
+    ns = NativeSettings.from_cfg(cfg)
+    if ns.select_split is None or ns.select_overlap(cfg):
+        return None
+    c = plain_copy(cfg.data)
+    c.split = ns.select_split
+    return ns.sentences(data_mod.load_side(c, str(cfg.pair.a.lang)).sentences)
+
+
 def nll_langs(cfg: DictConfig) -> list[str]:
     """``native.nll_langs``: languages every merged model (and each expert and the base) is also scored on, beside the
     host's (a multilingual merge: does it keep both languages?). Absent or empty: the host's language only."""

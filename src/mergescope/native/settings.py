@@ -29,6 +29,7 @@ class NativeSettings(ArmSettings):
     mix: tuple[float, ...] = (0.5,)
     density: float = 0.2
     merge_seeds: int = 1
+    select_split: str | None = "dev"  # the operator behind the native run's merge_gain is chosen on this split
 
     def check(self, cfg: DictConfig | None) -> None:
         if self.lmc_points < 3:
@@ -40,6 +41,12 @@ class NativeSettings(ArmSettings):
             raise MergescopeError(f"native.density must be in (0, 1] (the TIES trim of the sign-agreement diagnostic), got {self.density}")
         if self.merge_seeds < 1:
             raise MergescopeError(f"native.merge_seeds must be at least 1, got {self.merge_seeds}")
+
+    def select_overlap(self, cfg: DictConfig) -> str | None:
+        """Why ``select_split`` may share sentences with the scored ``data.split`` (None: it shares none, or is unset)."""
+        from mergescope.data import split_overlap
+
+        return None if self.select_split is None else split_overlap(cfg.data, self.select_split, str(cfg.data.split))
 
     def sentences(self, all_sentences: tuple[str, ...]) -> tuple[str, ...]:
         """The first ``nll_sentences`` of a side (all of them when null)."""

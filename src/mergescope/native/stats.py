@@ -41,9 +41,10 @@ def check_stats(cfg: DictConfig) -> None:
     split, scored = str(ms.get("split") or ""), str(cfg.data.get("split"))
     if not split:
         raise MergescopeError("a data-aware merge needs merge_stats.split (e.g. dev): the split its statistics are read on")
-    if split == scored:
-        raise MergescopeError(f"merge_stats.split={split} is the split the merged model is scored on (data.split): "
-                              "the statistics must come from a disjoint split (e.g. merge_stats.split=dev)")
+    why = data_mod.split_overlap(cfg.data, split, scored)
+    if why:
+        raise MergescopeError(f"merge_stats.split={split} and the scored split data.split={scored}: {why}; the statistics "
+                              "must come from a disjoint split (e.g. merge_stats.split=dev, data.split=devtest)")
     n = ms.get("sentences")
     if n is None or int(n) < 1:
         raise MergescopeError(f"merge_stats.sentences={n}: give at least 1")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mergescope.data import folder_part
+
 PUD_SOURCES = {"n": "news", "w": "wikipedia"}
 
 
@@ -39,8 +41,10 @@ def domains(data_cfg: Any, lang: str, n: int) -> list[str] | None:
     """One category per sentence of ``lang``'s side, or None."""
     if str(data_cfg.get("source", "local")) != "local":
         return None
-    root = Path(str(data_cfg.root))
-    out = _flores(root, str(data_cfg.split)) or _pud(root, lang)
+    root, split = Path(str(data_cfg.root)), str(data_cfg.split)
+    out = _flores(root, split)
+    if out is None and (ids := _pud(root, lang)) is not None:  # one line per sentence of the whole file: the split's lines
+        out = [ids[i] for i in folder_part(split, len(ids))]
     if out is None:
         return None
     out = out[:n]

@@ -120,14 +120,15 @@ class Texts:
 
 def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Texts:
     """Evaluation, probe and adaptation sentences, disjoint from the evaluation. With a separate probe split
-    (FLORES dev) the probes are its first ``probe_sentences`` lines and the adaptation text all of it. When
-    the probe split is the evaluation file itself (``data=folder``: one file per language, no splits), the
-    file is cut into disjoint ranges: evaluation first, then the probes, then the adaptation text."""
+    (FLORES dev; in a one-file-per-language folder evaluated on devtest, dev: the partition's other lines,
+    ``data.FOLDER_RULE``) the probes are its first ``probe_sentences`` lines and the adaptation text all of it. When
+    the probe split is the evaluation file itself (``data=folder`` evaluated on every line), the file is cut into
+    disjoint ranges: evaluation first, then the probes, then the adaptation text."""
     et, ed = data_mod.load_parallel(cfg.data, lang_t, lang_d)
     k = cfg.native.get("nll_sentences")
     n_eval = min(len(et.sentences), int(k)) if k else len(et.sentences)
     pt, pd = data_mod.load_parallel(probe_data(cfg, s), lang_t, lang_d)
-    start = n_eval if (pt.source == et.source or pd.source == ed.source) else 0
+    start = n_eval if ((pt.source, pt.part) == (et.source, et.part) or (pd.source, pd.part) == (ed.source, ed.part)) else 0
     if start and start + 3 > len(pt.sentences):
         raise MergescopeError(f"{pt.source} is both the evaluation set and the probe split (data={cfg.data.name}); its first "
                               f"{n_eval} lines are evaluated and fewer than 3 are left for probes: set native.nll_sentences "

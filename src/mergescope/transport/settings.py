@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import models
 from mergescope.config import load_conf, plain_copy, to_plain
+from mergescope.data import split_overlap
 from mergescope.errors import MergescopeError
 from mergescope.transport import interfaces as itf
 
@@ -155,7 +156,9 @@ def probe_data(cfg: DictConfig, s: TransportSettings) -> DictConfig:
         pdata = OmegaConf.create(raw)
     with open_dict(pdata):
         if s.probe_set == "flores200":
-            pdata.split = s.probe_split
+            # a probe split that shares lines with the evaluation split (one file per language, data=folder: dev is
+            # a part of 'all') is read as the evaluation file itself, which ``job.texts`` cuts into disjoint ranges
+            pdata.split = str(cfg.data.split) if split_overlap(cfg.data, s.probe_split, cfg.data.split) else s.probe_split
         pdata.max_sentences = None
     return pdata
 

@@ -5,7 +5,10 @@ coordinate is zero; copied hidden-width norm scales are multiplied by c = sqrt(h
 which keeps an RMSNorm model's function (its eps is then effectively eps/c^2); new layers are residual
 identities placed by the slot map over depth. ``mode=repeat``: width grows by tiling whole units (integer
 multiples), every weight that reads a repeated axis divided by the repeat count; LayerNorm models keep their
-function too, because a tiled vector has the same mean and variance.
+function too, because a tiled vector has the same mean and variance. A tied target's head is the tiled embedding,
+which must not be divided (it is also the input lookup), so there the final norm's scale (and bias) -- read by the
+head alone -- is divided by the hidden repeat count instead: the r tiled copies of e . x sum to r e . x, and the
+1/r on the final norm gives back e . x (the logits are the source's, tied or untied).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def place_repeat(w: Tensor, role: Role, shape: torch.Size, maps: dict[str, Tenso
     out = w[index([maps[a] for a in role.axes])]
     if role.kind == "linear":
         out = out / (tgt.size(role.axes[-1]) // src.size(role.axes[-1]))
+    elif tgt.tied and role.layer is None and role.kind in ("norm", "norm_bias"):
+        out = out / (tgt.hidden // src.hidden)  # the final norm, read by the tied (undivided) head only
     assert out.shape == shape, (role.name, out.shape, shape)
     return out.contiguous()
 

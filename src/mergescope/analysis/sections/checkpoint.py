@@ -51,11 +51,17 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
     sec.tables.append(RTable("By trajectory distance", ["run", "bin", "n", "median lmc_barrier", "median merge_gain",
                                                           "merge beats better endpoint", "runs"], _bin_rows(ck),
                              note="lmc_barrier in nats/token (negative: the straight path is better than its chord); "
-                                  "merge_gain = better endpoint's NLL - best merged NLL (positive: merging beats the better endpoint)."))
-    per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], f3(r.m("best_merged_nll")),
+                                  "merge_gain = better endpoint's NLL - NLL of the merge chosen on native.select_split (the "
+                                  "lowest NLL on that split, disjoint from the reported sentences), both on data.split "
+                                  "(positive: merging beats the better endpoint)."))
+    per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], r.group("merge_chosen").get("merge") or "—",
+            f3(r.m("chosen_merged_nll")),
             "yes" if r.m("merge_beats_better_endpoint") == 1 else "no" if np.isfinite(r.m("merge_beats_better_endpoint")) else "—",
             short(r.run_id)] for r in ck]
-    sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "best_merged_nll", "beats", "run"], per))
+    sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "chosen merge", "chosen_merged_nll",
+                                                     "beats", "run"], per,
+                             note="chosen merge: the merge with the lowest NLL on native.select_split; its NLL and gain "
+                                  "on data.split."))
     sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
     an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     an.metrics["checkpoint_pairs"] = float(len(ck))

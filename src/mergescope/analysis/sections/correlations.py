@@ -50,13 +50,15 @@ def _power(table, n_rows: int) -> tuple[Any, dict[str, Any]]:
 MANTEL_COLUMNS = ["p_mantel", "q_mantel"]
 
 
-def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], list[str]], n_permutations: int) -> str:
+def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], list[str]], n_permutations: int,
+               strata: dict[str, str] | None = None) -> str:
     """The model-level null beside the pair-level one (``stats.mantel_table``), with BH across the tested cells; the
-    sentence that says why."""
+    sentence that says why. ``strata``: checkpoints of one training run (rows pair checkpoints of one run only), so
+    labels are permuted within each run."""
     from scipy.stats import false_discovery_control
 
     m = mantel_table({c: frame[c] for c in dict.fromkeys([*table["a"], *table["b"]])}, *models,
-                     n_permutations=n_permutations, seed=0)
+                     n_permutations=n_permutations, seed=0, strata=strata)
     table["p_mantel"] = [m.get((a, b), {}).get("p_mantel", np.nan) for a, b in zip(table["a"], table["b"])]
     p = table["p_mantel"].to_numpy(dtype=np.float64)
     q = np.full_like(p, np.nan)
@@ -66,6 +68,14 @@ def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], lis
     table["q_mantel"] = q
     n_models = len(set(models[0]) | set(models[1]))
     sig = int(np.sum(q[ok] < 0.05))
+    if strata is not None:
+        n_rel = max((v.get("n_relabellings", 0.0) for v in m.values()), default=0.0)
+        runs = len(set(strata.values()))
+        return (f"Dependence: the {len(models[0])} checkpoint pairs are built from {n_models} checkpoints of {runs} training "
+                f"run(s), so pairs that share a checkpoint are not independent and p_perm (row shuffles) treats them as if "
+                f"they were. p_mantel permutes the checkpoint labels within each run instead (a Mantel-style null"
+                + (f", {int(n_rel)} relabellings" if n_rel else "") + f"), q_mantel is BH across the table: {sig} cell(s) "
+                "with q_mantel < 0.05.")
     return (f"Dependence: the {len(models[0])} pairs are built from {n_models} models, so pairs that share a model are not "
             f"independent and p_perm (row shuffles) treats them as if they were. p_mantel permutes the model labels "
             f"instead (a Mantel-style null, exact over all {n_models}! relabellings; its smallest attainable p is "
@@ -74,9 +84,11 @@ def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], lis
 
 
 def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_rows: int, n_permutations: int,
-                        intro: str, models: tuple[list[str], list[str]] | None = None) -> tuple[Section, Any, dict[str, Any]]:
+                        intro: str, models: tuple[list[str], list[str]] | None = None,
+                        strata: dict[str, str] | None = None) -> tuple[Section, Any, dict[str, Any]]:
     """One correlation section: (the section, the correlation table or None when too small, the power statement).
-    With ``models`` (each row's two models) the table also gets the model-level null (:func:`add_mantel`)."""
+    With ``models`` (each row's two models) the table also gets the model-level null (:func:`add_mantel`; ``strata``:
+    permuted within each group, the checkpoints of one run)."""
     sec = Section(key, title)
     usable, dropped = _usable(frame, n_rows)
     if n_rows < 4 or len(usable) < 2:
@@ -98,26 +110,32 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
                     "q_bh is Benjamini-Hochberg across the whole table.")
     cols = COLUMNS
     if models is not None:
-        sec.text.append(add_mantel(table, frame, models, n_permutations))
+        sec.text.append(add_mantel(table, frame, models, n_permutations, strata))
         cols = COLUMNS + MANTEL_COLUMNS
-        sec.finding += f" With the model-level (Mantel) null, {int(np.sum(table['q_mantel'] < 0.05))} survive BH."
+        what = "checkpoint-level (Mantel, within each run)" if strata is not None else "model-level (Mantel)"
+        sec.finding += f" With the {what} null, {int(np.sum(table['q_mantel'] < 0.05))} survive BH."
     if dropped:
         sec.missing.append(f"{title}: left out of the table, not measured or not varying: {', '.join(dropped)}")
     rows = sorted(table.to_dict("records"), key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0)
     sec.tables.append(RTable(f"{title} (n={n_rows}, {len(tested)} cells)", cols,
                              [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4),
                                *(f3(r[c], 4) for c in cols[len(COLUMNS):])] for r in rows],
-                             note="p_perm: two-sided permutation p (row shuffles); q_bh: Benjamini-Hochberg across the table"
-                                  + ("; p_mantel / q_mantel: the model-level null and its BH" if models is not None else "")
+                             note="p_perm: two-sided permutation p (row shuffles: treats the rows as independent"
+                                  + (", which pairs sharing a " + ("checkpoint" if strata is not None else "model") +
+                                     " are not" if models is not None else "") + "); q_bh: Benjamini-Hochberg across the table"
+                                  + ((f"; p_mantel / q_mantel: the {'checkpoint-level null (checkpoint labels permuted within each training run)' if strata is not None else 'model-level null (model labels permuted)'}"
+                                      " and its BH, the null that respects the shared "
+                                      + ("checkpoints" if strata is not None else "models")) if models is not None else "")
                                   + " (power: in the text above)"))
     return sec, table, power
 
 
 def _tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: str, figure: tuple[str, str, str], csv_path: str,
-            models: tuple[list[str], list[str]] | None = None) -> Section:
+            models: tuple[list[str], list[str]] | None = None, strata: dict[str, str] | None = None) -> Section:
     """One arm's correlation section from its frame, with its heatmap (``figure`` = name, caption, heatmap title) and
     CSV table; the table joins the analysis."""
-    sec, table, power = correlation_section(key, title, an.frames[arm], n_rows, an.n_permutations, intro, models=models)
+    sec, table, power = correlation_section(key, title, an.frames[arm], n_rows, an.n_permutations, intro, models=models,
+                                            strata=strata)
     if table is not None:
         sec.add_figure(figure[0], figure[1], lambda: figure_correlation(table, figure[2]))
         cols = COLUMNS + (MANTEL_COLUMNS if models is not None else [])
@@ -127,13 +145,23 @@ def _tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: st
     return sec
 
 
+def checkpoint_labels(rows) -> tuple[tuple[list[str], list[str]], dict[str, str]]:
+    """Each checkpoint pair's two checkpoints (``model_a`` / ``model_b`` tags, ``name@revision``) and each checkpoint's
+    training run (its name): the checkpoint-level null permutes checkpoint labels within a run."""
+    a, b = [str(r.tags.get("model_a", "")) for r in rows], [str(r.tags.get("model_b", "")) for r in rows]
+    return (a, b), {m: base_name(m) for m in a + b}
+
+
 def correlations_checkpoint(an: Analysis, number: str) -> list[Section]:
-    """One row per checkpoint pair (native weight merging), then the same per family when there are several."""
+    """One row per checkpoint pair (native weight merging), then the same per family when there are several. Pairs
+    share checkpoints, so beside the row-shuffle null each table has the checkpoint-level (Mantel) null, the labels
+    permuted within each training run."""
     an.frames["checkpoint"] = {c: np.array([r.m(c) for r in an.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+    models, strata = checkpoint_labels(an.checkpoint)
     sec = _tabled(an, "checkpoint", "corr_checkpoint", f"{number}. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
                   len(an.checkpoint), "One row per checkpoint pair (native weight merging).",
                   ("correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "checkpoint arm"),
-                  "tables/checkpoint_correlations.csv")
+                  "tables/checkpoint_correlations.csv", models=models, strata=strata)
     return [sec, *family_sections(an, number)]
 
 
@@ -160,27 +188,33 @@ def family_sections(an: Analysis, number: str) -> list[Section]:
     for fam in families:
         rows = [r for r in an.checkpoint if base_name(r.tags.get("model_a", "")) == fam]
         frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+        models, strata = checkpoint_labels(rows)
         sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"{number}. Checkpoint arm, family {fam}", frame, len(rows),
-                                            an.n_permutations, f"One row per checkpoint pair of {fam} only.")
+                                            an.n_permutations, f"One row per checkpoint pair of {fam} only.",
+                                            models=models, strata=strata)
         if table is not None:
             tables[fam] = table
-            an.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(COLUMNS, table[COLUMNS].itertuples(index=False, name=None))
+            cols = COLUMNS + MANTEL_COLUMNS
+            an.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(cols, table[cols].itertuples(index=False, name=None))
         out.append(sec)
     out[0].text.insert(0, replication_text(an.correlations.get("checkpoint"), tables, families))
     return out
 
 
 def replication_text(pooled, tables: dict[str, Any], families: list[str]) -> str:
-    """Which of the pooled table's BH-significant cells replicate in every family (same sign, q < 0.05 there)."""
+    """Which of the pooled table's BH-significant cells replicate in every family (same sign, q < 0.05 there), on the
+    checkpoint-level null (q_mantel) when the tables have it, else on the row-shuffle one (q_bh)."""
     if pooled is None or len(tables) < len(families):
         return "Replication across families: not tested (a family has too few checkpoint pairs for its own table)."
-    sig = pooled[pooled["q_bh"] < 0.05]
+    qc = "q_mantel" if "q_mantel" in pooled and all("q_mantel" in t for t in tables.values()) else "q_bh"
+    sig = pooled[pooled[qc] < 0.05]
     ok = []
     for a, c, rho in zip(sig["a"], sig["b"], sig["rho"]):
         cells = [t[(t["a"] == a) & (t["b"] == c)] for t in tables.values()]
-        if all(len(x) and x["q_bh"].iloc[0] < 0.05 and np.sign(x["rho"].iloc[0]) == np.sign(rho) for x in cells):
+        if all(len(x) and x[qc].iloc[0] < 0.05 and np.sign(x["rho"].iloc[0]) == np.sign(rho) for x in cells):
             ok.append(f"{a} x {c}")
-    return (f"Replication across families ({', '.join(families)}): {len(ok)} of the {len(sig)} pooled cells with BH q<0.05 "
+    return (f"Replication across families ({', '.join(families)}; {qc}, the "
+            f"{'checkpoint-level' if qc == 'q_mantel' else 'row-shuffle'} null): {len(ok)} of the {len(sig)} pooled cells with {qc}<0.05 "
             f"have the same sign and q<0.05 in every family" + (f" ({', '.join(ok[:6])}{', ...' if len(ok) > 6 else ''})." if ok else "."))
 
 

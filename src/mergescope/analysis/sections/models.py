@@ -52,7 +52,8 @@ def _pair_routes(an: Analysis, p: dict[str, Any]) -> tuple[dict[str, Any] | None
     """The pair's routes: from its native run's logged ``routes``, else computed on the logged true configs."""
     n = p["native"]
     if n is not None and n.group("routes"):
-        rt = {k: {kk: n.param(f"routes.{k}.{kk}") for kk in ("defined", "scope", "blocked_by", "note")} for k in ROUTES}
+        rt = {k: {"defined": n.param(f"routes.{k}.defined"),  # the prose fields as written (a reason holds ": ")
+                  **{kk: n.text(f"routes.{k}.{kk}") for kk in ("scope", "blocked_by", "note")}} for k in ROUTES}
         return rt, f"native run {short(n.run_id)}"
     ta, ra = an.true_cfg.get(p["a"], ({}, None))
     tb, rb = an.true_cfg.get(p["b"], ({}, None))
@@ -65,7 +66,7 @@ def _pair_routes(an: Analysis, p: dict[str, Any]) -> tuple[dict[str, Any] | None
 
 def _route_cell(an: Analysis, p: dict[str, Any], route: str, r: dict[str, Any]) -> str:
     if not r["defined"]:
-        return f"no: {r['blocked_by']}"
+        return f"no: {str(r['blocked_by']).rstrip('.')}."
     if route == "native":
         done = "measured" if p["native"] is not None else "not measured (no native run)"
     elif route == "transport":

@@ -10,7 +10,7 @@ from mergescope.analysis.tables import RTable, Section, f3, short
 __all__ = ["native_pair", "eval_columns", "native_pair_tables", "nll_langs_of", "NATIVE_QUANTITIES"]
 
 NATIVE_QUANTITIES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
-                     "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "best_merged_nll", "merge_gain")
+                     "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "chosen_merged_nll", "merge_gain")
 
 
 def eval_columns(merge_runs: list[Rec], evals: list[Rec]) -> tuple[list[str], dict[str, list[str]]]:
@@ -40,7 +40,8 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
         sec.text.append(f"Task vectors: {tv}.")
     sec.tables.append(RTable(f"{pair}: weight diagnostics and interpolation (run {short(n.run_id)})", ["quantity", "value"],
                              [[k, f3(n.m(k), 4)] for k in NATIVE_QUANTITIES if k in n.metrics],
-                             note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's."))
+                             note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's. "
+                                  + CHOSEN_NOTE + (f" Chosen here: {chosen_text(n)}." if chosen_text(n) else "")))
     mrows = []
     mine = sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", ""))
     ev_names, ev_cells = eval_columns(mine, list(evals))
@@ -61,6 +62,17 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
     if curve:
         sec.tables.append(RTable(f"{pair}: linear interpolation NLL((1-t) a + t b) (metric steps lmc_t / lmc_nll of run {short(n.run_id)})",
                                  ["t", *[f3(t, 2) for t, _ in curve]], [["nll", *[f3(v) for _, v in curve]]]))
+
+
+CHOSEN_NOTE = ("merge_gain = better endpoint's NLL - NLL of the merged model chosen on native.select_split (the merge "
+               "with the lowest NLL on that split's first native.nll_sentences sentences, disjoint from the reported ones), "
+               "both on data.split; chosen_merged_nll is that merge's NLL. Every merge's own gain is in the merged-models table.")
+
+
+def chosen_text(n: Rec) -> str:
+    """Which merge a native run's merge_gain is of, and the split it was chosen on ("" when none was chosen)."""
+    c = n.group("merge_chosen")
+    return f"{c['merge']} (lowest NLL on {c.get('on')}, run {short(str(c.get('run', '')))})" if c.get("merge") else ""
 
 
 def nll_langs_of(n: Rec) -> list[str]:
@@ -102,7 +114,10 @@ def native_pair(an: Analysis, number: str) -> Section:
         native_pair_tables(sec, n, an.study.kind("merge"), an.study.curves.get(n.run_id) or [], an.study.kind("eval"))
     if cross_native:
         n = cross_native[0]
-        sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token, best merged NLL "
-                       f"{f3(n.m('best_merged_nll'))} against the better endpoint (merge gain {f3(n.m('merge_gain'))}; run "
-                       f"{short(n.run_id)}).")
+        chosen = chosen_text(n)
+        sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token" +
+                       (f"; the merge chosen on a disjoint split, {chosen}, has NLL {f3(n.m('chosen_merged_nll'))} against "
+                        f"the better endpoint (merge gain {f3(n.m('merge_gain'))})" if chosen else
+                        "; no merge was chosen (native.select_split unset: each merge's gain is in its table)") +
+                       f" (run {short(n.run_id)}).")
     return sec

@@ -29,21 +29,54 @@ def _table(study, r: Rec, name: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text))) if text is not None else []
 
 
+def depth_split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A depth table's rows: those measured at a layer of each model's own (``distinct`` = 1), and the collapsed ones
+    (``distinct`` = 0: the relative depth rounds to a layer another depth owns, in either model, so its numbers repeat
+    that depth's and are not a measurement at this depth)."""
+    return ([x for x in rows if str(x.get("distinct", "1")) != "0"], [x for x in rows if str(x.get("distinct", "1")) == "0"])
+
+
 def _depth_figure(study, runs: list[Rec]):
+    """Each pair's RSA and nearest-neighbour match at the relative depths measured on a layer of their own (each layer
+    once); a collapsed depth (two relative depths on one layer) is a dotted vertical line, not a point."""
+    from matplotlib.lines import Line2D
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    any_collapsed = False
     for r in runs:
-        rows = _table(study, r, "depth")
-        d = [float(x["depth"]) for x in rows]
+        own, collapsed = depth_split(_table(study, r, "depth"))
+        d = [float(x["depth"]) for x in own]
         for ax, key in zip(axes, ("rsa", "nn_match")):
-            line, = ax.plot(d, [float(x[key]) for x in rows], "o-", label=f"{r.tags.get('pair', '')} [{short(r.run_id)}]")
-            ax.fill_between(d, [float(x[f"{key}_null_q025"]) for x in rows], [float(x[f"{key}_null_q975"]) for x in rows],
+            line, = ax.plot(d, [float(x[key]) for x in own], "o-", label=f"{r.tags.get('pair', '')} [{short(r.run_id)}]")
+            ax.fill_between(d, [float(x[f"{key}_null_q025"]) for x in own], [float(x[f"{key}_null_q975"]) for x in own],
                             color=line.get_color(), alpha=0.15)
+            for x in collapsed:
+                ax.axvline(float(x["depth"]), color=line.get_color(), ls=":", lw=1.0, alpha=0.8)
+        any_collapsed = any_collapsed or bool(collapsed)
     for ax, t in zip(axes, ("RSA (Spearman of cosine-distance matrices)", "nearest-neighbour match rate")):
         ax.set_xlabel("relative depth")
         ax.set_title(f"{t}; band = 95% permutation null", fontsize=9)
-    axes[1].legend(fontsize=6)
+    handles, labels = axes[1].get_legend_handles_labels()
+    if any_collapsed:
+        handles.append(Line2D([], [], color="gray", ls=":"))
+        labels.append("collapsed depth: no layer of its own (repeats another depth's layer), not plotted")
+    axes[1].legend(handles, labels, fontsize=6)
     return fig
+
+
+def pooling_text(runs: list[Rec]) -> str:
+    """The pooling every representation of the section is (``shared.pooling`` of its runs), with the ablation's."""
+    main = sorted({str(p) for r in runs if (p := r.param("shared.pooling")) is not None})
+    ablation = sorted({str(x) for r in runs for x in (r.param("shared.poolings") or [])})
+    if not main:
+        return "Pooling: not logged by these runs (shared.pooling)."
+    what = {"mean": "the mean of the hidden states of the sentence's real tokens",
+            "sgpt": "the position-weighted mean of the hidden states of the sentence's real tokens (weight i for token i)",
+            "last": "the hidden state of the sentence's last real token"}
+    return (f"Pooling: every sentence representation in this section is {' / '.join(what.get(p, p) for p in main)} "
+            f"(shared.pooling={', '.join(main)}{'; the runs differ' if len(main) > 1 else ''}), at each layer used"
+            + (f"; the pooling ablation table compares {', '.join(ablation)}." if ablation else "."))
 
 
 def _cka_heatmaps(study, runs: list[Rec]):
@@ -293,12 +326,14 @@ def shared_space_section(an: Analysis, number: str) -> Section:
         sec.missing.append("shared space: not measured (no kind=agreement / shared_space / routing runs; run `python launch.py study=shared_space`)")
         return sec
     sec.text.append(STAND_INS)
+    sec.text.append(pooling_text([*ag, *sp, *ro]))
     study = an.study
     sec.tables += _agreement_tables(ag)
     if ag:
         agreement = [r for r in ag if r.tags.get("data") == "flores200"] or ag
-        sec.add_figure("shared_agreement_by_depth", "RSA and nearest-neighbour match by relative depth, per pair; band = 95% "
-                       "permutation null", lambda: _depth_figure(study, agreement))
+        sec.add_figure("shared_agreement_by_depth", "RSA and nearest-neighbour match by relative depth, per pair, each "
+                       "layer once; band = 95% permutation null; dotted line = a collapsed depth (it rounds to a layer "
+                       "another depth owns), not a measurement", lambda: _depth_figure(study, agreement))
         sec.add_figure("shared_layer_cka", "layer-by-layer linear CKA, one panel per pair", lambda: _cka_heatmaps(study, agreement))
         flores = [r for r in ag if r.tags.get("data") == "flores200"] or ag
         tables, text = _centroid_table(study, flores)
