@@ -619,7 +619,7 @@ def test_docs_list_as_refused_only_what_the_parser_refuses():
     got = parse(text, "x.yaml")
     assert got["preset"]["weights"] == [[{"filter": "self_attn", "value": 0.2}, {"value": 1.0}]]
     assert got["preset"]["lambda_"] == [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 0.9}]
-    assert "slices" not in refused  # read since issue 39 (test_sliced_mergekit_yaml_equals_mergekit)
+    assert "`slices`" not in refused  # read since issue 39 (test_sliced_mergekit_yaml_equals_mergekit)
     for kind, change in (("tokenizer_source", {"tokenizer_source": "union"}),):
         assert kind in refused
         with pytest.raises(MergescopeError, match=f"{kind} is not supported"):
