@@ -140,24 +140,42 @@ def column_stochastic(Q: torch.Tensor) -> torch.Tensor:
     return Q / Q.sum(0, keepdim=True).clamp_min(torch.finfo(Q.dtype).tiny)
 
 
-def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048) -> dict[str, float]:
-    """Row max of Phi = n Q (1 = a hard assignment, 1/m = the uniform coupling), mean row entropy of
-    Phi in nats (0 = hard, log m = uniform), the cost matrix's mean and sd (``cost_mean``, ``cost_sd``: the
-    neuron costs 1 - rho, whatever the plan), and the plan's transport cost over the unregularised
-    optimum (exact network-simplex OT) when both sides are at most ``exact_max``."""
+def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048, epsilon: float | None = None,
+                     seed: int = 0) -> dict[str, float]:
+    """Row max of Phi = n Q (1 = a hard assignment, 1/m = the uniform coupling) and its ratio to the uniform 1/m
+    (``rowmax_over_uniform``: m for a hard assignment, 1 for the uniform coupling), mean row entropy of Phi in nats
+    (0 = hard, log m = uniform) and its gap below the uniform log m (``entropy_gap``: log m for a permutation, 0 for the
+    uniform coupling), the cost matrix's mean and sd (``cost_mean``, ``cost_sd``: the neuron costs 1 - rho, whatever the
+    plan), and the plan's transport cost over the unregularised optimum (``cost_ratio``, exact network-simplex OT,
+    ``ot.emd2`` on the same cost). Where a side is wider than ``exact_max`` the ratio is taken on a fixed random
+    subsample of ``exact_max`` rows and columns (``seed``), the entropic plan refitted there at ``epsilon`` by
+    :func:`solve` (``subsampled_cost_ratio`` = 1); without ``epsilon`` it is left out."""
     import ot
 
     n, m = Q.shape
     phi = row_stochastic(Q)
     ent = -(phi * torch.log(phi.clamp_min(1e-300))).sum(1)
-    out = {"row_max": float(phi.max(1).values.mean()), "row_entropy": float(ent.mean()),
-           "uniform_row_max": 1.0 / m, "uniform_entropy": math.log(m), "cost": float((Q * C).sum()),
+    row_max = float(phi.max(1).values.mean())
+    out = {"row_max": row_max, "row_entropy": float(ent.mean()),
+           "uniform_row_max": 1.0 / m, "uniform_entropy": math.log(m), "rowmax_over_uniform": row_max * m,
+           "entropy_gap": math.log(m) - float(ent.mean()), "cost": float((Q * C).sum()),
            "cost_mean": float(C.mean()), "cost_sd": float(C.std()) if C.numel() > 1 else 0.0}  # 1 - rho over all neuron pairs
     if max(n, m) <= exact_max:
-        Cn = C.detach().cpu().numpy()
+        Cn = C.detach().cpu().to(torch.float64).numpy()
         opt = float(ot.emd2(np.full(n, 1.0 / n), np.full(m, 1.0 / m), Cn, numItermax=10_000_000))
         out["cost_opt"] = opt
         out["cost_ratio"] = out["cost"] / opt if opt > 0 else math.nan
+    elif epsilon is not None:
+        g = torch.Generator().manual_seed(int(seed))
+        ri = torch.randperm(n, generator=g)[:min(n, exact_max)].to(C.device)
+        ci = torch.randperm(m, generator=g)[:min(m, exact_max)].to(C.device)
+        Cs = C[ri][:, ci].to(torch.float64)
+        Qs, _ = solve(Cs, epsilon, what="subsampled plan (cost ratio)")
+        k, j = Cs.shape
+        opt = float(ot.emd2(np.full(k, 1.0 / k), np.full(j, 1.0 / j), Cs.cpu().numpy(), numItermax=10_000_000))
+        out["cost_opt"] = opt
+        out["cost_ratio"] = float((Qs * Cs).sum()) / opt if opt > 0 else math.nan
+        out["subsampled_cost_ratio"] = 1.0
     return out
 
 
