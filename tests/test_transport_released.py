@@ -1,0 +1,315 @@
+"""merge=transport_released: the released method recomputed here from its definitions in plain numpy / torch; the
+shrink-only control; the ablation switches; the plan and transported-term metrics on planted cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import FLORES, make_tokenizer
+from scipy.special import logsumexp
+
+from mergescope.transport import fusion as fus
+from mergescope.transport import ot as tot
+from mergescope.transport import released as rel
+from mergescope.transport.settings import TransportSettings
+
+pytestmark = pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
+
+
+def lines(lang: str, split: str = "dev", n: int = 200) -> list[str]:
+    return (FLORES / split / f"{lang}.{split}").read_text(encoding="utf-8").splitlines()[:n]
+
+
+# ----------------------------------------------------------------------------- the definitions, written out
+
+
+def ref_sinkhorn(C: np.ndarray, eps: float, n_iters: int = 200, tol: float = 1e-6) -> np.ndarray:
+    """hot_transport_chunk.sinkhorn_uniform_streaming's iteration and stopping rule, one problem, numpy float64."""
+    n, m = C.shape
+    K = -C / eps
+    logu, logv, prev = np.zeros(n), np.zeros(m), 1e9
+    for t in range(n_iters):
+        logu = -np.log(n) - logsumexp(K + logv[None, :], axis=1)
+        logv = -np.log(m) - logsumexp(K + logu[:, None], axis=0)
+        if t % 10 == 0 or t == n_iters - 1:
+            err = np.abs(np.exp(logu + logsumexp(K + logv[None, :], axis=1)) - 1 / n).sum()
+            if err < tol or abs(err - prev) < tol * 0.1:
+                break
+            prev = err
+    return np.exp(K + logu[:, None] + logv[None, :])
+
+
+def ref_store(Q: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float64":
+        return Q / Q.sum()
+    q = torch.from_numpy(Q).to(torch.bfloat16)  # Q.to(bf16); Q /= Q.sum() in bf16
+    return (q / q.sum()).double().numpy()
+
+
+def ref_layer_plan(C: np.ndarray, eps: float, iters: int = 1000, tol: float = 1e-7) -> np.ndarray:
+    """compute_P_stable: median-normalised cost, log-domain Sinkhorn (the pre-break potentials), float32 rebalancing."""
+    C = C.astype(np.float32).astype(np.float64)
+    shift = C - C.min()
+    med = np.sort(shift.ravel())[(shift.size - 1) // 2]  # torch.median: the lower median
+    logK = -(shift / med).astype(np.float32).astype(np.float64) / eps
+    L, M = C.shape
+    logu, logv = np.zeros(L), np.zeros(M)
+    for _ in range(iters):
+        nu = np.log(1 / L) - logsumexp(logK + logv[None, :], axis=1)
+        nv = np.log(1 / M) - logsumexp(logK.T + nu[None, :], axis=1)
+        if np.abs(nu - logu).max() < tol:
+            break
+        logu, logv = nu, nv
+    P = np.exp(logK + logu[:, None] + logv[None, :]).astype(np.float32)
+    P = P / P.sum()
+    for _ in range(3):
+        P = P * np.float32(1 / L) / (P.sum(1, keepdims=True) + np.float32(1e-30))
+        P = P * np.float32(1 / M) / (P.sum(0, keepdims=True) + np.float32(1e-30))
+    return P.astype(np.float64)
+
+
+def corr_dist(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    return 1 - np.corrcoef(X.T, Y.T)[: X.shape[1], X.shape[1]:]
+
+
+def topk_sorted(v: np.ndarray, k: int) -> np.ndarray:
+    return np.sort(np.argsort(-v, kind="stable")[:k])
+
+
+# (role, target weight in the layer, pre site, post site, masked by column) for two Llama-layout models
+LLAMA = {"q": ("self_attn.q_proj.weight", "attn_in", "q_out", False), "k": ("self_attn.k_proj.weight", "attn_in", "k_out", False),
+         "v": ("self_attn.v_proj.weight", "attn_in", "v_out", False), "o": ("self_attn.o_proj.weight", "o_in", "o_out", True),
+         "gate": ("mlp.gate_proj.weight", "mlp_in", "gate_out", False), "up": ("mlp.up_proj.weight", "mlp_in", "up_out", False),
+         "down": ("mlp.down_proj.weight", "down_in", "down_out", True)}
+
+
+def reference_fusion(tp, dp, tsd, dsd, *, roles, zipped, p_topk, q_topr, sigma_rescale, plan_dtype, column_mask, top_k,
+                     alpha, eps=0.1):
+    """The fused target weights, from the pooled probe activations and the two state dicts, by the definitions."""
+    P = lambda p, site, l: p.pooled[site][l].numpy()  # noqa: E731
+    LA, LB = tp.n_layers, dp.n_layers
+    lt = list(range(min(LA, LB))) if zipped else list(range(LA))
+    ld = list(range(min(LA, LB))) if zipped else list(range(LB))
+
+    def plan(ts, ds, l, m):
+        C = corr_dist(P(tp, ts, l), P(dp, ds, m))
+        return C, ref_store(ref_sinkhorn(C, eps), plan_dtype)
+
+    lplan = {}
+    for ts, ds in {(LLAMA[x][1], LLAMA[x][1]) for x in roles} | {(LLAMA[x][2], LLAMA[x][2]) for x in roles}:
+        Cl = np.array([[float((lambda c, q: (c * q).sum())(*plan(ts, ds, l, m))) for m in ld] for l in lt])
+        lplan[ts] = ref_layer_plan(Cl, eps)
+    out = {}
+    for x in roles:
+        wname, pre, post, by_col = LLAMA[x]
+        Peff = np.sqrt(lplan[post]) * np.sqrt(lplan[pre])
+        if p_topk:
+            keep = np.zeros_like(Peff)
+            for i, row in enumerate(Peff):
+                top = np.argsort(-row)[:p_topk]
+                keep[i, top] = row[top] * row.sum() / row[top].sum()
+            Peff = keep
+        Peff = Peff * len(lt)
+        for l in range(LA):
+            W = tsd[f"model.layers.{l}.{wname}"].double().numpy()
+            T = np.zeros_like(W)
+            if l in lt:
+                for b, m in enumerate(ld):
+                    qs = []
+                    for s_ in (post, pre):
+                        _, Q = plan(s_, s_, l, m)
+                        if sigma_rescale:
+                            st, sd = P(tp, s_, l).std(0, ddof=1) + 1e-6, P(dp, s_, m).std(0, ddof=1) + 1e-6
+                            Q = Q * st[:, None] / (sd[None, :] + 1e-6)
+                        if q_topr:
+                            Q = np.clip(Q, 0, None)
+                            Q = np.where(Q >= -np.sort(-Q, axis=1)[:, [q_topr - 1]], Q, 0) if q_topr < Q.shape[1] else Q
+                            Q = np.where(Q >= -np.sort(-Q, axis=0)[[q_topr - 1], :], Q, 0) if q_topr < Q.shape[0] else Q
+                        qs.append(Q)
+                    T += Peff[lt.index(l), b] * qs[0] @ dsd[f"model.layers.{m}.{wname}"].double().numpy() @ qs[1].T
+            fused = W.copy()
+            if by_col:
+                src = post if column_mask == "output" else pre
+                cols = topk_sorted(np.abs(P(tp, src, l)).mean(0), top_k)
+                cols = cols[cols < W.shape[1]]
+                fused[:, cols] = W[:, cols] + alpha * (T[:, cols] - W[:, cols])
+            else:
+                rows = topk_sorted(np.abs(P(tp, post, l)).mean(0), top_k)
+                fused[rows] = W[rows] + alpha * (T[rows] - W[rows])
+            out[f"model.layers.{l}.{wname}"] = (fused, T)
+    return out
+
+
+def _llama(vocab: int, seed: int, **arch):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=vocab, max_position_embeddings=512, **arch), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """Target: 3 layers, hidden 32; donor: 2 layers, hidden 48 (rectangular everywhere, the target deeper)."""
+    tok_t, tok_d = make_tokenizer(lines("eng_Latn", n=300), 300), make_tokenizer(lines("por_Latn", n=300), 320)
+    target = _llama(len(tok_t), 3, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)
+    donor = _llama(len(tok_d), 4, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    tl, dl = rel.layout(target, "llama"), rel.layout(donor, "llama")
+    every = rel.SUBLAYER_ROLES["qkvo_mlp"]
+    tp = fus.probe(target, tok_t, lines("eng_Latn", n=60), tl.adapter(every), progress=False, skip_leading_special=False)
+    dp = fus.probe(donor, tok_d, lines("por_Latn", n=60), dl.adapter(every), progress=False, skip_leading_special=False)
+    return target, donor, tl, dl, tp, dp
+
+
+CODE = dict(roles=("q", "k", "v", "o"), zipped=True, p_topk=0, q_topr=0, sigma_rescale=False, plan_dtype="bfloat16",
+            column_mask="output")
+PAPER = dict(roles=("q", "k", "v", "o", "gate", "up", "down"), zipped=False, p_topk=1, q_topr=6, sigma_rescale=True,
+             plan_dtype="float64", column_mask="input")
+
+
+@pytest.mark.parametrize("follow,ref,switches", [("code", CODE, {}), ("paper", PAPER, {"p_topk": 1, "q_topr": 6})])
+def test_released_fusion_equals_its_definitions_recomputed(tiny_pair, follow, ref, switches):
+    target, donor, tl, dl, tp, dp = tiny_pair
+    s = TransportSettings.defaults("transport_released", follow=follow, top_k=7, released=switches)
+    fit = rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)
+    want = reference_fusion(tp, dp, target.state_dict(), donor.state_dict(), top_k=7, alpha=0.3, **ref)
+    got = fit.fusion.weights(0.3)
+    assert set(got) == set(want)  # exactly the modules the setting fuses
+    for name, (fused, T) in want.items():
+        scale = np.abs(fused).max()
+        np.testing.assert_allclose(got[name].double().numpy(), fused, rtol=0, atol=1e-6 * scale, err_msg=name)
+        if follow == "code":  # unscaled plans: the transported term is ~1/(n_out n_in) of the donor's: a shrinkage
+            assert np.abs(T).max() < 1e-2 * scale
+    if follow == "code":  # zipped: the target's third layer is in no plan; its masked rows are only shrunk
+        assert np.all(fit.weights["q"][2] == 0) and np.all(fit.weights["q"][:2, :2] > 0)
+        name = "model.layers.2.self_attn.q_proj.weight"
+        w = fit.fusion.original[name]
+        r = fit.fusion.rows[name]
+        assert torch.equal(got[name][r], (w[r].double() * (1 - 0.3)).float())
+    # the control is the same fusion through permuted plans: T_rand = T with its target rows and columns permuted
+    name = "model.layers.1.self_attn.q_proj.weight"
+    f = fit.fusion
+    po, pi = f.control_perms[(1, "q_out")], f.control_perms[(1, "attn_in")]
+    full = torch.from_numpy(want[name][1])
+    assert torch.allclose(f.control[name], full[po[f.rows[name]]][:, pi], atol=1e-9 * float(full.abs().max()) + 1e-300)
+
+
+def test_released_solvers_step_for_step():
+    """released_sinkhorn (batched, each problem stopping on its own) and released_layer_plan against the numpy loops."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(50, 9, generator=g, dtype=torch.float64)
+    C = torch.stack([tot.pearson_cost(X, torch.randn(50, 12, generator=g, dtype=torch.float64) + s * X[:, torch.arange(12) % 9])
+                     for s in (0.0, 1.0, 5.0)])
+    for eps in (0.1, 0.01):
+        Q, iters = rel.released_sinkhorn(C, eps)
+        for Ci, Qi in zip(C, Q):
+            np.testing.assert_allclose(Qi.numpy(), ref_sinkhorn(Ci.numpy(), eps), rtol=1e-9, atol=0)
+            np.testing.assert_array_equal(rel.stored(Qi, "bfloat16").numpy(), ref_store(ref_sinkhorn(Ci.numpy(), eps), "bfloat16"))
+        assert eps == 0.01 or max(iters) < 199  # at the released 0.1 every problem stops before the cap
+    Cl = np.random.default_rng(1).uniform(0.8, 1.0, size=(5, 4))
+    np.testing.assert_allclose(rel.released_layer_plan(torch.from_numpy(Cl), 0.1).numpy(), ref_layer_plan(Cl, 0.1), rtol=2e-6)
+
+
+# ----------------------------------------------------------------------------- shrink-only control and switches
+
+
+def test_shrink_only_is_the_target_scaled_as_the_fusion_scales_it(tiny_pair):
+    """The same alpha and mask, transported term zero: W on every unmasked entry, (1 - alpha) W on the mask, exactly."""
+    target, donor, tl, dl, tp, dp = tiny_pair
+    s = TransportSettings.defaults("transport_released", top_k=7, plan_scale="row_stochastic")
+    f = rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False).fusion
+    for alpha in (0.1, 0.5):
+        shrunk, fused = f.weights(alpha, shrink=True), f.weights(alpha)
+        for name, w in f.original.items():
+            want = w.clone()
+            view = want.T if name in f.by_column else want
+            view[f.rows[name]] = (view[f.rows[name]].double() * (1 - alpha)).to(w.dtype)
+            assert torch.equal(shrunk[name], want), name
+            # the OT fusion is not the shrink (row-stochastic plans), except on the target layer no zipped plan reaches
+            assert torch.equal(fused[name], want) == (".layers.2." in name), name
+    # relative L2 of the shrink = alpha * |M W| / |W|
+    w2 = sum(float(w.double().norm()) ** 2 for w in f.original.values())
+    mw2 = sum(float((f.original[n].T if n in f.by_column else f.original[n])[f.rows[n]].double().norm()) ** 2 for n in f.original)
+    assert f.weight_stats(0.5, shrink=True)[0]["fused_relative_l2"] == pytest.approx(0.5 * math.sqrt(mw2 / w2), rel=1e-6)
+
+
+def test_switches_change_what_they_claim(tiny_pair):
+    target, donor, tl, dl, tp, dp = tiny_pair
+    dsd = donor.state_dict()
+
+    def run(**kw):
+        return rel.fit(target, dsd, tp, dp, tl, dl, TransportSettings.defaults("transport_released", top_k=7, **kw), progress=False)
+
+    raw = run(released={"plan_dtype": "float64"})
+    rs = run(plan_scale="row_stochastic", released={"plan_dtype": "float64"})
+    name = "model.layers.0.self_attn.q_proj.weight"  # 32 x 32 target; q plans 32 x 48 (out), 32 x 48 (in)
+    # row_stochastic: Phi_out = n_t Q on the output side, Phi_in = n_d Q on the input side: T scales by n_t * n_d exactly
+    ratio = rs.fusion.transported[name] / raw.fusion.transported[name]
+    assert torch.allclose(ratio, torch.full_like(ratio, 32 * 48), rtol=1e-6)
+    # scale_match=rms: the term from donor layer m times rms(W_target) / rms(W_donor[m]); with one donor layer per
+    # target layer (pruned to the top 1) the ratio of the two fusions' T is that factor exactly
+    one = run(plan_scale="row_stochastic", released={"plan_dtype": "float64", "layer_pairs": "pruned"}, layer_topk=1)
+    sm = run(plan_scale="row_stochastic", scale_match="rms", released={"plan_dtype": "float64", "layer_pairs": "pruned"}, layer_topk=1)
+    for l in range(3):
+        n = f"model.layers.{l}.self_attn.q_proj.weight"
+        m = int(np.argmax(one.weights["q"][l]))
+        factor = fus.scale_ratio(target.state_dict()[n], dsd[f"model.layers.{m}.self_attn.q_proj.weight"])
+        assert abs(factor - 1) > 0.01
+        assert torch.allclose(sm.fusion.transported[n], factor * one.fusion.transported[n], rtol=1e-10)
+    # sublayers: which weights are fused
+    assert {n.split(".", 3)[3] for n in run(released={"sublayers": "mlp_attn_out"}).fusion.original} == {
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+    # layer_pairs: zipped leaves the target's third layer out of every plan; all and pruned do not; pruned rows sum to 1
+    allp, pruned = run(released={"layer_pairs": "all"}), run(released={"layer_pairs": "pruned"}, layer_topk=1)
+    assert np.all(raw.weights["q"][2] == 0) and np.all(allp.weights["q"][2] > 0)
+    assert np.allclose(pruned.weights["q"].sum(1), 1) and np.all((pruned.weights["q"] > 0).sum(1) == 1)
+    # p_topk keeps the row mass: rows sum as before the cut
+    kept = run(released={"layer_pairs": "all", "p_topk": 1})
+    assert np.allclose(kept.weights["q"].sum(1), allp.weights["q"].sum(1), rtol=1e-12)
+    assert np.all((kept.weights["q"] > 0).sum(1) == 1)
+    # column_mask: o_proj's columns chosen by its output (code) or input (paper) magnitudes
+    o = "model.layers.0.self_attn.o_proj.weight"
+    want_in = topk_sorted(np.abs(tp.pooled["o_in"][0].numpy()).mean(0), 7)
+    want_out = topk_sorted(np.abs(tp.pooled["o_out"][0].numpy()).mean(0), 7)
+    assert np.array_equal(raw.fusion.rows[o].numpy(), want_out[want_out < 32])
+    assert np.array_equal(run(released={"column_mask": "input"}).fusion.rows[o].numpy(), want_in)
+
+
+# ----------------------------------------------------------------------------- metrics on planted cases
+
+
+def test_plan_metrics_on_planted_plans():
+    n = 6
+    perm = torch.tensor([3, 0, 5, 1, 2, 4])
+    Q = torch.zeros(n, n, dtype=torch.float64)
+    Q[torch.arange(n), perm] = 1.0 / n
+    C = torch.ones(n, n, dtype=torch.float64)
+    C[torch.arange(n), perm] = 0.2  # the permutation is the unregularised optimum
+    d = tot.plan_diagnostics(Q, C)
+    assert d["row_max"] == 1.0 and d["rowmax_over_uniform"] == n
+    assert d["row_entropy"] == pytest.approx(0.0, abs=1e-12) and d["entropy_gap"] == pytest.approx(math.log(n))
+    assert d["cost_ratio"] == pytest.approx(1.0, abs=1e-12)
+    U = torch.full((n, 4), 1.0 / (n * 4), dtype=torch.float64)
+    d = tot.plan_diagnostics(U, torch.rand(n, 4, dtype=torch.float64))
+    assert d["rowmax_over_uniform"] == pytest.approx(1.0) and d["entropy_gap"] == pytest.approx(0.0, abs=1e-12)
+    # a side wider than exact_max: the ratio on a fixed subsample, the plan refitted there at the same epsilon
+    g = torch.Generator().manual_seed(0)
+    big = tot.pearson_cost(torch.randn(40, 30, generator=g, dtype=torch.float64), torch.randn(40, 30, generator=g, dtype=torch.float64))
+    Qb, _ = tot.solve(big, 0.05)
+    d = tot.plan_diagnostics(Qb, big, exact_max=10, epsilon=0.05, seed=1)
+    assert d["subsampled_cost_ratio"] == 1.0 and d["cost_ratio"] >= 1 - 1e-9
+    assert "cost_ratio" not in tot.plan_diagnostics(Qb, big, exact_max=10)
+
+
+def test_transported_term_size_on_a_planted_fusion():
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1
+    rows = torch.tensor([0, 2])
+    f = fus.Fusion({"w": w}, {"w": rows}, {"w": 2 * w[rows].double()}, {"w": torch.zeros(2, 4, dtype=torch.float64)},
+                   {"w": torch.tensor([True, False, True])}, {})
+    st = f.transported_stats()
+    assert st["transported_relative_norm"] == pytest.approx(2.0) and st["transported_cosine"] == pytest.approx(1.0)
+    f.transported["w"] = -1e-8 * w[rows].double()
+    st = f.transported_stats()
+    assert st["transported_relative_norm"] == pytest.approx(1e-8) and st["transported_cosine"] == pytest.approx(-1.0)
