@@ -313,3 +313,55 @@ def test_transported_term_size_on_a_planted_fusion():
     f.transported["w"] = -1e-8 * w[rows].double()
     st = f.transported_stats()
     assert st["transported_relative_norm"] == pytest.approx(1e-8) and st["transported_cosine"] == pytest.approx(-1.0)
+
+
+# ----------------------------------------------------------------------------- task=transport merge=transport_released
+
+
+def test_task_runs_the_released_preset_with_both_controls(tiny_models, compose_cfg):
+    """NeoX target (q/k/v are row blocks of query_key_value) <- Llama donor, follow=code: every run logs the OT, the
+    random-plan and the shrink-only NLLs; raw plans make the transported term ~0, so the fusion is the shrink."""
+    from test_e2e import runs
+
+    from mergescope.transport.job import run_transport
+
+    ov = ["task=transport", "merge=transport_released", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}",
+          "pair.a.lang=eng_Latn", f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn",
+          "merge.probe_sentences=30", "merge.alphas=[0.1,0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12", "merge.top_k=8"]
+    cfg, o = compose_cfg(ov)
+    run_transport(cfg, o)
+    tr = sorted([x for x in runs(cfg.paths.root) if x.data.tags["kind"] == "transport"], key=lambda x: x.data.metrics["alpha"])
+    assert [x.data.metrics["alpha"] for x in tr] == [0.1, 0.5] and {x.info.status for x in tr} == {"FINISHED"}
+    for x in tr:
+        m, t = x.data.metrics, x.data.tags
+        assert t["merge"] == "transport_released" and t["transport_variant"] == "released:code + top_k=8"
+        for lang in ("target_lang", "donor_lang"):
+            assert m[f"shrink_delta_{lang}"] == pytest.approx(m[f"shrink_nll_{lang}"] - m[f"base_nll_{lang}"], abs=1e-12)
+            assert m[f"ot_minus_shrink_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"shrink_nll_{lang}"], abs=1e-12)
+            assert abs(m[f"ot_minus_shrink_{lang}"]) < 1e-4 < abs(m[f"shrink_delta_{lang}"])
+        assert m["transported_relative_norm"] < 1e-3 and m["plan_entropy_gap"] >= 0
+        assert m["plan_rowmax_over_uniform"] >= 1 and m["n_fused_tensors"] > 0
+    # the fused tensors: query_key_value (rows of its q, k and v blocks) and attention.dense (columns)
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    art = MlflowClient(f"sqlite:///{cfg.paths.root}/mlruns/mlflow.db").download_artifacts(tr[0].info.run_id, "transport/fused_weights.json")
+    names = set(json.loads(open(art).read())["ot"])
+    assert names == {f"gpt_neox.layers.{l}.{p}" for l in range(2) for p in
+                     ("attention.query_key_value.weight", "attention.query_key_value.bias", "attention.dense.weight")}
+
+
+def test_settings_refuse_a_bad_released_switch():
+    from mergescope.errors import MergescopeError
+
+    with pytest.raises(MergescopeError, match="merge.released.layer_pairs must be one of zipped, all, pruned"):
+        TransportSettings.defaults("transport_released", released={"layer_pairs": "diagonal"})
+    with pytest.raises(MergescopeError, match="merge.follow must be code"):
+        TransportSettings.defaults("transport_released", follow="blog")
+    with pytest.raises(MergescopeError, match="merge.scale_match must be none or rms"):
+        TransportSettings.defaults(scale_match="l2")
+    s = TransportSettings.defaults("transport_released", follow="paper", plan_scale="row_stochastic", released={"q_topr": 0})
+    assert s.released.sublayers == "qkvo_mlp" and s.released.q_topr == 0
+    assert s.variant() == "released:paper + plan_scale=row_stochastic, released.q_topr=0"
+    assert TransportSettings.defaults().variant() == "seed"
