@@ -365,3 +365,40 @@ def test_settings_refuse_a_bad_released_switch():
     assert s.released.sublayers == "qkvo_mlp" and s.released.q_topr == 0
     assert s.variant() == "released:paper + plan_scale=row_stochastic, released.q_topr=0"
     assert TransportSettings.defaults().variant() == "seed"
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def test_report_tables_carry_both_controls_and_the_settings_table():
+    from types import SimpleNamespace
+
+    from mergescope.analysis.records import Rec
+    from mergescope.analysis.sections.transport import _fusion_table, ablation_table
+    from mergescope.analysis.tables import Section
+
+    def rec(i, d, v, alpha, delta, rand, shrink):
+        tags = {"kind": "transport", "direction": d, "alpha": str(alpha), "headline_alpha": "0.1", "target": d[0], "donor": d[-1]}
+        if v:
+            tags["transport_variant"] = v
+        m = {"alpha": alpha, "delta_target_lang": delta, "ot_minus_rand_target_lang": delta - rand, "transported_relative_norm": 0.01 * i,
+             "plan_entropy_gap": 1.0, "plan_rowmax_over_uniform": 3.0, "plan_cost_ratio": 1.01}
+        if shrink is not None:
+            m.update({"shrink_delta_target_lang": shrink, "ot_minus_shrink_target_lang": delta - shrink})
+        return Rec(f"run{i:04d}xxxx", i, tags, m, {})
+
+    runs = [rec(1, "a <- b", "released:code", 0.1, -0.005, -0.005, -0.005), rec(2, "b <- a", "released:code", 0.1, 0.01, 0.02, 0.0),
+            rec(3, "a <- b", "released:code + plan_scale=row_stochastic", 0.1, 0.02, 0.01, 0.03),
+            rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0)]
+    t = ablation_table([r for r in runs if r.tags["alpha"] == "0.1"])
+    rows = {r[0]: r for r in t.rows}
+    assert list(rows) == ["released:code", "released:code + plan_scale=row_stochastic", "seed"]
+    assert rows["released:code"][1] == "2" and rows["released:code"][2] == "0.0025"  # mean delta over its two directions
+    assert rows["released:code"][-2:] == ["1/2", "0/2"]  # beats random plan: b <- a; beats shrink only: neither (0 is not < 0)
+    assert rows["released:code + plan_scale=row_stochastic"][-1] == "1/1" and rows["seed"][-1] == "—"
+    an = SimpleNamespace(metrics={}, csv={}, console_tables=[])
+    sec = Section("transport", "7. Transport")
+    _fusion_table(an, sec, runs)
+    assert "tables/transport_ablation.csv" in an.csv and an.metrics["transport_beats_shrink"] == 1.0
+    assert "beats its shrink-only control (transported term zero) in 1/3" in sec.finding
+    assert "ot_minus_shrink_target_lang" in sec.tables[0].columns
