@@ -104,7 +104,7 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     for r in runs:
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
     sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
-                   f"{f3(med, 4)} nats/token), the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
+                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
                    + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
