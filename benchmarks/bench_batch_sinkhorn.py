@@ -92,7 +92,7 @@ def main() -> None:
                 warnings.simplefilter("ignore")
                 return solve_batch(C, reg=a.eps, max_iter=a.max_iter, tol=stop, method=method, grad="detach")
         t, res = timed(run, a.repeat, a.device)
-        rows.append((f"ot.batch {method}", t, str(getattr(res, "n_iters", "?")) if hasattr(res, "n_iters") else "?",
+        rows.append((f"ot.batch {method}", t, str(res.log.get("n_iter", "?")) if getattr(res, "log", None) else "?",
                      [p for p in res.plan.cpu()]))
     print(f"stack of {a.batch} plans {a.n} x {a.m}, epsilon {a.eps}, tol {a.tol:g} (L1), device {a.device}, "
           f"{a.threads} threads, median of {a.repeat}")

@@ -402,3 +402,26 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     assert "tables/transport_ablation.csv" in an.csv and an.metrics["transport_beats_shrink"] == 1.0
     assert "beats its shrink-only control (transported term zero) in 1/3" in sec.finding
     assert "ot_minus_shrink_target_lang" in sec.tables[0].columns
+
+
+# ----------------------------------------------------------------------------- POT's batched solver
+
+
+def test_pots_batched_solver_against_the_home_made_one():
+    """ot.batch (the whole batch stopping together, the row scaling first) and sinkhorn_batched (each problem on its
+    own): the same plans to 1e-10 at a tight tolerance; at the working one both meet the marginals, a different iterate."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(80, 20, generator=g, dtype=torch.float64)
+    C = torch.stack([tot.pearson_cost(X, torch.randn(80, 25, generator=g, dtype=torch.float64) + s * X[:, torch.arange(25) % 20])
+                     for s in (0.2, 1.0, 4.0)])
+    a, b = torch.full((20,), 1 / 20, dtype=torch.float64), torch.full((25,), 1 / 25, dtype=torch.float64)
+    home, it_h = tot.sinkhorn_batched(C, 0.05, 20000, 1e-12)
+    pot, it_p = tot.sinkhorn_batched_pot(C, 0.05, 20000, 1e-12)
+    assert len(set(it_p)) == 1 and max(it_h) <= it_p[0]  # one count for the batch: the slowest problem's (rounded to 10)
+    for q, p in zip(home, pot):
+        assert float((q - p).abs().max()) < 1e-10
+    home, _ = tot.sinkhorn_batched(C, 0.01, 20000, 1e-5)
+    pot, _ = tot.sinkhorn_batched_pot(C, 0.01, 20000, 1e-5)
+    for q, p in zip(home, pot):
+        assert tot.plan_checks(p, a, b, 1e-5)[0] and tot.plan_checks(q, a, b, 1e-5)[0]
+        assert 0 < float((q - p).abs().max()) < 1e-5

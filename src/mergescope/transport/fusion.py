@@ -136,7 +136,7 @@ class LayerAlignment:
 
 
 def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: TransportSettings,
-                         costs: dict[str, np.ndarray], budget_bytes: int = 1 << 28) -> list[tot.PlanInfo]:
+                         costs: dict[str, np.ndarray], budget_bytes: int = 1 << 28, *, solver: str = "home") -> list[tot.PlanInfo]:
     """Target layer l's row of the layer costs, its plans solved in batches (``align_layers``' ``batched``): the
     problems in the per-problem order (donor layer, then source), as many cost matrices at a time as fit
     ``budget_bytes``."""
@@ -148,14 +148,15 @@ def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: Transpor
         chunk = probs[c0:c0 + per]
         C = torch.stack([first if c0 == 0 and i == 0 else _cost(tp, dp, src, l, m, idx_t, idx_d)
                          for i, (m, src) in enumerate(chunk)]).to(torch.float64)
-        plans, iters = tot.sinkhorn_batched(C, s.epsilon, s.max_iter, s.marginal_tol, budget_bytes)
+        plans, iters = (tot.sinkhorn_batched(C, s.epsilon, s.max_iter, s.marginal_tol, budget_bytes) if solver == "home"
+                        else tot.sinkhorn_batched_pot(C, s.epsilon, s.max_iter, s.marginal_tol))
         n, k = C.shape[1:]
         a = torch.full((n,), 1.0 / n, dtype=torch.float64, device=C.device)
         b = torch.full((k,), 1.0 / k, dtype=torch.float64, device=C.device)
         for (m, src), Ci, Q, it in zip(chunk, C, plans, iters):
             ok, err = tot.plan_checks(Q, a, b, s.marginal_tol)
             if ok:
-                info = tot.PlanInfo("sinkhorn", err, int(it))
+                info = tot.PlanInfo("sinkhorn" if solver == "home" else "ot.batch", err, int(it))
             else:  # the same problem through solve's chain (plain Sinkhorn again, then the reduced cost's solvers)
                 Q, info = tot.solve(Ci, s.epsilon, s.max_iter, s.marginal_tol, what=f"{src} neuron plan (layer cost {l},{m})")
             costs[src][l, m] = float((Q * Ci).sum())
@@ -164,7 +165,7 @@ def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: Transpor
 
 
 def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bool = True,
-                 batched: bool | None = None) -> LayerAlignment:
+                 batched: bool | None = None, batched_solver: str = "home") -> LayerAlignment:
     """P_eff from the neuron-OT transport costs of every (target layer, donor layer) pair (``epsilon``,
     ``layer_subsample``), the layer-level plans (``layer_epsilon``) and the ``layer_topk`` cut.
 
@@ -172,7 +173,10 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
     (``ot.sinkhorn_batched``: POT's plain Sinkhorn step for step, in batched products on the device); a plan that
     fails the checks is solved again alone by ``ot.solve``'s chain. On this project's 2-core CPU the batched products
     were slower than POT's per-problem numpy (0.33 s against 0.15 s for 8 plans of 256 x 256), so the CPU default is
-    per problem; both give the same iterations and plans (``tests/test_transport.py``)."""
+    per problem; both give the same iterations and plans (``tests/test_transport.py``). ``batched_solver="pot"`` takes
+    POT's maintained batched solver instead (``ot.sinkhorn_batched_pot``); it is not the default: at the working
+    tolerance its plans are another iterate (2.7e-7 apart, the whole batch stopping together), and at tolerances where
+    the two agree to 1e-10 the home-made solver measured faster (``benchmarks/bench_batch_sinkhorn.py``)."""
     s = settings
     epsilon, max_iter, tol = s.epsilon, s.max_iter, s.marginal_tol
     gen = torch.Generator().manual_seed(s.control_seed)
@@ -186,7 +190,7 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
         task = pb.add_task("layer costs", total=tp.n_layers * dp.n_layers, visible=progress)
         for l in range(tp.n_layers):
             if batched:
-                infos += _layer_costs_batched(tp, dp, l, idx_t, idx_d, s, costs)
+                infos += _layer_costs_batched(tp, dp, l, idx_t, idx_d, s, costs, solver=batched_solver)
                 pb.advance(task, dp.n_layers)
                 continue
             for m in range(dp.n_layers):

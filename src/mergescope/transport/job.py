@@ -396,7 +396,7 @@ _CLAMP_SAID: set = set()
 def _plan_stats(infos: list, fusion: fus.Fusion, layer_diag: dict[str, float]) -> dict[str, float]:
     """Plan diagnostics and the transported term's size (the same in every alpha's run); says so when plans needed
     the log-domain solver."""
-    fallbacks = sum(1 for i in infos if i.solver not in ("sinkhorn", "released_sinkhorn"))
+    fallbacks = sum(1 for i in infos if i.solver not in ("sinkhorn", "released_sinkhorn", "ot.batch"))
     if fallbacks:
         console.print(f"[yellow]{fallbacks} of {len(infos)} plans needed the log-domain Sinkhorn "
                       "(plain Sinkhorn did not meet the marginals); those plans are the log-domain solver's[/]")
