@@ -298,8 +298,16 @@ def test_plan_metrics_on_planted_plans():
     g = torch.Generator().manual_seed(0)
     big = tot.pearson_cost(torch.randn(40, 30, generator=g, dtype=torch.float64), torch.randn(40, 30, generator=g, dtype=torch.float64))
     Qb, _ = tot.solve(big, 0.05)
-    d = tot.plan_diagnostics(Qb, big, exact_max=10, epsilon=0.05, seed=1)
+    d = tot.plan_diagnostics(Qb, big, exact_max=10, epsilon=0.05, seed=1, subsample=12)
     assert d["subsampled_cost_ratio"] == 1.0 and d["cost_ratio"] >= 1 - 1e-9
+    g = torch.Generator().manual_seed(1)  # recomputed: the same rows and columns, POT on them
+    ri, ci = torch.randperm(30, generator=g)[:12], torch.randperm(30, generator=g)[:12]
+    Cs = big[ri][:, ci].numpy()
+    import ot
+
+    plan = ot.sinkhorn(np.full(12, 1 / 12), np.full(12, 1 / 12), Cs, 0.05, method="sinkhorn_log", stopThr=1e-13, numItermax=100000)
+    want = float((plan * Cs).sum()) / ot.emd2(np.full(12, 1 / 12), np.full(12, 1 / 12), Cs)
+    assert d["cost_ratio"] == pytest.approx(want, rel=1e-5)
     assert "cost_ratio" not in tot.plan_diagnostics(Qb, big, exact_max=10)
 
 

@@ -141,14 +141,14 @@ def column_stochastic(Q: torch.Tensor) -> torch.Tensor:
 
 
 def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048, epsilon: float | None = None,
-                     seed: int = 0) -> dict[str, float]:
+                     seed: int = 0, subsample: int = 1024) -> dict[str, float]:
     """Row max of Phi = n Q (1 = a hard assignment, 1/m = the uniform coupling) and its ratio to the uniform 1/m
     (``rowmax_over_uniform``: m for a hard assignment, 1 for the uniform coupling), mean row entropy of Phi in nats
     (0 = hard, log m = uniform) and its gap below the uniform log m (``entropy_gap``: log m for a permutation, 0 for the
     uniform coupling), the cost matrix's mean and sd (``cost_mean``, ``cost_sd``: the neuron costs 1 - rho, whatever the
     plan), and the plan's transport cost over the unregularised optimum (``cost_ratio``, exact network-simplex OT,
     ``ot.emd2`` on the same cost). Where a side is wider than ``exact_max`` the ratio is taken on a fixed random
-    subsample of ``exact_max`` rows and columns (``seed``), the entropic plan refitted there at ``epsilon`` by
+    subsample of ``subsample`` rows and columns (``seed``), the entropic plan refitted there at ``epsilon`` by
     :func:`solve` (``subsampled_cost_ratio`` = 1); without ``epsilon`` it is left out."""
     import ot
 
@@ -167,8 +167,8 @@ def plan_diagnostics(Q: torch.Tensor, C: torch.Tensor, exact_max: int = 2048, ep
         out["cost_ratio"] = out["cost"] / opt if opt > 0 else math.nan
     elif epsilon is not None:
         g = torch.Generator().manual_seed(int(seed))
-        ri = torch.randperm(n, generator=g)[:min(n, exact_max)].to(C.device)
-        ci = torch.randperm(m, generator=g)[:min(m, exact_max)].to(C.device)
+        ri = torch.randperm(n, generator=g)[:min(n, subsample)].to(C.device)
+        ci = torch.randperm(m, generator=g)[:min(m, subsample)].to(C.device)
         Cs = C[ri][:, ci].to(torch.float64)
         Qs, _ = solve(Cs, epsilon, what="subsampled plan (cost ratio)")
         k, j = Cs.shape
