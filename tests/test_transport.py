@@ -628,6 +628,11 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
         for lang in ("target_lang", "donor_lang"):
             assert m[f"delta_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"base_nll_{lang}"], abs=1e-12)
             assert m[f"ot_minus_rand_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"rand_nll_{lang}"], abs=1e-12)
+            # the shrink-only control: the same alpha and mask, the transported term zero
+            assert m[f"ot_minus_shrink_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"shrink_nll_{lang}"], abs=1e-12)
+            assert m[f"shrink_delta_{lang}"] == pytest.approx(m[f"shrink_nll_{lang}"] - m[f"base_nll_{lang}"], abs=1e-12)
+        assert 0 < m["transported_relative_norm"] <= m["transported_relative_norm_max"] and t["transport_variant"] == "seed + epsilon=0.05, layer_topk=2"
+        assert m["plan_entropy_gap"] == pytest.approx(m["plan_uniform_entropy"] - m["plan_entropy"], abs=1e-9)
         assert m["plan_max_marginal_error"] <= 1e-5 and 0 < m["plan_row_max"] <= 1 and m["plan_cost_ratio"] >= 1 - 1e-9
     # the base NLLs are the same model on the same sentences in both runs: the plans were fitted once
     assert tr[0].data.metrics["base_nll_target_lang"] == tr[1].data.metrics["base_nll_target_lang"]
@@ -718,7 +723,7 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
         s.epsilon = 0.1
     # the job config hashes the settings node as configured (not the dataclass)
     assert OmegaConf.to_container(job.merge) == {k: v for k, v in OmegaConf.to_container(cfg.merge, resolve=True).items()
-                                                 if k != "probe_set"}  # the default probe set is left out (earlier hashes hold)
+                                                 if k not in ("probe_set", "scale_match")}  # defaults left out (earlier hashes hold)
     # an alpha run's logged config (what reproduce replays): that alpha alone, adaptation off
     one = TransportSettings.from_cfg(_alpha_cfg(job, 0.5))
     assert one.alphas == (0.5,) and one.headline_alpha == 0.5 and one.adapt is None

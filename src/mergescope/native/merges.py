@@ -22,7 +22,7 @@ TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional a
 
 
 def preset_config(name: str) -> DictConfig:
-    if name == "transport":
+    if name in ("transport", "transport_released"):
         raise MergescopeError(f"native.merges cannot list transport: {TRANSPORT_HINT}")
     if name not in conf_options("merge"):
         raise MergescopeError(f"unknown merge '{name}': {did_you_mean(name, conf_options('merge'))}")
@@ -46,8 +46,8 @@ def with_mix(merge_cfg: DictConfig, mix: float) -> DictConfig:
 def check_merge(cfg: DictConfig):
     if cfg.get("merge") is None:
         raise MergescopeError("task=merge needs an operator: add merge=<name> (see conf/merge/)")
-    if cfg.merge.get("name") == "transport":
-        raise MergescopeError(f"task=merge merge=transport: {TRANSPORT_HINT}")
+    if cfg.merge.get("name") in ("transport", "transport_released"):
+        raise MergescopeError(f"task=merge merge={cfg.merge.get('name')}: {TRANSPORT_HINT}")
     entry, kwargs = resolve_preset(cfg.merge, n_models=2)  # a pair merges two models: one weight per model
     check_base(entry, base_entry(cfg) is not None, no_base_reason(cfg))
     if entry.meta.get("needs_stats"):

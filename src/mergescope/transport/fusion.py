@@ -60,11 +60,12 @@ def leading_special(ids: list[list[int]], tokenizer) -> np.ndarray:
 
 @torch.inference_mode()
 def probe(model, tokenizer, sentences, adapter: itf.Adapter, batch_tokens="auto",
-          max_length: int = 512, progress: bool = True, label: str = "probe") -> Probe:
-    """Activations at every interface of every layer, batched and length-sorted, via forward hooks."""
+          max_length: int = 512, progress: bool = True, label: str = "probe", skip_leading_special: bool = True) -> Probe:
+    """Activations at every interface of every layer, batched and length-sorted, via forward hooks.
+    ``skip_leading_special=False`` pools every real token, a leading BOS included (the released code's pooling)."""
     device = next(model.parameters()).device
     ids, _ = tokenize(tokenizer, sentences, max_length)
-    lead = leading_special(ids, tokenizer)
+    lead = leading_special(ids, tokenizer) if skip_leading_special else np.zeros(len(ids), dtype=bool)
     lengths = np.array([len(s) for s in ids])
     site_map = itf.sites(adapter)
     layer_mods = itf.layers(model, adapter)
@@ -135,7 +136,7 @@ class LayerAlignment:
 
 
 def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: TransportSettings,
-                         costs: dict[str, np.ndarray], budget_bytes: int = 1 << 28) -> list[tot.PlanInfo]:
+                         costs: dict[str, np.ndarray], budget_bytes: int = 1 << 28, *, solver: str = "home") -> list[tot.PlanInfo]:
     """Target layer l's row of the layer costs, its plans solved in batches (``align_layers``' ``batched``): the
     problems in the per-problem order (donor layer, then source), as many cost matrices at a time as fit
     ``budget_bytes``."""
@@ -147,14 +148,15 @@ def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: Transpor
         chunk = probs[c0:c0 + per]
         C = torch.stack([first if c0 == 0 and i == 0 else _cost(tp, dp, src, l, m, idx_t, idx_d)
                          for i, (m, src) in enumerate(chunk)]).to(torch.float64)
-        plans, iters = tot.sinkhorn_batched(C, s.epsilon, s.max_iter, s.marginal_tol, budget_bytes)
+        plans, iters = (tot.sinkhorn_batched(C, s.epsilon, s.max_iter, s.marginal_tol, budget_bytes) if solver == "home"
+                        else tot.sinkhorn_batched_pot(C, s.epsilon, s.max_iter, s.marginal_tol))
         n, k = C.shape[1:]
         a = torch.full((n,), 1.0 / n, dtype=torch.float64, device=C.device)
         b = torch.full((k,), 1.0 / k, dtype=torch.float64, device=C.device)
         for (m, src), Ci, Q, it in zip(chunk, C, plans, iters):
             ok, err = tot.plan_checks(Q, a, b, s.marginal_tol)
             if ok:
-                info = tot.PlanInfo("sinkhorn", err, int(it))
+                info = tot.PlanInfo("sinkhorn" if solver == "home" else "ot.batch", err, int(it))
             else:  # the same problem through solve's chain (plain Sinkhorn again, then the reduced cost's solvers)
                 Q, info = tot.solve(Ci, s.epsilon, s.max_iter, s.marginal_tol, what=f"{src} neuron plan (layer cost {l},{m})")
             costs[src][l, m] = float((Q * Ci).sum())
@@ -163,7 +165,7 @@ def _layer_costs_batched(tp: Probe, dp: Probe, l: int, idx_t, idx_d, s: Transpor
 
 
 def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bool = True,
-                 batched: bool | None = None) -> LayerAlignment:
+                 batched: bool | None = None, batched_solver: str = "home") -> LayerAlignment:
     """P_eff from the neuron-OT transport costs of every (target layer, donor layer) pair (``epsilon``,
     ``layer_subsample``), the layer-level plans (``layer_epsilon``) and the ``layer_topk`` cut.
 
@@ -171,7 +173,10 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
     (``ot.sinkhorn_batched``: POT's plain Sinkhorn step for step, in batched products on the device); a plan that
     fails the checks is solved again alone by ``ot.solve``'s chain. On this project's 2-core CPU the batched products
     were slower than POT's per-problem numpy (0.33 s against 0.15 s for 8 plans of 256 x 256), so the CPU default is
-    per problem; both give the same iterations and plans (``tests/test_transport.py``)."""
+    per problem; both give the same iterations and plans (``tests/test_transport.py``). ``batched_solver="pot"`` takes
+    POT's maintained batched solver instead (``ot.sinkhorn_batched_pot``); it is not the default: at the working
+    tolerance its plans are another iterate (2.7e-7 apart, the whole batch stopping together), and at tolerances where
+    the two agree to 1e-10 the home-made solver measured faster (``benchmarks/bench_batch_sinkhorn.py``)."""
     s = settings
     epsilon, max_iter, tol = s.epsilon, s.max_iter, s.marginal_tol
     gen = torch.Generator().manual_seed(s.control_seed)
@@ -185,7 +190,7 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
         task = pb.add_task("layer costs", total=tp.n_layers * dp.n_layers, visible=progress)
         for l in range(tp.n_layers):
             if batched:
-                infos += _layer_costs_batched(tp, dp, l, idx_t, idx_d, s, costs)
+                infos += _layer_costs_batched(tp, dp, l, idx_t, idx_d, s, costs, solver=batched_solver)
                 pb.advance(task, dp.n_layers)
                 continue
             for m in range(dp.n_layers):
@@ -213,31 +218,40 @@ def align_layers(tp: Probe, dp: Probe, settings: TransportSettings, progress: bo
 
 @dataclass
 class Fusion:
-    """Per fused parameter: the original (model dtype), its top-k output rows, and T and T_rand at those rows."""
+    """Per fused parameter: the original (model dtype), its masked output rows (or input columns, for the names in
+    ``by_column``), and T and T_rand there. Every method reads a column-masked tensor through its transpose, so
+    ``rows``, ``transported`` and ``control`` always index its masked slices as rows."""
     original: dict[str, torch.Tensor]
-    rows: dict[str, torch.Tensor]          # sorted indices of the masked output rows
-    transported: dict[str, torch.Tensor]   # (k, ...) float64: T at ``rows``
+    rows: dict[str, torch.Tensor]          # sorted indices of the masked output rows (input columns for by_column)
+    transported: dict[str, torch.Tensor]   # (k, ...) float64: T at ``rows`` (T^T at the columns for by_column)
     control: dict[str, torch.Tensor]       # (k, ...) float64: T_rand at ``rows``
-    masks: dict[str, torch.Tensor]         # bool over the output rows (True at ``rows``)
+    masks: dict[str, torch.Tensor]         # bool over the masked axis (True at ``rows``)
     control_perms: dict[tuple[int, str], torch.Tensor]  # (target layer, interface) -> the control's row permutation
     diagnostics: dict[str, float] = field(default_factory=dict)
     infos: list[tot.PlanInfo] = field(default_factory=list)
+    by_column: set[str] = field(default_factory=set)  # masked by input column (the released code's o_proj)
 
-    def fused_rows(self, name: str, alpha: float, control: bool = False) -> torch.Tensor:
-        """The masked rows of the fused tensor, in the model's dtype: W + alpha (T - W)."""
-        w = self.original[name][self.rows[name]].to(torch.float64)
-        t = (self.control if control else self.transported)[name].to(w.device)
+    def _o(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The tensor with its masked axis first (a view)."""
+        return w.T if name in self.by_column else w
+
+    def fused_rows(self, name: str, alpha: float, control: bool = False, shrink: bool = False) -> torch.Tensor:
+        """The masked rows of the fused tensor, in the model's dtype: W + alpha (T - W). ``shrink``: the shrink-only
+        control, the same fusion with the transported term set to zero, W + alpha (0 - W)."""
+        w = self._o(name, self.original[name])[self.rows[name]].to(torch.float64)
+        t = torch.zeros_like(w) if shrink else (self.control if control else self.transported)[name].to(w.device)
         return (w + alpha * (t - w)).to(self.original[name].dtype)
 
-    def weights(self, alpha: float, control: bool = False) -> dict[str, torch.Tensor]:
+    def weights(self, alpha: float, control: bool = False, shrink: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for name, w in self.original.items():
             new = w.clone()
-            new[self.rows[name]] = self.fused_rows(name, alpha, control)
+            self._o(name, new)[self.rows[name]] = self.fused_rows(name, alpha, control, shrink)
             out[name] = new
         return out
 
-    def weight_stats(self, alpha: float, control: bool = False) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    def weight_stats(self, alpha: float, control: bool = False,
+                     shrink: bool = False) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """Cosine and relative L2 of each fused tensor (as the model holds it) against the target's original,
         per tensor and over all fused tensors as one vector (``fused_weight_cosine``, ``fused_relative_l2``)."""
         per, tot_w = {}, np.zeros(4)  # sums of |W|^2, |W_fused|^2, <W_fused, W>, |W_fused - W|^2
@@ -245,14 +259,31 @@ class Fusion:
             # |W|^2 in float64, a few million entries at a time (no float64 copy of the whole tensor)
             w2 = sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
                      for c in torch.split(w, max(1, (1 << 22) // max(1, w[0].numel()))))
-            wr = w[self.rows[name]].to(torch.float64)
-            d = self.fused_rows(name, alpha, control).to(torch.float64) - wr
+            wr = self._o(name, w)[self.rows[name]].to(torch.float64)
+            d = self.fused_rows(name, alpha, control, shrink).to(torch.float64) - wr
             new2 = w2 + float((d * (2 * wr + d)).sum())
             sums = np.array([w2, new2, w2 + float((d * wr).sum()), float((d * d).sum())])
             tot_w += sums
             per[name] = _cos_rel(sums)
         agg = _cos_rel(tot_w)
         return {"fused_weight_cosine": agg["cosine"], "fused_relative_l2": agg["relative_l2"]}, per
+
+    def transported_stats(self) -> dict[str, float]:
+        """The transported term against the target weight on the masked entries, over all fused tensors as one
+        vector: ``transported_relative_norm`` = |M*T| / |M*W| (the seed report's claim: about 0 with raw plans),
+        its largest value over the tensors (``_max``), and the cosine of M*T with M*W (``transported_cosine``)."""
+        t2 = w2 = dot = 0.0
+        worst = 0.0
+        for name, w in self.original.items():
+            wr = self._o(name, w)[self.rows[name]].to(torch.float64)
+            t = self.transported[name].to(wr.device)
+            a, b, c = float((t * t).sum()), float((wr * wr).sum()), float((t * wr).sum())
+            t2, w2, dot = t2 + a, w2 + b, dot + c
+            if b > 0:
+                worst = max(worst, (a / b) ** 0.5)
+        return {"transported_relative_norm": (t2 / w2) ** 0.5 if w2 > 0 else float("nan"),
+                "transported_relative_norm_max": worst,
+                "transported_cosine": dot / (t2 * w2) ** 0.5 if t2 > 0 and w2 > 0 else float("nan")}
 
 
 def _cos_rel(s: np.ndarray) -> dict[str, float]:
@@ -305,7 +336,7 @@ def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tenso
     C = _cost(c.tp, c.dp, iface, l, m).to(c.device)
     Q, info = tot.solve(C, c.s.epsilon, c.s.max_iter, c.s.marginal_tol, what=f"{iface} neuron plan (layer {l} <- {m})")
     f.infos.append(info)
-    for k, v in tot.plan_diagnostics(Q, C).items():
+    for k, v in tot.plan_diagnostics(Q, C, epsilon=c.s.epsilon, seed=c.s.control_seed).items():
         c.diag.setdefault(f"{k}_{iface}", []).append(v)
     if l == m and Q.shape[0] == Q.shape[1]:  # same depth, same width: how near the plan is to the identity
         for k, v in diagonal_shares(Q, perm).items():
@@ -331,6 +362,21 @@ def diagonal_shares(Q: torch.Tensor, perm: torch.Tensor) -> dict[str, float]:
     return {"diagonal_share": float((top == idx).double().mean()),
             "control_diagonal_share": float((top[perm.to(Q.device)] == idx).double().mean()),
             "chance_diagonal_share": 1.0 / Q.shape[0]}
+
+
+def rms(w: torch.Tensor) -> float:
+    """Root mean square of a tensor's entries, in float64 a few million entries at a time."""
+    flat = w.reshape(-1)
+    total = sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in torch.split(flat, 1 << 22))
+    return (total / max(1, flat.numel())) ** 0.5
+
+
+def scale_ratio(w_target: torch.Tensor, w_donor: torch.Tensor) -> float:
+    """``merge.scale_match=rms``: the factor that brings the donor weight's entries to the target weight's scale,
+    rms(W_target) / rms(W_donor) (1 where either is all zero). The correlation cost ignores scale, so without it the
+    transported term carries the donor's scale (0.08-0.11x the target's on SmolLM2 <- Qwen2.5-0.5B, issue 38)."""
+    a, b = rms(w_target), rms(w_donor)
+    return a / b if a > 0 and b > 0 else 1.0
 
 
 def _width(p: Probe, iface: str, layer: int) -> int:
@@ -362,13 +408,17 @@ def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_ada
         plans = {k: _pair_plan(c, f, k, l, m, rows.get(k), perms[k], k in ins) for k in sorted(outs | ins)}
         for full, dn, o, i in names:
             po = plans[o]
-            left = _left(torch.cat([po.rows, po.rows_rand]), c.donor_sd[f"{c.d_prefix}.{m}.{dn}"].to(c.device))
+            wd = c.donor_sd[f"{c.d_prefix}.{m}.{dn}"]
+            ratio = scale_ratio(t_sd[full], wd) if c.s.scale_match == "rms" else 1.0
+            if c.s.scale_match == "rms":
+                c.diag.setdefault("scale_match_ratio", []).append(ratio)
+            left = _left(torch.cat([po.rows, po.rows_rand]), wd.to(c.device))
             ot_part, rand_part = left[: po.rows.shape[0]], left[po.rows.shape[0]:]
             if i is not None:
                 ot_part = ot_part @ plans[i].phi_in.T
                 rand_part = (rand_part @ plans[i].phi_in.T)[:, perms[i]]
-            f.transported[full] += weight * ot_part
-            f.control[full] += weight * rand_part
+            f.transported[full] += weight * ratio * ot_part
+            f.control[full] += weight * ratio * rand_part
         plans = po = left = ot_part = rand_part = None  # only one layer pair's plans are ever alive
 
 
@@ -389,7 +439,8 @@ def fuse(target, donor_sd: Mapping[str, torch.Tensor], tp: Probe, dp: Probe, t_a
             _fuse_layer(c, f, l, t_sd, t_adapter)
             pb.advance(task)
     f.diagnostics = {k: float(np.mean(v)) for k, v in c.diag.items()}
-    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max", "cost_mean", "cost_sd",
+    for base in ("row_max", "row_entropy", "cost_ratio", "uniform_row_max", "uniform_entropy", "rowmax_over_uniform", "entropy_gap",
+                 "cost_mean", "cost_sd",
                  "diagonal_share", "control_diagonal_share", "chance_diagonal_share"):
         vals = [v for k, vs in c.diag.items() if k.startswith(base + "_") for v in vs]
         if vals:

@@ -43,6 +43,7 @@ from mergescope.tracking import Job, Tracker
 from mergescope.transport import finetune as finetune_mod
 from mergescope.transport import fusion as fus
 from mergescope.transport import interfaces as itf
+from mergescope.transport import released as rel
 from mergescope.transport.settings import TransportSettings, merge_node, probe_data
 
 TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.max_length"]
@@ -63,6 +64,8 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
         job.merge = plain_copy(merge_node(cfg))
         if job.merge.get("probe_set") == "flores200":  # the default is left out: the hashes of earlier runs still hold
             job.merge.pop("probe_set")
+        if job.merge.get("scale_match") == "none" and settings.released is None:  # likewise
+            job.merge.pop("scale_match")
     return job, settings
 
 
@@ -158,17 +161,19 @@ def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
     return _hash("transport_adapt_baseline", cfg, BASELINE_KEYS, [target], target=target, adapt_text=_digest(adapt_text))
 
 
-def probe_path(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str) -> Path:
-    """Where a model's probe activations are cached: keyed by its weights, dtype, the sentences, language and max_length."""
+def probe_path(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
+               extra: dict[str, Any] | None = None) -> Path:
+    """Where a model's probe activations are cached: keyed by its weights, dtype, the sentences, language and max_length
+    (and ``extra``, when given: the released method's sites and pooling)."""
     key = json.dumps({"model": models.fingerprint(lm.ref), "sents": _digest(sentences), "lang": lang,
                       "dtype": str(next(lm.model.parameters()).dtype), "max_length": int(cfg.represent.max_length),
-                      "v": PROBE_CACHE_VERSION}, sort_keys=True)
+                      "v": PROBE_CACHE_VERSION, **({"extra": extra} if extra else {})}, sort_keys=True)
     return Path(cfg.paths.cache) / "probes" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
 
 def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
-                  adapter: itf.Adapter) -> fus.Probe:
-    path = probe_path(cfg, lm, sentences, lang)
+                  adapter: itf.Adapter, skip_leading_special: bool = True, extra: dict[str, Any] | None = None) -> fus.Probe:
+    path = probe_path(cfg, lm, sentences, lang, extra)
     use_cache = cache_enabled(cfg)  # reproduce --no-cache redoes the probes' forward passes
     # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there; checksummed, so a bad
     # entry is reported, deleted and recomputed
@@ -176,7 +181,8 @@ def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str,
     if d is not None:
         return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
     p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, batch_tokens=cfg.represent.batch_tokens,
-                  max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}")
+                  max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}",
+                  skip_leading_special=skip_leading_special)
     if not use_cache:
         return p
     save_torch(path, {"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},  # temp file + rename
@@ -211,7 +217,8 @@ class _Direction:
     def tags(self, kind: str, **extra) -> dict[str, Any]:
         t, d = model_label(self.target), model_label(self.donor)
         a, b = self.cfg.pair.a, self.cfg.pair.b
-        return {"kind": kind, "route": "transport", "merge": "transport", "target": t, "donor": d, "direction": f"{t} <- {d}",
+        return {"kind": kind, "route": "transport", "merge": self.s.name, "transport_variant": self.s.variant(),
+                "target": t, "donor": d, "direction": f"{t} <- {d}",
                 "pair": pair_label(self.cfg), "model_a": model_label(a), "model_b": model_label(b),
                 "lang_target": self.target.lang, "lang_donor": self.donor.lang, "seed": self.cfg.merge.control_seed, **extra}
 
@@ -320,7 +327,11 @@ def _fit(d: _Direction) -> _Fitted:
     dtype_d = models.merge_dtype(d.donor.get("dtype"))
     donor = models.load(d.donor, cfg.device, dtype=dtype_d)
     d_ad = itf.adapter_for(donor.true_config["model_type"])
-    dp = _probe_cached(cfg, donor, d.texts.probe_d, str(d.donor.lang), d_ad)
+    if s.released is not None:
+        d_lay = rel.layout(donor.model, donor.true_config["model_type"])
+        dp = _released_probe(cfg, s, donor, d.texts.probe_d, str(d.donor.lang), d_lay)
+    else:
+        dp = _probe_cached(cfg, donor, d.texts.probe_d, str(d.donor.lang), d_ad)
     donor_true = donor.true_config
     streamed = None if donor.ref.gguf_file else streamed_state(donor.ref, dtype_d, model=donor.model,
                                                                cache_root=cfg.paths.get("cache"))
@@ -328,16 +339,41 @@ def _fit(d: _Direction) -> _Fitted:
     del donor, streamed
     host = _Host(cfg, d.target)
     t_ad = itf.adapter_for(host.true["model_type"])
-    tp = _probe_cached(cfg, host.lm, d.texts.probe_t, str(d.target.lang), t_ad)
-    console.print(f"[bold]transport[/] {d.label}: fitting plans on {len(d.texts.probe_t)} probe sentences")
-    align = fus.align_layers(tp, dp, s, progress=progress)
-    fusion = fus.fuse(host.model, donor_sd, tp, dp, t_ad, d_ad, align, s, progress=progress)
-    del donor_sd
-    layer_table = {"kept": align.kept.round(6).tolist(), "plan": align.plan.round(6).tolist(),
-                   "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
-    stats = {**_plan_stats(align, fusion), **top_k_effective(tp, s.top_k, d.label)}
+    if s.released is not None:
+        t_lay = rel.layout(host.model, host.true["model_type"])
+        tp = _released_probe(cfg, s, host.lm, d.texts.probe_t, str(d.target.lang), t_lay)
+        console.print(f"[bold]transport[/] {d.label}: fitting the released method's plans ({s.variant()}) on "
+                      f"{len(d.texts.probe_t)} probe sentences")
+        rf = rel.fit(host.model, donor_sd, tp, dp, t_lay, d_lay, s, progress=progress)
+        del donor_sd
+        fusion = rf.fusion
+        layer_table = {"weights": {k: v.round(6).tolist() for k, v in rf.weights.items()},
+                       "layer_costs": {k: v.round(6).tolist() for k, v in rf.layer_costs.items()}}
+        w = next(iter(rf.weights.values()))
+        stats = {**_plan_stats(rf.infos, fusion, _layer_diagonal(w, w)),
+                 **{f"top_k_effective.{x}": float(min(s.top_k, rel.view(tp, t_lay, t_lay.modules[x].post, 0).shape[1]))
+                    for x in rel.SUBLAYER_ROLES[s.released.sublayers] if x in t_lay.modules}}
+    else:
+        tp = _probe_cached(cfg, host.lm, d.texts.probe_t, str(d.target.lang), t_ad)
+        console.print(f"[bold]transport[/] {d.label}: fitting plans on {len(d.texts.probe_t)} probe sentences")
+        align = fus.align_layers(tp, dp, s, progress=progress)
+        fusion = fus.fuse(host.model, donor_sd, tp, dp, t_ad, d_ad, align, s, progress=progress)
+        del donor_sd
+        layer_table = {"kept": align.kept.round(6).tolist(), "plan": align.plan.round(6).tolist(),
+                       "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
+        stats = {**_plan_stats([*align.infos, *fusion.infos], fusion, layer_diagonal(align)), **top_k_effective(tp, s.top_k, d.label)}
     base_t, base_d = host.nll(d.eval_t, "nll target"), host.nll(d.eval_d, "nll donor lang")
     return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t))
+
+
+def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
+                    lay: rel.Layout) -> fus.Probe:
+    """The released method's probe: the sites its modules read, pooled as ``merge.released.pooling`` says (cached
+    apart from the seed's probes: the sites and the pooling are in the key)."""
+    ad = lay.adapter(rel.SUBLAYER_ROLES[s.released.sublayers])
+    skip = s.released.pooling == "skip_leading_special"
+    return _probe_cached(cfg, lm, sentences, lang, ad, skip_leading_special=skip,
+                         extra={"sites": sorted(f"{k}={p}:{side}" for k, (p, side) in ad.sites.items()), "skip_special": skip})
 
 
 def top_k_effective(tp: fus.Probe, top_k: int, label: str) -> dict[str, float]:
@@ -357,10 +393,10 @@ def top_k_effective(tp: fus.Probe, top_k: int, label: str) -> dict[str, float]:
 _CLAMP_SAID: set = set()
 
 
-def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, float]:
-    """Plan diagnostics (the same in every alpha's run); says so when plans needed the log-domain solver."""
-    infos = [*align.infos, *fusion.infos]
-    fallbacks = sum(1 for i in infos if i.solver != "sinkhorn")
+def _plan_stats(infos: list, fusion: fus.Fusion, layer_diag: dict[str, float]) -> dict[str, float]:
+    """Plan diagnostics and the transported term's size (the same in every alpha's run); says so when plans needed
+    the log-domain solver."""
+    fallbacks = sum(1 for i in infos if i.solver not in ("sinkhorn", "released_sinkhorn", "ot.batch"))
     if fallbacks:
         console.print(f"[yellow]{fallbacks} of {len(infos)} plans needed the log-domain Sinkhorn "
                       "(plain Sinkhorn did not meet the marginals); those plans are the log-domain solver's[/]")
@@ -372,19 +408,29 @@ def _plan_stats(align: fus.LayerAlignment, fusion: fus.Fusion) -> dict[str, floa
         "plan_cost_ratio": diag.get("cost_ratio", math.nan),
         "plan_max_marginal_error": max(i.marginal_error for i in infos),
         "plan_log_domain_fallbacks": float(fallbacks),
+        "plan_uniform_entropy": diag.get("uniform_entropy", math.nan),
+        "plan_entropy_gap": diag.get("entropy_gap", math.nan),
+        "plan_rowmax_over_uniform": diag.get("rowmax_over_uniform", math.nan),
+        **({"scale_match_ratio": diag["scale_match_ratio"]} if "scale_match_ratio" in diag else {}),
+        **fusion.transported_stats(),
         "n_plans": float(len(infos)),
         "n_fused_tensors": float(len(fusion.original)),
         "fused_params": float(sum(w.numel() for w in fusion.original.values())),
-        "masked_params": float(sum(int(fusion.masks[n].sum()) * (w.numel() // w.shape[0]) for n, w in fusion.original.items())),
-        **{f"plan_{k}": v for k, v in diag.items() if k.split("_")[0] in ("row", "cost", "diagonal", "control", "chance")},
-        **layer_diagonal(align),
+        "masked_params": float(sum(int(fusion.masks[n].sum()) * (w.numel() // len(fusion.masks[n])) for n, w in fusion.original.items())),
+        **{f"plan_{k}": v for k, v in diag.items() if k.split("_")[0] in ("row", "cost", "diagonal", "control", "chance",
+                                                                         "rowmax", "entropy", "uniform")},
+        **layer_diag,
     }
 
 
 def layer_diagonal(align: fus.LayerAlignment) -> dict[str, float]:
     """Two models of one depth: the share of target layers whose P_eff row maximum is the same layer
     (``plan_layer_diagonal_share``; 1/L = chance) and whose kept donor layers include it (``plan_layer_diagonal_kept``)."""
-    P, kept = np.asarray(align.plan), np.asarray(align.kept)
+    return _layer_diagonal(align.plan, align.kept)
+
+
+def _layer_diagonal(P, kept) -> dict[str, float]:
+    P, kept = np.asarray(P), np.asarray(kept)
     if P.shape[0] != P.shape[1]:
         return {}
     idx = np.arange(P.shape[0])
@@ -400,11 +446,12 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
     def body(job: Job) -> dict[str, float]:
         values = {"alpha": a, "base_nll_target_lang": f.base_t, "base_nll_donor_lang": f.base_d}
         per_tensor = {}
-        for ctl, prefix in ((False, ""), (True, "rand_")):
-            host.set(f.fusion.weights(a, control=ctl))
+        # the OT plan, the random-plan control, and the shrink-only control (the same alpha and mask, T = 0)
+        for ctl, shrink, prefix in ((False, False, ""), (True, False, "rand_"), (False, True, "shrink_")):
+            host.set(f.fusion.weights(a, control=ctl, shrink=shrink))
             values[f"{prefix}nll_target_lang"] = host.nll(d.eval_t, f"{prefix}fused a={a:g} target")
             values[f"{prefix}nll_donor_lang"] = host.nll(d.eval_d, f"{prefix}fused a={a:g} donor lang")
-            agg, per_tensor["control" if ctl else "ot"] = f.fusion.weight_stats(a, control=ctl)
+            agg, per_tensor[prefix.rstrip("_") or "ot"] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
         if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
             from mergescope.native.save import save_transport
@@ -416,6 +463,8 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             values[f"delta_{lang}"] = values[f"nll_{lang}"] - values[f"base_nll_{lang}"]
             values[f"rand_delta_{lang}"] = values[f"rand_nll_{lang}"] - values[f"base_nll_{lang}"]
             values[f"ot_minus_rand_{lang}"] = values[f"nll_{lang}"] - values[f"rand_nll_{lang}"]
+            values[f"shrink_delta_{lang}"] = values[f"shrink_nll_{lang}"] - values[f"base_nll_{lang}"]
+            values[f"ot_minus_shrink_{lang}"] = values[f"nll_{lang}"] - values[f"shrink_nll_{lang}"]
         values.update(f.plan_stats)
         values.update({"n_probe": float(f.n_probe), "n_eval_target": float(len(d.eval_t)), "n_eval_donor": float(len(d.eval_d))})
         job.log_params({"model_target.true": host.true, "model_donor.true": f.donor_true, **d.texts.ranges})
@@ -427,7 +476,8 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
     r = run_once(_alpha_cfg(d.cfg, a), JobSpec(f"transport a={a:g} {d.label}", tags, keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
-                  f"(control {v['rand_delta_target_lang']:+.4f}), donor lang {v['delta_donor_lang']:+.4f}")
+                  f"(random plan {v['rand_delta_target_lang']:+.4f}, shrink only {v.get('shrink_delta_target_lang', math.nan):+.4f}), "
+                  f"donor lang {v['delta_donor_lang']:+.4f}")
     return r
 
 
@@ -436,7 +486,8 @@ def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline:
     (what reproduce compares)."""
     values = dict(next(iter(results.values())).metrics) if len(results) == 1 else {"headline_alpha": headline}
     for a, r in sorted(results.items()):
-        for k in ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang"):
+        for k in ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang",
+                  "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang"):
             if k in r.metrics:
                 values[f"{k}@{a:g}"] = r.metrics[k]
     if adapt is not None:

@@ -23,6 +23,20 @@ from mergescope.errors import MergescopeError
 from mergescope.transport import interfaces as itf
 
 PLAN_SCALES = ("row_stochastic", "raw")
+SCALE_MATCH = ("none", "rms")  # rms: the transported term from each donor weight scaled by rms(W_target) / rms(W_donor)
+TRANSPORT_NAMES = ("transport", "transport_released")  # the seed's method | the released code's (conf/merge/<name>.yaml)
+FOLLOW = ("code", "paper")
+RELEASED_CHOICES = {"layer_pairs": ("zipped", "all", "pruned"), "sublayers": ("qkvo", "qkvo_mlp", "mlp_attn_out"),
+                    "plan_dtype": ("bfloat16", "float64"), "column_mask": ("output", "input"), "solver": ("released", "checked"),
+                    "pooling": ("all_tokens", "skip_leading_special")}
+AS_FOLLOWED = {  # merge.released.<key>: null takes the value of merge.follow
+    "code": {"layer_pairs": "zipped", "sublayers": "qkvo", "plan_dtype": "bfloat16", "sigma_rescale": False, "q_topr": 0,
+             "p_topk": 0, "column_mask": "output"},
+    "paper": {"layer_pairs": "all", "sublayers": "qkvo_mlp", "plan_dtype": "float64", "sigma_rescale": True, "q_topr": 128,
+              "p_topk": 3, "column_mask": "input"},
+}
+SWITCHES = ("plan_scale", "epsilon", "layer_epsilon", "scale_match", "top_k", "layer_topk", "layer_subsample")
+"""The settings an ablation varies (with every ``merge.released.*``): what :meth:`TransportSettings.variant` names."""
 PROBE_SETS = ("flores200", "ntrex128")  # flores200: merge.probe_split of the evaluation data | ntrex128: conf/data/ntrex128.yaml
 AT_LEAST_ONE = ("top_k", "layer_topk", "layer_subsample", "probe_sentences", "max_iter")
 
@@ -32,9 +46,9 @@ def merge_node(cfg: DictConfig) -> DictConfig:
     m = cfg.get("merge")
     if m is None:
         return load_conf("merge", "transport")
-    if str(m.get("name")) != "transport":
+    if str(m.get("name")) not in TRANSPORT_NAMES:
         raise MergescopeError(f"task=transport runs the transport operator, but merge={m.get('name')}; "
-                              "use merge=transport (or leave merge unset)")
+                              "use merge=transport or merge=transport_released (or leave merge unset)")
     return m
 
 
@@ -66,6 +80,54 @@ class AdaptSettings:
 
 
 @dataclass(frozen=True)
+class ReleasedSettings:
+    """``merge=transport_released``: the released code's method (``follow: code``) or the paper's reading of it
+    (``follow: paper``), every point where the two differ its own switch (``merge.released.<key>``; null = as
+    ``follow`` says). See ``transport/released.py`` and docs/transport.md."""
+
+    follow: str           # code | paper
+    layer_pairs: str      # zipped (layer i <-> i, the deeper model cut) | all (every pair) | pruned (the seed's)
+    sublayers: str        # qkvo | qkvo_mlp | mlp_attn_out (the seed's)
+    plan_dtype: str       # bfloat16 (the released plans' storage) | float64
+    sigma_rescale: bool   # Q[i, j] * sigma_target[i] / (sigma_donor[j] + 1e-6) (the released notes; never applied in its code)
+    q_topr: int           # keep each plan row's then column's top-r entries (0 = off; defined, never called, in its code)
+    p_topk: int           # keep each target layer's top-k donor layers, row mass kept (0 = off; ditto)
+    column_mask: str      # o_proj / down_proj columns chosen by the module's output (the code) or input (paper) magnitude
+    solver: str           # released (its log-domain Sinkhorn, its stopping rule) | checked (mergescope's checked chain)
+    pooling: str          # all_tokens (the released code: a leading BOS pooled too) | skip_leading_special (mergescope's)
+    layer_max_iter: int   # the layer-level solver's iterations (its 1000)
+    layer_tol: float      # ... and its stopping rule on the change of the log potential (its 1e-7)
+
+    @classmethod
+    def from_node(cls, m: Any) -> ReleasedSettings:
+        follow = str(m.get("follow"))
+        if follow not in FOLLOW:
+            raise MergescopeError(f"merge.follow must be code (the released code) or paper (what the paper describes), got '{follow}'")
+        r = m.get("released") or {}
+        vals = {}
+        for key, default in AS_FOLLOWED[follow].items():
+            v = r.get(key)
+            vals[key] = default if v is None else v
+        for key in ("solver", "pooling"):
+            vals[key] = r.get(key)
+        for key, options in RELEASED_CHOICES.items():
+            if str(vals[key]) not in options:
+                raise MergescopeError(f"merge.released.{key} must be one of {', '.join(options)} (or null: as merge.follow says), "
+                                      f"got '{vals[key]}'")
+            vals[key] = str(vals[key])
+        if not isinstance(vals["sigma_rescale"], bool):
+            raise MergescopeError(f"merge.released.sigma_rescale must be true or false (or null), got {vals['sigma_rescale']!r}")
+        for key in ("q_topr", "p_topk"):
+            v = vals[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise MergescopeError(f"merge.released.{key} must be an integer >= 0 (0 = off; null: as merge.follow says), got {v!r}")
+        it, tol = r.get("layer_max_iter", 1000), r.get("layer_tol", 1e-7)
+        if not (isinstance(it, int) and it >= 1 and isinstance(tol, (int, float)) and tol > 0):
+            raise MergescopeError(f"merge.released.layer_max_iter must be >= 1 and layer_tol > 0, got {it!r}, {tol!r}")
+        return cls(follow=follow, layer_max_iter=int(it), layer_tol=float(tol), **vals)
+
+
+@dataclass(frozen=True)
 class TransportSettings:
     """``merge=transport``, validated. Build it with :meth:`from_cfg` (a job), :meth:`from_node` or :meth:`defaults`."""
 
@@ -85,6 +147,29 @@ class TransportSettings:
     headline_alpha: float    # the grid alpha the report's headline numbers are read at (one of alphas)
     control_seed: int        # the random-plan control's row shuffles and the layer-cost subsample
     adapt: AdaptSettings | None  # None when merge.adapt.enabled is false
+    scale_match: str = "none"    # none | rms (rms(W_target) / rms(W_donor) on each donor weight's transported term)
+    name: str = "transport"      # transport (the seed's method) | transport_released
+    released: ReleasedSettings | None = None  # merge=transport_released's own switches
+
+    def variant(self) -> str:
+        """The setting in words, for the ablation table: the preset (``seed``, ``released:code``, ``released:paper``)
+        and every switch that differs from the preset's own YAML (and, for released, from what ``follow`` implies)."""
+        base = load_conf("merge", self.name)
+        if self.released is None:
+            head = "seed"
+        else:
+            head = f"released:{self.released.follow}"
+        diffs = [f"{k}={getattr(self, k)}" for k in SWITCHES
+                 if base.get(k) is not None and getattr(self, k) != type(getattr(self, k))(base.get(k))]
+        if self.released is not None:
+            implied = {**AS_FOLLOWED[self.released.follow], "solver": (base.get("released") or {}).get("solver"),
+                       "pooling": (base.get("released") or {}).get("pooling")}
+            diffs += [f"released.{k}={getattr(self.released, k)}" for k, v in implied.items() if getattr(self.released, k) != v]
+        if self.adapt is None and (base.get("adapt") or {}).get("enabled"):
+            diffs.append("adapt=off")
+        elif self.adapt is not None and not (base.get("adapt") or {}).get("enabled"):
+            diffs.append("adapt=on")
+        return head + (" + " + ", ".join(diffs) if diffs else "")
 
     @classmethod
     def from_node(cls, node: Any) -> TransportSettings:
@@ -110,6 +195,12 @@ class TransportSettings:
             raise MergescopeError(f"merge.probe_set must be one of {', '.join(PROBE_SETS)}, got '{m.get('probe_set')}'")
         if str(m.plan_scale) not in PLAN_SCALES:
             raise MergescopeError(f"merge.plan_scale must be row_stochastic or raw, got '{m.plan_scale}'")
+        scale_match = str(m.get("scale_match") or "none")
+        if scale_match not in SCALE_MATCH:
+            raise MergescopeError(f"merge.scale_match must be none or rms, got '{scale_match}'")
+        name = str(m.get("name") or "transport")
+        if name not in TRANSPORT_NAMES:
+            raise MergescopeError(f"merge.name must be one of {', '.join(TRANSPORT_NAMES)}, got '{name}'")
         if m.get("qkv"):
             raise MergescopeError("merge.qkv was removed: q/k/v need head-level plans (q.k pairs within a head, RoPE pairs, v "
                                   "tied to o_proj), which are not implemented; q/k/v keep the target's values")
@@ -123,12 +214,17 @@ class TransportSettings:
             top_k=int(m.top_k), plan_scale=str(m.plan_scale), alphas=tuple(float(a) for a in alphas),
             headline_alpha=headline, control_seed=int(m.control_seed),
             adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
+            scale_match=scale_match, name=name, released=ReleasedSettings.from_node(m) if name == "transport_released" else None,
         )
 
     @classmethod
-    def defaults(cls, **changes: Any) -> TransportSettings:
-        """``conf/merge/transport.yaml`` with ``changes`` applied, validated (tests, benchmarks)."""
-        return cls.from_node({**to_plain(load_conf("merge", "transport")), **changes})
+    def defaults(cls, preset: str = "transport", **changes: Any) -> TransportSettings:
+        """``conf/merge/<preset>.yaml`` with ``changes`` applied, validated (tests, benchmarks); ``released`` takes a
+        dict of ``merge.released`` keys to change."""
+        node = to_plain(load_conf("merge", preset))
+        if "released" in changes:
+            node["released"] = {**(node.get("released") or {}), **changes.pop("released")}
+        return cls.from_node({**node, **changes})
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TransportSettings:

@@ -10,46 +10,111 @@ from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.tables import RTable, Section, f3, median, short
 from mergescope.plotting import pyplot
 
-__all__ = ["transport", "role_table", "figure_transport"]
+__all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant"]
+
 
 def _counts(rs: list[Rec]) -> tuple[int, int]:
     """(fusion helped, the OT plan beat its control) on the target's language, over runs (one per direction)."""
     return (sum(1 for x in rs if x.m("delta_target_lang") < 0), sum(1 for x in rs if x.m("ot_minus_rand_target_lang") < 0))
 
 
+def _shrink(rs: list[Rec]) -> tuple[int, int]:
+    """(the OT fusion beat its shrink-only control, runs that have one) on the target's language: the shrink-only control
+    is the same fusion (alpha, mask) with the transported term zero; runs recorded before it have no shrink_* metrics."""
+    have = [x for x in rs if np.isfinite(x.m("ot_minus_shrink_target_lang"))]
+    return sum(1 for x in have if x.m("ot_minus_shrink_target_lang") < 0), len(have)
+
+
+def variant(r: Rec) -> str:
+    """A transport run's setting (``transport_variant``: the preset and every switch it changes); runs before the tag:
+    the seed's method."""
+    return r.tags.get("transport_variant") or "seed"
+
+
+def _headlines(runs: list[Rec]) -> list[Rec]:
+    """The headline-alpha run of every (direction, setting)."""
+    groups: dict[tuple[str, str], list[Rec]] = {}
+    for r in runs:
+        groups.setdefault((direction(r), variant(r)), []).append(r)
+    return [x for x in (transport_headline(v) for v in groups.values()) if x is not None]
+
+
+ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_shrink_target_lang",
+                 "shrink_delta_target_lang", "transported_relative_norm", "plan_entropy_gap", "plan_rowmax_over_uniform",
+                 "plan_cost_ratio")
+
+
+def ablation_table(head: list[Rec]) -> RTable:
+    """Per setting (the released method, each switch alone, the seed's full set ...), over its directions at the
+    headline alpha: the mean of each column, and how often the OT plan beat each control."""
+    groups: dict[str, list[Rec]] = {}
+    for r in head:
+        groups.setdefault(variant(r), []).append(r)
+    rows = []
+    for v, rs in sorted(groups.items()):
+        beats_r = sum(1 for x in rs if x.m("ot_minus_rand_target_lang") < 0)
+        beats_s, n_s = _shrink(rs)
+        means = [f3(float(np.nanmean([x.m(c) for x in rs])) if any(np.isfinite(x.m(c)) for x in rs) else float("nan"), 4)
+                 for c in ABLATION_COLS]
+        rows.append([v, str(len(rs)), *means, f"{beats_r}/{len(rs)}", f"{beats_s}/{n_s}" if n_s else "—"])
+    return RTable("Transport settings: the released method, each deviation, the seed's set (headline alpha)",
+                  ["setting", "directions", *[f"mean {c}" for c in ABLATION_COLS], "beats random plan", "beats shrink only"], rows,
+                  note="setting: the preset (seed = merge=transport; released:code / released:paper = merge=transport_released "
+                       "with merge.follow) and every switch changed from it. ot_minus_shrink_* < 0: the OT fusion beat the "
+                       "shrink-only control (the same alpha and mask, transported term zero). transported_relative_norm: "
+                       "|M*T| / |M*W|. plan_entropy_gap: log m minus the plans' mean row entropy (0 = uniform); "
+                       "plan_rowmax_over_uniform: mean row max x m (1 = uniform); plan_cost_ratio: transport cost over the "
+                       "unregularised optimum (ot.emd2).")
+
+
 def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
-            "ot_minus_rand_donor_lang", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+            "ot_minus_rand_donor_lang", "shrink_delta_target_lang", "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang",
+            "transported_relative_norm", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio"]
+    several = len({variant(r) for r in runs}) > 1
     heads = [{"fused_weight_cosine": "transport_weight_cosine", "fused_relative_l2": "transport_relative_l2"}.get(c, c) for c in cols]
-    rows = [[direction(r), r.tags.get("alpha", f3(r.m("alpha"))), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
-            for r in sorted(runs, key=lambda r: (direction(r), r.m("alpha")))]
+    rows = [[direction(r) + (f" [{variant(r)}]" if several else ""), r.tags.get("alpha", f3(r.m("alpha"))),
+             *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=lambda r: (direction(r), variant(r), r.m("alpha")))]
     sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
                              note="Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
-                                  "shuffled-plan control (same fusion, plan rows shuffled). transport_weight_cosine / "
+                                  "shuffled-plan control (same fusion, plan rows shuffled). shrink_delta_* / ot_minus_shrink_*: "
+                                  "the shrink-only control, the same fusion (alpha, mask) with the transported term zero, and the "
+                                  "OT fusion against it (< 0 = the transported term helped beyond the shrink). "
+                                  "transported_relative_norm: |M*T| / |M*W| on the fused entries. transport_weight_cosine / "
                                   "transport_relative_l2: every fused tensor against the target's original, after the transport."))
     by_dir: dict[str, list[Rec]] = {}
     for r in runs:
         by_dir.setdefault(direction(r), []).append(r)
-    head = [x for x in (transport_headline(v) for v in by_dir.values()) if x is not None]
+    head = _headlines(runs)
     helped, beats = _counts(head)
+    beats_s, n_s = _shrink(head)
+    shrink_txt = (f"; it beats its shrink-only control (transported term zero) in {beats_s}/{n_s}" if n_s else
+                  "; no run has the shrink-only control (recorded before it)")
     med = median(x.m("delta_target_lang") for x in head)
     top = min(head, key=lambda x: x.m("delta_target_lang")) if head else None
     at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
     sec.text.append(f"{len(by_dir)} directions fused. At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
                     f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
                     f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
-                    f"target's language in {beats}/{len(head)}."
+                    f"target's language in {beats}/{len(head)}{shrink_txt}."
                     + (f" Largest gain at that alpha: {direction(top)}, delta {f3(top.m('delta_target_lang'), 4)} "
                        f"(run {short(top.run_id)})." if top else ""))
     per_alpha = {}
     for r in runs:
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
     sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
-                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}"
+                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
                    + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
-    an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats)})
+    an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats),
+                       "transport_beats_shrink": float(beats_s)})
+    if several:
+        sec.tables.append(ablation_table(head))
+        an.csv["tables/transport_ablation.csv"] = sec.tables[-1].csv()
+        sec.text.append("Settings compared (headline alpha): " + "; ".join(
+            f"{r[0]}: mean delta {r[2]}, beats random plan {r[-2]}, beats shrink only {r[-1]}" for r in sec.tables[-1].rows) + ".")
     if head:
         sec.tables.append(role_table(head, at))
         an.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
