@@ -96,6 +96,10 @@ def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
         )
     for lang in [str(cfg.pair.a.lang), *nll_langs(cfg)]:  # every language it scores on is in the data
         data_mod.load_side(cfg.data, lang)
+    if (ts := NativeSettings.from_cfg(cfg).transplant_settings()) is not None:  # the target vocabulary can be built
+        from mergescope.native.transplant import pair_targets
+
+        pair_targets(cfg, ts)
     be = base_entry(cfg)
     refs = (ra, rb) if be is None else (ra, rb, models.resolve(be))
     for ref in refs:  # NaN or infinite weights fail here, before the run (read once per checkpoint, then remembered)

@@ -210,23 +210,26 @@ def transplant_group(stack, kind: str, order: list[int], ts: TransplantSettings,
     given one vocabulary: ``order`` lists the models' indices (into ``stack.sds``), the tokenizer source first; the
     target is the union of their tokenizers in that order, or the first one's. Each model whose vocabulary differs is
     overlaid with its transplanted vocabulary tensors (its donors: the others, in ``order``); the host (model 0) is
-    transplanted in place and the stack's tokenizer becomes the target."""
+    transplanted in place and the stack's tokenizer becomes the target; ``stack.transplanted`` lists the indices of the
+    models transplanted."""
     toks, labels = stack.tokenizers, stack.labels
     target = target_tokenizer(kind, [toks[i] for i in order], [labels[i] for i in order])
     names = vocab_names(stack.host)
     states = stack.all_states()
     donors = {i: donor_of(states[i], names, toks[i], labels[i]) for i in order}
     done: dict[str, Any] = {"target": describe_target(kind, [labels[i] for i in order]),
-                            "n_target_tokens": len(target.get_vocab()), "method": ts.method, "k": ts.k}
+                            "n_target_tokens": len(target.get_vocab()), "method": ts.method, "k": ts.k, "models": {}}
+    stack.transplanted = []
     for i, sd in enumerate(states):
         if same_vocab(toks[i], target):
             continue
+        stack.transplanted.append(i)
         vals, info = transplant_state(sd, names, toks[i], target, [donors[j] for j in order if j != i], ts.method,
                                       ts.k, device)
         stack.set_state(i, Overlay(sd, vals))
         if i == 0:
             install(stack.host, vals, info.n_rows, target)
-        done[labels[i]] = _info(info)
+        done["models"][labels[i]] = _info(info)
     stack.tok = target
     return done
 
