@@ -236,6 +236,23 @@ def test_native_pair_of_two_vocabularies_merged_with_its_embeddings_after_a_tran
     merge = every["merge"].data
     assert merge.tags["transplant"] == "union:omp" and merge.metrics["n_shared_tensors"] == m["n_shared_tensors"]
     assert merge.metrics["nll"] == pytest.approx(m["lmc_midpoint_nll"], abs=1e-9)
+    # the report says what was done and shows the cost beside the control's
+    from mergescope.analysis.records import _rec
+    from mergescope.analysis.sections.models import _transplant_cell
+    from mergescope.analysis.sections.native_pair import native_pair_tables
+    from mergescope.analysis.tables import Section
+
+    n, mg = _rec(native), _rec(every["merge"])
+    sec = Section("native_pair", "6")
+    native_pair_tables(sec, n, [mg], [], [])
+    assert "after a vocabulary transplant (native.transplant: union of neox_en + neox_zh; a new token's rows by omp" in sec.text[1]
+    cost = next(t for t in sec.tables if "vocabulary transplant cost" in t.title)
+    assert [r[0] for r in cost.rows] == ["neox_en", "neox_zh"]
+    assert cost.rows[0][2] == f"{m['transplant_cost_bpb_a']:+.4f}" and cost.rows[0][3] == f"{m['transplant_control_cost_bpb_a']:+.4f}"
+    merged = next(t for t in sec.tables if "merged models" in t.title)
+    assert len(merged.rows) == 1 and merged.rows[0][0] == "linear"
+    cell = _transplant_cell(n)
+    assert f"neox_en {m['transplant_cost_bpb_a']:+.3f} bits/byte by omp vs {m['transplant_control_cost_bpb_a']:+.3f}" in cell
 
 
 @needs_flores
@@ -331,3 +348,11 @@ def test_mergekit_tokenizer_source_parses():
                                  "tokenizer_source": "base"}))["tokenizer_source"] == ("model", "/c")
     assert parse(yaml.safe_dump({"merge_method": "linear", "models": two, "tokenizer_source": "/b"}))["tokenizer_source"] == ("model", "/b")
     assert parse(yaml.safe_dump({"merge_method": "linear", "models": two}))["tokenizer_source"] is None
+
+
+def test_native_transplant_is_an_optional_setting_added_with_plus():
+    from mergescope.cli import check_added_keys
+
+    check_added_keys(["+native.transplant=union", "+native.transplant.k=32"])  # absent by default: added with +
+    with pytest.raises(MergescopeError, match="unknown setting 'native.transplnt'"):
+        check_added_keys(["+native.transplnt=union"])
