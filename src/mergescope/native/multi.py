@@ -128,11 +128,11 @@ class Stack:
         if base_ref is not None:
             s = streamed_state(base_ref, models.merge_dtype(spec.base.dtype), cache_root=cache)
             self.sd_base = s[0] if s else _state(models.load_model(base_ref, models.merge_dtype(spec.base.dtype), "cpu"))
-        self.tokenizers = [host.tokenizer, *(models.load_tokenizer(r) for r in refs[1:]),
-                           *([models.load_tokenizer(base_ref)] if base_ref is not None else [])]
-        self.labels = [*(model_label(e) for e in spec.entries), *([model_label(spec.base)] if base_ref is not None else [])]
         self.transplant: dict[str, Any] | None = None
         if spec.tokenizer is not None:  # mergekit's tokenizer_source: every model given one vocabulary first
+            self.tokenizers = [host.tokenizer, *(models.load_tokenizer(r) for r in refs[1:]),
+                               *([models.load_tokenizer(base_ref)] if base_ref is not None else [])]
+            self.labels = [*(model_label(e) for e in spec.entries), *([model_label(spec.base)] if base_ref is not None else [])]
             from mergescope.device import resolve_device
             from mergescope.native.transplant import transplant_group
 
