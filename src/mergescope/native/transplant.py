@@ -130,7 +130,7 @@ def run_transplant(cfg: DictConfig, entry: DictConfig, kind: str, tok_entries: l
     tags = {"kind": "transplant", "route": "transplant", "model": model_label(entry), "lang": lang, "target": target_text,
             "method": ts.method, "control": ts.control, "seed": cfg.seed}
     extra = {"model": to_plain(entry), "target": {"kind": kind, "models": [to_plain(e) for e in tok_entries]},
-             "settings": asdict(ts)}
+             "settings": asdict(ts), "data_content": data_mod.content_digest(cfg.data, [lang], [str(cfg.data.get("split"))])}
     return run_once(cfg, JobSpec(f"transplant {model_label(entry)} -> {target_text}", tags, task="transplant",
                                  keys=TRANSPLANT_KEYS, reads=[ref, *donor_refs], extra=extra), body, overrides)
 
