@@ -256,7 +256,7 @@ def test_mergekit_config_run_round_trip_and_mergekit_yaml_cli(compose_cfg, famil
     ({"merge_method": "passthrough", "base_model": None}, "passthrough without slices"),
     ({"merge_method": "nearswap", "models": [{"model": "/a"}]}, "parameters.t is required by mergekit's nearswap"),
     ({"modules": {}}, "modules is not supported"),
-    ({"tokenizer_source": "union"}, "tokenizer_source is not supported"),
+    ({"tokenizer": {"source": "union"}}, "tokenizer is not supported"),
     ({"merge_method": "nonesuch"}, "merge_method 'nonesuch' has no mergescope operator"),
     ({"parameters": {"density": [{"filter": "mlp", "value": 0.5}, 0.7]}}, "parameters.density mixes numbers and filters"),
     ({"parameters": {"density": [{"filter": "mlp", "val": 0.5}]}}, r"parameters.density\[0\] must be \{filter"),

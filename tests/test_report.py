@@ -210,6 +210,10 @@ def test_report_sections_and_numbers(built):
     assert not any("{" in cell for row in cov.values() for cell in row)
     assert "measured (2 runs)" not in cov["m-en__m-it"][2] and "not measured (no transport runs)" in cov["m-en__m-it"][2]
     assert "measured (4 runs)" in cov["m-pt__m-it"][2]
+    # the vocabulary-transplant route: defined where the vocabularies differ, not measured without native.transplant
+    assert cov["m-en__m-zh"][4].startswith("yes (all tensors (embeddings and head after a vocabulary transplant))")
+    assert "not measured (no native run with native.transplant" in cov["m-en__m-zh"][4]
+    assert cov["m-en__m-pt"][4].startswith("no: architecture family differs (gpt_neox vs llama)")
 
     # CKA matrix: lower matched, upper shuffled, as logged
     M = out["cka_matrix"]

@@ -110,6 +110,9 @@ def test_routes_same_family(neox_pair):
     assert r["native"]["blocked_by"] is None and "vocabulary rows differ (300 vs 400)" in r["native"]["note"]
     # the adapt job refuses two vocabularies (one tokenizer needed): the coverage says so, as the job decides
     assert not r["adapt"]["defined"] and "needs one tokenizer" in r["adapt"]["blocked_by"]
+    # the vocabulary transplant: every tensor once both sides have one vocabulary
+    assert r["transplant"] == {**r["transplant"], "defined": True, "scope": weights.TRANSPLANTED, "blocked_by": None}
+    assert weights.routes(ta, ta)["transplant"]["blocked_by"] == "one vocabulary: nothing to transplant"
     same = weights.routes(ta, ta)
     assert same["native"] == {**same["native"], "defined": True, "scope": "all tensors", "blocked_by": None}
     assert same["adapt"]["defined"] and same["adapt"]["scope"] == "all tensors"
@@ -118,6 +121,7 @@ def test_routes_same_family(neox_pair):
     r = weights.routes(ta, bigger)
     assert not r["native"]["defined"]
     assert r["native"]["blocked_by"] == "hidden size differs (32 vs 64); depth differs (2 vs 4); FFN width differs (64 vs 128)"
+    assert not r["transplant"]["defined"] and r["transplant"]["blocked_by"] == r["native"]["blocked_by"]
     assert r["adapt"]["defined"] and r["adapt"]["blocked_by"] is None
     assert "Expand a->b" in r["adapt"]["note"]
     mixed = {**ta, "hidden": 16, "heads": 2, "layers": 4}

@@ -70,6 +70,9 @@ def check_argv(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
 
 FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "expansion", "shared")
 """Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
+OPTIONAL_KEYS = ("native.transplant",)
+"""Settings of a fixed section that its defaults leave out (absent = off, so that no earlier job's hash changes): added
+with ``+`` (``+native.transplant=union``, ``+native.transplant.k=32``); the arm's settings check their values."""
 
 
 def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
@@ -81,7 +84,7 @@ def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
         if not arg.startswith("+") or arg.startswith("++") or "=" not in arg:
             continue
         parts = arg[1:].split("=", 1)[0].split(".")
-        if len(parts) < 2 or parts[0] not in FIXED_SECTIONS:
+        if len(parts) < 2 or parts[0] not in FIXED_SECTIONS or ".".join(parts[:2]) in OPTIONAL_KEYS:
             continue
         if base is None:  # conf/config.yaml, and each arm's default settings under its own key
             base = yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}

@@ -2,7 +2,7 @@
 
 A pair row is a dict: ``pair``, ``a``, ``b``, ``lang_a``, ``lang_b``, ``values`` (diagnostic -> float),
 ``src`` (diagnostic -> the run id behind it), ``recs`` (metric -> measure run), ``typology`` and ``native``
-(the pair's typology and native runs, or None).
+(the pair's typology and native runs, or None; ``native_transplant``: its native run with a vocabulary transplant).
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def build_pair_rows(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     """Cross-model pairs in study order, with every diagnostic and the run id behind it."""
     models, pairs = _measure_rows([r for r in study.measures if not is_checkpoint_pair(r)])
     quality = {r.tags.get("model"): r for r in study.kind("quality")}
-    native = {r.tags.get("pair"): r for r in study.native if not is_checkpoint_pair(r)}
+    cross = [r for r in study.native if not is_checkpoint_pair(r)]
+    # the pair's native run without a transplant (embeddings excluded where the vocabularies differ), else with one;
+    # its native run with a vocabulary transplant (native.transplant) apart
+    native = {r.tags.get("pair"): r for r in sorted(cross, key=lambda r: r.tags.get("transplant") is None)}
+    transplanted = {r.tags.get("pair"): r for r in cross if r.tags.get("transplant")}
     transport = study.kind("transport")
     adapt = study.adapt
     for p in pairs.values():
@@ -96,6 +100,7 @@ def build_pair_rows(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
         for k in TYPOLOGY:
             _put(p, k, p["typology"], k)
         p["native"] = native.get(p["pair"])
+        p["native_transplant"] = transplanted.get(p["pair"])
         for k in NATIVE_PAIR:
             _put(p, f"native_{k}", p["native"], k)
         _add_transport(p, transport, adapt)

@@ -88,8 +88,8 @@ def logical_key(r: Rec) -> tuple | None:
     """The job a run belongs to (one per pair and metric, per model, ...); None: one per cfg_hash."""
     t = r.tags
     k = r.kind
-    if k == "measure":
-        return (k, t.get("pair"), t.get("metric"))
+    if k == "measure":  # a native pair with and without a vocabulary transplant: two jobs
+        return (k, t.get("pair"), t.get("metric"), t.get("transplant"))
     if k in ("quality", "train"):
         return (k, t.get("model"))
     if k == "typology":

@@ -13,6 +13,7 @@ The arm's task handlers are here, as every arm's are in its ``job.py``: :func:`r
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -25,7 +26,7 @@ from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
                                     no_base_reason, same_run, step_of)
-from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
+from mergescope.native.weights import TRANSPLANTED, describe, routes, task_vector_diagnostics, weight_diagnostics
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, pair_label, pair_tags, pair_text, run_once
 
@@ -83,10 +84,31 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
             "merge_beats_better_endpoint": float(gain > 0)}
 
 
+def _transplant_values(cfg: DictConfig, loaded: Loaded, rt: dict, job, overrides) -> dict[str, float]:
+    """A transplanted pair: the native route's scope now every tensor (``routes.native``), what was done (param
+    ``transplant``), and each transplanted side's cost and its control's (:func:`run_transplant`'s runs) as
+    ``transplant_<metric>_<side>``."""
+    from mergescope.native.transplant import pair_cost_runs
+
+    done = loaded.transplant
+    job.log_params({"transplant": done})
+    if not done.get("done"):
+        return {}
+    rt["native"] = {**rt["native"], "scope": TRANSPLANTED,
+                    "note": f"{rt['native'].get('note') or ''}; vocabulary transplant: {done['target']} ({done['method']})".lstrip("; ")}
+    runs = pair_cost_runs(cfg, NativeSettings.from_cfg(cfg).transplant_settings(), overrides)
+    job.log_params({"transplant_runs": {side: r.run_id for side, r in runs.items()}})
+    return {f"transplant_{k}_{side}": r.metrics[k] for side, r in runs.items()
+            for k in ("cost_bpb", "control_cost_bpb", "cost_nll", "control_cost_nll", "n_new") if k in r.metrics}
+
+
 def hash_extra(cfg: DictConfig) -> dict:
     """What the native job's numbers depend on beyond NATIVE_KEYS: the contents of its merge presets, and for
     checkpoint pairs the settings of the CKA between the checkpoints."""
-    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in NativeSettings.from_cfg(cfg).merges}}
+    ns = NativeSettings.from_cfg(cfg)
+    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in ns.merges}}
+    if (ts := ns.transplant_settings()) is not None:  # every setting, defaults included (unset: earlier hashes unchanged)
+        extra["transplant"] = asdict(ts)
     if same_run(cfg):
         extra["checkpoint_cka"] = {"metric": to_plain(load_conf("metric", "cka")),
                                    **{k: OmegaConf.select(cfg, k) for k in ("represent.pooling", "represent.layer", "represent.padding_side")}}
@@ -104,10 +126,14 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
     def body(job) -> dict[str, float]:
         loaded = Loaded(cfg, need_base=True)
         cov = loaded.coverage
-        job.log_params({"coverage": cov.summary(), "routes": routes(loaded.true_a, loaded.true_b), "definitions": describe(),
+        rt = routes(loaded.true_a, loaded.true_b)
+        values: dict[str, float] = {}
+        if loaded.transplant is not None:  # native.transplant: which vocabulary, and each transplant's own cost run
+            values.update(_transplant_values(cfg, loaded, rt, job, overrides))
+        job.log_params({"coverage": cov.summary(), "routes": rt, "definitions": describe(),
                         "model_a.true": loaded.true_a, "model_b.true": loaded.true_b,
                         "excluded_reasons": dict(cov.excluded[:50])})
-        values = _weight_values(cfg, loaded)
+        values.update(_weight_values(cfg, loaded))
         if loaded.sd_base is None:
             job.log_params({"task_vectors": f"not measured: {no_base_reason(cfg)}"})
         else:
@@ -124,15 +150,26 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         return values
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
-            "arm": "checkpoint" if same_run(cfg) else "cross-model"}
+            "arm": "checkpoint" if same_run(cfg) else "cross-model", "transplant": transplant_tag(cfg)}
     data_aware = any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") for n in ns.merges)
     return run_once(cfg, JobSpec(f"native {pair_text(cfg)}", tags, task="native",
                                  keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []), reads=refs, extra=hash_extra(cfg),
                                  nested=lambda: _nested_runs(cfg, overrides)), body, overrides)
 
 
+def transplant_tag(cfg: DictConfig) -> str | None:
+    """The ``transplant`` tag of a native pair's runs (native and merges): ``<tokenizer>:<method>``, or None (unset)."""
+    ts = NativeSettings.from_cfg(cfg).transplant_settings()
+    return None if ts is None else f"{ts.tokenizer}:{ts.method}"
+
+
 def _nested_runs(cfg: DictConfig, overrides) -> None:
-    """A reused native run's merge runs and checkpoint CKA run (reused in turn, or run when missing)."""
+    """A reused native run's merge runs, transplant cost runs and checkpoint CKA run (reused in turn, or run when
+    missing)."""
+    if (ts := NativeSettings.from_cfg(cfg).transplant_settings()) is not None:
+        from mergescope.native.transplant import pair_cost_runs
+
+        pair_cost_runs(cfg, ts, overrides)
     for mc in merge_configs(cfg):
         run_merge(mc, overrides)
     if same_run(cfg):

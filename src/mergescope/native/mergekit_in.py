@@ -3,12 +3,13 @@
 Read: ``merge_method``, ``base_model``, ``models`` (``model`` + ``parameters``: per-model ``weight``, ``density``,
 ``gamma``, ``epsilon``, ``scale``) or ``slices`` (each ``sources`` of ``model`` + ``layer_range`` + ``parameters``, with
 its own ``parameters`` and ``base_model``: a merge by layer slices, :mod:`mergescope.native.sliced`), ``parameters`` (the
-method's shared settings), ``dtype``; any setting may be mergekit's parameter filters (``[{filter: self_attn, value:
+method's shared settings), ``dtype``, ``tokenizer_source`` (``union``, ``base`` or one of the merged models: every
+model is first given that vocabulary by a transplant, :mod:`mergescope.native.transplant`); any setting may be mergekit's parameter filters (``[{filter: self_attn, value:
 ...}, {value: ...}]``) or a layer gradient (a list of numbers), resolved per tensor exactly as mergekit does
 (:mod:`mergescope.tensor_settings`; in a slice, over the slice's own layers). A slice's settings are its sources', then
 its own, then the config's, as in mergekit.
 Settings a config leaves out take mergekit 0.1.5's defaults (:data:`MK_DEFAULTS`, checked against mergekit's own
-method specs in the tests), not the mergescope preset's. Anything else (``modules``, ``tokenizer_source``,
+method specs in the tests), not the mergescope preset's. Anything else (``modules``, ``tokenizer`` blocks,
 LoRA ``+`` models, per-model densities that differ) is refused in one line naming
 the key. The models are scored on ``merge.lang`` (FLORES devtest, English by default).
 """
@@ -75,7 +76,7 @@ MK_DEFAULTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # mergekit 0.
     "passthrough": ({}, {"scale": None}),
 }
 REQUIRED = {"nearswap": ("t",)}  # mergekit parameters without a default: a config must set them
-TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "name")
+TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "name", "tokenizer_source")
 BASED = {"task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties", "della",
          "della_linear", "sce", "model_stock", "ram", "ramplus_tl"}
 FIRST = ("slerp", "nearswap", "arcee_fusion")  # two-model methods: mergekit's base_model is the operator's first model
@@ -257,19 +258,44 @@ def parse(text: str, path: str = "config") -> dict[str, Any]:
     if dtype not in ("float32", "float64"):
         notes.append(f"dtype {dtype}: mergekit computes in {dtype}, mergescope in float32")
     preset0 = to_plain(load_conf("merge", METHODS[method][0]))
+    tsource = _tokenizer_source(path, cfg.get("tokenizer_source"))
     if cfg.get("slices") is not None:
         if cfg.get("models") is not None:
             raise _refuse(path, "models", "and slices together: give one of them (as mergekit requires)")
+        if tsource is not None:
+            raise _refuse(path, "tokenizer_source", "with slices is not supported (merge models of one vocabulary by slices)")
         models, slices = _slices(path, method, cfg, base, preset0)
-        return {"preset": slices[0]["preset"], "models": models, "base": None, "dtype": dtype, "notes": notes, "slices": slices}
+        return {"preset": slices[0]["preset"], "models": models, "base": None, "dtype": dtype, "notes": notes, "slices": slices,
+                "tokenizer_source": None}
     if method == "passthrough":
         raise _refuse(path, "passthrough", "without slices copies one model: give slices with layer_range")
     entries = cfg.get("models") or []
     if not isinstance(entries, list) or not entries:
         raise _refuse(path, "models", "must be a non-empty list of {model: ..., parameters: ...} (or give slices)")
     items = [(f"models[{i}]", *_entry(path, f"models[{i}]", m, {"model", "parameters"})) for i, m in enumerate(entries)]
+    given_base = base
     refs, base, kw = _group(path, method, items, base, cfg.get("parameters") or {}, "models")
-    return {"preset": {**preset0, **kw}, "models": refs, "base": base, "dtype": dtype, "notes": notes, "slices": None}
+    if tsource is not None:  # mergekit: "base" is base_model's tokenizer, else the first model's; a union starts with it
+        if tsource[0] in ("base", "union"):
+            tsource = ("model" if tsource[0] == "base" else "union", given_base or items[0][1])
+        if tsource[0] == "model" and tsource[1] not in [*refs, *([base] if base else [])]:
+            raise _refuse(path, f"tokenizer_source {tsource[1]}", "names no model of the merge: name one of its models or "
+                          "base_model (mergescope transplants the models' own rows)")
+    return {"preset": {**preset0, **kw}, "models": refs, "base": base, "dtype": dtype, "notes": notes, "slices": None,
+            "tokenizer_source": tsource}
+
+
+def _tokenizer_source(path: str, v: Any) -> tuple[str, str | None] | None:
+    """mergekit's ``tokenizer_source``: ``union`` | ``base`` | a model -> ("union", None) / ("base", None) / ("model",
+    ref); absent -> None. (``parse`` then names the model a union starts from, or ``base`` stands for: base_model,
+    else the first model.)"""
+    if v is None:
+        return None
+    if v in ("union", "base"):
+        return str(v), None
+    if isinstance(v, (str, dict)):
+        return "model", _model_ref(path, "tokenizer_source", v)
+    raise _refuse(path, f"tokenizer_source {v!r}", "must be union, base or a model")
 
 
 def read_mergekit(cfg: DictConfig):
@@ -297,4 +323,9 @@ def read_mergekit(cfg: DictConfig):
         slices = [SliceSpec([Source(idx[r], a, b) for r, a, b in sl["inputs"]],
                             Source(idx[sl["base"][0]], *sl["base"][1:]) if sl["base"] else None, sl["preset"])
                   for sl in got["slices"]]
-    return Spec(got["preset"], entries, base, source=f"mergekit config {p}", notes=got["notes"], slices=slices)
+    tokenizer = None
+    if got["tokenizer_source"] is not None:
+        kind, src = got["tokenizer_source"]
+        tokenizer = {"kind": kind, "source": "base" if src == got["base"] else got["models"].index(src)}
+    return Spec(got["preset"], entries, base, source=f"mergekit config {p}", notes=got["notes"], slices=slices,
+                tokenizer=tokenizer)

@@ -3,6 +3,8 @@ with its NLL on the host's language and its gain over the better endpoint."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
@@ -121,6 +123,9 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
     if pair.coverage.excluded:
         notes.append(f"mergescope merges the {len(pair.coverage.shared)} shared tensors into model a and keeps a's other "
                      f"{len(pair.coverage.excluded)}; mergekit needs every tensor in every model")
+    if (tp := getattr(pair, "transplant", None)) and tp.get("done"):
+        notes.append(f"mergescope first gave both models one vocabulary ({tp['target']}, a new token's rows by {tp['method']}); "
+                     "mergekit's tokenizer_source copies a missing token's row from a model that holds it")
     seeds = NativeSettings.from_cfg(cfg).merge_seeds
     if stochastic(kwargs) and seeds > 1:
         notes.append(f"mergescope's NLL is the mean over {seeds} seeds; this YAML is one merge")
@@ -149,6 +154,8 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
         ends = lang_ends if lang_ends is not None else lang_endpoints(cfg, pair)
         res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
+        if pair.transplant is not None:
+            job.log_params({"transplant": pair.transplant})
         job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
         if cfg.get("save"):  # the merged model (seed 0) as a standard folder under paths.merged/<run id>/
             from mergescope.native.save import save_pair
@@ -159,9 +166,12 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
                 "n_sentences": float(len(sentences))}
 
+    ts = NativeSettings.from_cfg(cfg).transplant_settings()
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
-            "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None}
-    extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {})}
+            "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None,
+            "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}"}
+    extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
+             **({"transplant": asdict(ts)} if ts is not None else {})}
     res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {pair_text(cfg)}", tags, task="merge", keys=merge_keys(entry),
                                 reads=refs, extra=extra or None), body, overrides)  # unset: every earlier hash unchanged
     if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":  # lm-eval on the merged model, own run

@@ -30,7 +30,7 @@ from mergescope.native.stream import StreamedState, load_streamed, streamed_stat
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
-MULTI_ONLY = ("models", "base", "config", "lang", "slices")  # merge.* keys that are no operator keyword
+MULTI_ONLY = ("models", "base", "config", "lang", "slices", "tokenizer_source")  # merge.* keys that are no operator keyword
 MULTI_KEYS = ["merge", "data", "native.nll_sentences", "native.nll_langs", "native.merge_seeds", "represent.max_length"]
 
 
@@ -55,7 +55,24 @@ def spec_of(cfg: DictConfig) -> Spec:
     base = cfg.merge.get("base")
     base_e = model_entry(cfg, base, "merge.base") if base is not None else None
     preset = {k: v for k, v in to_plain(cfg.merge).items() if k not in MULTI_ONLY}
-    return Spec(preset, entries, base_e)
+    return Spec(preset, entries, base_e, tokenizer=_tokenizer_of(cfg, entries, base_e))
+
+
+def _tokenizer_of(cfg: DictConfig, entries: list[DictConfig], base: DictConfig | None) -> dict[str, Any] | None:
+    """``merge.tokenizer_source`` (mergekit's): union | base | one of the models (a conf/model name, folder or hub id)
+    -> the Spec's ``tokenizer``; absent -> None."""
+    v = cfg.merge.get("tokenizer_source")
+    if v is None:
+        return None
+    if v in ("union", "base"):
+        return {"kind": "union" if v == "union" else "model", "source": "base" if base is not None else 0}
+    want = models.resolve(model_entry(cfg, v, "merge.tokenizer_source"))
+    for i, e in enumerate([*entries, *([base] if base is not None else [])]):
+        r = models.resolve(e)
+        if (r.location, r.revision) == (want.location, want.revision):
+            return {"kind": "model", "source": i if i < len(entries) else "base"}
+    raise MergescopeError(f"merge.tokenizer_source={v}: not one of the merged models or the base; name one of them, "
+                          "or union, or base")
 
 
 def check_spec(cfg: DictConfig, spec: Spec):
@@ -111,10 +128,31 @@ class Stack:
         if base_ref is not None:
             s = streamed_state(base_ref, models.merge_dtype(spec.base.dtype), cache_root=cache)
             self.sd_base = s[0] if s else _state(models.load_model(base_ref, models.merge_dtype(spec.base.dtype), "cpu"))
+        self.transplant: dict[str, Any] | None = None
+        if spec.tokenizer is not None:  # mergekit's tokenizer_source: every model given one vocabulary first
+            self.tokenizers = [host.tokenizer, *(models.load_tokenizer(r) for r in refs[1:]),
+                               *([models.load_tokenizer(base_ref)] if base_ref is not None else [])]
+            self.labels = [*(model_label(e) for e in spec.entries), *([model_label(spec.base)] if base_ref is not None else [])]
+            from mergescope.device import resolve_device
+            from mergescope.native.transplant import transplant_group
+
+            kind, order = tokenizer_order(spec, base_ref is not None)
+            self.transplant = transplant_group(self, kind, order, transplant_settings(cfg), resolve_device(cfg.device))
         self.shared, self.excluded = shared_names(self.sds, self.sd_base)
         self.merge_stats: list | None = None  # a data-aware merge's statistics, one dict per model (ensure_stats)
         if not self.shared:
             raise MergescopeError("the models share no tensor of one name and shape: the native route is undefined for them")
+
+    def all_states(self) -> list:
+        """Every model's state dict, then the base's (when it is read)."""
+        return [*self.sds, *([self.sd_base] if self.sd_base is not None else [])]
+
+    def set_state(self, i: int, sd) -> None:
+        """Replace state i of :meth:`all_states` (a transplant's overlay)."""
+        if i < len(self.sds):
+            self.sds[i] = sd
+        else:
+            self.sd_base = sd
 
     def set(self, values) -> None:
         sd = self.host.state_dict()
@@ -149,6 +187,25 @@ class Stack:
         host = self.host.state_dict()
         for name in self.shared:
             self.set(merge_state_dicts(entry, kwargs, sds, base, [name], device, self.merge_stats, out_dtype=host[name].dtype))
+
+
+def tokenizer_order(spec: Spec, has_base: bool) -> tuple[str, list[int]]:
+    """(union | model, the indices into :meth:`Stack.all_states` with the tokenizer source first): a union of every
+    model's (and the base's) tokenizer in that order, or the source's tokenizer."""
+    n = len(spec.entries)
+    src = spec.tokenizer["source"]
+    if src == "base" and not has_base:
+        raise MergescopeError("tokenizer_source names the base, which this merge does not read: name one of the models")
+    first = n if src == "base" else int(src)
+    return spec.tokenizer["kind"], [first, *(i for i in range(n + int(has_base)) if i != first)]
+
+
+def transplant_settings(cfg: DictConfig):
+    """The transplant's method, control and k: ``native.transplant`` when set (its tokenizer is the merge's
+    ``tokenizer_source``, not read here), else the defaults (OMP, k 64, control subword)."""
+    from mergescope.native.settings import TransplantSettings
+
+    return NativeSettings.from_cfg(cfg).transplant_settings() or TransplantSettings()
 
 
 def shared_names(sds, base) -> tuple[list[str], list[tuple[str, str]]]:
@@ -191,6 +248,10 @@ def mergekit_text(spec: Spec, refs, base_ref, entry, kwargs: dict, stack: Stack)
         return r.location if r.local or not r.revision else f"{r.location}@{r.revision}"
 
     notes = list(spec.notes)
+    if stack.transplant is not None:
+        notes.append(f"mergescope first gave every model one vocabulary ({stack.transplant['target']}, a new token's rows by "
+                     f"{stack.transplant['method']}); mergekit's tokenizer_source copies a missing token's row from a model "
+                     "that holds it")
     if stack.excluded:
         notes.append(f"mergescope merges the {len(stack.shared)} tensors every model holds into model 0 and keeps its other "
                      f"{len(stack.excluded)}; mergekit needs every tensor in every model")
@@ -208,6 +269,12 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
         return run_sliced(cfg, spec, overrides)
     entry, kwargs, refs, base_ref = check_spec(cfg, spec)
+    if spec.tokenizer is not None:  # the target vocabulary built once before any run (a union of unlike tokenizers fails here)
+        from mergescope.native.transplant import target_tokenizer
+
+        kind, order = tokenizer_order(spec, base_ref is not None)
+        every = [*refs, *([base_ref] if base_ref is not None else [])]
+        target_tokenizer(kind, [models.load_tokenizer(every[i]) for i in order], [every[i].label for i in order])
     langs = langs_of(cfg, spec)
     names = labels(spec)
     host_lang = str(spec.entries[0].lang)
@@ -219,6 +286,8 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         job.log_params({"models": names, "weights": kwargs.get("weights"), "merge_base": model_label(spec.base) if base_ref else None,
                         "source": spec.source, "excluded_reasons": dict(stack.excluded[:50]), "model_0.true": stack.true_config})
         values: dict[str, float] = {}
+        if stack.transplant is not None:  # tokenizer_source: what was done, and each transplanted model's cost run
+            values.update(_transplant_costs(cfg, spec, stack, base_ref is not None, job, overrides))
         for i, sd in enumerate(stack.sds):  # each model alone on every language (the host = model 0)
             stack.load_from(sd)
             values.update({f"nll_m{i}_{lang}": host_nll(cfg, stack, t, f"nll m{i} {lang}") for lang, t in texts.items()})
@@ -258,6 +327,11 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
             "seed": kwargs.get("seed", cfg.seed), "source": spec.source}
     extra = {"spec": {"operator": entry.name, "kwargs": kwargs, "models": [to_plain(e) for e in spec.entries],
                       "base": to_plain(spec.base) if base_ref is not None else None}}
+    if spec.tokenizer is not None:  # unset: every earlier hash unchanged
+        from dataclasses import asdict
+
+        extra["tokenizer"] = {**spec.tokenizer, "transplant": asdict(transplant_settings(cfg))}
+        tags["tokenizer_source"] = spec.tokenizer["kind"] if spec.tokenizer["kind"] == "union" else f"model {spec.tokenizer['source']}"
     if cfg.get("save"):
         extra["save"] = True
     from mergescope import data as data_mod
@@ -282,6 +356,27 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         run_native_lm_eval(cfg, merged, langs, res, overrides, reads,
                            {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
     return res
+
+
+def _transplant_costs(cfg: DictConfig, spec: Spec, stack: Stack, has_base: bool, job, overrides) -> dict[str, float]:
+    """The transplant of each model whose vocabulary differs from the target: its own cost run
+    (:func:`mergescope.native.transplant.run_transplant`), its cost and its control's as
+    ``transplant_<metric>_m<i>`` (``_base``)."""
+    from mergescope.native.transplant import run_transplant
+
+    job.log_params({"transplant": stack.transplant})
+    kind, order = tokenizer_order(spec, has_base)
+    entries = [*spec.entries, *([spec.base] if has_base else [])]
+    ts = transplant_settings(cfg)
+    out, runs = {}, {}
+    for i in stack.transplanted:
+        r = run_transplant(cfg, entries[i], kind, [entries[j] for j in order], ts, overrides)
+        who = f"m{i}" if i < len(spec.entries) else "base"
+        runs[who] = r.run_id
+        out.update({f"transplant_{k}_{who}": r.metrics[k] for k in ("cost_bpb", "control_cost_bpb", "cost_nll",
+                                                                    "control_cost_nll", "n_new") if k in r.metrics})
+    job.log_params({"transplant_runs": runs})
+    return out
 
 
 def _lm_eval(cfg: DictConfig) -> bool:

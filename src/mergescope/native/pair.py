@@ -96,6 +96,10 @@ def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
         )
     for lang in [str(cfg.pair.a.lang), *nll_langs(cfg)]:  # every language it scores on is in the data
         data_mod.load_side(cfg.data, lang)
+    if (ts := NativeSettings.from_cfg(cfg).transplant_settings()) is not None:  # the target vocabulary can be built
+        from mergescope.native.transplant import pair_targets
+
+        pair_targets(cfg, ts)
     be = base_entry(cfg)
     refs = (ra, rb) if be is None else (ra, rb, models.resolve(be))
     for ref in refs:  # NaN or infinite weights fail here, before the run (read once per checkpoint, then remembered)
@@ -132,6 +136,15 @@ class Loaded:
             sbase = streamed_state(base_ref, models.merge_dtype(be.dtype), cache_root=cache)
             self.sd_base = sbase[0] if sbase else _state(models.load_model(base_ref, models.merge_dtype(be.dtype), "cpu"))
         self.merge_stats: dict[str, tuple] = {}  # a data-aware merge's statistics per kind (native.merges.pair_stats)
+        # native.transplant: both sides given one vocabulary first (the host scored with the target tokenizer), so that
+        # the embeddings and head are shared tensors like every other
+        ts = NativeSettings.from_cfg(cfg).transplant_settings()
+        self.transplant: dict[str, Any] | None = None
+        if ts is not None:
+            from mergescope.device import resolve_device
+            from mergescope.native.transplant import transplant_pair
+
+            self.transplant = transplant_pair(self, ts, resolve_device(cfg.device))
         self.coverage = coverage(self.sd_a, self.sd_b)
         if not self.coverage.shared:
             raise MergescopeError(f"{pair_label(cfg)} shares no tensor of the same name and shape; the native route is undefined")

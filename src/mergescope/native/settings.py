@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,7 +13,54 @@ from mergescope.data import positive_count
 from mergescope.errors import MergescopeError
 from mergescope.settings import ArmSettings
 
-__all__ = ["NativeSettings", "CheckpointSettings"]
+__all__ = ["NativeSettings", "CheckpointSettings", "TransplantSettings"]
+
+TRANSPLANT_TOKENIZERS = ("a", "b", "union")
+
+
+@dataclass(frozen=True)
+class TransplantSettings(ArmSettings):
+    """``native.transplant`` (absent or null: a pair of different vocabularies is merged without its embeddings and
+    head). ``tokenizer``: the vocabulary both sides are given before anything is measured (``b``: model a gets b's
+    tokenizer; ``a``: b gets a's; ``union``: both get the union of the two); ``method``: how a new token's rows are made
+    for the merge (:mod:`mergescope.native.vocab`: ``omp``, or a control); ``control``: the simpler rule whose cost is
+    measured beside it; ``k``: OMP's atoms per token (mergekit tokensurgeon's default, 64)."""
+
+    section: ClassVar[str] = "native.transplant"
+
+    tokenizer: str = "union"
+    method: str = "omp"
+    control: str = "subword"
+    k: int = 64
+
+    def check(self, cfg: DictConfig | None) -> None:
+        from mergescope.native.vocab import CONTROLS, METHODS
+
+        if self.tokenizer not in TRANSPLANT_TOKENIZERS:
+            raise MergescopeError(f"native.transplant.tokenizer={self.tokenizer!r}: one of {', '.join(TRANSPLANT_TOKENIZERS)} "
+                                  "(the vocabulary both sides are given)")
+        if self.method not in METHODS:
+            raise MergescopeError(f"native.transplant.method={self.method!r}: one of {', '.join(METHODS)}")
+        if self.control not in CONTROLS or self.control == self.method:
+            raise MergescopeError(f"native.transplant.control={self.control!r}: one of {', '.join(CONTROLS)}, not the method itself")
+        if self.k < 1:
+            raise MergescopeError(f"native.transplant.k must be at least 1 (OMP's atoms per token), got {self.k}")
+
+    @classmethod
+    def of(cls, raw: Any) -> TransplantSettings | None:
+        """From ``native.transplant``: null, a tokenizer name (``union``) or a mapping of these settings."""
+        if raw is None:
+            return None
+        if not isinstance(raw, str):
+            from mergescope.config import to_plain
+
+            raw = to_plain(raw)
+            known = {f.name for f in dataclasses.fields(cls)}
+            if not isinstance(raw, dict) or (bad := sorted(set(raw) - known)):
+                what = f"has no setting '{bad[0]}'" if isinstance(raw, dict) else f"is {raw!r}"
+                raise MergescopeError(f"native.transplant {what}: give a tokenizer (a, b, union) or a mapping of "
+                                      f"{', '.join(sorted(known))}")
+        return cls.from_node({"tokenizer": raw} if isinstance(raw, str) else raw)
 
 
 @dataclass(frozen=True)
@@ -30,8 +78,10 @@ class NativeSettings(ArmSettings):
     density: float = 0.2
     merge_seeds: int = 1
     select_split: str | None = "dev"  # the operator behind the native run's merge_gain is chosen on this split
+    transplant: Any = None            # absent/null, a tokenizer (a | b | union) or {tokenizer, method, control, k}
 
     def check(self, cfg: DictConfig | None) -> None:
+        TransplantSettings.of(self.transplant)  # checked here, read through transplant_settings
         if self.lmc_points < 3:
             raise MergescopeError(f"native.lmc_points must be at least 3, got {self.lmc_points}")
         positive_count(self.nll_sentences, "native.nll_sentences")
@@ -47,6 +97,9 @@ class NativeSettings(ArmSettings):
         from mergescope.data import split_overlap
 
         return None if self.select_split is None else split_overlap(cfg.data, self.select_split, str(cfg.data.split))
+
+    def transplant_settings(self) -> TransplantSettings | None:
+        return TransplantSettings.of(self.transplant)
 
     def sentences(self, all_sentences: tuple[str, ...]) -> tuple[str, ...]:
         """The first ``nll_sentences`` of a side (all of them when null)."""

@@ -36,6 +36,9 @@ class Spec:
     source: str = "merge.models"
     notes: list[str] = field(default_factory=list)
     slices: list[SliceSpec] | None = None
+    # mergekit's tokenizer_source: {"kind": "union" | "model", "source": index into entries or "base"}: every model
+    # given that vocabulary by a transplant first (mergescope.native.transplant.transplant_group); None: no transplant
+    tokenizer: dict[str, Any] | None = None
 
 
 

@@ -30,6 +30,7 @@ _VOCAB_TENSOR = re.compile(r"(^|\.)(embed_in|embed_out|embed_tokens|lm_head|wte|
 
 EMBEDDINGS_EXCLUDED = "transformer blocks (embeddings excluded)"
 ALL_TENSORS = "all tensors"
+TRANSPLANTED = "all tensors (embeddings and head after a vocabulary transplant)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +214,9 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
       so both are ``defined: False`` here, as the job decides. Equal scale and vocabulary make both maps
       the identity (adapt coincides with native). Note that two *different* tokenizers of the
       same size cannot be told apart from the true config; the caller must know.
+    - ``transplant`` (the native route on every tensor after a vocabulary transplant,
+      :mod:`mergescope.native.vocab`): defined iff the native route is and the vocabularies differ
+      (one vocabulary: nothing to transplant); scope ``TRANSPLANTED``.
     """
     family = _family_difference(true_a, true_b)
     scale = _scale_differences(true_a, true_b)
@@ -273,7 +277,15 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
             "blocked_by": "; ".join(blocked) or None,
             "note": "; ".join(notes),
         }
-    return {"native": native, "transport": transport, "adapt": adapt}
+    # transplant: the native route over every tensor, once both sides are given one vocabulary
+    if blockers:
+        transplant = {"defined": False, "scope": None, "blocked_by": "; ".join(blockers), "note": None}
+    elif not vocab:
+        transplant = {"defined": False, "scope": None, "blocked_by": "one vocabulary: nothing to transplant", "note": None}
+    else:
+        transplant = {"defined": True, "scope": TRANSPLANTED, "blocked_by": None,
+                      "note": f"{vocab}: new tokens' rows by OMP over the shared tokens (native.transplant), a control beside it"}
+    return {"native": native, "transport": transport, "adapt": adapt, "transplant": transplant}
 
 
 def _gt(x, y) -> bool:

@@ -14,7 +14,7 @@ TRUE_KEYS = ["model_type", "hidden", "layers", "heads", "kv_heads", "ffn", "voca
 # zoo config key -> true-config key (what each zoo model was declared to be)
 ZOO_DECLARED = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
                 "num_key_value_heads": "kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
-ROUTES = ("native", "transport", "adapt")
+ROUTES = ("native", "transport", "adapt", "transplant")
 
 
 def _config_check(tc: dict[str, Any], declared: dict[str, Any]) -> str:
@@ -50,16 +50,22 @@ def config_check(an: Analysis, number: str) -> Section:
 
 def _pair_routes(an: Analysis, p: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The pair's routes: from its native run's logged ``routes``, else computed on the logged true configs."""
+    from mergescope.native.weights import routes
+
     n = p["native"]
-    if n is not None and n.group("routes"):
-        rt = {k: {"defined": n.param(f"routes.{k}.defined"),  # the prose fields as written (a reason holds ": ")
-                  **{kk: n.text(f"routes.{k}.{kk}") for kk in ("scope", "blocked_by", "note")}} for k in ROUTES}
-        return rt, f"native run {short(n.run_id)}"
     ta, ra = an.true_cfg.get(p["a"], ({}, None))
     tb, rb = an.true_cfg.get(p["b"], ({}, None))
+    if n is not None and n.group("routes"):
+        rt = {k: {"defined": n.param(f"routes.{k}.defined"),  # the prose fields as written (a reason holds ": ")
+                  **{kk: n.text(f"routes.{k}.{kk}") for kk in ("scope", "blocked_by", "note")}} for k in ROUTES
+              if n.param(f"routes.{k}.defined") is not None}
+        if len(rt) < len(ROUTES):  # a run logged before a route existed: that route from the logged true configs
+            ta, tb = (ta or n.group("model_a.true")), (tb or n.group("model_b.true"))
+            if not (ta and tb):
+                return None, ""
+            rt = {**routes(ta, tb), **rt}
+        return rt, f"native run {short(n.run_id)}"
     if ta and tb:
-        from mergescope.native.weights import routes
-
         return routes(ta, tb), f"weights.routes on true configs of runs {short(ra)}, {short(rb)}"
     return None, ""
 
@@ -72,10 +78,24 @@ def _route_cell(an: Analysis, p: dict[str, Any], route: str, r: dict[str, Any]) 
     elif route == "transport":
         k = sum(1 for t in an.study.kind("transport") if {t.tags.get("target"), t.tags.get("donor")} == {p["a"], p["b"]})
         done = f"measured ({k} runs)" if k else "not measured (no transport runs)"
+    elif route == "transplant":
+        done = _transplant_cell(p.get("native_transplant"))
     else:
         k = sum(1 for t in an.study.kind("adapt") if {t.tags.get("small"), t.tags.get("large")} == {p["a"], p["b"]})
         done = f"measured ({k} runs)" if k else "not measured (no adapt runs for this pair; study=adapt runs the scale family)"
     return f"yes ({r.get('scope') or 'all tensors'}); {done}"
+
+
+def _transplant_cell(n) -> str:
+    """The vocabulary-transplant route of a pair: its cost per transplanted side, the route's method against its control
+    (bits per byte on the side's own language), from the pair's native run with ``native.transplant``."""
+    if n is None:
+        return "not measured (no native run with native.transplant: the native route excluded the embeddings)"
+    tp = n.group("transplant")
+    sides = [s for s in ("a", "b") if f"transplant_cost_bpb_{s}" in n.metrics]
+    costs = "; ".join(f"{n.tags.get('model_' + s, s)} {n.m(f'transplant_cost_bpb_{s}'):+.3f} bits/byte by {tp.get('method', '?')} vs "
+                      f"{n.m(f'transplant_control_cost_bpb_{s}'):+.3f} by the control" for s in sides)
+    return f"measured ({tp.get('target', '')}; {costs or 'nothing transplanted'}; run {short(n.run_id)})"
 
 
 def coverage(an: Analysis, number: str) -> Section:
@@ -89,8 +109,12 @@ def coverage(an: Analysis, number: str) -> Section:
     sec.text.append("Routes: native = elementwise operators on aligned tensors (shared parameter space); transport = "
                     "OT fusion (Cui et al.), directional and rectangular; adapt = Expand/Truncate then weighted "
                     "averaging (same architecture family; Truncate slices the larger model into the smaller shape, Expand zero-pads or "
-                    "repeats the smaller). Native and transport pad and truncate nothing (plans are rectangular).")
-    sec.tables.append(RTable("Coverage", ["pair", "native", "transport", "adapt", "source"], rows))
+                    "repeats the smaller). Native and transport pad and truncate nothing (plans are rectangular). "
+                    "transplant = the native route on every tensor after a vocabulary transplant (native.transplant: new "
+                    "tokens' rows by orthogonal matching pursuit over the shared tokens, as mergekit's tokensurgeon; its "
+                    "cost in bits per byte on each transplanted model's own language, beside a control's: the subword or "
+                    "mean rule).")
+    sec.tables.append(RTable("Coverage", ["pair", "native", "transport", "adapt", "transplant", "source"], rows))
     if not an.pairs:
         sec.missing.append("coverage: not measured (no cross-model pairs in the experiment)")
     an.console_tables.append(sec.tables[0])

@@ -35,6 +35,7 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
     sec.text.append(f"**{pair}** (run {short(n.run_id)}): shared parameter space covers "
                     f"{int(n.m('n_shared_tensors'))} tensors / {int(n.m('shared_params')):,} parameters; "
                     "excluded: " + (", ".join(f"{e} ({reasons.get(e, 'shape differs')})" for e in excluded) or "nothing") + ".")
+    sec.text.append(vocabulary_text(n))
     tv = n.params.get("task_vectors")
     if tv:
         sec.text.append(f"Task vectors: {tv}.")
@@ -43,7 +44,8 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
                              note="t=0 is the host (model a) alone; t=1 replaces every shared tensor with the donor's. "
                                   + CHOSEN_NOTE + (f" Chosen here: {chosen_text(n)}." if chosen_text(n) else "")))
     mrows = []
-    mine = sorted((r for r in merges if r.tags.get("pair") == pair), key=lambda r: r.tags.get("merge", ""))
+    mine = sorted((r for r in merges if r.tags.get("pair") == pair and r.tags.get("transplant") == n.tags.get("transplant")),
+                  key=lambda r: r.tags.get("merge", ""))
     ev_names, ev_cells = eval_columns(mine, list(evals))
     for r in mine:
         prm = {k: v for k, v in r.group("merge").items() if k not in ("name", "operator")}
@@ -56,7 +58,9 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
                                                                         *(ev_names and [*ev_names, "eval run"])], mrows,
                                  note="lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
                                  if ev_names else ""))
-    by_lang = _by_language(n, [r for r in merges if r.tags.get("pair") == pair])
+    if n.tags.get("transplant"):
+        sec.tables.append(transplant_table(n))
+    by_lang = _by_language(n, mine)
     if by_lang is not None:
         sec.tables.append(by_lang)
     if curve:
@@ -73,6 +77,47 @@ def chosen_text(n: Rec) -> str:
     """Which merge a native run's merge_gain is of, and the split it was chosen on ("" when none was chosen)."""
     c = n.group("merge_chosen")
     return f"{c['merge']} (lowest NLL on {c.get('on')}, run {short(str(c.get('run', '')))})" if c.get("merge") else ""
+
+
+def vocabulary_text(n: Rec) -> str:
+    """What the native run did with the embeddings and head: merged after a vocabulary transplant, excluded (the
+    vocabularies differ), or merged (one vocabulary)."""
+    tp = n.group("transplant")
+    if tp.get("done"):
+        sides = ", ".join(f"{n.tags.get('model_' + s, s)}: {tp[f'{s}.n_new']} new tokens" for s in ("a", "b")
+                          if f"{s}.n_new" in tp)
+        return (f"Embeddings and head: merged like every other tensor, after a vocabulary transplant (native.transplant: "
+                f"{tp.get('target')}; a new token's rows by {tp.get('method')}, k={tp.get('k')}; {sides}); the merged and "
+                "interpolated models are scored with that tokenizer. The transplant's own cost is in the table below.")
+    if tp:
+        return f"Embeddings and head: merged (native.transplant: {tp.get('why')})."
+    reasons = n.group("excluded_reasons")
+    if any("vocabulary rows differ" in str(v) for v in reasons.values()):
+        return ("Embeddings and head: excluded (the vocabularies differ; each merged model keeps model a's). "
+                "native.transplant gives both sides one vocabulary first and merges them too.")
+    return "Embeddings and head: merged (one vocabulary)."
+
+
+def transplant_table(n: Rec) -> RTable:
+    """The transplant's cost per transplanted side: bits per byte on its own language before, after (the method), after
+    (the control), from the native run's metrics (each side's own kind=transplant run)."""
+    tp = n.group("transplant")
+    runs = n.group("transplant_runs")
+    rows = []
+    for s in ("a", "b"):
+        if f"transplant_cost_bpb_{s}" not in n.metrics:
+            continue
+        rows.append([n.tags.get(f"model_{s}", s), f3(n.m(f"transplant_n_new_{s}"), 0),
+                     f"{n.m(f'transplant_cost_bpb_{s}'):+.4f}", f"{n.m(f'transplant_control_cost_bpb_{s}'):+.4f}",
+                     f"{n.m(f'transplant_cost_nll_{s}'):+.4f}", f"{n.m(f'transplant_control_cost_nll_{s}'):+.4f}",
+                     short(str(runs.get(s, "")))])
+    return RTable(f"{n.tags.get('pair', '')}: vocabulary transplant cost (each side on its own language; kind=transplant runs)",
+                  ["model", "new tokens", f"cost {tp.get('method', '')} (bits/byte)", "cost control (bits/byte)",
+                   f"cost {tp.get('method', '')} (nats/token)", "cost control (nats/token)", "run"], rows,
+                  note="cost = after - before: the model with the target tokenizer against itself with its own; bits per "
+                       "byte compare two tokenizers, nats per token do not (a token of one is not a token of the other). "
+                       "The control's rule is the run's control tag (subword: the mean of the model's own pieces of the "
+                       "token's text; mean: its mean row).")
 
 
 def nll_langs_of(n: Rec) -> list[str]:
