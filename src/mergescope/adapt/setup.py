@@ -154,21 +154,43 @@ class Loaded:
         cfg, s = self.cfg, self.setup
         st = s.settings
         self.texts = load_texts(cfg.data, s.langs, st.splits, st.nll_sentences, st.sample)
+        cache = cfg.paths.get("cache")
         if s.protocol == "union":
-            small = models.load(s.small, "cpu", ref=s.refs[0], quiet=True, dtype=s.dtype)
+            # the small model's tensors and the host's originals are read tensor by tensor from their files
+            # (native.stream) when they can be: the host alone is in memory (Qwen2.5 0.5B + 1.5B in float32: 7.1 GB
+            # instead of 19 GB with both models and a copy of each)
+            sd_small = self._streamed(s.refs[0], s.dtype, cache)
+            if sd_small is None:
+                sd_small = host_state(models.load(s.small, "cpu", ref=s.refs[0], quiet=True, dtype=s.dtype).model)
             host = models.load(s.large, cfg.device, ref=s.refs[1], quiet=True, dtype=s.dtype)
-            sd_small, targets = host_state(small.model), targets_of(host.model)
+            targets = targets_of(host.model)
+            hi = self._streamed(s.refs[1], s.dtype, cache, host.model)
             self.ends = Ends(host.model, host.tokenizer,
                              lambda: adapt_state(s.operator, s.kwargs, sd_small, s.shapes[0], s.shapes[1], targets),
-                             host_state(host.model))
+                             hi if hi is not None else host_state(host.model))
         else:
             host = models.load(s.small, cfg.device, ref=s.refs[0], quiet=True, dtype=s.dtype)
-            large = models.load(s.large, "cpu", ref=s.refs[1], quiet=True, dtype=s.dtype)
-            sd_small = host_state(host.model)
-            t_large = materialize(adapt_state(s.operator, s.kwargs, host_state(large.model), s.shapes[1], s.shapes[0],
+            sd_small = self._streamed(s.refs[0], s.dtype, cache, host.model)
+            if sd_small is None:
+                sd_small = host_state(host.model)
+            large_sd = self._streamed(s.refs[1], s.dtype, cache)  # the large model is never loaded whole
+            if large_sd is None:
+                large_sd = host_state(models.load(s.large, "cpu", ref=s.refs[1], quiet=True, dtype=s.dtype).model)
+            t_large = materialize(adapt_state(s.operator, s.kwargs, large_sd, s.shapes[1], s.shapes[0],
                                               targets_of(host.model)))
-            del large
+            del large_sd
             self.ends = Ends(host.model, host.tokenizer, lambda: iter(sd_small.items()), t_large)
+
+    @staticmethod
+    def _streamed(ref: models.ModelRef, dtype: str, cache, model=None):
+        """A model's state dict read tensor by tensor from its safetensors files, or None (a GGUF file, a layout
+        that cannot be streamed: then it is loaded as before)."""
+        from mergescope.native.stream import streamed_state
+
+        if ref.gguf_file:
+            return None
+        made = streamed_state(ref, dtype, model=model, cache_root=cache)
+        return made[0] if made is not None else None
 
 
 
