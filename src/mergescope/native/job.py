@@ -20,7 +20,7 @@ from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.merge import resolve_preset
 from mergescope.native.merges import merge_configs, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
-from mergescope.native.stats import STATS_KEYS
+from mergescope.native.stats import GRAM_RULE, STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
                                     no_base_reason, same_run, step_of)
 from mergescope.native.weights import describe, routes, task_vector_diagnostics, weight_diagnostics
@@ -80,7 +80,10 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
 def hash_extra(cfg: DictConfig) -> dict:
     """What the native job's numbers depend on beyond NATIVE_KEYS: the contents of its merge presets, and for
     checkpoint pairs the settings of the CKA between the checkpoints."""
-    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in NativeSettings.from_cfg(cfg).merges}}
+    presets = NativeSettings.from_cfg(cfg).merges
+    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in presets}}
+    if any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") == "gram" for n in presets):
+        extra["gram"] = GRAM_RULE  # RegMean solves a biased layer's weight and bias together (native.stats)
     if same_run(cfg):
         extra["checkpoint_cka"] = {"metric": to_plain(load_conf("metric", "cka")),
                                    **{k: OmegaConf.select(cfg, k) for k in ("represent.pooling", "represent.layer", "represent.padding_side")}}

@@ -35,6 +35,8 @@ from mergescope.progress import console
 from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
 
 KINDS = ("gram", "fisher")
+GRAM_RULE = "bias_augmented"  # in the identity of every run a gram (RegMean) merge feeds: a biased layer's [X, 1]
+"""How a biased linear layer's Gram is formed (and its bias merged); earlier runs, hashed without it, averaged the bias."""
 STATS_KEYS = ["merge_stats"]  # in the identity of a data-aware merge only (and of a native job that lists one)
 
 
