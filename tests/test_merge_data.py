@@ -93,7 +93,8 @@ SENTS = ["The cat sat on the mat.", "A short one.", "Merging models needs eviden
 
 
 def _plain_gram_layer0(model, tok, sentences) -> torch.Tensor:
-    """Layer 0's query_key_value input Gram, one sentence at a time (no padding): input_layernorm(embeddings)."""
+    """Layer 0's query_key_value input Gram, one sentence at a time (no padding): input_layernorm(embeddings), with
+    the bias's constant 1 appended (query_key_value has a bias: the augmented input [x, 1])."""
     from mergescope.bpb import sentence_ids
 
     g = 0
@@ -101,6 +102,7 @@ def _plain_gram_layer0(model, tok, sentences) -> torch.Tensor:
         for ids in sentence_ids(tok, sentences):
             h = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[0][0]
             x = model.gpt_neox.layers[0].input_layernorm(h).double()
+            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
             g = g + x.T @ x
     return g
 
@@ -115,7 +117,9 @@ def test_gram_statistics_match_a_plain_loop_and_shared_inputs_share_one(tiny_mod
     torch.testing.assert_close(grams[key], _plain_gram_layer0(model, tok, SENTS), rtol=1e-10, atol=1e-10)
     assert tokens == sum(len(s) for s in __import__("mergescope.bpb", fromlist=["x"]).sentence_ids(tok, SENTS))
     assert "gpt_neox.layers.0.input_layernorm.weight" not in grams  # not a linear layer
-    assert {k for k in grams if k.endswith("dense_4h_to_h.weight")} and grams[key].shape == (32, 32)
+    assert {k for k in grams if k.endswith("dense_4h_to_h.weight")} and grams[key].shape == (33, 33)  # [x, 1]
+    assert grams[key.replace(".weight", ".bias")] is grams[key]  # the bias is solved with its weight
+    assert grams[key][-1, -1] == tokens  # the constant's own entry counts the tokens
 
 
 def test_fisher_is_the_mean_of_per_sentence_squared_gradients(tiny_models):
@@ -147,8 +151,9 @@ def _pair(tiny_models, *extra):
 
 
 def test_native_regmean_merge_equals_an_outside_computation(tiny_models, compose_cfg):
-    """The saved merged model's layer-0 query_key_value weight is RegMean of the two models' weights with Grams computed
-    by a plain loop on each model's own dev sentences (a: English, b: Portuguese); a bias is the plain average."""
+    """The saved merged model's layer-0 query_key_value weight and bias are RegMean of the two models' augmented layers
+    [W, b] with Grams of [x, 1] computed by a plain loop on each model's own dev sentences (a: English, b:
+    Portuguese)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,14 +171,16 @@ def test_native_regmean_merge_equals_an_outside_computation(tiny_models, compose
     tok = AutoTokenizer.from_pretrained(p)
     dev = {lang: data_mod.load_side(data_mod_cfg(cfg), lang).sentences[:5] for lang in ("eng_Latn", "por_Latn")}
     ga, gb = _plain_gram_layer0(a, tok, dev["eng_Latn"]), _plain_gram_layer0(b, tok, dev["por_Latn"])
-    key = "gpt_neox.layers.0.attention.query_key_value.weight"
-    want = _op("regmean")([a.state_dict()[key].double(), b.state_dict()[key].double()], None, [ga, gb], alpha=0.9)
+    key, bias = "gpt_neox.layers.0.attention.query_key_value.weight", "gpt_neox.layers.0.attention.query_key_value.bias"
+    aug = [torch.cat([m.state_dict()[key], m.state_dict()[bias][:, None]], 1).double() for m in (a, b)]
+    want = _op("regmean")(aug, None, [ga, gb], alpha=0.9)
     saved = {}
     for f in Path(run.data.params["saved_to"]).glob("*.safetensors"):
         saved.update(load_file(f))
-    torch.testing.assert_close(saved[key].double(), want, rtol=1e-5, atol=1e-6)
-    bias = "gpt_neox.layers.0.attention.query_key_value.bias"
-    torch.testing.assert_close(saved[bias], (a.state_dict()[bias] + b.state_dict()[bias]) / 2)
+    torch.testing.assert_close(saved[key].double(), want[:, :-1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(saved[bias].double(), want[:, -1], rtol=1e-5, atol=1e-6)
+    mean = (a.state_dict()[bias] + b.state_dict()[bias]) / 2
+    assert float((saved[bias] - mean).abs().max()) > 1e-4  # solved with the weight, not averaged
     assert run_merge(cfg, ov).skipped
 
 

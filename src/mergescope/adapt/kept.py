@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -36,7 +36,8 @@ from mergescope import models
 from mergescope.adapt.plugins import adapters
 from mergescope.adapt.settings import ExpansionSettings
 from mergescope.adapt.setup import config_of
-from mergescope.adapt.shapes import Shape, config_blockers, expand_maps, repeat_maps, shape_of
+from mergescope.adapt.shapes import (Shape, config_blockers, expand_layer_pairs, expand_maps, layer_type_blockers,
+                                     repeat_maps, shape_of)
 from mergescope.bpb import real_vocab, sentence_ids
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
@@ -88,6 +89,17 @@ def target_configs(src_config, target: dict) -> Check:
     base = src_config.to_dict()
     src = shape_of(src_config)
     cls = type(src_config)
+    if base.get("layer_types") and int(changes.get("num_hidden_layers", src.layers)) != src.layers:
+        # a deeper target of a family with per-layer attention types (Gemma 3's sliding-window layers): each source
+        # layer's type at its slot, a new (identity) layer takes the type of the kept layer before it
+        n, src_types = int(changes["num_hidden_layers"]), list(base["layer_types"])
+        types = src_types[:n]  # a shallower target: refused below
+        if n > src.layers:
+            at = {j: i for i, j in expand_layer_pairs(src, replace(src, layers=n))}  # slot 0 is always source layer 0
+            types = []
+            for j in range(n):
+                types.append(src_types[at[j]] if j in at else types[-1])
+        base["layer_types"] = types
     tgt_cfg = cls(**{**base, **changes})
     tgt = shape_of(tgt_cfg)
     kept = None
@@ -96,7 +108,7 @@ def target_configs(src_config, target: dict) -> Check:
         tgt_cfg = cls(**{**base, **changes, field: src.eps * src.hidden / tgt.hidden})
         tgt = shape_of(tgt_cfg)
     (expand_maps if mode == "zero" else repeat_maps)(src, tgt)  # refuses a shape it cannot place
-    blockers = config_blockers(src_config, tgt_cfg)
+    blockers = config_blockers(src_config, tgt_cfg) + layer_type_blockers(src_config, tgt_cfg, expand_layer_pairs(src, tgt))
     if blockers:
         raise MergescopeError("expansion target: " + "; ".join(blockers))
     return Check(mode, src_config, tgt_cfg, kept, src, tgt, field)
@@ -124,17 +136,30 @@ def _exact_rms(module, hidden: torch.Tensor) -> torch.Tensor:
     return module.weight * (hidden * torch.rsqrt(var + module.variance_epsilon))
 
 
+def _exact_offset_rms(module, hidden: torch.Tensor) -> torch.Tensor:
+    """Gemma's (1 + w) RMSNorm (its eps is ``eps``), in the input's dtype."""
+    var = hidden.pow(2).mean(-1, keepdim=True)
+    return (1.0 + module.weight) * (hidden * torch.rsqrt(var + module.eps))
+
+
+def _is_offset_rms(m) -> bool:
+    return type(m).__name__.startswith("Gemma") and type(m).__name__.endswith("RMSNorm") and hasattr(m, "eps")
+
+
 @contextmanager
 def exact_norms(*modules):
     """Inside the block every RMSNorm of ``modules`` computes in the model's dtype (float64 when the check is): the
-    operator is measured, not transformers' float32 norm. LayerNorm already computes in the input's dtype."""
-    patched = [m for model in modules for m in model.modules() if hasattr(m, "variance_epsilon") and hasattr(m, "weight")]
-    for m in patched:
-        m.forward = partial(_exact_rms, m)
+    operator is measured, not transformers' float32 norm (Gemma's (1 + w) norms too). LayerNorm already computes in
+    the input's dtype."""
+    patched = [(m, _exact_rms) for model in modules for m in model.modules()
+               if hasattr(m, "variance_epsilon") and hasattr(m, "weight")]
+    patched += [(m, _exact_offset_rms) for model in modules for m in model.modules() if _is_offset_rms(m)]
+    for m, fn in patched:
+        m.forward = partial(fn, m)
     try:
         yield
     finally:
-        for m in patched:
+        for m, _ in patched:
             del m.forward
 
 

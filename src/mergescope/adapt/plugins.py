@@ -39,9 +39,12 @@ def index(idx: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.reshape([-1 if k == i else 1 for k in range(n)]) for i, t in enumerate(idx))
 
 
-def identity_tensor(role: Role, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    """A new layer's tensor as a residual identity: branch weights and biases zero, norm scales one."""
-    return torch.ones(shape, dtype=dtype) if role.kind == "norm" else torch.zeros(shape, dtype=dtype)
+def identity_tensor(role: Role, shape: torch.Size, dtype: torch.dtype, norm_offset: float = 0.0) -> Tensor:
+    """A new layer's tensor as a residual identity: branch weights and biases zero, norm scales one (a stored 0 for
+    Gemma's (1 + w) norms, ``norm_offset`` 1)."""
+    if role.kind in ("norm", "head_norm"):
+        return torch.full(shape, 1.0 - norm_offset, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
 
 
 def source_of(name: str, role: Role, tgt: Shape, layer_src: dict[int, int]) -> str | None:
@@ -85,7 +88,7 @@ def walk(sd: Mapping[str, Tensor], tgt: Shape, targets: Mapping[str, torch.Size]
         src_name = source_of(name, role, tgt, layer_src)
         if src_name is None:
             ref = next(iter(sd.values()))
-            yield name, identity_tensor(role, torch.Size(shape), ref.dtype)
+            yield name, identity_tensor(role, torch.Size(shape), ref.dtype, tgt.norm_offset)
             continue
         if src_name not in sd:
             raise MergescopeError(f"the source model has no tensor '{src_name}' (needed for '{name}')")

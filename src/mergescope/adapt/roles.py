@@ -1,9 +1,10 @@
 """What each tensor of a supported family is: its layer, and the semantic axis of every dimension.
 
 Axes: ``h`` hidden, ``q`` query heads x head_dim, ``kv`` KV heads x head_dim, ``i`` intermediate (FFN),
-``v`` vocabulary, ``qkv`` GPT-NeoX's fused projection (per head: q, k, v of head_dim each). ``kind`` is
-``linear`` (weights; the last axis reads its input), ``bias``, ``embed`` (a lookup table: no input axis),
-``norm`` (a normalisation scale over hidden) or ``norm_bias``.
+``v`` vocabulary, ``qkv`` GPT-NeoX's fused projection (per head: q, k, v of head_dim each), ``d`` one head's
+dimensions (Gemma 3's q_norm / k_norm, shared by every head). ``kind`` is ``linear`` (weights; the last axis reads
+its input), ``bias``, ``embed`` (a lookup table: no input axis), ``norm`` (a normalisation scale over hidden),
+``head_norm`` (a normalisation scale over head_dim, applied to each head) or ``norm_bias``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ _NEOX_LOCAL = {
 _NEOX_GLOBAL = {"gpt_neox.embed_in.weight": ("embed", ("v", "h")), "lm_head.weight": ("linear", ("v", "h")),
                 "embed_out.weight": ("linear", ("v", "h")),
                 "gpt_neox.final_layer_norm.weight": ("norm", ("h",)), "gpt_neox.final_layer_norm.bias": ("norm_bias", ("h",))}
-TABLES = {"gpt_neox": (_NEOX_LOCAL, _NEOX_GLOBAL)}
+# Gemma 3: Llama's tensors, its q/k heads normalised (q_norm, k_norm over head_dim) and its MLP wrapped in two more
+# norms (pre_feedforward_layernorm before it, post_feedforward_layernorm after it; post_attention_layernorm is
+# applied to the attention output before the residual add, not before the MLP)
+_GEMMA3_LOCAL = {**_LLAMA_LOCAL, "self_attn.q_norm.weight": ("head_norm", ("d",)),
+                 "self_attn.k_norm.weight": ("head_norm", ("d",)),
+                 "pre_feedforward_layernorm.weight": ("norm", ("h",)), "post_feedforward_layernorm.weight": ("norm", ("h",))}
+TABLES = {"gpt_neox": (_NEOX_LOCAL, _NEOX_GLOBAL), "gemma3_text": (_GEMMA3_LOCAL, _LLAMA_GLOBAL)}
 EMBEDDING = {"gpt_neox": "gpt_neox.embed_in.weight"}
 HEAD: dict[str, str] = {}
+FINAL_NORM = {"gpt_neox": "gpt_neox.final_layer_norm.weight"}
 
 
 @dataclass(frozen=True)
@@ -76,3 +84,7 @@ def embedding_name(family: str) -> str:
 
 def head_name(family: str) -> str:
     return HEAD.get(family, "lm_head.weight")
+
+
+def final_norm_name(family: str) -> str:
+    return FINAL_NORM.get(family, "model.norm.weight")

@@ -20,9 +20,13 @@ import torch
 
 from mergescope.errors import MergescopeError
 
-RMS_FAMILIES = ("llama", "qwen2", "mistral")
+RMS_FAMILIES = ("llama", "qwen2", "mistral", "gemma3_text")
 FAMILIES = (*RMS_FAMILIES, "gpt_neox")
-AXES = ("h", "q", "kv", "i", "v", "qkv")
+AXES = ("h", "q", "kv", "i", "v", "qkv", "d")
+# Gemma 3: every RMSNorm scales by (1 + w), and the embedding lookup is multiplied by sqrt(hidden_size) inside the model
+# (Gemma3TextScaledWordEmbedding), so the scale changes with the hidden width
+OFFSET_NORM_FAMILIES = ("gemma3_text",)
+SCALED_EMBEDDING_FAMILIES = ("gemma3_text",)
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,20 @@ class Shape:
     def norm(self) -> str:
         return "layer" if self.family == "gpt_neox" else "rms"
 
+    @property
+    def norm_offset(self) -> float:
+        """What a stored norm weight w is added to: 1 for Gemma's (1 + w) RMSNorm (a weight of 0 is the identity),
+        0 otherwise."""
+        return 1.0 if self.family in OFFSET_NORM_FAMILIES else 0.0
+
+    @property
+    def embed_scaled(self) -> bool:
+        """The model multiplies its embedding lookup by sqrt(hidden) (Gemma 3)."""
+        return self.family in SCALED_EMBEDDING_FAMILIES
+
     def size(self, axis: str) -> int:
         return {"h": self.hidden, "q": self.heads * self.head_dim, "kv": self.kv_heads * self.head_dim,
-                "i": self.inter, "v": self.vocab, "qkv": 3 * self.heads * self.head_dim}[axis]
+                "i": self.inter, "v": self.vocab, "qkv": 3 * self.heads * self.head_dim, "d": self.head_dim}[axis]
 
     def text(self) -> str:
         return (f"{self.family} h={self.hidden} ffn={self.inter} L={self.layers} heads={self.heads}/{self.kv_heads} "
@@ -92,7 +107,11 @@ def compatibility(s: Shape, t: Shape) -> list[str]:
 
 
 FUNCTION_FIELDS = ("hidden_act", "attention_bias", "mlp_bias", "use_parallel_residual", "sliding_window",
-                   "use_sliding_window", "rope_scaling", "rotary_pct", "rotary_emb_base", "partial_rotary_factor")
+                   "use_sliding_window", "rope_scaling", "rotary_pct", "rotary_emb_base", "partial_rotary_factor",
+                   # Gemma 3: the attention's 1/sqrt(query_pre_attn_scalar) (not 1/sqrt(head_dim)), its activation field,
+                   # logit soft-capping, bidirectional attention
+                   "query_pre_attn_scalar", "hidden_activation", "final_logit_softcapping", "attn_logit_softcapping",
+                   "use_bidirectional_attention")
 
 
 def _rope(config: Any) -> dict[str, Any]:
@@ -128,6 +147,29 @@ def config_blockers(src: Any, tgt: Any, allow_untied_into_tied: bool = False) ->
     return out
 
 
+def layer_type_blockers(src: Any, tgt: Any, pairs: list[tuple[int, int]]) -> list[str]:
+    """Sliding-window and full-attention layers stay what they are: every (source layer, target layer) pair an operator
+    maps must have one ``layer_types`` entry (Gemma 3: five sliding-window layers of every six; Qwen2 with
+    use_sliding_window). One reason naming the first mismatch and how many there are."""
+    ls, lt = _get(src, "layer_types"), _get(tgt, "layer_types")
+    if not ls and not lt:
+        return []
+    ls = list(ls or ["full_attention"] * int(_get(src, "num_hidden_layers")))
+    lt = list(lt or ["full_attention"] * int(_get(tgt, "num_hidden_layers")))
+    bad = [(i, j) for i, j in pairs if ls[i] != lt[j]]
+    if not bad:
+        return []
+    i, j = bad[0]
+    return [f"layer_types differ: source layer {i} ({ls[i]}) would become target layer {j} ({lt[j]})"
+            + (f", and {len(bad) - 1} more such layers" if len(bad) > 1 else "")
+            + "; give the target the source's pattern at those layers"]
+
+
+def expand_layer_pairs(s: Shape, t: Shape) -> list[tuple[int, int]]:
+    """(source layer, target layer) of Expand (the slot map over depth; the new layers are identities)."""
+    return [(i, int(j)) for i, j in enumerate(slot_map(s.layers, t.layers).tolist())]
+
+
 def expand_blockers(s: Shape, t: Shape) -> list[str]:
     """Every reason the zero-mode slot maps cannot place ``s`` inside ``t`` (empty: expandable)."""
     out = compatibility(s, t)
@@ -160,7 +202,8 @@ def expand_maps(s: Shape, t: Shape) -> dict[str, torch.Tensor]:
     heads = head_map(s, t)
     return {"h": _blocks(slot_map(s.hidden // d, t.hidden // d), d), "q": _blocks(heads, d),
             "kv": _blocks(slot_map(s.kv_heads, t.kv_heads), d), "i": slot_map(s.inter, t.inter),
-            "v": torch.arange(s.vocab), "qkv": _blocks(heads, 3 * d), "layers": slot_map(s.layers, t.layers)}
+            "v": torch.arange(s.vocab), "qkv": _blocks(heads, 3 * d), "d": torch.arange(d),
+            "layers": slot_map(s.layers, t.layers)}
 
 
 def repeat_blockers(s: Shape, t: Shape) -> list[str]:
@@ -169,6 +212,8 @@ def repeat_blockers(s: Shape, t: Shape) -> list[str]:
     out = compatibility(s, t)
     if s.head_dim != t.head_dim:
         out.append(f"head_dim differs ({s.head_dim} vs {t.head_dim})")
+    if s.family in OFFSET_NORM_FAMILIES + SCALED_EMBEDDING_FAMILIES:
+        out.append(f"{s.family}'s embedding scale sqrt(hidden) and (1 + w) norms are not kept by tiling; use mode=zero")
     for k in ("hidden", "inter", "heads", "kv_heads"):
         a, b = getattr(s, k), getattr(t, k)
         if b < a or b % a:
@@ -229,9 +274,8 @@ def gqa_mismatches(s: Shape, t: Shape, heads: torch.Tensor | None = None) -> int
     return int((trained_with != paired_with).sum())
 
 
-def truncate_maps(s: Shape, t: Shape, gqa: str = "prefix") -> dict[str, torch.Tensor]:
-    """Prefix slices: axis -> source index of each target coordinate (``arange``), and ``layers`` kept. With
-    ``gqa='aligned'`` the query heads are chosen by :func:`gqa_aligned_heads` instead of the prefix."""
+def truncate_blockers(s: Shape, t: Shape) -> list[str]:
+    """Every reason the prefix slices cannot cut ``s`` down to ``t`` (empty: truncatable)."""
     blockers = compatibility(s, t)
     # Sizes per axis (not head counts): a prefix slice needs rows, not whole heads, so a different head_dim
     # can still be truncated into (Qwen2.5-0.5B, head_dim 64, from the 128 of the larger sizes).
@@ -241,6 +285,44 @@ def truncate_maps(s: Shape, t: Shape, gqa: str = "prefix") -> dict[str, torch.Te
         larger.append(("layers", t.layers, s.layers))
     if larger:
         blockers.append("the target is larger in " + ", ".join(f"{k} ({a} > {b})" for k, a, b in larger))
+    if s.family in OFFSET_NORM_FAMILIES and s.head_dim != t.head_dim and not blockers:
+        blockers.append(f"head_dim differs ({s.head_dim} vs {t.head_dim}): {s.family} normalises each query and key "
+                        "head (q_norm, k_norm over head_dim), so a prefix of rows that cuts heads changes every head")
+    return blockers
+
+
+SIZE_AXES = {"hidden": "h", "ffn": "i", "query rows": "q", "key/value rows": "kv", "vocab": "v"}
+
+
+def sizes(s: Shape) -> dict[str, int]:
+    """The extent of every axis the operators map: hidden, FFN, query rows (heads x head_dim), key/value rows, vocabulary
+    and depth. Rows, not head counts: Qwen2.5-0.5B has more query heads than the 1.5B (14 vs 12) but fewer query rows
+    (896 vs 1536), and it is the small side."""
+    return {**{k: s.size(a) for k, a in SIZE_AXES.items()}, "layers": s.layers}
+
+
+def protocols(small: Shape, large: Shape) -> dict[str, list[str]]:
+    """Which protocol a pair allows, from its shapes: ``union`` (Expand small -> large, zero mode) and
+    ``intersection`` (Truncate large -> small, prefix), each with the reasons it is refused (empty: defined). Qwen2.5
+    0.5B / 1.5B: the union is refused (head_dim 64 vs 128, and the query heads shrink 14 -> 12: heads cannot be
+    placed whole), the intersection is defined (every row count of the 0.5B is within the 1.5B's)."""
+    return {"union": expand_blockers(small, large), "intersection": truncate_blockers(large, small)}
+
+
+def protocols_text(small: Shape, large: Shape, names: tuple[str, str] = ("small", "large")) -> str:
+    """One line: which of union / intersection the pair allows and why the other is refused (``names``: how the
+    small and the large model are called)."""
+    p, (s, big) = protocols(small, large), names
+    parts = []
+    for proto, head in (("union", f"Expand {s}->{big} (union)"), ("intersection", f"Truncate {big}->{s} (intersection)")):
+        parts.append(f"{head} defined" if not p[proto] else f"{head} refused: {'; '.join(p[proto])}")
+    return "; ".join(parts)
+
+
+def truncate_maps(s: Shape, t: Shape, gqa: str = "prefix") -> dict[str, torch.Tensor]:
+    """Prefix slices: axis -> source index of each target coordinate (``arange``), and ``layers`` kept. With
+    ``gqa='aligned'`` the query heads are chosen by :func:`gqa_aligned_heads` instead of the prefix."""
+    blockers = truncate_blockers(s, t)
     if blockers:
         raise MergescopeError(f"cannot truncate {s.text()} into {t.text()}: " + "; ".join(blockers))
     maps = {**{a: torch.arange(t.size(a)) for a in AXES}, "layers": torch.arange(t.layers)}

@@ -71,7 +71,10 @@ def merge_state_dicts(
 
     A data-aware operator (``register(..., needs_stats="gram" | "fisher")``: RegMean, Fisher merging) gets each model's
     statistics of the position (``stats[i][name]``; None where model i has none) as its third argument; without
-    ``stats`` it is refused (the route that called it computes none).
+    ``stats`` it is refused (the route that called it computes none). A linear layer with a bias has the Gram of its
+    bias-augmented input ([X, 1], ``native.stats``) under both names: a ``gram`` operator then merges the augmented
+    weight [W, b] of every model (:func:`bias_partner`) and the weight's name takes its first columns, the bias's name
+    its last one, so weight and bias are one least-squares solution.
     """
     if not sds:
         raise MergescopeError("merge needs at least one model's state dict")
@@ -94,6 +97,12 @@ def merge_state_dicts(
             raise MergescopeError(f"tensor '{name}' is missing from {who}: merge only the shared tensors (coverage)")
         src = [sd[name] for sd in sds]
         b_src = base[name] if base is not None else None
+        joint = bias_partner(name, sds, stats) if need == "gram" else None
+        if joint is not None:  # [W, b] of every model: the augmented layer is what the Gram describes
+            wname, bname = joint
+            src = [torch.cat([sd[wname], sd[bname].unsqueeze(1)], 1) for sd in sds]
+            if b_src is not None:
+                b_src = torch.cat([base[wname], base[bname].unsqueeze(1)], 1)
         shapes = {tuple(t.shape) for t in src + ([b_src] if b_src is not None else [])}
         if len(shapes) > 1:
             raise MergescopeError(
@@ -119,12 +128,33 @@ def merge_state_dicts(
         if has_seed:
             kw["seed"] = tensor_seed(kw.get("seed", entry.params["seed"].default), name)
         res = entry.fn(xs, b, [s.get(name) for s in stats], **kw) if need else entry.fn(xs, b, **kw)
+        if joint is not None:
+            res = res[:, :-1] if name == joint[0] else res[:, -1]
+            res = res.contiguous()
         del xs, b
         if res.data_ptr() in inputs:
             res = res.clone()  # never alias an input model's storage
         out[name] = res.to(device="cpu", dtype=out_dtype or dtype)
         del res
     return out
+
+
+def bias_partner(name: str, sds: list[Mapping[str, Tensor]], stats: list[Mapping[str, Tensor]] | None
+                 ) -> tuple[str, str] | None:
+    """(weight name, bias name) when ``name`` is either of a linear layer whose statistics are the Gram of its
+    bias-augmented input (``(in + 1)`` square, for every model, both tensors in every model); else None."""
+    if not stats or not name.endswith((".weight", ".bias")):
+        return None
+    stem = name.rsplit(".", 1)[0]
+    wname, bname = f"{stem}.weight", f"{stem}.bias"
+    if any(wname not in sd or bname not in sd for sd in sds):
+        return None
+    w = sds[0][wname]
+    if w.dim() != 2 or tuple(sds[0][bname].shape) != (w.shape[0],):
+        return None
+    want = (w.shape[1] + 1, w.shape[1] + 1)
+    grams = [s.get(name) for s in stats]
+    return (wname, bname) if all(g is not None and tuple(g.shape) == want for g in grams) else None
 
 
 def stochastic(kwargs: dict) -> bool:

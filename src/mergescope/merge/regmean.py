@@ -5,7 +5,11 @@ For a linear weight W_i (out x in, y = x W_i^T) with the inner-product matrix of
 summed over model i's tokens), W* = argmin_W sum_i ||X_i W^T - X_i W_i^T||^2 = (sum_i G_i)^-1 sum_i G_i W_i^T,
 transposed. ``alpha`` scales the off-diagonal of every G_i (the paper's regularisation: G_i <- alpha G_i +
 (1 - alpha) diag(G_i); alpha = 1 is the exact regression, alpha = 0 a per-input-feature weighted average). Solved in
-float64. Every tensor that is not a linear weight with its statistics (embeddings, norms, biases; a head tied to the
+float64. A linear layer with a bias (Qwen2's q/k/v) is solved as the augmented layer y = [x, 1] [W, b]^T: G_i is then
+the Gram of [X_i, 1] (its last row and column the column sums of X_i and the token count; the off-diagonal rule
+applies to it as to any G_i), the tensors are [W_i, b_i], and the weight and the bias are the columns of the one
+solution (``merge.merge_state_dicts``), so W* and b* minimise sum_i ||X_i W^T + 1 b^T - X_i W_i^T - 1 b_i^T||^2
+together. Every other tensor that is not a linear weight with its statistics (embeddings, norms; a head tied to the
 embedding) is the plain average, as in the paper. The statistics come from each model's own data
 (``mergescope.native.stats``, ``merge_stats.split``), disjoint from the split the merged model is scored on.
 mergekit has no equivalent.

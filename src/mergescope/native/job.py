@@ -23,7 +23,7 @@ from mergescope.errors import MergescopeError
 from mergescope.merge import resolve_preset
 from mergescope.native.merges import merge_configs, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
-from mergescope.native.stats import STATS_KEYS
+from mergescope.native.stats import GRAM_RULE, STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
                                     no_base_reason, same_run, step_of)
 from mergescope.native.weights import TRANSPLANTED, describe, routes, task_vector_diagnostics, weight_diagnostics
@@ -106,9 +106,12 @@ def hash_extra(cfg: DictConfig) -> dict:
     """What the native job's numbers depend on beyond NATIVE_KEYS: the contents of its merge presets, and for
     checkpoint pairs the settings of the CKA between the checkpoints."""
     ns = NativeSettings.from_cfg(cfg)
-    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in ns.merges}}
+    presets = ns.merges
+    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in presets}}
     if (ts := ns.transplant_settings()) is not None:  # every setting, defaults included (unset: earlier hashes unchanged)
         extra["transplant"] = asdict(ts)
+    if any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") == "gram" for n in presets):
+        extra["gram"] = GRAM_RULE  # RegMean solves a biased layer's weight and bias together (native.stats)
     if same_run(cfg):
         extra["checkpoint_cka"] = {"metric": to_plain(load_conf("metric", "cka")),
                                    **{k: OmegaConf.select(cfg, k) for k in ("represent.pooling", "represent.layer", "represent.padding_side")}}

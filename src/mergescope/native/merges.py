@@ -14,7 +14,7 @@ from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resol
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
                                     nll_sentences, no_base_reason, select_sentences)
 from mergescope.native.settings import NativeSettings
-from mergescope.native.stats import STATS_KEYS, check_stats, pair_stats
+from mergescope.native.stats import GRAM_RULE, STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "native.select_split",
@@ -171,7 +171,8 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None,
             "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}"}
     extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
-             **({"transplant": asdict(ts)} if ts is not None else {})}
+             **({"transplant": asdict(ts)} if ts is not None else {}),
+             **({"gram": GRAM_RULE} if entry.meta.get("needs_stats") == "gram" else {})}
     res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {pair_text(cfg)}", tags, task="merge", keys=merge_keys(entry),
                                 reads=refs, extra=extra or None), body, overrides)  # unset: every earlier hash unchanged
     if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":  # lm-eval on the merged model, own run

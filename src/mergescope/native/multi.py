@@ -25,7 +25,7 @@ from mergescope.native.mergekit_in import read_mergekit
 from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
 from mergescope.native.settings import NativeSettings
-from mergescope.native.stats import STATS_KEYS, check_stats, each_model
+from mergescope.native.stats import GRAM_RULE, STATS_KEYS, check_stats, each_model
 from mergescope.native.stream import StreamedState, load_streamed, streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
@@ -337,6 +337,8 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     from mergescope import data as data_mod
 
     extra["merge_data"] = data_mod.content_digest(cfg.data, langs, [str(cfg.data.get("split"))])
+    if entry.meta.get("needs_stats") == "gram":
+        extra["gram"] = GRAM_RULE
     if entry.meta.get("needs_stats"):  # the statistics' split of every model's language
         extra["stats_data"] = data_mod.content_digest(cfg.data, [str(e.lang) for e in spec.entries],
                                                       [str(cfg.merge_stats.split)])

@@ -6,9 +6,12 @@ never sees the text it is judged on. Sentences are tokenised as everywhere else 
 the start token, then the sentence's own tokens).
 
 - ``gram`` (RegMean): for every linear layer whose weight is merged, the inner-product matrix G = X^T X (float64) of
-  its inputs over every real token (padding masked), from forward pre-hooks on padded batches. Layers fed the same
-  tensor (q/k/v, gate/up) share one matrix. A linear whose weight is tied to another parameter (a head tied to the
-  embedding) gets none: it is merged through its partner, by the plain average.
+  its inputs over every real token (padding masked), from forward pre-hooks on padded batches. A linear with a bias
+  (Qwen2's q/k/v) computes y = [x, 1] [W, b]^T, so its matrix is that of the bias-augmented input [X, 1] ((in + 1)
+  square: G, the column sums of X, and the token count), stored under the weight's and the bias's names: RegMean then
+  solves weight and bias together (``merge.merge_state_dicts``). Layers fed the same tensor (q/k/v, gate/up) share
+  one accumulation. A linear whose weight is tied to another parameter (a head tied to the embedding) gets none: it is
+  merged through its partner, by the plain average.
 - ``fisher`` (Fisher merging): the diagonal empirical Fisher, the mean over sentences of the squared gradient of the
   sentence's log-likelihood (sum over its tokens), accumulated in float32. A squared per-example gradient cannot be
   read from a batch's summed gradient, so this is one backward pass per sentence (the only per-sentence loop of the
@@ -32,6 +35,8 @@ from mergescope.progress import console
 from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
 
 KINDS = ("gram", "fisher")
+GRAM_RULE = "bias_augmented"  # in the identity of every run a gram (RegMean) merge feeds: a biased layer's [X, 1]
+"""How a biased linear layer's Gram is formed (and its bias merged); earlier runs, hashed without it, averaged the bias."""
 STATS_KEYS = ["merge_stats"]  # in the identity of a data-aware merge only (and of a native job that lists one)
 
 
@@ -65,12 +70,14 @@ def tied_names(model) -> set[str]:
 
 
 class _Grams:
-    """Forward pre-hooks accumulating X^T X per linear input; the first batch decides which layers share an input."""
+    """Forward pre-hooks accumulating [X, 1]^T [X, 1] per linear input (the bias-augmented Gram; a linear without a bias
+    reads its X^T X block); the first batch decides which layers share an input."""
 
     def __init__(self, model, names: Iterable[str]):
         wanted, tied = set(names), tied_names(model)
         self.mods = {f"{n}.weight": m for n, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and f"{n}.weight" in wanted and f"{n}.weight" not in tied}
+        self.biased = {k for k, m in self.mods.items() if m.bias is not None and f"{k[:-len('weight')]}bias" in wanted}
         self.grams: dict[str, torch.Tensor] = {}
         self.alias: dict[str, str] = {}
         self.mask: torch.Tensor | None = None
@@ -90,7 +97,7 @@ class _Grams:
             elif key in self.alias:
                 return
             rows = x[self.mask] if x.shape[:-1] == self.mask.shape else x.reshape(-1, x.shape[-1])
-            rows = rows.to(torch.float64)
+            rows = torch.cat([rows.to(torch.float64), torch.ones((rows.shape[0], 1), dtype=torch.float64, device=rows.device)], 1)
             g = rows.T @ rows
             if key in self.grams:
                 self.grams[key].add_(g)
@@ -102,15 +109,24 @@ class _Grams:
         self.first, self.held = False, []
 
     def result(self) -> dict[str, torch.Tensor]:
+        """weight name -> X^T X (no bias) or the augmented [X, 1]^T [X, 1] (a bias, also under the bias's name)."""
         for h in self.handles:
             h.remove()
-        return {**self.grams, **{k: self.grams[v] for k, v in self.alias.items()}}
+        full = {**self.grams, **{k: self.grams[v] for k, v in self.alias.items()}}
+        out = {}
+        for k, g in full.items():
+            if k in self.biased:
+                out[k] = out[f"{k[:-len('weight')]}bias"] = g
+            else:
+                out[k] = g[:-1, :-1].contiguous()
+        return out
 
 
 @torch.no_grad()
 def gram_stats(model, tokenizer, sentences: Sequence[str], names: Iterable[str], max_length: int = 512,
                batch_tokens="auto") -> tuple[dict[str, torch.Tensor], int]:
-    """(weight name -> G = X^T X of that linear layer's inputs, real tokens read)."""
+    """(weight name -> G = X^T X of that linear layer's inputs, or for a linear with a bias the augmented
+    [X, 1]^T [X, 1] under its weight's and its bias's names; real tokens read)."""
     device = next(model.parameters()).device
     ids = sentence_ids(tokenizer, sentences, max_length)
     lengths = np.array([len(s) for s in ids])

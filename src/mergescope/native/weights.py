@@ -204,7 +204,10 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
       FFN, depth, query and KV heads, so a scale difference is what they exist for, never a
       blocker. Different families are blocked (``"architecture family differs (a vs b)"``).
       Details go in ``note``: the direction (Expand a->b / Truncate b->a when one model is no
-      larger on every axis; when the axes disagree -- one wider, the other deeper -- the
+      larger on every axis: hidden, depth, query rows, key/value rows, FFN width; rows, not head
+      counts), then which of the two the operators define and why the other is refused
+      (``adapt.shapes.protocols_text``: Qwen2.5 0.5B/1.5B, union refused for head_dim 64 vs 128
+      and query heads 14 > 12, intersection defined; both refused blocks the route); when the axes disagree -- one wider, the other deeper -- the
       per-axis composition of the two, which the paper itself does not evaluate: all its pairs
       are nested Qwen2.5 sizes); a head-dimension difference (the paper assumes one head
       dimension, Expand places whole heads); and a vocabulary difference, which makes the scope
@@ -248,14 +251,24 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
         adapt = {"defined": False, "scope": None, "blocked_by": family, "note": None}
     else:
         notes = []
-        larger_a = [k for k, _ in _SCALE_KEYS if _gt(true_a.get(k), true_b.get(k))]
-        larger_b = [k for k, _ in _SCALE_KEYS if _gt(true_b.get(k), true_a.get(k))]
+        za, zb = _axis_sizes(true_a), _axis_sizes(true_b)  # rows, not head counts (the adapt job's rule, setup.order)
+        larger_a = [k for k in za if _gt(za[k], zb[k])]
+        larger_b = [k for k in za if _gt(zb[k], za[k])]
+        sa, sb = _adapt_shape(true_a), _adapt_shape(true_b)
+        both_refused = None
         if not scale:
             notes.append("same scale: Expand/Truncate are the identity")
-        elif not larger_a:
-            notes.append("Expand a->b (union) or Truncate b->a (intersection)")
-        elif not larger_b:
-            notes.append("Expand b->a (union) or Truncate a->b (intersection)")
+        elif not larger_a or not larger_b:
+            small, large, s_name, l_name = (sa, sb, "a", "b") if not larger_a else (sb, sa, "b", "a")
+            if small is not None and large is not None:  # which of the two the operators define, and why not
+                from mergescope.adapt.shapes import protocols, protocols_text
+
+                notes.append(protocols_text(small, large, (s_name, l_name)))
+                p = protocols(small, large)
+                if p["union"] and p["intersection"]:
+                    both_refused = "; ".join(p["union"] + p["intersection"])
+            else:
+                notes.append(f"Expand {s_name}->{l_name} (union) or Truncate {l_name}->{s_name} (intersection)")
         else:
             notes.append(
                 "axes disagree (a larger in " + ", ".join(larger_a) + "; b larger in " + ", ".join(larger_b)
@@ -271,6 +284,8 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
             blocked.append(f"{vocab}: weighted averaging after Expand/Truncate needs one tokenizer")
         if larger_a and larger_b:  # the adapt job's rule (adapt.setup.order)
             blocked.append("the axes disagree: Expand/Truncate need one model no larger than the other on every axis")
+        if both_refused:
+            blocked.append(f"neither Expand nor Truncate is defined: {both_refused}")
         adapt = {
             "defined": not blocked,
             "scope": None if blocked else ALL_TENSORS,
@@ -286,6 +301,27 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
         transplant = {"defined": True, "scope": TRANSPLANTED, "blocked_by": None,
                       "note": f"{vocab}: new tokens' rows by OMP over the shared tokens (native.transplant), a control beside it"}
     return {"native": native, "transport": transport, "adapt": adapt, "transplant": transplant}
+
+
+def _axis_sizes(c: dict) -> dict[str, Any]:
+    """The axes Expand/Truncate map, as row counts (query rows = heads x head_dim): hidden, depth, query rows, key/value
+    rows, FFN width. Head counts alone mislead: Qwen2.5-0.5B has 14 query heads of 64, the 1.5B 12 of 128."""
+    hd = _head_dim(c)
+    rows = lambda n: n * hd if n is not None and hd is not None else None  # noqa: E731
+    return {"hidden": c.get("hidden"), "layers": c.get("layers"), "query rows": rows(c.get("heads")),
+            "key/value rows": rows(c.get("kv_heads") or c.get("heads")), "ffn": c.get("ffn")}
+
+
+def _adapt_shape(c: dict):
+    """The adapt operators' Shape of a true config, or None (a family they do not map, or a missing field)."""
+    from mergescope.adapt.shapes import FAMILIES, Shape
+
+    keys = ("hidden", "ffn", "layers", "heads", "vocab")
+    if c.get("model_type") not in FAMILIES or any(c.get(k) is None for k in keys) or _head_dim(c) is None:
+        return None
+    return Shape(str(c["model_type"]), int(c["hidden"]), int(c["ffn"]), int(c["layers"]), int(c["heads"]),
+                 int(c.get("kv_heads") or c["heads"]), int(_head_dim(c)), int(c["vocab"]),
+                 bool(c.get("tied_embeddings", False)), 0.0)
 
 
 def _gt(x, y) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 
 from mergescope.integrity import discard, load_array, load_json, save_array, save_json
 
-CACHE_VERSION = 2  # 2: every entry carries its checksum (mergescope.integrity)
+CACHE_VERSION = 3  # 3: a leading BOS is left out of the pooling (forward.pooling_mask); 2: checksummed entries
 
 @dataclass(frozen=True)
 class ReprKey:

@@ -1,8 +1,12 @@
 """Sentence representations and per-token NLL: batched, length-sorted forward passes.
 
-Pooling over non-pad tokens of a chosen hidden state:
-- ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th real token = i;
+Pooling over the sentence's own tokens of a chosen hidden state:
+- ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th pooled token = i;
 - ``mean``: plain mean; ``last``: the last real token.
+A leading special token the tokenizer adds (BOS: Gemma's, Llama's ``<s>``) is fed to the model but left out of the
+pooling (:func:`leading_special`, :func:`pooling_mask`), so a tokenizer that adds one pools the same tokens, with the
+same weights, as one that does not; the BOS state is the same for every sentence (Gemma-3's has a norm far above its
+other tokens' and would dominate a mean).
 ``layer=-1`` is the final pre-logit hidden state, after the final norm (what the LM head
 receives); any other index selects ``hidden_states[layer]`` (0 = embeddings).
 Position ids are computed from the attention mask, so left and right padding give the same vector.
@@ -74,6 +78,23 @@ def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.devic
     return ids.to(device), mask.to(device), pos.to(device)
 
 
+def leading_special(ids: list[list[int]], tokenizer) -> np.ndarray:
+    """Per sentence: does it start with a special token (BOS, ...)? Never for a sentence of one token (it
+    would have nothing left to pool)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    return np.array([len(s) > 1 and s[0] in special for s in ids], dtype=bool)
+
+
+def pooling_mask(mask: torch.Tensor, lead: np.ndarray) -> torch.Tensor:
+    """The attention mask without each flagged sentence's first real token (``lead``: :func:`leading_special` of the
+    batch's rows), for either padding side."""
+    out = mask.clone()
+    rows = torch.as_tensor(np.flatnonzero(lead), device=mask.device, dtype=torch.long)
+    if rows.numel():
+        out[rows, mask[rows].argmax(1)] = 0  # argmax of a 0/1 row: its first real position
+    return out
+
+
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """Pool (B, T, d) hidden states over real tokens in float64; pad positions never contribute."""
     h = hidden.to(torch.float64).masked_fill(~mask.bool().unsqueeze(-1), 0.0)
@@ -123,11 +144,13 @@ def embed(
     progress: bool = True,
     label: str = "embed",
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """(n, d) float64 pooled representations in input order, plus stats."""
+    """(n, d) float64 pooled representations in input order, plus stats (``n_tokens``: the tokens fed, a leading
+    special token included; ``n_leading_special``: how many sentences had one, left out of the pooling)."""
     if pooling not in POOLINGS:
         raise MergescopeError(f"unknown pooling '{pooling}': choose one of {', '.join(POOLINGS)}")
     device = next(model.parameters()).device
     ids, n_trunc = tokenize(tokenizer, sentences, max_length)
+    lead = leading_special(ids, tokenizer)
     lengths = np.array([len(s) for s in ids])
     out: np.ndarray | None = None
     pad = pad_id(tokenizer)
@@ -136,13 +159,14 @@ def embed(
         task = pb.add_task(label, total=len(sentences), visible=progress)
         for b in batches:
             x, m, p = pad_batch([ids[i] for i in b], pad, padding_side, device)
-            pooled = pool(final_hidden(model, x, m, p, layer), m, pooling).cpu().numpy()
+            pooled = pool(final_hidden(model, x, m, p, layer), pooling_mask(m, lead[b]), pooling).cpu().numpy()
             if out is None:
                 out = np.empty((len(sentences), pooled.shape[1]), dtype=np.float64)
             out[b] = pooled
             pb.advance(task, len(b))
     assert out is not None
-    return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches)}
+    return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches),
+                 "n_leading_special": int(lead.sum())}
 
 
 @torch.inference_mode()

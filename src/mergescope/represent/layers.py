@@ -20,7 +20,8 @@ import torch
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
 from mergescope.represent.cache import CACHE_VERSION, ReprCache
-from mergescope.represent.forward import POOLINGS, batch_token_budget, length_batches, pad_batch, pad_id, pool, tokenize
+from mergescope.represent.forward import (POOLINGS, batch_token_budget, leading_special, length_batches, pad_batch, pad_id,
+                                         pool, pooling_mask, tokenize)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def embed_layers(model, tokenizer, sentences, poolings=POOLINGS, batch_tokens="a
         raise MergescopeError(f"unknown pooling '{bad[0]}': choose one of {', '.join(POOLINGS)}")
     device = next(model.parameters()).device
     ids, n_trunc = tokenize(tokenizer, sentences, max_length)
+    lead = leading_special(ids, tokenizer)  # a leading BOS is fed but not pooled (forward.pooling_mask)
     lengths = np.array([len(s) for s in ids])
     out: dict[str, np.ndarray] = {}
     batches = length_batches(lengths, batch_token_budget(batch_tokens, device))
@@ -70,13 +72,15 @@ def embed_layers(model, tokenizer, sentences, poolings=POOLINGS, batch_tokens="a
         for b in batches:
             x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), padding_side, device)
             stacked = torch.stack(all_hidden(model, x, m, p))  # (L+1, B, T, d)
+            pm = pooling_mask(m, lead[b])
             for name in poolings:
-                pooled = torch.stack([pool(h, m, name) for h in stacked]).cpu().numpy()
+                pooled = torch.stack([pool(h, pm, name) for h in stacked]).cpu().numpy()
                 if name not in out:
                     out[name] = np.empty((pooled.shape[0], len(sentences), pooled.shape[2]), dtype=np.float64)
                 out[name][:, b] = pooled
             pb.advance(task, len(b))
-    return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches)}
+    return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches),
+                 "n_leading_special": int(lead.sum())}
 
 
 def cached_layers(cache: ReprCache, keys: dict[str, LayersKey], compute) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -333,6 +333,7 @@ def score_all(cfg, entries, refs, sides) -> np.ndarray:
     for e, r, side in zip(entries, refs, sides):
         lm = models.load(e, cfg.device, ref=r)
         cols.append(bits_per_byte(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
+        del lm  # released before the next model loads: one model in memory at a time
     return np.stack(cols, axis=1)
 
 

@@ -37,6 +37,7 @@ import torch
 
 from mergescope.progress import bar
 from mergescope.represent import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
+from mergescope.represent.forward import leading_special  # the one rule for a leading BOS, shared with pooling
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
 from mergescope.transport.settings import TransportSettings
@@ -49,13 +50,6 @@ class Probe:
     magnitude: dict[str, list[torch.Tensor]]  # (d,) mean |activation| over the same tokens
     n_layers: int
     n_tokens: int                            # tokens pooled
-
-
-def leading_special(ids: list[list[int]], tokenizer) -> np.ndarray:
-    """Per sentence: does it start with a special token (BOS, ...)? Never for a sentence of one token (it
-    would have nothing left to pool)."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    return np.array([len(s) > 1 and s[0] in special for s in ids], dtype=bool)
 
 
 @torch.inference_mode()

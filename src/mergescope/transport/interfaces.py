@@ -7,6 +7,11 @@ output projection's input, heads x head_dim) and ``attn_out`` (its output, d_mod
 hidden neurons are one unit set, ``hidden``, whose plan is fitted on the pre- and post-activation
 costs together.
 
+Only layer weights move: the embeddings and the LM head (tied or not, in either model) are never read from the donor
+nor written, so a tied target stays tied (Gemma-3 fused from an untied Qwen2 donor keeps its one embedding / head
+tensor). The norms (Gemma's four per layer, q_norm / k_norm) keep the target's values. A bias moves with its
+weight's output axis (NeoX's); Qwen2's q/k/v biases belong to q/k/v, which are not transported.
+
 q/k/v are not transported (they keep the target's values): independent neuron plans for q, k and v
 would break the q.k pairing within a head and RoPE's dimension pairs, and fit v's output apart from
 o_proj's input. Head-level transport is not implemented, so ``merge.qkv`` was removed.
@@ -64,7 +69,14 @@ _LLAMA = Adapter(
                        ("mlp.down_proj", "mlp_down", "mlp_out", HIDDEN), ("self_attn.o_proj", "attn_o", "attn_out", "attn_o_in")),
 )
 
-ADAPTERS = {"gpt_neox": _NEOX, "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA}
+# Gemma 3: Llama's module names. Its MLP sits between pre_feedforward_layernorm and post_feedforward_layernorm and its
+# attention output goes through post_attention_layernorm before the residual add, so ``mlp_in`` is the pre-norm's
+# output, and ``mlp_out`` / ``attn_out`` are the projections' own outputs, before the post-norms (which, like q_norm
+# and k_norm, keep the target's values). Its sliding-window and full-attention layers expose the same sites; the layer
+# plan may pair the two kinds (only weights move: each target layer keeps its own attention type and window).
+_GEMMA3 = Adapter(family="gemma3_text", layers_attr=_LLAMA.layers_attr, sites=_LLAMA.sites, weights=_LLAMA.weights)
+
+ADAPTERS = {"gpt_neox": _NEOX, "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma3_text": _GEMMA3}
 
 
 def adapter_for(model_type: str) -> Adapter:
