@@ -281,8 +281,9 @@ def _full(model, x, m, p, targets, scored, vocab):
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "mamba", "gemma3"])
 def test_the_chunked_head_equals_the_full_logits_path_on_a_big_vocabulary(family, monkeypatch):
-    """32000 rows, chunks of 7 positions (forced): per-row NLL equal to the model's own full-logits log-softmax to
-    1e-6 (float32 models), Gemma 3's final-logit soft-capping included; padded rows (the last 1000) out of both."""
+    """32000 rows, tiles of 7 positions x 4000 rows (forced; the last row block 3000 wide): per-row NLL equal to the
+    model's own full-logits log-softmax to 1e-6 (float32 models), Gemma 3's final-logit soft-capping included; padded
+    rows (the last 1000) out of both; the greedy flag (every target the argmax) against the full path's."""
     vocab = 32000
     if family == "gemma3":
         model = _tiny_gemma3(vocab, 5.0)
@@ -293,12 +294,17 @@ def test_the_chunked_head_equals_the_full_logits_path_on_a_big_vocabulary(family
                                                  intermediate_size=64),
                 "mamba": dict(family="mamba", hidden_size=32, num_hidden_layers=2, state_size=8)}[family]
         model = build_model(dict(arch), vocab, 0).eval()
-    monkeypatch.setitem(bpb.CHUNK_ELEMENTS, "cpu", 7 * (vocab - 1000))
+    monkeypatch.setitem(bpb.CHUNK_ELEMENTS, "cpu", 7 * 4000)
+    monkeypatch.setattr(bpb, "TILE_POSITIONS", 7)
     x, m, p, targets, scored = _batch(vocab - 1000)
     nll, greedy = window_scores(model, Head(model, vocab - 1000), x, m, p, targets, scored)
     want = _full(model, x, m, p, targets, scored, vocab - 1000)
     assert torch.allclose(nll, want, rtol=1e-6, atol=0), (nll - want).abs().max()
     assert not greedy.any()
+    with torch.no_grad():  # targets = the full path's own argmax on row 1 (9 tokens): greedy there, and only there
+        argmax = model(input_ids=x, attention_mask=m, position_ids=p).logits[..., : vocab - 1000].argmax(-1)
+    targets[1, :8] = argmax[1, :8]
+    assert window_scores(model, Head(model, vocab - 1000), x, m, p, targets, scored)[1].tolist() == [False, True, False]
 
 
 def test_gemma3_soft_capping_is_applied_and_an_unknown_transform_refused(monkeypatch):
@@ -329,8 +335,9 @@ def test_score_sentences_never_builds_a_batch_by_vocabulary_tensor(tok, monkeypa
 
     monkeypatch.setattr(m, "forward", spy)
     monkeypatch.setitem(bpb.CHUNK_ELEMENTS, "cpu", 5 * len(tok))
+    monkeypatch.setattr(bpb, "TILE_POSITIONS", 5)
     call = Head.__call__
-    monkeypatch.setattr(Head, "__call__", lambda self, h: chunks.append(h.shape[0]) or call(self, h))
+    monkeypatch.setattr(Head, "__call__", lambda self, h, rows=slice(None): chunks.append(h.shape[0]) or call(self, h, rows))
     sc = score_sentences(m, tok, TEXT)
     assert seen and set(seen) == {1}
     # per batch: one check call on the last position of each row, then chunks of at most 5 scored positions

@@ -20,9 +20,10 @@ Pooled over any set of sentences: nats per token = sum nll / sum tokens; bits pe
 
 **Memory.** No batch x length x vocabulary tensor is built: the model's forward runs with ``logits_to_keep=1`` (its
 body's final hidden states are read from the base model), and the LM head, the model's final-logit soft-capping
-(Gemma 2/3) and the log-softmax are applied to the scored positions in chunks of at most :data:`CHUNK_ELEMENTS`
-logits, keeping only each target's log-probability. In every batch the chunked head is checked against the model's
-own logits at the last position (a logit transform it does not reproduce is refused in one line).
+(Gemma 2/3) and the log-softmax are applied to the scored positions in tiles of at most :data:`CHUNK_ELEMENTS` logits
+(positions x vocabulary rows, the log-sum-exp accumulated over row blocks), keeping only each target's log-probability.
+In every batch the chunked head is checked against the model's own logits at the last position (a logit transform it
+does not reproduce is refused in one line).
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ from mergescope.represent.forward import batch_token_budget, length_batches, pad
 LN2 = math.log(2.0)
 
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
-"""At most this many logits (scored positions x vocabulary rows) per chunk of the head: 32 MB of float64 on a CPU
-(16 positions of Gemma's 262144 rows), 512 MB on a GPU."""
+"""At most this many logits (scored positions x vocabulary rows) per tile of the head: 32 MB of float64 on a CPU,
+512 MB on a GPU. A tile is up to :data:`TILE_POSITIONS` positions by as many vocabulary rows as the budget leaves
+(Gemma's 262144 rows: 512 positions x 8192 rows on a CPU), the log-sum-exp accumulated over the row blocks: a tile of a
+few positions by the whole vocabulary would re-read the head's weight once per few positions (3x slower here)."""
+
+TILE_POSITIONS = 512
 
 DOCUMENT_SEPARATORS = ("<|endoftext|>", "</s>", "<eos>")
 
@@ -145,8 +150,9 @@ class Head:
         self.cap = _softcap(model)
         self.vocab = vocab
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(h.to(self.weight.dtype), self.weight, self.bias)
+    def __call__(self, h: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """The logits of ``h`` over the head's rows ``rows`` (all of the tokenizer's by default)."""
+        out = torch.nn.functional.linear(h.to(self.weight.dtype), self.weight[rows], None if self.bias is None else self.bias[rows])
         if self.cap is not None:
             out = torch.tanh(out / self.cap) * self.cap
         return out
@@ -169,8 +175,32 @@ class _Hidden:
         self.handle.remove()
 
 
+CHECK_ROWS = 8
+"""How many rows of a batch the chunked head is checked on against the model's own last-position logits."""
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _tile(head: Head, h: torch.Tensor, tgt: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For positions ``h`` (P, d): the log-sum-exp of their logits over the tokenizer's rows, each target's logit and
+    the argmax row (the first on ties), in float64, taking the rows ``block`` at a time (online log-sum-exp)."""
+    n = h.shape[0]
+    top = torch.full((n,), -math.inf, dtype=torch.float64, device=h.device)
+    total = torch.zeros(n, dtype=torch.float64, device=h.device)
+    picked = torch.zeros(n, dtype=torch.float64, device=h.device)
+    best = torch.zeros(n, dtype=torch.long, device=h.device)
+    for v0 in range(0, head.vocab, block):
+        lg = head(h, slice(v0, min(v0 + block, head.vocab))).double()
+        here = (tgt >= v0) & (tgt < v0 + lg.shape[1])
+        picked[here] = lg[here, tgt[here] - v0]
+        btop, barg = lg.max(-1)
+        best = torch.where(btop > top, barg + v0, best)
+        new = torch.maximum(top, btop)
+        total = total * torch.exp(top - new) + lg.sub_(new.unsqueeze(1)).exp_().sum(-1)  # in place: one tile alive
+        top = new
+    return top + total.log(), picked, best
 
 
 @torch.inference_mode()
@@ -183,8 +213,8 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
     h = hid.value
     if h is None or h.shape[:2] != x.shape:
         raise MergescopeError(f"could not read {type(model).__name__}'s final hidden states from its base model")
-    own = out.logits[:, -1, : head.vocab].double()
-    mine = head(h[:, -1]).double()
+    own = out.logits[:CHECK_ROWS, -1, : head.vocab].double()
+    mine = head(h[:CHECK_ROWS, -1]).double()
     gap = float((own - mine).abs().max())
     if gap > _tolerance(head.weight.dtype) * max(1.0, float(own.abs().max())):
         raise MergescopeError(f"the chunked LM head does not reproduce {type(model).__name__}'s own logits (max difference "
@@ -194,12 +224,12 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(sel)[sel]
     nll = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
     miss = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    step = max(1, CHUNK_ELEMENTS["cuda" if x.device.type == "cuda" else "cpu"] // head.vocab)
+    budget = CHUNK_ELEMENTS["cuda" if x.device.type == "cuda" else "cpu"]
+    step = max(1, budget // head.vocab, min(TILE_POSITIONS, budget))
     for i in range(0, hs.shape[0], step):
-        lg = head(hs[i:i + step]).double()
-        t = tgt[i:i + step]
-        nll.index_add_(0, rows[i:i + step], torch.logsumexp(lg, -1) - lg.gather(1, t.unsqueeze(1)).squeeze(1))
-        miss.index_add_(0, rows[i:i + step], (lg.argmax(-1) != t).double())
+        lse, picked, best = _tile(head, hs[i:i + step], tgt[i:i + step], max(1, budget // step))
+        nll.index_add_(0, rows[i:i + step], lse - picked)
+        miss.index_add_(0, rows[i:i + step], (best != tgt[i:i + step]).double())
     return nll, miss == 0
 
 
