@@ -203,6 +203,31 @@ def test_padded_rows_with_huge_logits_change_nothing(tok):
     assert (everything - base.nll).min() > 90 * base.tokens.min()
 
 
+def _with_gguf_padding(tok, n: int):
+    """The zoo tokenizer as a GGUF conversion leaves a padded vocabulary: ``n`` more BPE entries ``[PAD<id>]``."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    base = len(spec["model"]["vocab"])
+    spec["model"]["vocab"].update({f"[PAD{i}]": i for i in range(base, base + n)})
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|endoftext|>")
+
+
+def test_gguf_padding_tokens_are_padded_rows(tok):
+    """A GGUF-converted tokenizer lists the padding rows as tokens ``[PAD<id>]`` (Qwen2.5's 151936 for 151665): they are
+    out of the softmax like any padded row, and an id beyond the scored rows is refused in one line."""
+    padded_tok = _with_gguf_padding(tok, 9)
+    assert len(padded_tok) == len(tok) + 9 and bpb.real_vocab(padded_tok, len(tok) + 9) == len(tok)
+    assert bpb.real_vocab(padded_tok, len(tok) + 4) == len(tok) and bpb.real_vocab(tok, len(tok) + 9) == len(tok)
+    m = _model(len(tok) + 9)
+    assert np.allclose(score_sentences(m, padded_tok, TEXT).nll, plain_nll(m, tok, TEXT)[0], rtol=1e-10)
+    with pytest.raises(MergescopeError, match=r"token id \d+ is beyond the 120 rows scored .* the tokenizer does not belong"):
+        score_sentences(_model(120), tok, TEXT)
+
+
 # ---------------------------------------------------------------- bits per byte: truncation, pooling
 
 def test_bits_per_byte_under_truncation_counts_the_bytes_scored(tok):

@@ -8,8 +8,8 @@ two arms compare. It is the spec's "mean per-token NLL on the model's own side":
   predicted, the first one included, and a tokenizer that adds no BOS is scored like one that does.
 - **Padded vocabulary rows are out of the softmax.** The softmax runs over the rows of the LM head that a token of the
   tokenizer can take (ids below ``len(tokenizer)``): rows beyond it (a vocabulary padded to a multiple, as Qwen2.5's
-  151936 or 152064 rows for 151665 tokens, or rows that Expand adds) get no probability, so padding a model's
-  vocabulary changes no reported number.
+  151936 or 152064 rows for 151665 tokens, listed as ``[PAD151665]``... tokens by a GGUF-converted tokenizer, or rows
+  that Expand adds) get no probability, so padding a model's vocabulary changes no reported number.
 - **Truncation** at ``max_length`` tokens (the start token included) keeps the first ``max_length - 1`` tokens of a
   sentence; the NLL counts the tokens scored and bits per byte the UTF-8 bytes of the text those tokens cover (from the
   fast tokenizer's offsets), never the bytes that were cut off. How many sentences were cut is returned and logged.
@@ -29,6 +29,7 @@ does not reproduce is refused in one line).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -123,9 +124,18 @@ def sentence_ids(tokenizer, sentences: Sequence[str], max_length: int = 512) -> 
     return prepare(tokenizer, sentences, max_length).ids
 
 
+GGUF_PADDING = re.compile(r"\[PAD\d+\]")
+"""How llama.cpp's GGUF vocabularies name the padding rows they list as tokens (Qwen2.5's ``[PAD151665]`` ...
+``[PAD151935]``): a tokenizer converted from GGUF has them, its BPE never produces them."""
+
+
 def real_vocab(tokenizer, n_rows: int) -> int:
-    """How many LM-head rows a token of this tokenizer can take (the rest are padding)."""
-    return min(int(n_rows), len(tokenizer))
+    """How many LM-head rows a token of this tokenizer can take: the rows below ``len(tokenizer)``, less the trailing
+    GGUF padding tokens (:data:`GGUF_PADDING`); the rest are padding."""
+    n = min(int(n_rows), len(tokenizer))
+    while n > 0 and GGUF_PADDING.fullmatch(str(tokenizer.convert_ids_to_tokens(n - 1))):
+        n -= 1
+    return n
 
 
 def utf8_bytes(sentences: Sequence[str]) -> np.ndarray:
@@ -272,6 +282,11 @@ def score_sentences(model, tokenizer, sentences: Sequence[str], batch_tokens="au
     prep = prepare(tokenizer, sentences, max_length)
     lengths = np.array([len(s) for s in prep.ids])
     head = Head(model, real_vocab(tokenizer, model.get_output_embeddings().weight.shape[0]))
+    top = max(max(s) for s in prep.ids)
+    if top >= head.vocab:
+        raise MergescopeError(f"token id {top} is beyond the {head.vocab} rows scored (the model's head has "
+                              f"{model.get_output_embeddings().weight.shape[0]} rows, the tokenizer {len(tokenizer)} tokens): "
+                              "the tokenizer does not belong to this model")
     nll = np.zeros(len(prep.ids))
     with bar() as pb:
         task = pb.add_task(label, total=len(prep.ids), visible=progress)
