@@ -155,6 +155,7 @@ class Head:
         head = model.get_output_embeddings()
         if head is None or not hasattr(head, "weight"):
             raise MergescopeError(f"{type(model).__name__} has no output embedding (LM head) to score tokens with")
+        self.rows = int(head.weight.shape[0])
         self.weight = head.weight[:vocab]
         self.bias = None if getattr(head, "bias", None) is None else head.bias[:vocab]
         self.cap = _softcap(model)
@@ -218,6 +219,10 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
                   scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded batch: the logits at position t predict ``targets[:, t]`` where ``scored[:, t]``. Returns per row the
     summed NLL (nats, float64) of the scored targets and whether every one of them is the argmax of its row."""
+    top = int(torch.cat([x[m.bool()], targets[scored.bool()]]).max())
+    if top >= head.vocab:
+        raise MergescopeError(f"token id {top} is beyond the {head.vocab} rows scored (of the head's {head.rows}): "
+                              "the tokenizer does not belong to this model")
     with _Hidden(model) as hid:
         out = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False, logits_to_keep=1)
     h = hid.value
@@ -282,11 +287,6 @@ def score_sentences(model, tokenizer, sentences: Sequence[str], batch_tokens="au
     prep = prepare(tokenizer, sentences, max_length)
     lengths = np.array([len(s) for s in prep.ids])
     head = Head(model, real_vocab(tokenizer, model.get_output_embeddings().weight.shape[0]))
-    top = max(max(s) for s in prep.ids)
-    if top >= head.vocab:
-        raise MergescopeError(f"token id {top} is beyond the {head.vocab} rows scored (the model's head has "
-                              f"{model.get_output_embeddings().weight.shape[0]} rows, the tokenizer {len(tokenizer)} tokens): "
-                              "the tokenizer does not belong to this model")
     nll = np.zeros(len(prep.ids))
     with bar() as pb:
         task = pb.add_task(label, total=len(prep.ids), visible=progress)
