@@ -5,7 +5,7 @@ Reads ``real/smollm2-135m`` (``make real``) and prints, with the torch thread co
 - the float32 GEMM rate of this CPU at the model's own largest shape (tokens x 576 @ 576 x 1536, the MLP's up
   projection, for a batch of 32 x 48 tokens) and at a square 2048^3 (the peak a BLAS reaches here), GFLOP/s, best
   of several repeats;
-- one forward of the project's NLL path (``represent.forward.token_nll``) on 32 FLORES-sized sentences of 48
+- one forward of the project's NLL path (``bpb.token_nll``) on 32 FLORES-sized sentences of 48
   tokens, as tokens/s and GFLOP/s, where the FLOPs are counted from the model's shapes: 2 x (the 30 layers' matmul
   weights + the tied head) per token plus the attention scores and values (4 x T x d per layer per token, causal
   average T/2); the ratio of that rate to each GEMM rate is the share of the physical limit the forward reaches.
@@ -61,7 +61,7 @@ def main() -> int:
         return 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.represent.forward import token_nll
+    from mergescope.bpb import token_nll
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)

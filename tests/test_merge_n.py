@@ -358,7 +358,7 @@ def test_transport_save_true_writes_the_fused_model(tiny_models, compose_cfg):
     from test_transport import transport_job
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.represent import token_nll
+    from mergescope.bpb import token_nll
     from mergescope.transport.job import check, run_transport, sides, texts
 
     cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=("merge.alphas=[0.1]", "save=true")))

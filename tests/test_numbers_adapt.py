@@ -14,7 +14,7 @@ from conftest import make_tokenizer
 from mergescope.adapt import adapters, shape_of
 from mergescope.adapt.evaluate import attention_diagnostics, contributing_heads
 from mergescope.adapt.shapes import config_blockers, gqa_aligned_heads, gqa_mismatches, truncate_maps
-from mergescope.bpb import bits_per_byte, sentence_ids, sentence_nll
+from mergescope.bpb import score_sentences, sentence_ids, sentence_nll
 from mergescope.errors import MergescopeError
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -228,18 +228,21 @@ def test_bits_per_byte_predicts_every_token_from_the_start_token_on_a_known_case
     want = -float(sum(logp[i, ids[i + 1]] for i in range(len(ids) - 1)))
     nll, ntok = sentence_nll(m, tok, sent)
     assert ntok[0] == len(ids) - 1 and nll[0] == pytest.approx(want, rel=1e-10)
-    assert bits_per_byte(m, tok, sent)[0] == pytest.approx(want / math.log(2) / len(sent[0].encode()), rel=1e-10)
+    sc = score_sentences(m, tok, sent)
+    assert sc.sentence_bits_per_byte[0] == sc.bits_per_byte == pytest.approx(want / math.log(2) / len(sent[0].encode()), rel=1e-10)
 
 
 def test_the_adapt_arm_and_routing_share_the_definition(tok):
     from mergescope.adapt.evaluate import Text, score
-    from mergescope.shared_space.routing import bits_per_byte as routing_bpb
+    from mergescope.shared_space.routing import pooled
 
     m = _model("llama", tok, **SMALL)
     s = score(m, tok, [Text("test", "eng_Latn", tuple(TEXT), None)])
     nll, _ = sentence_nll(m, tok, TEXT)
-    assert s["test_bpb"] == pytest.approx(nll.sum() / math.log(2) / sum(len(t.encode()) for t in TEXT), rel=1e-12)
-    assert np.allclose(routing_bpb(m, tok, TEXT), bits_per_byte(m, tok, TEXT), rtol=1e-12)
+    want = nll.sum() / math.log(2) / sum(len(t.encode()) for t in TEXT)
+    assert s["test_bpb"] == pytest.approx(want, rel=1e-12)
+    sc = score_sentences(m, tok, TEXT)
+    assert pooled((sc.nll / math.log(2))[:, None], sc.bytes[:, None])[0] == pytest.approx(want, rel=1e-12)
 
 
 # ---------------------------------------------------------------- item 2: the seesaw of the chosen model

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from mergescope import models, real
 from mergescope.errors import MergescopeError
-from mergescope.represent.forward import embed, tokenize, token_nll
+from mergescope.bpb import start_id, token_nll
+from mergescope.represent.forward import embed, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = real.source(real.NAME)
@@ -165,10 +166,13 @@ def test_pooled_representations_match_a_plain_loop(lm, layer):
 
 @needs_real
 def test_nll_matches_a_plain_loop(lm):
+    """The project's NLL (every token predicted from the start token, SmolLM2's <|endoftext|>) against transformers' own
+    shifted loss, one sentence at a time."""
     ours = token_nll(lm.model, lm.tokenizer, SENTS, progress=False)
+    assert len(lm.tokenizer) == lm.model.get_output_embeddings().weight.shape[0]  # no padded rows: the plain softmax is ours
     total, count = 0.0, 0
     for s in SENTS:
-        ids = torch.tensor([lm.tokenizer(s)["input_ids"]])
+        ids = torch.tensor([[start_id(lm.tokenizer), *lm.tokenizer(s, add_special_tokens=False)["input_ids"]]])
         with torch.no_grad():
             loss = lm.model(input_ids=ids, labels=ids).loss  # transformers' own shifted mean
         total += float(loss) * (ids.shape[1] - 1)
@@ -181,19 +185,20 @@ def test_nll_matches_a_plain_loop(lm):
 @needs_real
 def test_a_tokenizer_without_bos(lm):
     """SmolLM2 declares <|im_start|> as its BOS but adds none: the first token is the sentence's first word, so pooling
-    includes it and NLL predicts tokens 2..T; a one-token sentence pools to its own state, has no token to predict."""
+    includes it; NLL predicts it too, from <|endoftext|> (mergescope.bpb), so a one-token sentence has one token scored."""
     tok = lm.tokenizer
     assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
     ids, _ = tokenize(tok, SENTS, 512)
     assert all(seq[0] not in tok.all_special_ids for seq in ids)
     assert ids[0][0] == tok("The", add_special_tokens=False)["input_ids"][0]
-    assert token_nll(lm.model, tok, SENTS, progress=False)["n_tokens"] == sum(len(s) - 1 for s in ids)
+    assert start_id(tok) == tok.get_vocab()["<|endoftext|>"]
+    assert token_nll(lm.model, tok, SENTS, progress=False)["n_tokens"] == sum(len(s) for s in ids)
     one = "Hello"
     assert len(tok(one)["input_ids"]) == 1
     v, _ = embed(lm.model, tok, [one, SENTS[0]], pooling="mean", progress=False)
     assert np.allclose(v[0], _plain_hidden(lm, one, -1)[0].numpy(), atol=1e-5)
-    with pytest.raises(MergescopeError, match="no token to predict"):
-        token_nll(lm.model, tok, [one, "Yes"], progress=False)
+    scored = token_nll(lm.model, tok, [one, "Yes"], progress=False)
+    assert scored["n_tokens"] == 2 and 0 < scored["nll"] < 30
 
 
 @needs_real

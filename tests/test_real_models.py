@@ -99,7 +99,7 @@ def test_greedy_continuation(name):
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_english_flores_nll_is_plausible(name):
-    from mergescope.represent.forward import token_nll
+    from mergescope.bpb import token_nll
 
     if not (FLORES / "devtest").is_dir():
         pytest.skip("FLORES-200 not found (MERGESCOPE_DATA)")

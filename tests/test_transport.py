@@ -186,7 +186,7 @@ def _permute(model, family: str, seed: int) -> tuple[torch.nn.Module, list[torch
 
 
 def _nll(model, tok, sents) -> float:
-    from mergescope.represent import token_nll
+    from mergescope.bpb import token_nll
 
     return token_nll(model, tok, sents, progress=False)["nll"]
 

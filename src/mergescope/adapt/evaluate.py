@@ -9,7 +9,6 @@ A "task" of the seesaw is one language or one FLORES domain (wikinews / wikivoya
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,25 +17,19 @@ import torch
 
 from mergescope import data as data_mod
 from mergescope.config import plain_copy
-from mergescope.bpb import sentence_nll, utf8_bytes
+from mergescope.bpb import Scores, score_sentences
 from mergescope.errors import MergescopeError
 from mergescope.represent import pad_batch, pad_id, tokenize
-
-LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
 class Text:
-    """One split of one language: the sentences, their UTF-8 byte counts and their FLORES domains."""
+    """One split of one language: the sentences and their FLORES domains."""
 
     split: str
     lang: str
     sentences: tuple[str, ...]
     domains: tuple[str, ...] | None
-
-    @property
-    def n_bytes(self) -> np.ndarray:
-        return utf8_bytes(self.sentences)
 
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
@@ -81,26 +74,21 @@ def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | 
     return out
 
 
-def _pool(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[float, float]:
-    """(nats per token, bits per byte) of pooled (nll, tokens, bytes) arrays."""
-    nll = sum(float(p[0].sum()) for p in parts)
-    return nll / max(sum(float(p[1].sum()) for p in parts), 1.0), nll / LN2 / max(sum(float(p[2].sum()) for p in parts), 1.0)
-
-
 def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: int = 512) -> dict[str, float]:
     """``{val,test}_nll`` / ``_bpb`` (mean over languages), per language ``{split}_nll.<lang>``, and on every
-    split per FLORES domain ``{split}_nll.<domain>`` (pooled over languages)."""
+    split per FLORES domain ``{split}_nll.<domain>`` (pooled over languages: total NLL over total tokens, total bits
+    over total bytes); ``{split}_truncated``: how many sentences ``max_length`` cut (their cut-off bytes are not counted)."""
     out: dict[str, float] = {}
-    by_domain: dict[tuple[str, str], list] = {}
+    by_domain: dict[tuple[str, str], list[Scores]] = {}
     for t in texts:
-        nll, ntok = sentence_nll(model, tokenizer, t.sentences, batch_tokens, max_length)
-        nb = t.n_bytes
-        out[f"{t.split}_nll.{t.lang}"], out[f"{t.split}_bpb.{t.lang}"] = _pool([(nll, ntok, nb)])
+        sc = score_sentences(model, tokenizer, t.sentences, batch_tokens, max_length)
+        out[f"{t.split}_nll.{t.lang}"], out[f"{t.split}_bpb.{t.lang}"] = sc.nats_per_token, sc.bits_per_byte
+        out[f"{t.split}_truncated"] = out.get(f"{t.split}_truncated", 0.0) + sc.n_truncated
         for dom in sorted(set(t.domains or ())):
-            sel = np.array([d == dom for d in t.domains])
-            by_domain.setdefault((t.split, dom), []).append((nll[sel], ntok[sel], nb[sel]))
+            by_domain.setdefault((t.split, dom), []).append(sc.select(np.array([d == dom for d in t.domains])))
     for (split, dom), parts in by_domain.items():
-        out[f"{split}_nll.{dom}"], out[f"{split}_bpb.{dom}"] = _pool(parts)
+        pooled = Scores(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "tokens", "bytes", "truncated")))
+        out[f"{split}_nll.{dom}"], out[f"{split}_bpb.{dom}"] = pooled.nats_per_token, pooled.bits_per_byte
     for split in sorted({t.split for t in texts}):
         langs = [t.lang for t in texts if t.split == split]
         out[f"{split}_nll"] = float(np.mean([out[f"{split}_nll.{lang}"] for lang in langs]))

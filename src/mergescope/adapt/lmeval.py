@@ -1,6 +1,13 @@
 """``eval=lm_eval``: score a merged model with EleutherAI's lm-evaluation-harness, in memory (no save and reload):
 ``HFLM(pretrained=model, tokenizer=tokenizer)``. Offline (``eval.tasks=null``) the tasks are local YAMLs built from
 the FLORES files: one rolling log-likelihood task per language (word and byte perplexity, bits per byte).
+
+lm-eval's token log-probabilities are the project's (:mod:`mergescope.bpb`): its rolling windows start from the
+model's start token (:func:`mergescope.bpb.start_id`, not lm-eval's default BOS: SmolLM2 declares a chat marker as
+BOS) with no other special token, the softmax excludes padded vocabulary rows, and the head is applied in chunks
+(:func:`mergescope.bpb.window_scores`): no batch x length x vocabulary log-softmax is built. A FLORES sentence that
+fits the model's context is thus scored exactly as the quality and adapt arms score it, and lm-eval's bits per byte
+(total over its documents) equals theirs.
 One run per scored model (kind=eval, route=adapt, tag ``merge_run`` = the merge run's id); the harness's
 results as metrics and ``results.json`` as an artifact.
 """
@@ -70,22 +77,66 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return out
 
 
+def loglikelihoods(model, tokenizer, requests, max_length: int, batch_tokens="auto") -> list[tuple[float, bool]]:
+    """lm-eval's ``_loglikelihood_tokens`` under the project's definition: per request ``(_, context, continuation)``
+    the summed log-probability of the continuation's tokens given what precedes them (the last ``max_length + 1``
+    tokens, as lm-eval cuts them) and whether each is the argmax of the tokenizer's rows."""
+    import numpy as np
+    import torch
+
+    from mergescope.bpb import Head, real_vocab, window_scores
+    from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+
+    device = next(model.parameters()).device
+    head = Head(model, real_vocab(tokenizer, model.get_output_embeddings().weight.shape[0]))
+    windows = []
+    for _, context, continuation in requests:
+        full = (list(context) + list(continuation))[-(int(max_length) + 1):]
+        windows.append((full[:-1], full[1:], len(continuation)))
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
+    for b in length_batches(np.array([len(w[0]) for w in windows]), batch_token_budget(batch_tokens, device)):
+        x, m, p = pad_batch([windows[i][0] for i in b], pad_id(tokenizer), "right", device)
+        targets = pad_batch([windows[i][1] for i in b], 0, "right", device)[0]
+        scored = torch.zeros_like(m)
+        for r, i in enumerate(b):
+            n, k = len(windows[i][0]), windows[i][2]
+            scored[r, n - k:n] = 1
+        nll, greedy = window_scores(model, head, x, m, p, targets, scored)
+        for r, i in enumerate(b):
+            out[i] = (-float(nll[r]), bool(greedy[r]))
+    return out
+
+
+def scorer_class():
+    """lm-eval's HFLM scoring with :func:`loglikelihoods` (quiet: lm-eval 0.4.x opens a progress bar for every batch of
+    a document's rolling windows; the per-task bar stays)."""
+    from lm_eval.models.huggingface import HFLM
+
+    class ScoredHFLM(HFLM):
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            res = loglikelihoods(self.model, self.tokenizer, requests, self.max_length)
+            for (key, _, _), answer in zip(requests, res):
+                if key is not None:  # lm-eval's own cache protocol (a rolling window has no key)
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+            return res
+
+    return ScoredHFLM
+
+
 def evaluate(model, tokenizer, tasks: list[str], include: Path | None, batch_size: int, limit) -> dict:
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     import logging
 
+    from mergescope.bpb import start_id
+
     log = logging.getLogger("lm_eval")
     level = log.level
     log.setLevel(logging.ERROR)  # lm-eval's info lines and its warnings about an in-memory model (expected here)
-    class QuietHFLM(HFLM):  # lm-eval 0.4.x opens a progress bar for every batch of a document's rolling windows
-        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, *args, **kwargs):
-            return super()._loglikelihood_tokens(requests, True, *args, **kwargs)  # the per-task bar stays
-
     try:
-        lm = QuietHFLM(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size))
+        lm = scorer_class()(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size),
+                            prefix_token_id=start_id(tokenizer), add_bos_token=False)
         manager = TaskManager(include_path=str(include)) if include else TaskManager()
         return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit)
     finally:

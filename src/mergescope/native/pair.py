@@ -16,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
+from mergescope.bpb import token_nll
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stream import streamed_state
 from mergescope.native.weights import coverage, routes
-from mergescope.represent import token_nll
 from mergescope.runs import model_label, pair_label
 
 _STEP = re.compile(r"^step(\d+)$")

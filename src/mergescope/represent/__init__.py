@@ -1,5 +1,5 @@
 """The representation arm: pooled sentence representations (batched, length-sorted forward passes),
-their on-disk cache, per-token NLL, and the measure and quality jobs (``represent.job``)."""
+their on-disk cache, and the measure and quality jobs (``represent.job``)."""
 
 from mergescope.represent.cache import ReprCache, ReprKey
 from mergescope.represent.forward import (
@@ -11,9 +11,8 @@ from mergescope.represent.forward import (
     pad_batch,
     pad_id,
     pool,
-    token_nll,
     tokenize,
 )
 
 __all__ = ["POOLINGS", "ReprCache", "ReprKey", "batch_token_budget", "embed", "final_hidden", "length_batches",
-           "pad_batch", "pad_id", "pool", "token_nll", "tokenize"]
+           "pad_batch", "pad_id", "pool", "tokenize"]

@@ -1,4 +1,4 @@
-"""Sentence representations and per-token NLL: batched, length-sorted forward passes.
+"""Sentence representations: batched, length-sorted forward passes (per-token NLL is :mod:`mergescope.bpb`'s).
 
 Pooling over the sentence's own tokens of a chosen hidden state:
 - ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th pooled token = i;
@@ -167,29 +167,3 @@ def embed(
     assert out is not None
     return out, {"n_tokens": int(lengths.sum()), "n_truncated": int(n_trunc), "n_batches": len(batches),
                  "n_leading_special": int(lead.sum())}
-
-
-@torch.inference_mode()
-def token_nll(
-    model, tokenizer, sentences, batch_tokens: int | str = "auto", max_length: int = 512, progress: bool = True, label: str = "nll"
-) -> dict[str, float]:
-    """Mean per-token NLL (nats) over every predicted token of every sentence, accumulated in float64."""
-    device = next(model.parameters()).device
-    ids, n_trunc = tokenize(tokenizer, sentences, max_length)
-    lengths = np.array([len(s) for s in ids])
-    total, count = 0.0, 0
-    with bar() as pb:
-        task = pb.add_task(label, total=len(sentences), visible=progress)
-        for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
-            x, m, p = pad_batch([ids[i] for i in b], pad_id(tokenizer), "right", device)
-            logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
-            valid = m[:, 1:].bool()
-            lp = torch.nn.functional.cross_entropy(
-                logits[:, :-1][valid].float(), x[:, 1:][valid], reduction="sum"
-            )
-            total += float(lp.double())
-            count += int(valid.sum())
-            pb.advance(task, len(b))
-    if count == 0:
-        raise MergescopeError("no token to predict: every sentence is a single token")
-    return {"nll": total / count, "n_tokens": count, "n_truncated": n_trunc}

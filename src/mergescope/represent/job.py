@@ -15,10 +15,11 @@ from omegaconf import DictConfig
 
 from mergescope import data as data_mod
 from mergescope import models
+from mergescope.bpb import token_nll
 from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem
-from mergescope.represent.forward import POOLINGS, embed, token_nll
+from mergescope.represent.forward import POOLINGS, embed
 from mergescope.runs import JobResult, JobSpec, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
 
 MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length",
@@ -172,7 +173,8 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         job.log_params({"model.true": lm.true_config})
         res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
                         max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
-        return finite_or_fail({"nll": res["nll"], "n_tokens": float(res["n_tokens"]), "n_truncated": float(res["n_truncated"])},
+        return finite_or_fail({"nll": res["nll"], "bits_per_byte": res["bits_per_byte"], "n_tokens": float(res["n_tokens"]),
+                               "n_truncated": float(res["n_truncated"])},
                               f"quality of {ref.label}")
 
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,

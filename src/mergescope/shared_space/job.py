@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
+from mergescope.bpb import LN2, Scores, score_sentences
 from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
 from mergescope.plotting import pyplot as plt
@@ -39,7 +40,7 @@ from mergescope.shared_space.domains import domains
 from mergescope.shared_space.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
 from mergescope.shared_space.reorganize import change_corr, is_ssm, layer_change
 from mergescope.shared_space.reprs import final_layers, layer_reprs, models_tags, pc2_share, prepare
-from mergescope.shared_space.routing import bits_per_byte, route, summarise
+from mergescope.shared_space.routing import pooled, route, summarise
 from mergescope.shared_space.settings import SharedSettings
 from mergescope.shared_space.space import save_space
 
@@ -328,27 +329,32 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
 
 
-def score_all(cfg, entries, refs, sides) -> np.ndarray:
-    cols = []
+def score_all(cfg, entries, refs, sides) -> list[Scores]:
+    """Every sentence under every model (:mod:`mergescope.bpb`)."""
+    out = []
     for e, r, side in zip(entries, refs, sides):
         lm = models.load(e, cfg.device, ref=r)
-        cols.append(bits_per_byte(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
+        out.append(score_sentences(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
         del lm  # released before the next model loads: one model in memory at a time
-    return np.stack(cols, axis=1)
+    return out
 
 
 def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     s, entries, refs, sides, labels = prepare(cfg)
 
     def body(job) -> dict[str, float]:
-        bpb = score_all(cfg, entries, refs, sides)
+        scores = score_all(cfg, entries, refs, sides)
+        bits = np.stack([sc.nll / LN2 for sc in scores], axis=1)
+        nbytes = np.stack([sc.bytes for sc in scores], axis=1)
+        bpb = bits / nbytes  # each sentence's own, for the table
         main = s.pooling
         Xs = [r[main][-1] for r in final_layers(cfg, s, entries, refs, sides)]
         doms = domains(cfg.data, str(entries[0].lang), bpb.shape[0])
-        picks = route(bpb, Xs, doms, s.dim, s.folds, s.knn, s.seed)
-        out = summarise(bpb, picks)
-        for i, lab in enumerate(labels):
-            out[f"bpb_model_{i}"] = float(bpb[:, i].mean())
+        picks = route(bits, nbytes, Xs, doms, s.dim, s.folds, s.knn, s.seed)
+        out = summarise(bits, nbytes, picks)
+        for i, b in enumerate(pooled(bits, nbytes)):
+            out[f"bpb_model_{i}"] = float(b)
+            out[f"truncated_model_{i}"] = float(scores[i].n_truncated)
             out[f"oracle_share_model_{i}"] = float(np.mean(picks["oracle"] == i))
         out["space_beats_best"] = float(out["gain_space"] > 0)
         rows = [{"sentence": n, "domain": (doms or [""] * len(bpb))[n], **{f"bpb_{lab}": float(bpb[n, i]) for i, lab in enumerate(labels)},

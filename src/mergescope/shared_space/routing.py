@@ -1,14 +1,17 @@
 """Routing (the paper's §8) with bits per byte as the gradeable task: every sentence is scored by every
-model in bits per UTF-8 byte (:mod:`mergescope.bpb`: comparable across tokenizers, each sentence starts from the
-model's BOS, or its EOS, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
+model (:mod:`mergescope.bpb`, the project's one definition: comparable across tokenizers, each sentence starts from the
+model's start token, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
 
-- ``always_best``: the model with the lowest mean bits per byte on the training fold;
+- ``always_best``: the model with the lowest bits per byte on the training fold;
 - ``space``: the majority label of the sentence's k nearest training-fold neighbours in the shared space
   (fitted on the training fold; a sentence's position is the mean of its models' positions), each labelled
   with the model that was best on it;
 - ``domain``: the best model of the sentence's category on the training fold (the paper's confound: a signal
   that is category membership);
 - ``oracle``: the best model for each sentence (an upper bound, not a router).
+
+Every bits-per-byte figure over a set of sentences (a model's, a router's, a fold's) is the total NLL in bits over
+the total bytes scored, never a mean of per-sentence ratios; a sentence's own bits per byte only picks its best model.
 """
 
 from __future__ import annotations
@@ -17,12 +20,8 @@ from collections import Counter
 
 import numpy as np
 
-from mergescope.bpb import bits_per_byte, start_id  # noqa: F401  (the project's one definition)
 from mergescope.shared_space.evaluate import fit_space
 from mergescope.shared_space.gpa import folds
-
-LN2 = float(np.log(2.0))
-
 
 def knn_labels(Q: np.ndarray, G: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     """Majority label of each query's k cosine nearest gallery rows (ties: the nearest's label)."""
@@ -37,15 +36,22 @@ def knn_labels(Q: np.ndarray, G: np.ndarray, labels: np.ndarray, k: int) -> np.n
     return np.array(out)
 
 
-def route(bpb: np.ndarray, Xs, doms, dim: int, k_folds: int, knn: int, seed: int) -> dict[str, np.ndarray]:
-    """Per sentence (held-out in its fold): the model each router picks. ``bpb`` is (n, N models)."""
-    n = bpb.shape[0]
+def pooled(bits: np.ndarray, nbytes: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """(N,) each model's bits per byte over ``rows`` (all when None): total bits over total bytes."""
+    sel = slice(None) if rows is None else rows
+    return bits[sel].sum(axis=0) / nbytes[sel].sum(axis=0)
+
+
+def route(bits: np.ndarray, nbytes: np.ndarray, Xs, doms, dim: int, k_folds: int, knn: int, seed: int) -> dict[str, np.ndarray]:
+    """Per sentence (held-out in its fold): the model each router picks. ``bits`` and ``nbytes`` are (n, N models): each
+    sentence's NLL in bits and the UTF-8 bytes scored under each model."""
+    n = bits.shape[0]
     picks = {name: np.zeros(n, dtype=int) for name in ("always_best", "space", "domain", "oracle")}
-    best = bpb.argmin(axis=1)
+    best = (bits / nbytes).argmin(axis=1)
     picks["oracle"] = best
     for test in folds(n, k_folds, seed):
         train = np.setdiff1d(np.arange(n), test)
-        picks["always_best"][test] = int(bpb[train].mean(axis=0).argmin())
+        picks["always_best"][test] = int(pooled(bits, nbytes, train).argmin())
         space = fit_space([x[train] for x in Xs], dim)
         g = np.mean([space.project(i, x[train]) for i, x in enumerate(Xs)], axis=0)
         q = np.mean([space.project(i, x[test]) for i, x in enumerate(Xs)], axis=0)
@@ -54,19 +60,20 @@ def route(bpb: np.ndarray, Xs, doms, dim: int, k_folds: int, knn: int, seed: int
             d = np.asarray(doms)
             for name in set(d[test]):
                 sel = train[d[train] == name]
-                chosen = int(bpb[sel].mean(axis=0).argmin()) if len(sel) else picks["always_best"][test][0]
+                chosen = int(pooled(bits, nbytes, sel).argmin()) if len(sel) else picks["always_best"][test][0]
                 picks["domain"][test[d[test] == name]] = chosen
     if doms is None:
         del picks["domain"]
     return picks
 
 
-def summarise(bpb: np.ndarray, picks: dict[str, np.ndarray]) -> dict[str, float]:
-    """Mean bits per byte of each router, its gain over always-best (positive = better), agreement with the oracle."""
-    rows = np.arange(bpb.shape[0])
+def summarise(bits: np.ndarray, nbytes: np.ndarray, picks: dict[str, np.ndarray]) -> dict[str, float]:
+    """Bits per byte of each router (total bits of the picked models over their total bytes), its gain over
+    always-best (positive = better), agreement with the oracle."""
+    rows = np.arange(bits.shape[0])
     out = {}
     for name, p in picks.items():
-        out[f"bpb_{name}"] = float(bpb[rows, p].mean())
+        out[f"bpb_{name}"] = float(bits[rows, p].sum() / nbytes[rows, p].sum())
         out[f"oracle_agreement_{name}"] = float(np.mean(p == picks["oracle"]))
     for name in picks:
         out[f"gain_{name}"] = out["bpb_always_best"] - out[f"bpb_{name}"]

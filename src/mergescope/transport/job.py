@@ -32,11 +32,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
+from mergescope.bpb import token_nll
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
-from mergescope.represent import token_nll
 from mergescope.represent.cache import cache_enabled
 from mergescope.runs import JobResult, JobSpec, finished, model_label, model_parts, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
