@@ -107,7 +107,9 @@ def test_english_flores_nll_is_plausible(name):
 
     lines = list(_read_lines(next((FLORES / "devtest").glob("eng_Latn*")))[:48])
     got = token_nll(folder_lm(name).model, folder_lm(name).tokenizer, lines, progress=False)
-    assert 1.0 < got["nll"] < 4.5, got  # plain English news/wiki text; the unigram entropy is ~7.5 nats
+    # plain English news/wiki text, scored from the start token (mergescope.bpb): every model beats a unigram model
+    # (~7.5 nats/token); measured on these 48 sentences: Qwen2.5-Coder-0.5B-Instruct 5.94, the others below 4.5
+    assert 1.0 < got["nll"] < (7.0 if name == "qwen2.5-coder-0.5b" else 4.5), got
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_skip(n)) for n in ("gemma3-270m", "qwen2.5-coder-0.5b")])
