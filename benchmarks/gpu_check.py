@@ -52,7 +52,7 @@ def check_merges(rng) -> list[tuple[str, float]]:
     out = []
     for path in sorted((CONF_DIR / "merge").glob("*.yaml")):
         preset = OmegaConf.to_container(OmegaConf.load(path))
-        if preset.get("operator", preset.get("name")) in ("transport", "mergekit"):  # not per-tensor operators
+        if preset.get("operator", preset.get("name")) in ("transport", "transport_released", "mergekit"):  # not per-tensor operators
             continue
         entry, kwargs = resolve_preset(preset)
         b = base if entry.meta.get("needs_base") else None

@@ -620,7 +620,7 @@ def test_docs_list_as_refused_only_what_the_parser_refuses():
     assert got["preset"]["weights"] == [[{"filter": "self_attn", "value": 0.2}, {"value": 1.0}]]
     assert got["preset"]["lambda_"] == [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 0.9}]
     assert "`slices`" not in refused  # read since issue 39 (test_sliced_mergekit_yaml_equals_mergekit)
-    for kind, change in (("tokenizer_source", {"tokenizer_source": "union"}),):
+    for kind, change in (("modules", {"modules": {}}),):
         assert kind in refused
         with pytest.raises(MergescopeError, match=f"{kind} is not supported"):
             parse(yaml.safe_dump({**yaml.safe_load(text), **change}), "x.yaml")

@@ -19,10 +19,10 @@ from mergescope.merge import check_base, merge_state_dicts, resolve_preset, tens
 from mergescope.registry import merges
 
 REPO = Path(__file__).resolve().parents[1]
-# every conf/merge/ file is a preset over a registered operator, except transport (its own task) and mergekit (a
-# mergekit YAML's reader, merge.config=path.yaml: tests/test_merge_n.py)
+# every conf/merge/ file is a preset over a registered operator, except transport and transport_released (their own
+# task) and mergekit (a mergekit YAML's reader, merge.config=path.yaml: tests/test_merge_n.py)
 PRESETS = sorted(p for p in glob.glob(str(REPO / "conf" / "merge" / "*.yaml"))
-                 if not p.endswith(("/transport.yaml", "/mergekit.yaml")))
+                 if not p.endswith(("/transport.yaml", "/transport_released.yaml", "/mergekit.yaml")))
 OPS = ["linear", "slerp", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
 
 

@@ -24,8 +24,12 @@ def ckpt_pair(models, ra="step2", rb=None, base="step1", merges="[]", points=3):
 
 
 def outside_nll(state: dict, path: Path, sentences: list[str]) -> float:
-    """Mean per-token NLL of a model with the given weights, one sentence at a time, plain transformers."""
+    """Mean per-token NLL of a model with the given weights, one sentence at a time, plain transformers, by the one
+    definition (mergescope.bpb): every token predicted from the model's start token, the softmax over the tokenizer's
+    rows only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergescope.bpb import start_id
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -33,8 +37,8 @@ def outside_nll(state: dict, path: Path, sentences: list[str]) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for s in sentences:
-            ids = torch.tensor([tok(s)["input_ids"]])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            ids = torch.tensor([[start_id(tok), *tok(s, add_special_tokens=False)["input_ids"]]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1, :len(tok)].double(), -1)
             total -= float(logp.gather(1, ids[0, 1:, None]).sum())
             count += ids.shape[1] - 1
     return total / count

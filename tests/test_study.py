@@ -85,7 +85,7 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     art = tmp_path / "mlruns" / "artifacts" / "toy" / analysis.info.run_id / "artifacts"
     assert (art / "tables" / "cka_matrix.csv").is_file() and (art / "figures" / "cka_matched_vs_shuffled.png").is_file()
     corr = (art / "tables" / "checkpoint_correlations.csv").read_text().splitlines()
-    assert corr[0] == "a,b,n,rho,p_perm,q_bh" and len(corr) == 1 + 28  # 8 diagnostics, 15 checkpoint pairs
+    assert corr[0] == "a,b,n,rho,p_perm,q_bh,p_mantel,q_mantel" and len(corr) == 1 + 28  # 8 diagnostics, 15 checkpoint pairs
     # checkpoints: at least 12 per model, addressed like hub revisions
     for r in (r for r in rs if r.data.tags["kind"] == "train"):
         folder = tmp_path / "zoo" / r.data.tags["model"]

@@ -346,7 +346,8 @@ def test_task_runs_the_released_preset_with_both_controls(tiny_models, compose_c
         for lang in ("target_lang", "donor_lang"):
             assert m[f"shrink_delta_{lang}"] == pytest.approx(m[f"shrink_nll_{lang}"] - m[f"base_nll_{lang}"], abs=1e-12)
             assert m[f"ot_minus_shrink_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"shrink_nll_{lang}"], abs=1e-12)
-            assert abs(m[f"ot_minus_shrink_{lang}"]) < 1e-4 < abs(m[f"shrink_delta_{lang}"])
+            # raw plans: the transported term moves the NLL by under 1% of what the shrink moves it
+            assert abs(m[f"ot_minus_shrink_{lang}"]) < 1e-2 * abs(m[f"shrink_delta_{lang}"]), m
         assert m["transported_relative_norm"] < 1e-3 and m["plan_entropy_gap"] >= 0
         assert m["plan_rowmax_over_uniform"] >= 1 and m["n_fused_tensors"] > 0
     # the fused tensors: query_key_value (rows of its q, k and v blocks) and attention.dense (columns)

@@ -270,11 +270,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         return run_sliced(cfg, spec, overrides)
     entry, kwargs, refs, base_ref = check_spec(cfg, spec)
     if spec.tokenizer is not None:  # the target vocabulary built once before any run (a union of unlike tokenizers fails here)
-        from mergescope.native.transplant import target_tokenizer
-
-        kind, order = tokenizer_order(spec, base_ref is not None)
-        every = [*refs, *([base_ref] if base_ref is not None else [])]
-        target_tokenizer(kind, [models.load_tokenizer(every[i]) for i in order], [every[i].label for i in order])
+        _check_target_tokenizer(spec, refs, base_ref)
     langs = langs_of(cfg, spec)
     names = labels(spec)
     host_lang = str(spec.entries[0].lang)
@@ -321,6 +317,36 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         console.print(f"  merge {cfg.merge.name} of {len(refs)} models: nll={values['nll']:.4f} ({host_lang})")
         return values
 
+    tags, extra = _merge_identity(cfg, spec, entry, kwargs, base_ref, names, langs, host_lang)
+    reads = [*refs, *([base_ref] if base_ref is not None else [])]
+    res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {' + '.join(names)}", tags, task="merge_n",
+                                keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
+                                reads=reads, extra=extra), body, overrides)
+    if _lm_eval(cfg):
+        from mergescope.native.save import run_native_lm_eval
+
+        def merged():  # the merged model in the host: from the run just done, else merged again
+            stack = held.get("stack") or Stack(cfg, spec, refs, base_ref)
+            stack.ensure_stats(cfg, entry, [str(e.lang) for e in spec.entries])
+            stack.merge_into_host(entry, kwargs, cfg.device)
+            return stack.host, stack.tok
+
+        run_native_lm_eval(cfg, merged, langs, res, overrides, reads,
+                           {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
+    return res
+
+
+def _check_target_tokenizer(spec: Spec, refs, base_ref) -> None:
+    """``tokenizer_source``: the target vocabulary built once before any run (a union of unlike tokenizers fails here)."""
+    from mergescope.native.transplant import target_tokenizer
+
+    kind, order = tokenizer_order(spec, base_ref is not None)
+    every = [*refs, *([base_ref] if base_ref is not None else [])]
+    target_tokenizer(kind, [models.load_tokenizer(every[i]) for i in order], [every[i].label for i in order])
+
+
+def _merge_identity(cfg: DictConfig, spec: Spec, entry, kwargs, base_ref, names, langs, host_lang) -> tuple[dict, dict]:
+    """An N-model merge run's tags and the extra parts of its identity (what changes its numbers beyond the keys)."""
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, "pair": "+".join(names),
             "models": ",".join(names), "n_models": len(names), "model_a": names[0], "lang_a": host_lang,
             "langs": ",".join(langs), "base": model_label(spec.base) if base_ref is not None else None,
@@ -342,22 +368,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     if entry.meta.get("needs_stats"):  # the statistics' split of every model's language
         extra["stats_data"] = data_mod.content_digest(cfg.data, [str(e.lang) for e in spec.entries],
                                                       [str(cfg.merge_stats.split)])
-    reads = [*refs, *([base_ref] if base_ref is not None else [])]
-    res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {' + '.join(names)}", tags, task="merge_n",
-                                keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
-                                reads=reads, extra=extra), body, overrides)
-    if _lm_eval(cfg):
-        from mergescope.native.save import run_native_lm_eval
-
-        def merged():  # the merged model in the host: from the run just done, else merged again
-            stack = held.get("stack") or Stack(cfg, spec, refs, base_ref)
-            stack.ensure_stats(cfg, entry, [str(e.lang) for e in spec.entries])
-            stack.merge_into_host(entry, kwargs, cfg.device)
-            return stack.host, stack.tok
-
-        run_native_lm_eval(cfg, merged, langs, res, overrides, reads,
-                           {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
-    return res
+    return tags, extra
 
 
 def _transplant_costs(cfg: DictConfig, spec: Spec, stack: Stack, has_base: bool, job, overrides) -> dict[str, float]:
