@@ -134,3 +134,37 @@ def test_logical_dedupe_keeps_latest_per_job(compose_cfg):
     assert [r.run_id for r in st.records] == [ids[1]]
     M, cell_ids = analysis.cka_matrix(st.measures, ["m1", "m2"])
     assert M[1, 0] == 0.4 and M[0, 1] == 0.01 and cell_ids[(1, 0)] == ids[1]
+
+
+def test_one_language_protocol_has_its_own_table_and_native_only_pairs_a_coverage_row():
+    """A study's one-language sweep (tag protocol=one_language) never joins the own-language pair rows; it has its own
+    section, with the per-pair difference to the own protocol; a native pair outside the sweep (the fine-tune family of
+    study=crossarch_real) gets its coverage row from its native run's logged routes."""
+    from types import SimpleNamespace
+
+    from mergescope.analysis.pairs import build_pair_rows
+    from mergescope.analysis.records import Rec, Study
+    from mergescope.analysis.sections.models import coverage
+    from mergescope.analysis.sections.representation import one_language_section
+
+    def measure(i, la, lb, cka, shuffled, protocol=None):
+        tags = {"kind": "measure", "pair": "m1__m2", "model_a": "m1", "model_b": "m2", "metric": "cka", "lang_a": la, "lang_b": lb}
+        if protocol:
+            tags["protocol"] = protocol
+        return Rec(f"{i:032d}", i, tags, {"cka": cka, "cka_shuffled": shuffled}, {})
+
+    routes = {f"routes.{k}.defined": str(k == "native") for k in ("native", "transport", "adapt", "transplant")}
+    native = Rec("n" * 32, 9, {"kind": "measure", "metric": "native", "pair": "ft1__ft2", "model_a": "ft1", "model_b": "ft2",
+                               "arm": "cross"}, {}, {**routes, "routes.native.scope": "all tensors"})
+    study = Study("x", "sqlite://", [measure(1, "por_Latn", "zho_Hans", 0.5, 0.1), measure(2, "eng_Latn", "eng_Latn", 0.8, 0.2, "one_language"),
+                                     native])
+    assert [r.run_id for r in study.measures] == ["0" * 31 + "1"] and [r.run_id for r in study.one_language] == ["0" * 31 + "2"]
+    _, pairs = build_pair_rows(study)
+    assert len(pairs) == 1 and pairs[0]["values"]["cka"] == 0.5 and pairs[0]["lang_a"] == "por_Latn"
+    an = SimpleNamespace(study=study, pairs=pairs, csv={}, console_tables=[], true_cfg={})
+    sec = one_language_section(an, "3a")
+    assert "one language (eng_Latn)" in sec.title and "tables/one_language.csv" in an.csv
+    assert "median +0.300" in sec.text[1]  # 0.8 on one language minus 0.5 on the own languages
+    rows = {r[0]: r for r in coverage(an, "2").tables[0].rows}
+    assert list(rows) == ["m1__m2", "ft1__ft2"] and rows["ft1__ft2"][1].startswith("yes (all tensors); measured")
+    assert one_language_section(SimpleNamespace(study=Study("x", "sqlite://", [])), "3a") is None

@@ -303,3 +303,48 @@ def test_a_new_merge_operator_is_a_comparison_column_of_the_adapt_summary(merge_
 
     best = Rec("b", 0, {"ratio": "best"}, {"test_nll_ties": 3.0, f"test_nll_{MERGE}": 2.9, "test_nll_scaling": 3.1}, {})
     assert compared_merges([best, Rec("p", 0, {"ratio": "0.5"}, {"test_nll_slerp": 1.0}, {})]) == ["ties", MERGE]  # by name
+
+
+def test_study_crossarch_real_languages_protocols_directions_and_native_family(compose_cfg, monkeypatch):
+    """study=crossarch_real's plan: each model on its own language side in every sweep pair (and so in the pair jobs),
+    the one-language protocol as a second, tagged sweep on English; the native arm on a pair outside the sweep (the
+    fine-tune family, its models trained); the transport directions named and in their order (the ablation takes the
+    first two); the adapt arm on intersection only. Names that are not the study's are refused in one line."""
+    import mergescope.study as study_mod
+    from mergescope.errors import MergescopeError
+
+    compose_cfg([])
+    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
+    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
+    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": a.name.startswith("smollm2-135m-")}})
+    base = ["study=crossarch_real", "hydra.sweeper.params.metric=cka"]
+    plan = study_mod.Plan(base)
+    own = {"smollm2-135m": "eng_Latn", "gemma3-270m": "pol_Latn", "qwen2.5-coder-0.5b": "por_Latn", "qwen2.5-coder-1.5b": "zho_Hans"}
+    mine = [m for m in plan.measures if not m.cfg.tags.get("protocol")]
+    one = [m for m in plan.measures if m.cfg.tags.get("protocol") == "one_language"]
+    assert len(mine) == len(one) == 6
+    assert all(m.cfg.pair[s].lang == own[m.cfg.pair[s].name] for m in mine for s in "ab")
+    assert all(m.cfg.pair[s].lang == "eng_Latn" for m in one for s in "ab")
+    ty = plan.pair_jobs("typology")  # the pair jobs read the own protocol's languages
+    assert {(j.cfg.pair.a.lang, j.cfg.pair.b.lang) for j in ty} == {(own[j.cfg.pair.a.name], own[j.cfg.pair.b.name]) for j in ty}
+    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.native_pairs()] == ["smollm2-135m-pt__smollm2-135m-it"]
+    assert {"smollm2-135m-pt", "smollm2-135m-it"} <= set(plan.entries)
+    tr = plan.transport_directions()
+    assert [f"{j.cfg.pair[j.cfg.merge.target].name}<-{j.cfg.pair['b' if j.cfg.merge.target == 'a' else 'a'].name}" for j in tr] == \
+        list(plan.cfg.transport_directions)
+    sweep = plan.transport_sweep()
+    assert len(sweep) == 2 * len(plan.cfg.transport_sweep.settings) and all(j.cfg.merge.name == "transport_released" for j in sweep)
+    assert {j.cfg.pair.a.name for j in sweep} == {"qwen2.5-coder-0.5b", "smollm2-135m"}
+    assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
+    from omegaconf import OmegaConf
+
+    OmegaConf.update(plan.cfg, "transport_directions", ["gemma3-270m<-nope"])
+    with pytest.raises(MergescopeError, match="transport_directions names 'gemma3-270m<-nope'"):
+        plan.transport_directions()
+    OmegaConf.update(plan.cfg, "adaptation.operators", ["merge"])
+    with pytest.raises(MergescopeError, match="adaptation.operators: unknown operator 'merge'"):
+        plan.adapt_jobs()
+    OmegaConf.update(plan.cfg, "languages", {"nope": "eng_Latn"}, merge=False, force_add=True)
+    with pytest.raises(MergescopeError, match="languages names 'nope', not one of the study's models"):
+        study_mod.with_languages(plan.cfg, ["pair=a__b"])
+    assert study_mod.with_languages(plan.cfg, ["metric=cka"]) == ["metric=cka"]  # no pair: unchanged

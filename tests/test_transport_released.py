@@ -400,16 +400,18 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
             rec(3, "a <- b", "released:code + plan_scale=row_stochastic", 0.1, 0.02, 0.01, 0.03),
             rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0)]
     t = ablation_table([r for r in runs if r.tags["alpha"] == "0.1"])
-    rows = {r[0]: r for r in t.rows}
-    assert list(rows) == ["released:code", "released:code + plan_scale=row_stochastic", "seed"]
-    assert rows["released:code"][1] == "2" and rows["released:code"][2] == "0.0025"  # mean delta over its two directions
-    assert rows["released:code"][-2:] == ["1/2", "0/2"]  # beats random plan: b <- a; beats shrink only: neither (0 is not < 0)
-    assert rows["released:code + plan_scale=row_stochastic"][-1] == "1/1" and rows["seed"][-1] == "—"
+    rows = {(r[0], r[1]): r for r in t.rows}  # per direction and setting; b <- a has one setting: not an ablation row
+    assert list(rows) == [("a <- b", "released:code"), ("a <- b", "released:code + plan_scale=row_stochastic"), ("a <- b", "seed")]
+    assert rows[("a <- b", "released:code")][2] == "-0.0050"
+    assert rows[("a <- b", "released:code")][-2:] == ["0/1", "0/1"]  # equal to both controls: 0 is not < 0
+    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-2:] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-1] == "—"
     an = SimpleNamespace(metrics={}, csv={}, console_tables=[])
     sec = Section("transport", "7. Transport")
     _fusion_table(an, sec, runs)
-    assert "tables/transport_ablation.csv" in an.csv and an.metrics["transport_beats_shrink"] == 1.0
-    assert "beats its shrink-only control (transported term zero) in 1/3" in sec.finding
+    assert "tables/transport_ablation.csv" in an.csv and an.metrics["transport_beats_shrink"] == 0.0
+    # the counts are the main setting's (the one on most directions: released:code, 2), never the ablation's runs
+    assert "2 directions fused (setting released:code" in sec.text[0]
+    assert "beats its shrink-only control (transported term zero) in 0/2" in sec.finding and "in 1/2 directions" in sec.finding
     assert "ot_minus_shrink_target_lang" in sec.tables[0].columns
 
 

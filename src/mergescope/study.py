@@ -87,6 +87,26 @@ def sweep_jobs(params: dict[str, str], models: list[str] | None = None) -> list[
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+def with_languages(cfg: DictConfig, combo: list[str], one: str | None = None) -> list[str]:
+    """A sweep job's overrides with each side's language set: ``one`` (the one-language protocol: both sides on it,
+    tagged ``protocol=one_language``), else the study's ``languages`` (conf/model name -> language: the spec's
+    protocol, each model on its own side) for the models it names; unchanged when neither applies."""
+    langs = {str(k): str(v) for k, v in (cfg.get("languages") or {}).items()}
+    pair = next((o.split("=", 1)[1] for o in combo if _key(o) == "pair"), None)
+    if pair is None or "__" not in pair or not (langs or one):
+        return list(combo)
+    unknown = sorted(set(langs) - set(map(str, cfg.get("models") or langs)))
+    if unknown:
+        raise MergescopeError(f"languages names {unknown[0]!r}, not one of the study's models: "
+                              f"{did_you_mean(unknown[0], [str(m) for m in cfg.get('models') or []])}")
+    out = list(combo)
+    for side, name in zip(("a", "b"), pair.split("__", 1)):
+        lang = one or langs.get(name)
+        if lang:
+            out.append(f"pair.{side}.lang={lang}")
+    return out + (["+tags.protocol=one_language"] if one else [])
+
+
 def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
@@ -228,8 +248,8 @@ class Plan:
         _COMPOSE_CACHE[:] = [Path(str(self.cfg.paths.cache)) / "compose"]
         self.arms = study_arms(self.cfg)
         self.base = _without(overrides, "task")
-        self.measures = [StudyJob("measure", ov, composed(ov))
-                         for ov in (self.base + combo for combo in sweep_jobs(params, list(self.cfg.get("models") or [])))]
+        combos = sweep_jobs(params, list(self.cfg.get("models") or []))
+        self.measures = [StudyJob("measure", ov, composed(ov)) for ov in (self.base + with_languages(self.cfg, c) for c in combos)]
         self.pairs: dict[str, list[str]] = {}  # pair label -> the overrides that select the pair
         self.entries: dict[str, DictConfig] = {}  # model label -> entry, first-seen order
         for m in self.measures:
@@ -238,6 +258,9 @@ class Plan:
             self.pairs.setdefault(label, [o for o in _without(m.overrides, "task", "metric") if o not in self.base])
             for side in ("a", "b"):
                 self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
+        one = self.cfg.get("one_language")  # the second protocol: every side of the sweep on one language, tagged
+        self.measures += [StudyJob("measure", ov, composed(ov)) for ov in
+                          (self.base + with_languages(self.cfg, c, one) for c in combos)] if one else []
         for names in (self.cfg.get("adaptation") or {}).get("pairs") or []:  # the adapt arm's models are trained (and
             for name in names:                                                # scored) like the sweep's
                 e = composed([*self.base, f"model={name}"]).model
@@ -245,10 +268,18 @@ class Plan:
         for name in (self.cfg.get("expansion") or {}).get("models") or [] if "expansion" in self.arms else []:
             e = composed([*self.base, f"model={name}"]).model  # the expansion check's models, trained when missing
             self.entries.setdefault(model_label(e), e)
-        unknown = sorted(set(map(str, self.cfg.get("native_pairs") or [])) - set(self.pairs))
-        if unknown:  # refused before any job runs
-            raise MergescopeError(f"native_pairs names {unknown[0]!r}, not a pair of this study: "
-                                  f"{did_you_mean(unknown[0], list(self.pairs))}")
+        self.native_only: dict[str, list[str]] = {}  # native_pairs outside the sweep (a family of its own): pair=<name>
+        for name in map(str, self.cfg.get("native_pairs") or []):
+            if name in self.pairs:
+                continue
+            try:
+                c = composed([*self.base, f"pair={name}"])
+            except Exception:  # noqa: BLE001 - Hydra's missing-option errors: refused in one line below
+                raise MergescopeError(f"native_pairs names {name!r}, not a pair of this study nor two conf/model names a__b: "
+                                      f"{did_you_mean(name, list(self.pairs))}") from None
+            self.native_only[name] = [f"pair={name}"]
+            for side in ("a", "b"):  # trained when missing (a fine-tune of a real model), scored like the sweep's
+                self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
         if "shared_space" in self.arms:  # and so are the shared space's models (study=real: the real model beside the
             for name in self.cfg.shared.models:  # English toy family, which its sweep does not otherwise train)
                 e = composed([*self.base, f"model={name}"]).model
@@ -277,9 +308,11 @@ class Plan:
         (pair names ``a__b``) keeps only those."""
         keep = None if self.cfg.get("native_pairs") is None else set(map(str, self.cfg.native_pairs))
         out = []
-        for label, j in zip(self.pairs, self.pair_jobs("native")):
+        sels = {**self.pairs, **self.native_only}
+        for label, sel in sels.items():
             if keep is not None and label not in keep:
                 continue
+            j = job("native", [*self.base, *sel])
             if routes(load_config(resolve(j.cfg.pair.a)), load_config(resolve(j.cfg.pair.b)))["native"]["defined"]:
                 out.append(j)
         return out
@@ -302,12 +335,20 @@ class Plan:
     def transport_directions(self) -> list[StudyJob]:
         """Both directions (target <- donor) of every pair: merge.target=a, then b."""
         user_merge = any(_key(o) == "merge" for o in self.base)
-        out = []
-        for sel in self.pairs.values():
-            for target in ("a", "b"):
+        out: dict[str, StudyJob] = {}
+        for label, sel in self.pairs.items():
+            a, b = label.split("__", 1)
+            for target, name in (("a", f"{a}<-{b}"), ("b", f"{b}<-{a}")):
                 extra = [*([] if user_merge else ["merge=transport"]), f"merge.target={target}"]
-                out.append(job("transport", [*self.base, *sel, *extra]))
-        return out
+                out[name] = job("transport", [*self.base, *sel, *extra])
+        keep = self.cfg.get("transport_directions")
+        if keep is None:
+            return list(out.values())
+        unknown = [str(d) for d in keep if str(d).replace(" ", "") not in out]
+        if unknown:
+            raise MergescopeError(f"transport_directions names {unknown[0]!r}, not a direction (target<-donor) of this "
+                                  f"study's pairs: {did_you_mean(unknown[0].replace(' ', ''), list(out))}")
+        return [out[str(d).replace(" ", "")] for d in keep]  # in the listed order (transport_sweep takes the first N)
 
     def transport_sweep(self) -> list[StudyJob]:
         """``transport_sweep`` (a calibration study): the first ``directions`` transport directions (all when unset),
@@ -325,11 +366,15 @@ class Plan:
         out = []
         if "adapt" not in self.arms:
             return out
+        ops = [str(o) for o in (self.cfg.adaptation.get("operators") or ["expand", "truncate"])]
+        bad = [o for o in ops if o not in ("expand", "truncate")]
+        if bad:
+            raise MergescopeError(f"adaptation.operators: unknown operator {bad[0]!r}: choose from expand (union), truncate (intersection)")
         for small, large in (self.cfg.get("adaptation") or {}).get("pairs") or []:
             a, b = (composed([*self.base, f"model={m}"]).model for m in (small, large))
             extra = (self.cfg.adaptation.get("operator_overrides") or {})
             out += [job("adapt", [*self.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
-                    for op in ("expand", "truncate")]
+                    for op in ops]
         return out
 
     def phases(self) -> list[tuple[str, str, Callable[[], list[StudyJob]]]]:

@@ -35,6 +35,7 @@ class AdaptationSettings(ArmSettings):
     compare: tuple[str, ...] = ()
     at: str = "best"                         # best | grid
     pairs: tuple[Any, ...] = ()              # a study's [[small, large], ...]
+    operators: tuple[str, ...] = ("expand", "truncate")  # a study's adapt arm: which of union / intersection per pair
     operator_overrides: dict[str, Any] | None = None
 
     def check(self, cfg: DictConfig | None) -> None:

@@ -88,8 +88,8 @@ def logical_key(r: Rec) -> tuple | None:
     """The job a run belongs to (one per pair and metric, per model, ...); None: one per cfg_hash."""
     t = r.tags
     k = r.kind
-    if k == "measure":  # a native pair with and without a vocabulary transplant: two jobs
-        return (k, t.get("pair"), t.get("metric"), t.get("transplant"))
+    if k == "measure":  # a native pair with and without a vocabulary transplant: two jobs; each protocol's languages
+        return (k, t.get("pair"), t.get("metric"), t.get("transplant"), t.get("lang_a"), t.get("lang_b"), t.get("protocol"))
     if k in ("quality", "train"):
         return (k, t.get("model"))
     if k == "typology":
@@ -120,7 +120,14 @@ class Study:
 
     @property
     def measures(self) -> list[Rec]:
-        return [r for r in self.kind("measure") if r.tags.get("metric") != "native"]
+        """The representation runs of the study's own protocol (each side on its model's language); the one-language
+        protocol's runs (``one_language``, tag protocol=one_language) are :attr:`one_language` and never join these."""
+        return [r for r in self.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") != "one_language"]
+
+    @property
+    def one_language(self) -> list[Rec]:
+        """The one-language protocol's representation runs (every side on one language: the study's ``one_language``)."""
+        return [r for r in self.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") == "one_language"]
 
     @property
     def adapt(self) -> list[Rec]:

@@ -24,7 +24,7 @@ from mergescope.analysis.sections.correlations import correlations_checkpoint, c
 from mergescope.analysis.sections.models import config_check, coverage, per_model_quality
 from mergescope.analysis.sections.native_pair import native_pair
 from mergescope.analysis.sections.other_settings import other_settings
-from mergescope.analysis.sections.representation import cka_section, pair_matrix
+from mergescope.analysis.sections.representation import cka_section, one_language_section, pair_matrix
 from mergescope.analysis.sections.shared_space import shared_space_section
 from mergescope.analysis.sections.transport import transport
 from mergescope.analysis.tables import Section
@@ -42,7 +42,7 @@ def figure_index(an: Analysis, number: str) -> Section:
 OUTLINE: tuple[tuple[Builder | None, ...], ...] = (
     (config_check,),
     (coverage,),
-    (cka_section,),
+    (cka_section, one_language_section),
     (pair_matrix, per_model_quality),
     (checkpoint_arm,),
     (native_pair,),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mergescope.analysis.context import Analysis
+from mergescope.analysis.records import is_checkpoint_pair
 from mergescope.analysis.tables import RTable, Section, f3, short
 
 __all__ = ["config_check", "coverage", "per_model_quality", "TRUE_KEYS", "ZOO_DECLARED", "ROUTES"]
@@ -102,7 +103,11 @@ def coverage(an: Analysis, number: str) -> Section:
     """2. Which routes (native, transport, adapt) are defined for each pair, and what blocks the rest."""
     sec = Section("coverage", f"{number}. Coverage: which routes are defined for each pair, and what blocks the rest")
     rows = []
-    for p in an.pairs:
+    listed = {p["pair"] for p in an.pairs}
+    native_only = [{"pair": n.tags["pair"], "a": n.tags.get("model_a"), "b": n.tags.get("model_b"), "native": n,
+                    "native_transplant": None} for n in an.study.native
+                   if not is_checkpoint_pair(n) and n.tags.get("pair") not in listed and not n.tags.get("transplant")]
+    for p in [*an.pairs, *{q["pair"]: q for q in native_only}.values()]:  # then the native arm's own pairs (native_pairs)
         rt, source = _pair_routes(an, p)
         cells = ["not measured (no true config logged)" if rt is None else _route_cell(an, p, route, rt[route]) for route in ROUTES]
         rows.append([p["pair"], *cells, source])

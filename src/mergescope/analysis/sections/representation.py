@@ -11,7 +11,7 @@ from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import TYPOLOGY, RTable, Section, csv_text, f3, median, repr_metrics, short
 from mergescope.plotting import pyplot
 
-__all__ = ["cka_section", "pair_matrix", "figure_cka", "representation_table"]
+__all__ = ["cka_section", "one_language_section", "pair_matrix", "figure_cka", "representation_table"]
 
 
 def cka_section(an: Analysis, number: str) -> Section:
@@ -39,6 +39,42 @@ def cka_section(an: Analysis, number: str) -> Section:
     an.console_tables.append(RTable("Last-layer CKA: lower = matched, upper = shuffled control", ["", *models], plain_rows))
     an.csv["tables/cka_matrix.csv"] = csv_text(["", *models], [[m, *["" if np.isnan(v) else f"{v:.6f}" for v in M[i]]]
                                                              for i, m in enumerate(models)])
+    return sec
+
+
+def _cka_range(recs) -> str:
+    mm, ss = [r.m("cka") for r in recs], [r.m("cka_shuffled") for r in recs]
+    return (f"matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) against shuffled {min(ss):.3f}-{max(ss):.3f}, "
+            f"above it for {sum(1 for r in recs if r.m('cka') > r.m('cka_shuffled'))} of {len(recs)} pairs")
+
+
+def one_language_section(an: Analysis, number: str) -> Section | None:
+    """3a. The one-language protocol (a study's ``one_language``: every pair with both sides on one language, as the
+    shared-space paper reads its models) beside the study's own protocol (each model on its own language side). None
+    when the study has no such runs."""
+    from mergescope.analysis.pairs import _measure_rows
+
+    runs = an.study.one_language
+    if not runs:
+        return None
+    _, rows = _measure_rows(runs)
+    pairs = list(rows.values())
+    langs = sorted({str(r.tags.get("lang_a")) for r in runs} | {str(r.tags.get("lang_b")) for r in runs})
+    sec = Section("one_language", f"{number}. The same pairs with both sides on one language ({', '.join(langs)})")
+    sec.tables.append(representation_table(pairs))
+    sec.tables[-1].title = "One language: representation metrics, matched / shuffled control (mean ± sd over the control's seeds)"
+    an.csv["tables/one_language.csv"] = sec.tables[-1].csv()
+    one = [p["recs"]["cka"] for p in pairs if "cka" in p["recs"]]
+    own = {p["pair"]: p["recs"]["cka"] for p in an.pairs if "cka" in p["recs"]}
+    if one:
+        sec.text.append(f"Last-layer CKA on one language: {_cka_range(one)}" + (
+            f"; on each model's own language (section 3): {_cka_range(list(own.values()))}." if own else "."))
+        both = [(r.m("cka"), own[r.tags["pair"]].m("cka")) for r in one if r.tags["pair"] in own]
+        if both:
+            d = [a - b for a, b in both]
+            sec.text.append(f"One language minus own languages, per pair: median {median(d):+.3f} (range {min(d):+.3f} to "
+                            f"{max(d):+.3f}, {len(d)} pairs): how much of the alignment the shared language alone carries.")
+        sec.finding = sec.text[0]
     return sec
 
 

@@ -44,21 +44,33 @@ ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_
                  "plan_cost_ratio")
 
 
-def ablation_table(head: list[Rec]) -> RTable:
-    """Per setting (the released method, each switch alone, the seed's full set ...), over its directions at the
-    headline alpha: the mean of each column, and how often the OT plan beat each control."""
-    groups: dict[str, list[Rec]] = {}
+def main_variant(head: list[Rec]) -> str:
+    """The study's main transport setting: the one run on the most directions (the seed's on a tie); the others are
+    the ablation's settings, run on fewer directions."""
+    dirs: dict[str, set[str]] = {}
     for r in head:
-        groups.setdefault(variant(r), []).append(r)
+        dirs.setdefault(variant(r), set()).add(direction(r))
+    return max(dirs, key=lambda v: (len(dirs[v]), v == "seed")) if dirs else "seed"
+
+
+def ablation_table(head: list[Rec]) -> RTable:
+    """Per direction with more than one setting, per setting (the released method, each switch alone, the seed's full
+    set ...) at its headline alpha: each column, and whether the OT plan beat each control."""
+    groups: dict[tuple[str, str], list[Rec]] = {}
+    for r in head:
+        groups.setdefault((direction(r), variant(r)), []).append(r)
+    several = {d for d, _ in groups if sum(1 for dd, _ in groups if dd == d) > 1}
     rows = []
-    for v, rs in sorted(groups.items()):
+    for (d, v), rs in sorted(groups.items()):
+        if d not in several:
+            continue
         beats_r = sum(1 for x in rs if x.m("ot_minus_rand_target_lang") < 0)
         beats_s, n_s = _shrink(rs)
         means = [f3(float(np.nanmean([x.m(c) for x in rs])) if any(np.isfinite(x.m(c)) for x in rs) else float("nan"), 4)
                  for c in ABLATION_COLS]
-        rows.append([v, str(len(rs)), *means, f"{beats_r}/{len(rs)}", f"{beats_s}/{n_s}" if n_s else "—"])
+        rows.append([d, v, *means, f"{beats_r}/{len(rs)}", f"{beats_s}/{n_s}" if n_s else "—"])
     return RTable("Transport settings: the released method, each deviation, the seed's set (headline alpha)",
-                  ["setting", "directions", *[f"mean {c}" for c in ABLATION_COLS], "beats random plan", "beats shrink only"], rows,
+                  ["direction", "setting", *ABLATION_COLS, "beats random plan", "beats shrink only"], rows,
                   note="setting: the preset (seed = merge=transport; released:code / released:paper = merge=transport_released "
                        "with merge.follow) and every switch changed from it. ot_minus_shrink_* < 0: the OT fusion beat the "
                        "shrink-only control (the same alpha and mask, transported term zero). transported_relative_norm: "
@@ -86,7 +98,9 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     by_dir: dict[str, list[Rec]] = {}
     for r in runs:
         by_dir.setdefault(direction(r), []).append(r)
-    head = _headlines(runs)
+    heads = _headlines(runs)
+    main = main_variant(heads)
+    head = [r for r in heads if variant(r) == main]  # the counts: the main setting's directions (the ablation's apart)
     helped, beats = _counts(head)
     beats_s, n_s = _shrink(head)
     shrink_txt = (f"; it beats its shrink-only control (transported term zero) in {beats_s}/{n_s}" if n_s else
@@ -94,14 +108,15 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     med = median(x.m("delta_target_lang") for x in head)
     top = min(head, key=lambda x: x.m("delta_target_lang")) if head else None
     at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
-    sec.text.append(f"{len(by_dir)} directions fused. At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
+    sec.text.append(f"{len(by_dir)} directions fused" + (f" (setting {main}; the others: the ablation table)" if several else "")
+                    + f". At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
                     f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
                     f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
                     f"target's language in {beats}/{len(head)}{shrink_txt}."
                     + (f" Largest gain at that alpha: {direction(top)}, delta {f3(top.m('delta_target_lang'), 4)} "
                        f"(run {short(top.run_id)})." if top else ""))
     per_alpha = {}
-    for r in runs:
+    for r in (x for x in runs if variant(x) == main):
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
     sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
                    f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
@@ -111,10 +126,10 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats),
                        "transport_beats_shrink": float(beats_s)})
     if several:
-        sec.tables.append(ablation_table(head))
+        sec.tables.append(ablation_table(heads))
         an.csv["tables/transport_ablation.csv"] = sec.tables[-1].csv()
         sec.text.append("Settings compared (headline alpha): " + "; ".join(
-            f"{r[0]}: mean delta {r[2]}, beats random plan {r[-2]}, beats shrink only {r[-1]}" for r in sec.tables[-1].rows) + ".")
+            f"{r[0]} [{r[1]}]: delta {r[2]}, beats random plan {r[-2]}, beats shrink only {r[-1]}" for r in sec.tables[-1].rows) + ".")
     if head:
         sec.tables.append(role_table(head, at))
         an.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
