@@ -169,7 +169,7 @@ def built(tmp_path_factory):
 SECTIONS = ["## Summary", "## 1. Config check", "## 2. Coverage", "## 3. Last-layer CKA", "## 4. The cross-model diagnostic matrix",
             "## 4a. Per-model quality", "## 5. Checkpoint merging", "## 6. Natively weight-mergeable", "## 7. Transport",
             "## 8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
-            "## 8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", "## 9. Figures",
+            "## 8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", "## 9. Beside the seed reports' numbers", "## 10. Figures",
             "## Not measured (why)", "## Run index"]
 
 
@@ -302,6 +302,14 @@ def test_report_sections_and_numbers(built):
     assert role[("target", "m-pt")][2] == "2" and role[("donor", "m-pt")][2] == "2" and role[("target", "m-it")][2] == "1"
     ad = _md_table(md, "Post-fusion adaptation")
     assert len(ad) == 1 + 4 and all(r[6] == "-0.0500" for r in ad[1:])
+    # beside the seed: the same numbers as the sections they come from, the seed's quoted
+    bs = {r[0]: r for r in _md_table(md, "This study beside the seed reports")[1:]}
+    cka_row = bs["matched last-layer CKA, each model on its own language"]
+    assert cka_row[1].split(",")[0] in md.split("## 3.")[1].split("\n## ")[0] and cka_row[2].startswith("0.488-0.800 (median 0.587)")
+    head = [v for (dr, a), v in truth["transport"].items() if a == 0.1]
+    assert bs["transport fusion at the headline alpha"][1].startswith(
+        f"helps {sum(v['delta_target_lang'] < 0 for v in head)}/{len(head)} directions, OT beats its shuffled plan "
+        f"{sum(v['ot_minus_rand_target_lang'] < 0 for v in head)}/{len(head)}")
 
     # correlation tables: rho as scipy on the logged diagnostics; power statement present
     corr = {(r[0], r[1]): r for r in _md_table(md, "8a.")[1:]}
@@ -317,8 +325,8 @@ def test_report_sections_and_numbers(built):
     for name in ("cka_matched_vs_shuffled", "correlations_checkpoint", "correlations_cross_model", "checkpoint_vs_distance",
                  "transport_deltas"):
         assert (root / "reports" / "synth" / "figures" / f"{name}.png").stat().st_size > 1000
-        assert md.count(f"](figures/{name}.png)") == 1 and f"(`figures/{name}.png`)" in md.split("## 9. Figures")[1]
-    assert "![" not in md.split("## 9. Figures")[1].split("\n## ")[0]
+        assert md.count(f"](figures/{name}.png)") == 1 and f"(`figures/{name}.png`)" in md.split("## 10. Figures")[1]
+    assert "![" not in md.split("## 10. Figures")[1].split("\n## ")[0]
     # every input run is in the run index
     for rid in [*ids["quality"].values(), *ids["measure"].values(), *ids["transport"].values(), ids["native"]]:
         assert f"`{rid}`" in md

@@ -18,6 +18,7 @@ from string import ascii_lowercase
 
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.sections.adapt import adapt_section
+from mergescope.analysis.sections.beside import beside_the_seed
 from mergescope.analysis.sections.calibration import epsilon_calibration, probe_count
 from mergescope.analysis.sections.checkpoint import checkpoint_arm
 from mergescope.analysis.sections.correlations import correlations_checkpoint, correlations_cross
@@ -48,6 +49,7 @@ OUTLINE: tuple[tuple[Builder | None, ...], ...] = (
     (native_pair,),
     (transport, adapt_section, shared_space_section, epsilon_calibration, probe_count),
     (None, correlations_checkpoint, correlations_cross),
+    (beside_the_seed,),
     (figure_index,),
 )
 
