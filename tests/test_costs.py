@@ -165,3 +165,17 @@ def test_the_crossarch_plan_counts_each_models_extraction_once_and_sums_its_jobs
     assert m["cpu_s"] == pytest.approx(want_m, rel=1e-9)
     assert q["cpu_s"] == pytest.approx(want_q, rel=1e-9)
     assert 0 < q["gpu_s"] < q["cpu_s"] and rows["transport"]["cpu_s"] > 10 * rows["transport"]["gpu_s"]
+
+
+def test_a_fine_tune_is_counted_with_its_own_steps_and_batch():
+    """A real fine-tune (study=real's, study=crossarch_real's) trains for its entry's zoo.steps with its zoo.train batch
+    and length, not the toy zoo's train.* (48 x 8 x 64 tokens, not 600 x 16 x 64)."""
+    c = costs.Counter(costs.constants())
+    e = _entry(False)
+    s, _ = costs.shape_of(e)
+    train = {"steps": 600, "batch_size": 16, "seq_len": 64}
+    toy = costs.count(c, "train", OmegaConf.create({"model": e, "train": train}))
+    ft = OmegaConf.create({"model": {**OmegaConf.to_container(e), "zoo": {**OmegaConf.to_container(e.zoo), "steps": 48,
+                                                                             "train": {"batch_size": 8}}}, "train": train})
+    w = costs.count(c, "train", ft)
+    assert w.flops / toy.flops == pytest.approx((48 * 8 * 64) / (600 * 16 * 64))

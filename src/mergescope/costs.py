@@ -201,8 +201,10 @@ def _native_nll(cfg: DictConfig) -> int | None:
 def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
     s = c.shape(cfg.model, w)
     if s:
-        t = cfg.train
-        w.add_forward(s, float(t.steps) * float(t.batch_size) * float(t.seq_len), logits=True, passes=3.0)
+        zoo = cfg.model.get("zoo") or {}
+        t = {**dict(cfg.train), **dict(zoo.get("train") or {})}  # the entry's own steps and hyperparameters (a fine-tune)
+        steps = zoo.get("steps") or t["steps"]
+        w.add_forward(s, float(steps) * float(t["batch_size"]) * float(t["seq_len"]), logits=True, passes=3.0)
         w.held = [s]
 
 
