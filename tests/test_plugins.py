@@ -333,8 +333,8 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert [f"{j.cfg.pair[j.cfg.merge.target].name}<-{j.cfg.pair['b' if j.cfg.merge.target == 'a' else 'a'].name}" for j in tr] == \
         list(plan.cfg.transport_directions)
     sweep = plan.transport_sweep()
-    assert len(sweep) == 2 * len(plan.cfg.transport_sweep.settings) and all(j.cfg.merge.name == "transport_released" for j in sweep)
-    assert {j.cfg.pair.a.name for j in sweep} == {"qwen2.5-coder-0.5b", "smollm2-135m"}
+    assert len(sweep) == len(plan.cfg.transport_sweep.settings) and all(j.cfg.merge.name == "transport_released" for j in sweep)
+    assert {(j.cfg.merge.target, j.cfg.pair.a.name, j.cfg.pair.b.name) for j in sweep} == {("a", "smollm2-135m", "qwen2.5-coder-0.5b")}
     assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
     from omegaconf import OmegaConf
 
