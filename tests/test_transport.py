@@ -1170,3 +1170,11 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_target_lang"], abs=1e-9)
     assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
     assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
+    # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr
+    from mergescope.transport.job import baseline_hash, check
+
+    def h(*extra):
+        return baseline_hash(check(compose_cfg([*ov, "merge.adapt.enabled=true", *extra])[0])[0], ("a", "b"))
+
+    assert h("merge.adapt.freeze=frozen_base") == h("merge.adapt.freeze=none", "merge.adapt.train_alpha=0.3") != h("merge.adapt.lr=1e-4")
+    assert fused.data.params["baseline_run"] == base.info.run_id

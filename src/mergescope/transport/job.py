@@ -162,6 +162,12 @@ def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
     """cfg_hash of the no-fusion baseline: the target's model entry and weights and the adaptation's inputs, not
     the donor (one baseline per target, shared by every donor)."""
     target, _ = sides(cfg)
+    ad = cfg.merge.get("adapt") or {}
+    if ad.get("mode") == "released":  # the released no-fusion training does not read its freeze strategy or training alpha
+        cfg = plain_copy(cfg)
+        with open_dict(cfg):
+            for k in ("freeze", "train_alpha"):
+                cfg.merge.adapt.pop(k, None)
     return _hash("transport_adapt_baseline", cfg, BASELINE_KEYS, [target], target=target, adapt_text=_digest(adapt_text))
 
 
