@@ -22,6 +22,15 @@ from mergescope.represent import pad_batch, pad_id, tokenize
 from mergescope.transport.settings import AdaptSettings
 
 
+def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tuple[torch.device, list[list[int]]]:
+    """The model's device and the adaptation text's token ids (sentences of 2+ tokens); too few for a batch: one line."""
+    ids, _ = tokenize(tokenizer, sentences, max_length)
+    ids = [s for s in ids if len(s) >= 2]
+    if len(ids) < batch_size:
+        raise MergescopeError(f"adaptation needs at least merge.adapt.batch_size={batch_size} sentences of 2+ tokens, got {len(ids)}")
+    return next(model.parameters()).device, ids
+
+
 def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, settings: AdaptSettings,
              max_length: int = 512, progress: bool = True, label: str = "adapt") -> list[float]:
     """Fine-tune ``model`` in place (every parameter) on ``sentences``; returns the per-step training loss.
@@ -31,11 +40,7 @@ def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | No
     """
     steps, batch_size, lr, weight_decay = settings.steps, settings.batch_size, settings.lr, settings.weight_decay
     grad_clip, seed = settings.grad_clip, settings.seed
-    device = next(model.parameters()).device
-    ids, _ = tokenize(tokenizer, sentences, max_length)
-    ids = [s for s in ids if len(s) >= 2]
-    if len(ids) < batch_size:
-        raise MergescopeError(f"adaptation needs at least merge.adapt.batch_size={batch_size} sentences of 2+ tokens, got {len(ids)}")
+    device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
     named = dict(model.named_parameters())
     res = {n: r.to(device, named[n].dtype) for n, r in (residual or {}).items() if n in named}
     rng = np.random.default_rng(seed)
@@ -100,11 +105,7 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
     if freeze not in FREEZES:
         raise MergescopeError(f"merge.adapt.freeze={freeze!r}: choose one of {', '.join(FREEZES)}")
     steps, batch_size, lr = settings.steps, settings.batch_size, settings.lr
-    device = next(model.parameters()).device
-    ids, _ = tokenize(tokenizer, sentences, max_length)
-    ids = [s for s in ids if len(s) >= 2]
-    if len(ids) < batch_size:
-        raise MergescopeError(f"adaptation needs at least merge.adapt.batch_size={batch_size} sentences of 2+ tokens, got {len(ids)}")
+    device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
     named = dict(model.named_parameters())
     missing = sorted(set(transported) - set(named))
     if missing:
