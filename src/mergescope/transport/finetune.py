@@ -31,6 +31,17 @@ def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tupl
     return next(model.parameters()).device, ids
 
 
+def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, label: str, progress: bool):
+    """``settings.steps`` batches of ``settings.batch_size`` sentences drawn without replacement by the data seed (the
+    same order for a fused model and its baseline), padded on the right, under one progress bar: (ids, mask, positions)."""
+    rng = np.random.default_rng(settings.seed)
+    with bar() as pb:
+        task = pb.add_task(label, total=settings.steps, visible=progress)
+        for _ in range(settings.steps):
+            yield pad_batch([ids[i] for i in rng.choice(len(ids), size=settings.batch_size, replace=False)], pad, "right", device)
+            pb.advance(task)
+
+
 def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, settings: AdaptSettings,
              max_length: int = 512, progress: bool = True, label: str = "adapt") -> list[float]:
     """Fine-tune ``model`` in place (every parameter) on ``sentences``; returns the per-step training loss.
@@ -38,37 +49,31 @@ def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | No
     ``residual`` maps parameter names to the frozen residual R (None = the baseline, R = 0);
     ``settings`` (validated) gives steps, batch size, lr, weight decay, gradient clipping and the data seed.
     """
-    steps, batch_size, lr, weight_decay = settings.steps, settings.batch_size, settings.lr, settings.weight_decay
-    grad_clip, seed = settings.grad_clip, settings.seed
+    batch_size, lr, weight_decay = settings.batch_size, settings.lr, settings.weight_decay
+    grad_clip = settings.grad_clip
     device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
     named = dict(model.named_parameters())
     res = {n: r.to(device, named[n].dtype) for n, r in (residual or {}).items() if n in named}
-    rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8)
     pad = pad_id(tokenizer)
     losses = []
     model.train()
     try:
-        with bar() as pb:
-            task = pb.add_task(label, total=steps, visible=progress)
-            for _ in range(steps):
-                batch = [ids[i] for i in rng.choice(len(ids), size=batch_size, replace=False)]
-                x, m, p = pad_batch(batch, pad, "right", device)
-                logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
-                valid = m[:, 1:].bool()
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid].float(), x[:, 1:][valid])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-                opt.step()
-                if weight_decay:
-                    with torch.no_grad():
-                        for n, w in named.items():
-                            theta = w - res[n] if n in res else w
-                            w.sub_(lr * weight_decay * theta)
-                losses.append(float(loss.detach()))
-                pb.advance(task)
+        for x, m, p in _batches(ids, settings, pad, device, label, progress):
+            logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
+            valid = m[:, 1:].bool()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid].float(), x[:, 1:][valid])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            if weight_decay:
+                with torch.no_grad():
+                    for n, w in named.items():
+                        theta = w - res[n] if n in res else w
+                        w.sub_(lr * weight_decay * theta)
+            losses.append(float(loss.detach()))
     finally:
         model.eval()
     return losses
@@ -122,7 +127,6 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), eps=1e-8)
     warmup = math.ceil(settings.warmup_ratio * steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup(s, steps, warmup))
-    rng = np.random.default_rng(settings.seed)
     pad = pad_id(tokenizer)
     losses = []
     model.train()
@@ -131,24 +135,19 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
         return {n: (1.0 - alpha) * named[n] + alpha * r for n, r in res.items()}
 
     try:
-        with bar() as pb:
-            task = pb.add_task(label, total=steps, visible=progress)
-            for _ in range(steps):
-                batch = [ids[i] for i in rng.choice(len(ids), size=batch_size, replace=False)]
-                x, m, p = pad_batch(batch, pad, "right", device)
-                kw = {"input_ids": x, "attention_mask": m, "position_ids": p, "use_cache": False}
-                logits = (functional_call(model, effective(), args=(), kwargs=kw, strict=False) if res else model(**kw)).logits
-                valid = m[:, 1:].to(logits.dtype)
-                nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
-                loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if settings.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-                opt.step()
-                sched.step()
-                losses.append(float(loss.detach()))
-                pb.advance(task)
+        for x, m, p in _batches(ids, settings, pad, device, label, progress):
+            kw = {"input_ids": x, "attention_mask": m, "position_ids": p, "use_cache": False}
+            logits = (functional_call(model, effective(), args=(), kwargs=kw, strict=False) if res else model(**kw)).logits
+            valid = m[:, 1:].to(logits.dtype)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
+            loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if settings.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
     finally:
         with torch.no_grad():
             for n, w in effective().items():  # folded: the model holds what it computed with
