@@ -1068,7 +1068,7 @@ def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
     gradient accumulation (each sentence's mean token NLL, averaged), the Trainer's schedule set by hand each step, and
     the fold read off the patched forward at 0 and at the identity (as the released fold does). 'baseline': no
     transported weights, every parameter trained by the same optimiser (the released no-fusion scenario)."""
-    from mergescope.represent import pad_batch, tokenize
+    from mergescope.represent import tokenize
     from mergescope.transport.finetune import finetune_released, linear_warmup
 
     sents = lines("eng_Latn", n=48)
