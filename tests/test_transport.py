@@ -1059,3 +1059,122 @@ def test_the_donor_is_streamed_and_never_in_memory_with_the_target(tiny_models, 
     assert set(a.transported) == set(b.transported) and a.transported
     for name in a.transported:
         assert torch.equal(a.transported[name], b.transported[name]) and torch.equal(a.control[name], b.control[name])
+
+
+@pytest.mark.parametrize("freeze", ["frozen_hot", "frozen_base", "none", "baseline"])
+def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
+    """The released residual SFT against an independent formulation of it: the patched Linears compute
+    F.linear(x, (1 - a) W + a R, b) (R a buffer, or a parameter when it trains), the batch run as single sentences with
+    gradient accumulation (each sentence's mean token NLL, averaged), the Trainer's schedule set by hand each step, and
+    the fold read off the patched forward at 0 and at the identity (as the released fold does). 'baseline': no
+    transported weights, every parameter trained by the same optimiser (the released no-fusion scenario)."""
+    from mergescope.represent import tokenize
+    from mergescope.transport.finetune import finetune_released, linear_warmup
+
+    sents = lines("eng_Latn", n=48)
+    tok = make_tokenizer(sents, 300)
+    model = _outside_model("llama", len(tok), 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
+    g = torch.Generator().manual_seed(1)
+    sd0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    R = {} if freeze == "baseline" else {n: sd0[n] + 0.3 * torch.randn(sd0[n].shape, generator=g) for n in names}
+    alpha, steps, lr, wd, bs = 0.2, 6, 3e-3, 0.1, 4
+    s = AdaptSettings(alpha=0.1, steps=steps, batch_size=bs, lr=lr, weight_decay=wd, grad_clip=0.5, seed=3,
+                      mode="released", freeze="frozen_hot" if freeze == "baseline" else freeze, train_alpha=alpha, warmup_ratio=0.34)
+    got = copy.deepcopy(model)
+    finetune_released(got, tok, sents, R, alpha, s.freeze, s, progress=False)
+
+    ref = copy.deepcopy(model).train()
+    train_base, train_res = freeze in ("frozen_hot", "none", "baseline"), freeze in ("frozen_base", "none")
+    patched = {}
+    for n in R:
+        mod = ref.get_submodule(n.rsplit(".", 1)[0])
+        r = torch.nn.Parameter(R[n].clone()) if train_res else R[n].clone()
+        mod.hot = r
+        mod.forward = (lambda m: lambda x: torch.nn.functional.linear(x, (1 - alpha) * m.weight + alpha * m.hot, m.bias))(mod)
+        patched[n] = mod
+    for k, p in ref.named_parameters():  # a trained R is a parameter of its module: trains by train_res, not train_base
+        p.requires_grad_(train_res if k.endswith(".hot") else train_base)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+    ids, _ = tokenize(tok, sents, 512)
+    ids = [x for x in ids if len(x) >= 2]
+    rng = np.random.default_rng(3)
+    warm = math.ceil(0.34 * steps)
+    for step in range(steps):
+        for grp in opt.param_groups:
+            grp["lr"] = lr * (step / warm if step < warm else max(0.0, (steps - step) / (steps - warm)))
+        assert grp["lr"] == pytest.approx(lr * linear_warmup(step, steps, warm))
+        opt.zero_grad()
+        for i in rng.choice(len(ids), size=bs, replace=False):
+            x = torch.tensor([ids[i]])
+            logits = ref(input_ids=x, use_cache=False).logits
+            (torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]) / bs).backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+    out = dict(got.named_parameters())
+    with torch.no_grad():
+        for n, mod in patched.items():  # the released fold: the patched forward at 0 and at the identity
+            eye = torch.eye(mod.in_features)
+            folded = (mod(eye) - mod(torch.zeros(1, mod.in_features))).T
+            assert torch.allclose(out[n], folded, atol=2e-5), n
+    for k, p in ref.named_parameters():
+        if k.endswith(".hot") or k in R:
+            continue
+        assert torch.allclose(out[k], p, atol=2e-5), k
+        if not train_base:
+            assert torch.equal(out[k], sd0[k]), k  # frozen_base: the model's own weights never move
+    if R:
+        assert not torch.allclose(out[names[0]], (1 - alpha) * sd0[names[0]] + alpha * R[names[0]], atol=1e-4)  # it trained
+    assert all(p.requires_grad for p in got.parameters())  # restored
+
+
+def test_released_adapt_settings_refused_in_one_line():
+    from omegaconf import OmegaConf
+
+    base = dict(enabled=True, alpha=0.1, steps=2, batch_size=2, lr=1e-3, weight_decay=0.0, grad_clip=1.0, seed=0)
+    with pytest.raises(MergescopeError, match="merge.adapt.freeze='half'"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "freeze": "half"}))
+    with pytest.raises(MergescopeError, match="merge.adapt.mode='hot'"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "hot"}))
+    with pytest.raises(MergescopeError, match="belong to merge.adapt.mode=released"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "freeze": "frozen_base"}))
+    with pytest.raises(MergescopeError, match="train_alpha must be in"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "train_alpha": 0.0}))
+    s = AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "freeze": "none", "train_alpha": 0.05}))
+    assert s.label == "released:none@0.05" and AdaptSettings.from_node(OmegaConf.create(base)).label == "residual_frozen"
+
+
+def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
+    """merge=transport_released with merge.adapt.enabled: the released residual SFT after the released fusion, beside its
+    random-plan control, against the same training of the unfused target; the model it starts from is the fused one at
+    the training alpha (its NLL equals that alpha's transport run's), tagged with the adaptation it ran."""
+    from test_e2e import runs
+
+    from mergescope.transport.job import run_transport
+
+    ov = [o.replace("merge=transport", "merge=transport_released") for o in transport_job(tiny_models, target="b")]
+    cfg, ov = compose_cfg([*ov, "merge.adapt.enabled=true", "merge.adapt.steps=2", "merge.adapt.batch_size=4", "merge.adapt.train_alpha=0.5"])
+    run_transport(cfg, ov)
+    rs = runs(cfg.paths.root)
+    assert {x.info.status for x in rs} == {"FINISHED"}
+    tr = {x.data.metrics["alpha"]: x for x in rs if x.data.tags["kind"] == "transport"}
+    ad = [x for x in rs if x.data.tags["kind"] == "transport_adapt"]
+    fused = next(x for x in ad if x.data.tags["stage"] == "fused")
+    base = next(x for x in ad if x.data.tags["stage"] == "baseline")
+    assert fused.data.tags["adapt_mode"] == "released:frozen_hot@0.5" and base.data.tags["adapt_mode"] == "released"
+    fm = fused.data.metrics
+    assert fm["nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["nll_target_lang"], abs=1e-9)  # (1 - 0.5) W + 0.5 R
+    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_target_lang"], abs=1e-9)
+    assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
+    assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
+    # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr
+    from mergescope.transport.job import baseline_hash, check
+
+    def h(*extra):
+        return baseline_hash(check(compose_cfg([*ov, "merge.adapt.enabled=true", *extra])[0])[0], ("a", "b"))
+
+    assert h("merge.adapt.freeze=frozen_base") == h("merge.adapt.freeze=none", "merge.adapt.train_alpha=0.3") != h("merge.adapt.lr=1e-4")
+    assert fused.data.params["baseline_run"] == base.info.run_id

@@ -96,8 +96,8 @@ def logical_key(r: Rec) -> tuple | None:
         return (k, frozenset((t.get("lang_a"), t.get("lang_b"))))
     if k == "transport":  # one per direction, alpha and setting (transport_variant: absent on runs before it)
         return (k, t.get("direction") or (t.get("target"), t.get("donor")), t.get("alpha"), t.get("transport_variant"))
-    if k == "transport_adapt":
-        return (k, t.get("direction") or (t.get("target"), t.get("donor")))
+    if k == "transport_adapt":  # one per direction and adaptation (mergescope's, the released SFT per freeze and alpha)
+        return (k, t.get("direction") or (t.get("target"), t.get("donor")), t.get("adapt_mode"), t.get("transport_variant"))
     return None  # merge and others: one per cfg_hash
 
 

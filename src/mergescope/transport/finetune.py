@@ -11,6 +11,8 @@ fusion is measured (fused-and-adapted minus adapted), not assumed.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -20,6 +22,26 @@ from mergescope.represent import pad_batch, pad_id, tokenize
 from mergescope.transport.settings import AdaptSettings
 
 
+def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tuple[torch.device, list[list[int]]]:
+    """The model's device and the adaptation text's token ids (sentences of 2+ tokens); too few for a batch: one line."""
+    ids, _ = tokenize(tokenizer, sentences, max_length)
+    ids = [s for s in ids if len(s) >= 2]
+    if len(ids) < batch_size:
+        raise MergescopeError(f"adaptation needs at least merge.adapt.batch_size={batch_size} sentences of 2+ tokens, got {len(ids)}")
+    return next(model.parameters()).device, ids
+
+
+def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, label: str, progress: bool):
+    """``settings.steps`` batches of ``settings.batch_size`` sentences drawn without replacement by the data seed (the
+    same order for a fused model and its baseline), padded on the right, under one progress bar: (ids, mask, positions)."""
+    rng = np.random.default_rng(settings.seed)
+    with bar() as pb:
+        task = pb.add_task(label, total=settings.steps, visible=progress)
+        for _ in range(settings.steps):
+            yield pad_batch([ids[i] for i in rng.choice(len(ids), size=settings.batch_size, replace=False)], pad, "right", device)
+            pb.advance(task)
+
+
 def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, settings: AdaptSettings,
              max_length: int = 512, progress: bool = True, label: str = "adapt") -> list[float]:
     """Fine-tune ``model`` in place (every parameter) on ``sentences``; returns the per-step training loss.
@@ -27,41 +49,110 @@ def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | No
     ``residual`` maps parameter names to the frozen residual R (None = the baseline, R = 0);
     ``settings`` (validated) gives steps, batch size, lr, weight decay, gradient clipping and the data seed.
     """
-    steps, batch_size, lr, weight_decay = settings.steps, settings.batch_size, settings.lr, settings.weight_decay
-    grad_clip, seed = settings.grad_clip, settings.seed
-    device = next(model.parameters()).device
-    ids, _ = tokenize(tokenizer, sentences, max_length)
-    ids = [s for s in ids if len(s) >= 2]
-    if len(ids) < batch_size:
-        raise MergescopeError(f"adaptation needs at least merge.adapt.batch_size={batch_size} sentences of 2+ tokens, got {len(ids)}")
+    batch_size, lr, weight_decay = settings.batch_size, settings.lr, settings.weight_decay
+    grad_clip = settings.grad_clip
+    device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
     named = dict(model.named_parameters())
     res = {n: r.to(device, named[n].dtype) for n, r in (residual or {}).items() if n in named}
-    rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8)
     pad = pad_id(tokenizer)
     losses = []
     model.train()
     try:
-        with bar() as pb:
-            task = pb.add_task(label, total=steps, visible=progress)
-            for _ in range(steps):
-                batch = [ids[i] for i in rng.choice(len(ids), size=batch_size, replace=False)]
-                x, m, p = pad_batch(batch, pad, "right", device)
-                logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
-                valid = m[:, 1:].bool()
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid].float(), x[:, 1:][valid])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-                opt.step()
-                if weight_decay:
-                    with torch.no_grad():
-                        for n, w in named.items():
-                            theta = w - res[n] if n in res else w
-                            w.sub_(lr * weight_decay * theta)
-                losses.append(float(loss.detach()))
-                pb.advance(task)
+        for x, m, p in _batches(ids, settings, pad, device, label, progress):
+            logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
+            valid = m[:, 1:].bool()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid].float(), x[:, 1:][valid])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            if weight_decay:
+                with torch.no_grad():
+                    for n, w in named.items():
+                        theta = w - res[n] if n in res else w
+                        w.sub_(lr * weight_decay * theta)
+            losses.append(float(loss.detach()))
     finally:
+        model.eval()
+    return losses
+
+
+FREEZES = ("frozen_hot", "frozen_base", "none")
+
+
+def linear_warmup(step: int, steps: int, warmup: int) -> float:
+    """The learning-rate factor of a linear warmup over ``warmup`` steps, then a linear decay to 0 at ``steps`` (the
+    Hugging Face Trainer's default schedule, which the released SFT script uses)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (steps - step) / max(1, steps - warmup))
+
+
+def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.Tensor], alpha: float, freeze: str,
+                      settings: AdaptSettings, max_length: int = 512, progress: bool = True,
+                      label: str = "adapt (released)") -> list[float]:
+    """The released code's residual SFT (its ``train_hot_residual_sft.py``, rebuilt from its definitions), in place.
+
+    On entry ``model`` holds the target's own weights W. Each tensor named in ``transported`` is replaced in the forward
+    by ``(1 - alpha) W + alpha R``, with R the transported weight (W itself on the rows the fusion leaves alone) and
+    ``alpha`` the training alpha; ``freeze`` says what trains: ``frozen_hot`` every model parameter, R frozen (the
+    released default); ``frozen_base`` R only; ``none`` both. AdamW (betas 0.9 / 0.999, eps 1e-8, decay on matrices
+    only: biases and norm weights are not decayed, as the Trainer does), a linear warmup over ``warmup_ratio`` of the
+    steps then a linear decay to 0, gradients clipped to ``grad_clip``; the loss is each sentence's mean token NLL,
+    averaged over the batch (the released batch of 1 with gradient accumulation). On return the model holds the
+    folded weights ``(1 - alpha) W' + alpha R'`` (its ``fold_hot_residual_into_weights``, dense). With ``transported``
+    empty this is the released no-fusion scenario: every parameter trained by the same optimiser and schedule.
+    Returns the per-step training loss."""
+    from torch.func import functional_call
+
+    if freeze not in FREEZES:
+        raise MergescopeError(f"merge.adapt.freeze={freeze!r}: choose one of {', '.join(FREEZES)}")
+    steps, batch_size, lr = settings.steps, settings.batch_size, settings.lr
+    device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
+    named = dict(model.named_parameters())
+    missing = sorted(set(transported) - set(named))
+    if missing:
+        raise MergescopeError(f"the transported weight {missing[0]!r} is not a parameter of the target model")
+    train_base = freeze in ("frozen_hot", "none") or not transported
+    train_res = freeze in ("frozen_base", "none") and bool(transported)
+    res = {n: r.detach().to(device, named[n].dtype).clone().requires_grad_(train_res) for n, r in transported.items()}
+    was = {n: p.requires_grad for n, p in named.items()}
+    for p in named.values():
+        p.requires_grad_(train_base)
+    params = [p for p in named.values() if train_base] + [r for r in res.values() if train_res]
+    decay = [p for p in params if p.ndim >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    warmup = math.ceil(settings.warmup_ratio * steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup(s, steps, warmup))
+    pad = pad_id(tokenizer)
+    losses = []
+    model.train()
+
+    def effective() -> dict[str, torch.Tensor]:
+        return {n: (1.0 - alpha) * named[n] + alpha * r for n, r in res.items()}
+
+    try:
+        for x, m, p in _batches(ids, settings, pad, device, label, progress):
+            kw = {"input_ids": x, "attention_mask": m, "position_ids": p, "use_cache": False}
+            logits = (functional_call(model, effective(), args=(), kwargs=kw, strict=False) if res else model(**kw)).logits
+            valid = m[:, 1:].to(logits.dtype)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
+            loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if settings.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+    finally:
+        with torch.no_grad():
+            for n, w in effective().items():  # folded: the model holds what it computed with
+                named[n].copy_(w)
+        for n, p in named.items():
+            p.requires_grad_(was[n])
         model.eval()
     return losses

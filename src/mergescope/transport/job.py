@@ -66,6 +66,10 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
             job.merge.pop("probe_set")
         if job.merge.get("scale_match") == "none" and settings.released is None:  # likewise
             job.merge.pop("scale_match")
+        ad = job.merge.get("adapt") or {}
+        if ad.get("mode", "residual_frozen") == "residual_frozen":  # mergescope's adaptation: the released SFT's keys left out
+            for k in ("mode", "freeze", "train_alpha", "warmup_ratio"):
+                ad.pop(k, None)
     return job, settings
 
 
@@ -158,6 +162,12 @@ def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
     """cfg_hash of the no-fusion baseline: the target's model entry and weights and the adaptation's inputs, not
     the donor (one baseline per target, shared by every donor)."""
     target, _ = sides(cfg)
+    ad = cfg.merge.get("adapt") or {}
+    if ad.get("mode") == "released":  # the released no-fusion training does not read its freeze strategy or training alpha
+        cfg = plain_copy(cfg)
+        with open_dict(cfg):
+            for k in ("freeze", "train_alpha"):
+                cfg.merge.adapt.pop(k, None)
     return _hash("transport_adapt_baseline", cfg, BASELINE_KEYS, [target], target=target, adapt_text=_digest(adapt_text))
 
 
@@ -499,9 +509,15 @@ def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline:
 
 
 def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric: str = "train_loss") -> list[float]:
-    """merge.adapt's fine-tuning of the host in place on the adaptation text; the loss curve is logged as ``metric``."""
-    losses = finetune_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, d.s.adapt, int(d.cfg.represent.max_length),
-                                progress=bool(d.cfg.progress), label=label)
+    """merge.adapt's fine-tuning of the host in place on the adaptation text; the loss curve is logged as ``metric``.
+    ``mode=released``: ``residual`` is the transported weight R (the host holds W), trained as the released SFT."""
+    ad, n = d.s.adapt, int(d.cfg.represent.max_length)
+    if ad.mode == "released":
+        losses = finetune_mod.finetune_released(host.model, host.tok, d.texts.adapt_t, residual or {}, ad.trained_alpha,
+                                                ad.freeze, ad, n, progress=bool(d.cfg.progress), label=label)
+    else:
+        losses = finetune_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, ad, n, progress=bool(d.cfg.progress),
+                                       label=label)
     for i, loss in enumerate(losses):
         job.log_metrics({metric: loss}, step=i)
     return losses
@@ -511,7 +527,8 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
     """The no-fusion baseline: the same fine-tuning of the unfused target (one run per target)."""
     name = model_label(d.target)
     tags = {"kind": "transport_adapt", "route": "transport", "stage": "baseline", "target": name, "donor": "none",
-            "direction": f"{name} (no fusion)", "lang_target": d.target.lang, "seed": d.cfg.merge.adapt.seed}
+            "direction": f"{name} (no fusion)", "lang_target": d.target.lang, "seed": d.cfg.merge.adapt.seed,
+            "adapt_mode": d.s.adapt.mode}
 
     def body(job: Job) -> dict[str, float]:
         host.set(host.snapshot)
@@ -529,11 +546,18 @@ def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float
     """One fused model (OT, or the random-plan control) at adapt.alpha, fine-tuned with its residual frozen,
     measured on both languages; the host is restored afterwards."""
     host, fusion, a, p = f.host, f.fusion, d.s.adapt.alpha, "rand_" if control else ""
-    fused = fusion.weights(a, control=control)
-    residual = {n: (fused[n] - fusion.original[n]) for n in fused}
-    host.set(fused)
-    del fused
-    before = before if before is not None else host.nll(d.eval_t, f"nll {p}fused")
+    if d.s.adapt.mode == "released":  # (1 - a_t) W + a_t R, R = the transported weight (fusion at alpha 1), W in the host
+        at = d.s.adapt.trained_alpha
+        host.set(fusion.weights(at, control=control))
+        before = before if before is not None and at == a else host.nll(d.eval_t, f"nll {p}fused")
+        residual = fusion.weights(1.0, control=control)
+        host.set(host.snapshot)
+    else:
+        fused = fusion.weights(a, control=control)
+        residual = {n: (fused[n] - fusion.original[n]) for n in fused}
+        host.set(fused)
+        del fused
+        before = before if before is not None else host.nll(d.eval_t, f"nll {p}fused")
     losses = _finetune(d, host, job, residual, f"adapt {p}fused {d.label}", f"{p}train_loss")
     after, after_d = host.nll(d.eval_t, f"nll {p}fused adapted"), host.nll(d.eval_d, f"nll {p}fused adapted, donor lang")
     host.set(host.snapshot)
@@ -562,7 +586,8 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
         return v
 
-    r = run_once(d.cfg, JobSpec(f"transport-adapt a={a:g} {d.label}", d.tags("transport_adapt", stage="fused", alpha=a),
+    r = run_once(d.cfg, JobSpec(f"transport-adapt a={a:g} {d.label}", {**d.tags("transport_adapt", stage="fused", alpha=a),
+                                                                        "adapt_mode": d.s.adapt.label},
                                 keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
     host.set(host.snapshot)
     m = r.metrics

@@ -63,6 +63,19 @@ class AdaptSettings:
     weight_decay: float  # decoupled, on theta = W - R
     grad_clip: float     # 0 = no clipping
     seed: int            # data order (identical for the fused model and its baseline)
+    mode: str = "residual_frozen"  # residual_frozen (mergescope's) | released (the released residual SFT)
+    freeze: str = "frozen_hot"     # released: frozen_hot (every parameter trains, R frozen) | frozen_base (R only) | none
+    train_alpha: float | None = None  # released: the training alpha of (1 - a) W + a R (None = alpha)
+    warmup_ratio: float = 0.03     # released: linear warmup over this share of the steps, then linear decay to 0
+
+    @property
+    def label(self) -> str:
+        """The adaptation as a tag value: ``residual_frozen``, or ``released:<freeze>@<training alpha>``."""
+        return self.mode if self.mode == "residual_frozen" else f"released:{self.freeze}@{self.trained_alpha:g}"
+
+    @property
+    def trained_alpha(self) -> float:
+        return self.alpha if self.train_alpha is None else self.train_alpha
 
     @classmethod
     def from_node(cls, ad: Any) -> AdaptSettings:
@@ -76,7 +89,22 @@ class AdaptSettings:
         if not (math.isfinite(wd) and wd >= 0 and math.isfinite(clip) and clip >= 0 and math.isfinite(lr)):
             raise MergescopeError(f"merge.adapt.weight_decay and merge.adapt.grad_clip must be finite and >= 0 and lr finite "
                                   f"(got {wd}, {clip}, {lr})")
-        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed))
+        mode, freeze = str(ad.get("mode") or "residual_frozen"), str(ad.get("freeze") or "frozen_hot")
+        if mode not in ("residual_frozen", "released"):
+            raise MergescopeError(f"merge.adapt.mode={mode!r}: choose residual_frozen (mergescope's) or released (the released SFT)")
+        if freeze not in ("frozen_hot", "frozen_base", "none"):
+            raise MergescopeError(f"merge.adapt.freeze={freeze!r}: choose frozen_hot, frozen_base or none")
+        ta = ad.get("train_alpha")
+        ta = None if ta is None else float(ta)
+        if ta is not None and not 0 < ta <= 1:
+            raise MergescopeError(f"merge.adapt.train_alpha must be in (0, 1] or null (= merge.adapt.alpha), got {ta}")
+        warm = float(ad.get("warmup_ratio", 0.03))
+        if not 0 <= warm < 1:
+            raise MergescopeError(f"merge.adapt.warmup_ratio must be in [0, 1), got {warm}")
+        if mode == "residual_frozen" and (freeze != "frozen_hot" or ta is not None):
+            raise MergescopeError("merge.adapt.freeze and merge.adapt.train_alpha belong to merge.adapt.mode=released; "
+                                  "set the mode, or leave them at frozen_hot / null")
+        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed), mode, freeze, ta, warm)
 
 
 @dataclass(frozen=True)

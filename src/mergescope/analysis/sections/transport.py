@@ -178,10 +178,15 @@ def role_table(head: list[Rec], at: str) -> RTable:
 def _adapt_table(sec: Section, runs: list[Rec]) -> None:
     cols = ["nll_base_before", "nll_fused_before", "nll_baseline_after", "nll_fused_after", "fusion_effect_after_adapt",
             "rand_fusion_effect_after_adapt", "nll_donor_lang_fused_after"]
-    rows = [[direction(r), r.tags.get("alpha", ""), *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
-            for r in sorted(runs, key=direction)]
-    sec.tables.append(RTable("Post-fusion adaptation (residual-frozen)", ["direction", "alpha", *cols, "run"], rows,
-                             note="fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
+    rows = [[direction(r), variant(r), r.tags.get("adapt_mode", "residual_frozen"), r.tags.get("alpha", ""),
+             *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+            for r in sorted(runs, key=lambda r: (direction(r), variant(r), r.tags.get("adapt_mode", "")))]
+    sec.tables.append(RTable("Post-fusion adaptation", ["direction", "setting", "adaptation", "alpha", *cols, "run"], rows,
+                             note="adaptation: residual_frozen = mergescope's (theta = W - R trained, the transported residual R "
+                                  "frozen, Adam); released:<freeze>@<a> = the released residual SFT ((1 - a) W + a R, a its training "
+                                  "alpha; frozen_hot: every parameter trains, R frozen; frozen_base: R only; none: both; AdamW, "
+                                  "warmup and linear decay), its baseline the same training of the unfused target. "
+                                  "fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
                                   "(negative = fusion helped); rand_ = the same for the random-plan-fused model (its control)."))
     helped = sum(1 for r in runs if r.m("fusion_effect_after_adapt") < 0)
     beats = [r for r in runs if np.isfinite(r.m("rand_fusion_effect_after_adapt"))]
