@@ -1156,7 +1156,8 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     from mergescope.transport.job import run_transport
 
     ov = [o.replace("merge=transport", "merge=transport_released") for o in transport_job(tiny_models, target="b")]
-    cfg, ov = compose_cfg([*ov, "merge.adapt.enabled=true", "merge.adapt.steps=2", "merge.adapt.batch_size=4", "merge.adapt.train_alpha=0.5"])
+    cfg, ov = compose_cfg([*ov, "merge.adapt.enabled=true", "merge.adapt.steps=2", "merge.adapt.batch_size=4", "merge.adapt.train_alpha=0.5",
+                           "merge.alphas=[0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12"])
     run_transport(cfg, ov)
     rs = runs(cfg.paths.root)
     assert {x.info.status for x in rs} == {"FINISHED"}
