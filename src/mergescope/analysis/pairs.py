@@ -14,7 +14,7 @@ import numpy as np
 from mergescope.analysis.records import Rec, Study, is_checkpoint_pair, transport_headline
 from mergescope.analysis.tables import NATIVE_PAIR, TYPOLOGY
 
-__all__ = ["cka_matrix", "build_pair_rows"]
+__all__ = ["cka_matrix", "build_pair_rows", "measure_rows"]
 
 
 def cka_matrix(measures: list[Rec], models: list[str]) -> tuple[np.ndarray, dict[tuple[int, int], str]]:
@@ -38,7 +38,7 @@ def _typology_for(study: Study, la: str, lb: str) -> Rec | None:
     return next((r for r in reversed(study.kind("typology")) if frozenset((r.tags.get("lang_a"), r.tags.get("lang_b"))) == key), None)
 
 
-def _measure_rows(measures: list[Rec]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+def measure_rows(measures: list[Rec]) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """The pairs (and models) in study order, with every representation metric the measure runs logged."""
     pairs: dict[str, dict[str, Any]] = {}
     models: list[str] = []
@@ -83,7 +83,7 @@ def _add_transport(p: dict[str, Any], transport: list[Rec], adapt: list[Rec]) ->
 
 def build_pair_rows(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     """Cross-model pairs in study order, with every diagnostic and the run id behind it."""
-    models, pairs = _measure_rows([r for r in study.measures if not is_checkpoint_pair(r)])
+    models, pairs = measure_rows([r for r in study.measures if not is_checkpoint_pair(r)])
     quality = {r.tags.get("model"): r for r in study.kind("quality")}
     cross = [r for r in study.native if not is_checkpoint_pair(r)]
     # the pair's native run without a transplant (embeddings excluded where the vocabularies differ), else with one;

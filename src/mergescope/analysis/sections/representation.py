@@ -52,12 +52,12 @@ def one_language_section(an: Analysis, number: str) -> Section | None:
     """3a. The one-language protocol (a study's ``one_language``: every pair with both sides on one language, as the
     shared-space paper reads its models) beside the study's own protocol (each model on its own language side). None
     when the study has no such runs."""
-    from mergescope.analysis.pairs import _measure_rows
+    from mergescope.analysis.pairs import measure_rows
 
     runs = an.study.one_language
     if not runs:
         return None
-    _, rows = _measure_rows(runs)
+    _, rows = measure_rows(runs)
     pairs = list(rows.values())
     langs = sorted({str(r.tags.get("lang_a")) for r in runs} | {str(r.tags.get("lang_b")) for r in runs})
     sec = Section("one_language", f"{number}. The same pairs with both sides on one language ({', '.join(langs)})")
