@@ -333,7 +333,8 @@ class Plan:
         return out
 
     def transport_directions(self) -> list[StudyJob]:
-        """Both directions (target <- donor) of every pair: merge.target=a, then b."""
+        """Both directions (target <- donor) of every pair, merge.target=a then b; with ``transport_directions``, only
+        the ones it names ("target<-donor"), in its order."""
         user_merge = any(_key(o) == "merge" for o in self.base)
         out: dict[str, StudyJob] = {}
         for label, sel in self.pairs.items():

@@ -543,8 +543,9 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
 
 
 def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None) -> dict[str, float]:
-    """One fused model (OT, or the random-plan control) at adapt.alpha, fine-tuned with its residual frozen,
-    measured on both languages; the host is restored afterwards."""
+    """One fused model (OT, or the random-plan control) fine-tuned as ``merge.adapt.mode`` says (mergescope's: at
+    adapt.alpha, its residual frozen; released: at the training alpha, what ``adapt.freeze`` says trains), measured
+    on both languages; the host is restored afterwards."""
     host, fusion, a, p = f.host, f.fusion, d.s.adapt.alpha, "rand_" if control else ""
     if d.s.adapt.mode == "released":  # (1 - a_t) W + a_t R, R = the transported weight (fusion at alpha 1), W in the host
         at = d.s.adapt.trained_alpha

@@ -54,13 +54,14 @@ def merge_node(cfg: DictConfig) -> DictConfig:
 
 @dataclass(frozen=True)
 class AdaptSettings:
-    """``merge.adapt``: the post-fusion residual-frozen adaptation (and its no-fusion baseline)."""
+    """``merge.adapt``: the post-fusion adaptation (mergescope's residual-frozen one, or the released residual SFT) and
+    its no-fusion baseline."""
 
     alpha: float         # the fused model that is adapted
     steps: int
     batch_size: int
     lr: float
-    weight_decay: float  # decoupled, on theta = W - R
+    weight_decay: float  # residual_frozen: decoupled, on theta = W - R; released: AdamW's, on matrices only
     grad_clip: float     # 0 = no clipping
     seed: int            # data order (identical for the fused model and its baseline)
     mode: str = "residual_frozen"  # residual_frozen (mergescope's) | released (the released residual SFT)
