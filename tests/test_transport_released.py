@@ -212,6 +212,26 @@ def test_released_solvers_step_for_step():
     np.testing.assert_allclose(rel.released_layer_plan(torch.from_numpy(Cl), 0.1).numpy(), ref_layer_plan(Cl, 0.1), rtol=2e-6)
 
 
+def test_released_sinkhorn_scaling_domain_is_the_log_domain(monkeypatch):
+    """The scaling-domain iterates (taken when the cost spans <= 300 epsilons) are the log-domain ones: the same stopping
+    iteration per problem, the plans to 1e-10; a cost too wide for float64 scalings takes the log domain and still solves."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(64, 40, generator=g, dtype=torch.float64)
+    C = torch.stack([tot.pearson_cost(X, torch.randn(64, 55, generator=g, dtype=torch.float64) + s * X[:, torch.arange(55) % 40])
+                     for s in (0.0, 0.5, 3.0)])
+    for eps in (0.1, 0.01):
+        Qs, its = rel.released_sinkhorn(C, eps)
+        monkeypatch.setattr(rel, "SCALING_SPAN", -1.0)
+        Ql, itl = rel.released_sinkhorn(C, eps)
+        monkeypatch.undo()
+        assert its == itl
+        np.testing.assert_allclose(Qs.numpy(), Ql.numpy(), rtol=1e-10, atol=1e-300)
+    wide = C[:1] * 400.0  # spans ~800 epsilons at 1.0: the kernel would underflow float64
+    Q, _ = rel.released_sinkhorn(wide, 1.0)
+    assert torch.isfinite(Q).all()
+    np.testing.assert_allclose(Q[0].numpy(), ref_sinkhorn(wide[0].numpy(), 1.0), rtol=1e-9, atol=0)
+
+
 # ----------------------------------------------------------------------------- shrink-only control and switches
 
 

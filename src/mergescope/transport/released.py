@@ -169,8 +169,15 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
     uniform marginals, log u = log a - LSE_j(-C/eps + log v), then log v = log b - LSE_i(-C/eps + log u), from zero
     potentials; every 10th iteration (and the last) the row marginals' L1 error err, stopping when err < tol or
     |err - previous err| < tol / 10 (the previous err starts at 1e9). Returns the plans exp(-C/eps + log u + log v)
-    (float64, before the released storage rounding: :func:`stored`) and the iteration each stopped at."""
+    (float64, before the released storage rounding: :func:`stored`) and the iteration each stopped at.
+
+    The same iterates are computed in the scaling domain when they fit float64 (:func:`_scaling_sinkhorn`: two
+    batched mat-vecs an iteration instead of two log-sum-exps over the whole matrix, ~10x faster on a CPU); the
+    log domain otherwise."""
     C = C.to(torch.float64)
+    span = float((C.amax(dim=(1, 2)) - C.amin(dim=(1, 2))).max()) / float(epsilon) if C.numel() else 0.0
+    if span <= SCALING_SPAN:
+        return _scaling_sinkhorn(C, epsilon, n_iters, tol)
     B, n, m = C.shape
     K = -C / float(epsilon)
     loga, logb = -math.log(n), -math.log(m)
@@ -194,6 +201,41 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
             if bool(done.all()):
                 break
     return torch.exp(K + logu[:, :, None] + logv[:, None, :]), iters
+
+
+# The scaling domain holds the log-domain iterates when every problem's cost spans at most this many epsilons: the
+# kernel exp(-(C - min C) / eps) then lies in [e^-300, 1] and the scalings within ~e^+-330, far inside float64's e^+-708
+# (the correlation cost spans at most 2, so every epsilon >= 2 / 300 = 0.0067 takes it).
+SCALING_SPAN = 300.0
+
+
+def _scaling_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int, tol: float) -> tuple[torch.Tensor, list[int]]:
+    """:func:`released_sinkhorn`'s iterates in the scaling domain: with s = min C per problem, E = exp(-(C - s)/eps),
+    u = exp(log u - s/eps) and v = exp(log v), the log-domain updates are u = a / (E v) and v = b / (E^T u) exactly, the
+    row marginal u * (E v) and the plan u E v; the same stopping rule on the same err."""
+    B, n, m = C.shape
+    E = torch.exp(-(C - C.amin(dim=(1, 2), keepdim=True)) / float(epsilon))
+    a, b = 1.0 / n, 1.0 / m
+    u = torch.ones(B, n, dtype=C.dtype, device=C.device)
+    v = torch.ones(B, m, dtype=C.dtype, device=C.device)
+    prev = torch.full((B,), 1e9, dtype=C.dtype, device=C.device)
+    done = torch.zeros(B, dtype=torch.bool, device=C.device)
+    iters = [n_iters - 1] * B
+    for t in range(n_iters):
+        nu = a / torch.bmm(E, v[:, :, None])[:, :, 0]
+        nv = b / torch.bmm(nu[:, None, :], E)[:, 0, :]
+        u = torch.where(done[:, None], u, nu)
+        v = torch.where(done[:, None], v, nv)
+        if t % 10 == 0 or t == n_iters - 1:
+            err = (u * torch.bmm(E, v[:, :, None])[:, :, 0] - a).abs().sum(1)
+            stop = ~done & ((err < tol) | ((err - prev).abs() < tol * 0.1))
+            for i in stop.nonzero().flatten().tolist():
+                iters[i] = t
+            prev = torch.where(done, prev, err)
+            done = done | stop
+            if bool(done.all()):
+                break
+    return u[:, :, None] * E * v[:, None, :], iters
 
 
 def stored(Q: torch.Tensor, dtype: str) -> torch.Tensor:
