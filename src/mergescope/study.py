@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 import json
 import os
 import statistics
@@ -353,13 +353,41 @@ class Plan:
 
     def transport_sweep(self) -> list[StudyJob]:
         """``transport_sweep`` (a calibration study): the first ``directions`` transport directions (all when unset),
-        once per entry of ``settings`` (each a list of overrides, e.g. ``[merge.epsilon=0.003]``)."""
+        once per entry of ``settings``, in the listed order. An entry is a list of overrides (e.g.
+        ``[merge.epsilon=0.003]``: on every swept direction) or a mapping ``{overrides: [...], directions: [...]}`` whose
+        ``directions`` names the transport directions (target<-donor) it runs on, the swept ones or not."""
         sw = self.cfg.get("transport_sweep")
         if not sw or "transport_sweep" not in self.arms:
             return []
-        dirs = self.transport_directions()
-        dirs = dirs[: int(sw.directions)] if sw.get("directions") else dirs
-        return [job("transport", [*j.overrides, *(str(o) for o in extra)]) for extra in sw.settings for j in dirs]
+        every = self.transport_directions()
+        swept = every[: int(sw.directions)] if sw.get("directions") else every
+        names = {self._direction(j): j for j in every}
+        out = []
+        for i, entry in enumerate(sw.settings):
+            if isinstance(entry, Mapping):
+                bad = [k for k in entry if k not in ("overrides", "directions")]
+                if bad or "overrides" not in entry:
+                    raise MergescopeError(f"transport_sweep.settings[{i}]: a mapping takes overrides (a list) and directions "
+                                          f"(target<-donor names){f', not {bad[0]!r}' if bad else ''}")
+                dirs = swept
+                if entry.get("directions") is not None:
+                    want = [str(d).replace(" ", "") for d in entry.directions]
+                    unknown = [d for d in want if d not in names]
+                    if unknown:
+                        raise MergescopeError(f"transport_sweep.settings[{i}].directions names {unknown[0]!r}, not a transport "
+                                              f"direction of this study: {did_you_mean(unknown[0], list(names))}")
+                    dirs = [names[d] for d in want]
+                extra = entry.overrides
+            else:
+                dirs, extra = swept, entry
+            out += [job("transport", [*j.overrides, *(str(o) for o in extra)]) for j in dirs]
+        return out
+
+    @staticmethod
+    def _direction(j: StudyJob) -> str:
+        """A transport job's ``target<-donor`` name."""
+        t = j.cfg.merge.target
+        return f"{j.cfg.pair[t].name}<-{j.cfg.pair['b' if t == 'a' else 'a'].name}"
 
     def adapt_jobs(self) -> list[StudyJob]:
         """The dimensional-adaptation arm: for every ``[small, large]`` of ``adaptation.pairs``, union (adapt=expand)
