@@ -406,7 +406,7 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     from mergescope.analysis.sections.transport import _fusion_table, ablation_table
     from mergescope.analysis.tables import Section
 
-    def rec(i, d, v, alpha, delta, rand, shrink):
+    def rec(i, d, v, alpha, delta, rand, shrink, select=None):
         tags = {"kind": "transport", "direction": d, "alpha": str(alpha), "headline_alpha": "0.1", "target": d[0], "donor": d[-1]}
         if v:
             tags["transport_variant"] = v
@@ -414,17 +414,24 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
              "plan_entropy_gap": 1.0, "plan_rowmax_over_uniform": 3.0, "plan_cost_ratio": 1.01}
         if shrink is not None:
             m.update({"shrink_delta_target_lang": shrink, "ot_minus_shrink_target_lang": delta - shrink})
+        if select is not None:
+            m["select_nll_target_lang"] = select
         return Rec(f"run{i:04d}xxxx", i, tags, m, {})
 
-    runs = [rec(1, "a <- b", "released:code", 0.1, -0.005, -0.005, -0.005), rec(2, "b <- a", "released:code", 0.1, 0.01, 0.02, 0.0),
+    runs = [rec(1, "a <- b", "released:code", 0.1, -0.005, -0.005, -0.005, select=5.0),
+            rec(2, "b <- a", "released:code", 0.1, 0.01, 0.02, 0.0),
             rec(3, "a <- b", "released:code + plan_scale=row_stochastic", 0.1, 0.02, 0.01, 0.03),
-            rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0)]
-    t = ablation_table([r for r in runs if r.tags["alpha"] == "0.1"])
+            rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0, select=5.2)]
+    t = ablation_table([r for r in runs if r.tags["alpha"] == "0.1"], runs)
     rows = {(r[0], r[1]): r for r in t.rows}  # per direction and setting; b <- a has one setting: not an ablation row
     assert list(rows) == [("a <- b", "released:code"), ("a <- b", "released:code + plan_scale=row_stochastic"), ("a <- b", "seed")]
     assert rows[("a <- b", "released:code")][2] == "-0.0050"
-    assert rows[("a <- b", "released:code")][-2:] == ["0/1", "0/1"]  # equal to both controls: 0 is not < 0
-    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-2:] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-1] == "—"
+    assert rows[("a <- b", "released:code")][-6:-4] == ["0/1", "0/1"]  # equal to both controls: 0 is not < 0
+    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-6:-4] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-5] == "—"
+    # the alpha chosen on the selection split (0.1: NLL 5.0 < 5.2), its delta read on the evaluation; the paper's
+    # protocol (the best alpha on the evaluation itself) apart: 0.03; no selection split: no chosen alpha
+    assert rows[("a <- b", "released:code")][-4:] == ["0.1", "-0.0050", "0.03", "-1.0000"]
+    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-4:] == ["—", "—", "0.1", "0.0200"]
     an = SimpleNamespace(metrics={}, csv={}, console_tables=[])
     sec = Section("transport", "7. Transport")
     _fusion_table(an, sec, runs)

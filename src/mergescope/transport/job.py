@@ -66,6 +66,8 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
             job.merge.pop("probe_set")
         if job.merge.get("scale_match") == "none" and settings.released is None:  # likewise
             job.merge.pop("scale_match")
+        if not job.merge.get("select_sentences"):  # likewise (no selection split)
+            job.merge.pop("select_sentences", None)
         ad = job.merge.get("adapt") or {}
         if ad.get("mode", "residual_frozen") == "residual_frozen":  # mergescope's adaptation: the released SFT's keys left out
             for k in ("mode", "freeze", "train_alpha", "warmup_ratio"):
@@ -123,6 +125,7 @@ class Texts:
     probe_d: tuple[str, ...]
     adapt_t: tuple[str, ...]
     ranges: dict[str, str]
+    select_t: tuple[str, ...] = ()   # the alpha-selection split (the target's language), after the probes
 
 
 def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Texts:
@@ -130,7 +133,10 @@ def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Te
     (FLORES dev; in a one-file-per-language folder evaluated on devtest, dev: the partition's other lines,
     ``data.FOLDER_RULE``) the probes are its first ``probe_sentences`` lines and the adaptation text all of it. When
     the probe split is the evaluation file itself (``data=folder`` evaluated on every line), the file is cut into
-    disjoint ranges: evaluation first, then the probes, then the adaptation text."""
+    disjoint ranges: evaluation first, then the probes, then the adaptation text. With ``merge.select_sentences`` the
+    alpha-selection split (the target's language) is that many lines after the probes, disjoint from the evaluation and
+    the probes (in a shared file the adaptation text starts after it; on a separate probe split it is all of it, as
+    before: nothing is chosen for the adaptation)."""
     et, ed = data_mod.load_parallel(cfg.data, lang_t, lang_d)
     k = cfg.native.get("nll_sentences")
     n_eval = min(len(et.sentences), int(k)) if k else len(et.sentences)
@@ -143,7 +149,14 @@ def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Te
     n_probe = min(s.probe_sentences, len(pt.sentences) - start)
     if n_probe < s.probe_sentences:
         console.print(f"[yellow]probe split {pt.source} has {n_probe} probe sentences; using all of them (merge.probe_sentences={s.probe_sentences})[/]")
-    a0 = start + n_probe if start else 0
+    s0 = start + n_probe
+    reserve = s.adapt.batch_size if (start and s.adapt is not None) else 0  # a shared file: the adaptation text comes after
+    n_sel = min(s.select_sentences, max(0, len(pt.sentences) - s0 - reserve))
+    if n_sel < s.select_sentences:
+        raise MergescopeError(f"merge.select_sentences={s.select_sentences}: {pt.source} has {len(pt.sentences) - s0} lines after the "
+                              f"probes{' (and the adaptation batch after them)' if reserve else ''}; lower merge.select_sentences or "
+                              "merge.probe_sentences")
+    a0 = s0 + n_sel if start else 0
     adapt = pt.sentences[a0:]
     if s.adapt is not None and len(adapt) < s.adapt.batch_size:
         raise MergescopeError(f"the adaptation text ({pt.source}, lines {a0 + 1}-{len(pt.sentences)}) has {len(adapt)} sentences, "
@@ -151,11 +164,13 @@ def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Te
                               "merge.probe_sentences, or give a longer file" if start else ""))
     ranges = {"text.eval": f"{et.source} lines 1-{n_eval}", "text.probes": f"{pt.source} lines {start + 1}-{start + n_probe}",
               "text.adapt": f"{pt.source} lines {a0 + 1}-{len(pt.sentences)}"}
+    if n_sel:
+        ranges["text.select"] = f"{pt.source} lines {s0 + 1}-{s0 + n_sel}"
     if start:
         console.print(f"[yellow]{pt.source} is both the evaluation and the probe split, cut into disjoint ranges: "
                       f"evaluation lines 1-{n_eval}, probes {start + 1}-{start + n_probe}, adaptation {a0 + 1}-{len(pt.sentences)}[/]")
     return Texts(et.sentences[:n_eval], ed.sentences[:n_eval], pt.sentences[start:start + n_probe],
-                 pd.sentences[start:start + n_probe], adapt, ranges)
+                 pd.sentences[start:start + n_probe], adapt, ranges, pt.sentences[s0:s0 + n_sel])
 
 
 def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
@@ -264,6 +279,7 @@ class _Fitted:
     base_t: float
     base_d: float
     n_probe: int
+    base_select: float | None = None   # the unfused target on the alpha-selection split (None: no split)
 
 
 def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -373,7 +389,8 @@ def _fit(d: _Direction) -> _Fitted:
                        "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
         stats = {**_plan_stats([*align.infos, *fusion.infos], fusion, layer_diagonal(align)), **top_k_effective(tp, s.top_k, d.label)}
     base_t, base_d = host.nll(d.eval_t, "nll target"), host.nll(d.eval_d, "nll donor lang")
-    return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t))
+    base_sel = host.nll(d.texts.select_t, "nll target (alpha selection)") if d.texts.select_t else None
+    return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t), base_sel)
 
 
 def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
@@ -461,6 +478,9 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             host.set(f.fusion.weights(a, control=ctl, shrink=shrink))
             values[f"{prefix}nll_target_lang"] = host.nll(d.eval_t, f"{prefix}fused a={a:g} target")
             values[f"{prefix}nll_donor_lang"] = host.nll(d.eval_d, f"{prefix}fused a={a:g} donor lang")
+            if not prefix and d.texts.select_t:  # the alpha-selection split: the OT fusion only (what is chosen)
+                values["select_nll_target_lang"] = host.nll(d.texts.select_t, f"fused a={a:g} selection split")
+                values["select_delta_target_lang"] = values["select_nll_target_lang"] - f.base_select
             agg, per_tensor[prefix.rstrip("_") or "ot"] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
         if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
@@ -477,6 +497,8 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             values[f"ot_minus_shrink_{lang}"] = values[f"nll_{lang}"] - values[f"shrink_nll_{lang}"]
         values.update(f.plan_stats)
         values.update({"n_probe": float(f.n_probe), "n_eval_target": float(len(d.eval_t)), "n_eval_donor": float(len(d.eval_d))})
+        if d.texts.select_t:
+            values.update({"select_base_nll_target_lang": f.base_select, "n_select": float(len(d.texts.select_t))})
         job.log_params({"model_target.true": host.true, "model_donor.true": f.donor_true, **d.texts.ranges})
         job.log_text(json.dumps(f.layer_table, indent=1), "transport/layer_alignment.json")
         job.log_text(json.dumps(per_tensor, indent=1), "transport/fused_weights.json")

@@ -179,6 +179,7 @@ class TransportSettings:
     scale_match: str = "none"    # none | rms (rms(W_target) / rms(W_donor) on each donor weight's transported term)
     name: str = "transport"      # transport (the seed's method) | transport_released
     released: ReleasedSettings | None = None  # merge=transport_released's own switches
+    select_sentences: int = 0    # the alpha-selection split's sentences (0 = none): probe-split lines after the probes
 
     def variant(self) -> str:
         """The setting in words, for the ablation table: the preset (``seed``, ``released:code``, ``released:paper``)
@@ -188,8 +189,9 @@ class TransportSettings:
             head = "seed"
         else:
             head = f"released:{self.released.follow}"
-        diffs = [f"{k}={getattr(self, k)}" for k in SWITCHES
-                 if base.get(k) is not None and getattr(self, k) != type(getattr(self, k))(base.get(k))]
+        unread = () if self.released is None or self.released.layer_pairs == "pruned" else ("layer_topk", "layer_subsample")
+        diffs = [f"{k}={getattr(self, k)}" for k in SWITCHES  # the released fit reads the pruning's two only when pruned
+                 if k not in unread and base.get(k) is not None and getattr(self, k) != type(getattr(self, k))(base.get(k))]
         if self.released is not None:
             implied = {**AS_FOLLOWED[self.released.follow], "solver": (base.get("released") or {}).get("solver"),
                        "pooling": (base.get("released") or {}).get("pooling")}
@@ -220,6 +222,9 @@ class TransportSettings:
                 raise MergescopeError(f"merge.{key} must be at least 1, got {m[key]}")
         if int(m.probe_sentences) < 3:
             raise MergescopeError("merge.probe_sentences must be at least 3: correlations need samples")
+        select = m.get("select_sentences") or 0
+        if not isinstance(select, int) or isinstance(select, bool) or select < 0:
+            raise MergescopeError(f"merge.select_sentences must be a whole number >= 0 (the alpha-selection split; 0 = none), got {select!r}")
         if str(m.get("probe_set") or "flores200") not in PROBE_SETS:
             raise MergescopeError(f"merge.probe_set must be one of {', '.join(PROBE_SETS)}, got '{m.get('probe_set')}'")
         if str(m.plan_scale) not in PLAN_SCALES:
@@ -244,6 +249,7 @@ class TransportSettings:
             headline_alpha=headline, control_seed=int(m.control_seed),
             adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
             scale_match=scale_match, name=name, released=ReleasedSettings.from_node(m) if name == "transport_released" else None,
+            select_sentences=int(select),
         )
 
     @classmethod
