@@ -332,11 +332,24 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     tr = plan.transport_directions()
     assert [f"{j.cfg.pair[j.cfg.merge.target].name}<-{j.cfg.pair['b' if j.cfg.merge.target == 'a' else 'a'].name}" for j in tr] == \
         list(plan.cfg.transport_directions)
-    sweep = plan.transport_sweep()
-    assert len(sweep) == len(plan.cfg.transport_sweep.settings) and all(j.cfg.merge.name == "transport_released" for j in sweep)
-    assert {(j.cfg.merge.target, j.cfg.pair.a.name, j.cfg.pair.b.name) for j in sweep} == {("a", "smollm2-135m", "qwen2.5-coder-0.5b")}
-    assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
     from omegaconf import OmegaConf
+
+    sweep = plan.transport_sweep()  # a list entry: the swept direction (the first); a mapping: the directions it names
+    assert len(sweep) == len(plan.cfg.transport_sweep.settings)
+    assert [plan._direction(j) for j in sweep].count("qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b") == 2
+    assert {plan._direction(j) for j in sweep} == {"smollm2-135m<-qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b"}
+    assert all(j.cfg.merge.select_sentences == 16 for j in sweep)
+    assert sum(j.cfg.merge.name == "transport" and j.cfg.merge.scale_match == "rms" for j in sweep) == 1
+    OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-nope"]}])
+    with pytest.raises(MergescopeError, match=r"transport_sweep.settings\[0\].directions names 'gemma3-270m<-nope'"):
+        plan.transport_sweep()
+    OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "direction": ["x"]}])
+    with pytest.raises(MergescopeError, match=r"a mapping takes overrides \(a list\) and directions .*not 'direction'"):
+        plan.transport_sweep()
+    OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-smollm2-135m"]}],
+                     merge=False)
+    assert [(plan._direction(j), j.cfg.merge.epsilon) for j in plan.transport_sweep()] == [("gemma3-270m<-smollm2-135m", 0.05)]
+    assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
 
     OmegaConf.update(plan.cfg, "transport_directions", ["gemma3-270m<-nope"])
     with pytest.raises(MergescopeError, match="transport_directions names 'gemma3-270m<-nope'"):

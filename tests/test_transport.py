@@ -684,6 +684,8 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     (["merge.top_k=0"], "merge.top_k must be at least 1"),
     (["merge.probe_sentences=2"], "merge.probe_sentences must be at least 3"),
     (["merge.adapt.steps=0"], "merge.adapt needs steps >= 1, batch_size >= 1 and lr > 0"),
+    (["merge.select_sentences=-1"], "merge.select_sentences must be a whole number >= 0"),
+    (["merge.select_sentences=100000"], "merge.select_sentences=100000: .* lines after the probes"),
 ])
 def test_transport_bad_input_is_one_clear_error_and_no_run(tiny_models, compose_cfg, extra, match):
     from test_e2e import runs

@@ -355,7 +355,8 @@ def test_task_runs_the_released_preset_with_both_controls(tiny_models, compose_c
 
     ov = ["task=transport", "merge=transport_released", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}",
           "pair.a.lang=eng_Latn", f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn",
-          "merge.probe_sentences=30", "merge.alphas=[0.1,0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12", "merge.top_k=8"]
+          "merge.probe_sentences=30", "merge.alphas=[0.1,0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12", "merge.top_k=8",
+          "merge.select_sentences=6"]
     cfg, o = compose_cfg(ov)
     run_transport(cfg, o)
     tr = sorted([x for x in runs(cfg.paths.root) if x.data.tags["kind"] == "transport"], key=lambda x: x.data.metrics["alpha"])
@@ -370,6 +371,18 @@ def test_task_runs_the_released_preset_with_both_controls(tiny_models, compose_c
             assert abs(m[f"ot_minus_shrink_{lang}"]) < 1e-2 * abs(m[f"shrink_delta_{lang}"]), m
         assert m["transported_relative_norm"] < 1e-3 and m["plan_entropy_gap"] >= 0
         assert m["plan_rowmax_over_uniform"] >= 1 and m["n_fused_tensors"] > 0
+        # the alpha-selection split: the 6 FLORES dev lines after the 30 probes, the unfused target scored there
+        assert x.data.params["text.select"].endswith("lines 31-36") and m["n_select"] == 6
+        assert m["select_delta_target_lang"] == pytest.approx(m["select_nll_target_lang"] - m["select_base_nll_target_lang"], abs=1e-12)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergescope.bpb import token_nll
+
+    path = tiny_models["neox_en"]
+    ref = token_nll(AutoModelForCausalLM.from_pretrained(path).double().float(), AutoTokenizer.from_pretrained(path),
+                    lines("eng_Latn")[30:36], progress=False)["nll"]
+    assert tr[0].data.metrics["select_base_nll_target_lang"] == pytest.approx(ref, rel=1e-5)
+    assert tr[0].data.metrics["select_nll_target_lang"] != tr[1].data.metrics["select_nll_target_lang"]  # each alpha scored
     # the fused tensors: query_key_value (rows of its q, k and v blocks) and attention.dense (columns)
     import json
 
