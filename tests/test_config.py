@@ -154,3 +154,23 @@ def test_secrets_are_redacted_but_settings_that_mention_tokens_are_not():
                           "~hub.password"]
     assert redact({"job": {"override_dirname": "+hf_token=hf_abc,metric=cka,svcca,+my.api_key=k1"}}) == {
         "job": {"override_dirname": "+hf_token=<redacted>,metric=cka,svcca,+my.api_key=<redacted>"}}
+
+
+def test_multirun_study_axes_written_out_and_per_model_languages_refused():
+    """``-m study=X``: the study's ``pair: all`` / ``metric: all`` axes become command-line axes (what the study runner
+    expands; Hydra alone looks for conf/pair/all.yaml); an axis given on the command line is left alone; a study with
+    per-model languages is refused in one line naming the study runner."""
+    from mergescope.cli import expand_multirun_study
+    from mergescope.study import every_metric
+
+    assert expand_multirun_study(["study=toy"]) == ["study=toy"]  # no -m: the study runner expands it
+    out = expand_multirun_study(["-m", "study=toy", "task=measure"])
+    pairs = next(a for a in out if a.startswith("pair=")).split("=", 1)[1].split(",")
+    models = ["zoo-neox-en", "zoo-neox-zh", "zoo-llama-pt", "zoo-qwenlike-pl", "zoo-mistral-it"]
+    assert len(pairs) == 10 == len(set(pairs)) and all(p.split("__")[0] in models and p.split("__")[1] in models for p in pairs)
+    assert not any(a.startswith("metric=") for a in out)  # toy lists its metrics itself
+    assert expand_multirun_study(["-m", "study=toy", "pair=zoo-neox-en__zoo-neox-zh"]) == ["-m", "study=toy", "pair=zoo-neox-en__zoo-neox-zh"]
+    real = expand_multirun_study(["-m", "study=real"])
+    assert f"metric={every_metric()}" in real and "cka" in every_metric().split(",")
+    with pytest.raises(MergescopeError, match=r"study=crossarch_real sets languages and one_language .* run `python launch.py study=crossarch_real` without -m"):
+        expand_multirun_study(["--multirun", "study=crossarch_real"])

@@ -68,6 +68,40 @@ def check_argv(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
             raise MergescopeError(f"unknown {group} '{v}': {did_you_mean(v, options(group, conf_dir))}")
 
 
+def expand_multirun_study(argv: list[str], conf_dir: Path = CONF_DIR) -> list[str]:
+    """``-m study=X``: the study's ``pair: all`` / ``metric: all`` sweep axes written out on the command line (every pair
+    of its ``models``, every metric plug-in: what the study runner expands), since Hydra's own sweeper would look for a
+    conf/pair/all.yaml; an axis the command line gives itself is left to it. A study that sets its models' ``languages``
+    or ``one_language`` is refused: those are per model, not a sweep axis, and only the study runner
+    (``python launch.py study=X``, no -m) applies them."""
+    import yaml
+
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    study = next((a.split("=", 1)[1].strip() for a in argv if a.split("=", 1)[0].lstrip("+~") == "study" and "=" in a), None)
+    path = conf_dir / "study" / f"{study}.yaml"
+    if not study or not path.is_file():
+        return argv
+    doc = yaml.safe_load(path.read_text()) or {}
+    langs = [k for k in ("languages", "one_language") if doc.get(k)]
+    if langs:
+        raise MergescopeError(f"study={study} sets {' and '.join(langs)} (each model on its own language), which only the "
+                              f"study runner applies: run `python launch.py study={study}` without -m")
+    params = ((doc.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+    given = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a and not a.startswith("-")}
+    extra = []
+    for key, spec in params.items():
+        if str(spec).strip() != "all" or key in given:
+            continue
+        from mergescope.study import every_metric, every_pair
+
+        if key == "metric":
+            extra.append(f"metric={every_metric()}")
+        elif key == "pair":
+            extra.append(f"pair={every_pair([str(m) for m in doc.get('models') or []])}")
+    return [*argv, *extra]
+
+
 FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "expansion", "shared")
 """Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
 OPTIONAL_KEYS = ("native.transplant",)
@@ -131,6 +165,9 @@ def precheck(argv: list[str] | None = None) -> None:
     try:
         check_argv(args)
         check_added_keys(args)
+        args = expand_multirun_study(args)
+        if argv is None:
+            sys.argv[1:] = args
     except MergescopeError as exc:
         print(f"error: {scrub(str(exc), args)}", file=sys.stderr)
         sys.exit(exc.exit_code)
