@@ -196,12 +196,17 @@ def test_released_fusion_equals_its_definitions_recomputed(tiny_pair, follow, re
     assert torch.allclose(f.control[name], full[po[f.rows[name]]][:, pi], atol=1e-9 * float(full.abs().max()) + 1e-300)
 
 
+def correlated_costs(seed: int, samples: int, n: int, m: int, couplings) -> torch.Tensor:
+    """A stack of 1 - Pearson costs between n and m neurons, the donor's neuron j sharing s x the target's neuron j % n."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(samples, n, generator=g, dtype=torch.float64)
+    return torch.stack([tot.pearson_cost(X, torch.randn(samples, m, generator=g, dtype=torch.float64) + s * X[:, torch.arange(m) % n])
+                        for s in couplings])
+
+
 def test_released_solvers_step_for_step():
     """released_sinkhorn (batched, each problem stopping on its own) and released_layer_plan against the numpy loops."""
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(50, 9, generator=g, dtype=torch.float64)
-    C = torch.stack([tot.pearson_cost(X, torch.randn(50, 12, generator=g, dtype=torch.float64) + s * X[:, torch.arange(12) % 9])
-                     for s in (0.0, 1.0, 5.0)])
+    C = correlated_costs(0, 50, 9, 12, (0.0, 1.0, 5.0))
     for eps in (0.1, 0.01):
         Q, iters = rel.released_sinkhorn(C, eps)
         for Ci, Qi in zip(C, Q):
@@ -215,10 +220,7 @@ def test_released_solvers_step_for_step():
 def test_released_sinkhorn_scaling_domain_is_the_log_domain(monkeypatch):
     """The scaling-domain iterates (taken when the cost spans <= 300 epsilons) are the log-domain ones: the same stopping
     iteration per problem, the plans to 1e-10; a cost too wide for float64 scalings takes the log domain and still solves."""
-    g = torch.Generator().manual_seed(3)
-    X = torch.randn(64, 40, generator=g, dtype=torch.float64)
-    C = torch.stack([tot.pearson_cost(X, torch.randn(64, 55, generator=g, dtype=torch.float64) + s * X[:, torch.arange(55) % 40])
-                     for s in (0.0, 0.5, 3.0)])
+    C = correlated_costs(3, 64, 40, 55, (0.0, 0.5, 3.0))
     for eps in (0.1, 0.01):
         Qs, its = rel.released_sinkhorn(C, eps)
         monkeypatch.setattr(rel, "SCALING_SPAN", -1.0)

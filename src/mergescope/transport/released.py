@@ -181,25 +181,16 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
     B, n, m = C.shape
     K = -C / float(epsilon)
     loga, logb = -math.log(n), -math.log(m)
-    logu = torch.zeros(B, n, dtype=C.dtype, device=C.device)
-    logv = torch.zeros(B, m, dtype=C.dtype, device=C.device)
-    prev = torch.full((B,), 1e9, dtype=C.dtype, device=C.device)
-    done = torch.zeros(B, dtype=torch.bool, device=C.device)
-    iters = [n_iters - 1] * B
-    for t in range(n_iters):
+
+    def update(logv):
         nu = loga - torch.logsumexp(K + logv[:, None, :], dim=2)
-        nv = logb - torch.logsumexp(K + nu[:, :, None], dim=1)
-        logu = torch.where(done[:, None], logu, nu)
-        logv = torch.where(done[:, None], logv, nv)
-        if t % 10 == 0 or t == n_iters - 1:
-            err = (torch.exp(logu + torch.logsumexp(K + logv[:, None, :], dim=2)) - 1.0 / n).abs().sum(1)
-            stop = ~done & ((err < tol) | ((err - prev).abs() < tol * 0.1))
-            for b in stop.nonzero().flatten().tolist():
-                iters[b] = t
-            prev = torch.where(done, prev, err)
-            done = done | stop
-            if bool(done.all()):
-                break
+        return nu, logb - torch.logsumexp(K + nu[:, :, None], dim=1)
+
+    def row_error(logu, logv):
+        return (torch.exp(logu + torch.logsumexp(K + logv[:, None, :], dim=2)) - 1.0 / n).abs().sum(1)
+
+    zeros = C.new_zeros
+    logu, logv, iters = _released_loop(update, row_error, zeros(B, n), zeros(B, m), n_iters, tol)
     return torch.exp(K + logu[:, :, None] + logv[:, None, :]), iters
 
 
@@ -216,18 +207,34 @@ def _scaling_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int, tol: float)
     B, n, m = C.shape
     E = torch.exp(-(C - C.amin(dim=(1, 2), keepdim=True)) / float(epsilon))
     a, b = 1.0 / n, 1.0 / m
-    u = torch.ones(B, n, dtype=C.dtype, device=C.device)
-    v = torch.ones(B, m, dtype=C.dtype, device=C.device)
-    prev = torch.full((B,), 1e9, dtype=C.dtype, device=C.device)
-    done = torch.zeros(B, dtype=torch.bool, device=C.device)
+
+    def update(v):
+        nu = a / torch.bmm(E, v[:, :, None])[:, :, 0]
+        return nu, b / torch.bmm(nu[:, None, :], E)[:, 0, :]
+
+    def row_error(u, v):
+        return (u * torch.bmm(E, v[:, :, None])[:, :, 0] - a).abs().sum(1)
+
+    ones = C.new_ones
+    u, v, iters = _released_loop(update, row_error, ones(B, n), ones(B, m), n_iters, tol)
+    return u[:, :, None] * E * v[:, None, :], iters
+
+
+def _released_loop(update, row_error, p: torch.Tensor, q: torch.Tensor, n_iters: int, tol: float):
+    """The released iteration and stopping rule on a stack, in either domain: ``update(q)`` gives the new row then
+    column potentials; every 10th iteration (and the last) ``row_error(p, q)`` is each problem's row-marginal L1 error
+    err, and a problem stops (its potentials kept from then on) when err < tol or |err - previous err| < tol / 10 (the
+    previous err starts at 1e9). Returns the potentials and the iteration each problem stopped at."""
+    B = p.shape[0]
+    prev = p.new_full((B,), 1e9)
+    done = torch.zeros(B, dtype=torch.bool, device=p.device)
     iters = [n_iters - 1] * B
     for t in range(n_iters):
-        nu = a / torch.bmm(E, v[:, :, None])[:, :, 0]
-        nv = b / torch.bmm(nu[:, None, :], E)[:, 0, :]
-        u = torch.where(done[:, None], u, nu)
-        v = torch.where(done[:, None], v, nv)
+        np_, nq = update(q)
+        p = torch.where(done[:, None], p, np_)
+        q = torch.where(done[:, None], q, nq)
         if t % 10 == 0 or t == n_iters - 1:
-            err = (u * torch.bmm(E, v[:, :, None])[:, :, 0] - a).abs().sum(1)
+            err = row_error(p, q)
             stop = ~done & ((err < tol) | ((err - prev).abs() < tol * 0.1))
             for i in stop.nonzero().flatten().tolist():
                 iters[i] = t
@@ -235,7 +242,7 @@ def _scaling_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int, tol: float)
             done = done | stop
             if bool(done.all()):
                 break
-    return u[:, :, None] * E * v[:, None, :], iters
+    return p, q, iters
 
 
 def stored(Q: torch.Tensor, dtype: str) -> torch.Tensor:
