@@ -1086,7 +1086,7 @@ def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
     s = AdaptSettings(alpha=0.1, steps=steps, batch_size=bs, lr=lr, weight_decay=wd, grad_clip=0.5, seed=3,
                       mode="released", freeze="frozen_hot" if freeze == "baseline" else freeze, train_alpha=alpha, warmup_ratio=0.34)
     got = copy.deepcopy(model)
-    finetune_released(got, tok, sents, R, alpha, s.freeze, s, progress=False)
+    finetune_released(got, tok, sents, R, s, progress=False)
 
     ref = copy.deepcopy(model).train()
     train_base, train_res = freeze in ("frozen_hot", "none", "baseline"), freeze in ("frozen_base", "none")

@@ -90,15 +90,15 @@ def linear_warmup(step: int, steps: int, warmup: int) -> float:
     return max(0.0, (steps - step) / max(1, steps - warmup))
 
 
-def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.Tensor], alpha: float, freeze: str,
-                      settings: AdaptSettings, max_length: int = 512, progress: bool = True,
+def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.Tensor], settings: AdaptSettings,
+                      max_length: int = 512, progress: bool = True,
                       label: str = "adapt (released)") -> list[float]:
     """The released code's residual SFT (its ``train_hot_residual_sft.py``, rebuilt from its definitions), in place.
 
     On entry ``model`` holds the target's own weights W. Each tensor named in ``transported`` is replaced in the forward
     by ``(1 - alpha) W + alpha R``, with R the transported weight (W itself on the rows the fusion leaves alone) and
-    ``alpha`` the training alpha; ``freeze`` says what trains: ``frozen_hot`` every model parameter, R frozen (the
-    released default); ``frozen_base`` R only; ``none`` both. AdamW (betas 0.9 / 0.999, eps 1e-8, decay on matrices
+    alpha the training alpha (``settings.trained_alpha``); ``settings.freeze`` says what trains: ``frozen_hot`` every
+    model parameter, R frozen (the released default); ``frozen_base`` R only; ``none`` both. AdamW (betas 0.9 / 0.999, eps 1e-8, decay on matrices
     only: biases and norm weights are not decayed, as the Trainer does), a linear warmup over ``warmup_ratio`` of the
     steps then a linear decay to 0, gradients clipped to ``grad_clip``; the loss is each sentence's mean token NLL,
     averaged over the batch (the released batch of 1 with gradient accumulation). On return the model holds the
@@ -107,6 +107,7 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
     Returns the per-step training loss."""
     from torch.func import functional_call
 
+    alpha, freeze = settings.trained_alpha, settings.freeze
     if freeze not in FREEZES:
         raise MergescopeError(f"merge.adapt.freeze={freeze!r}: choose one of {', '.join(FREEZES)}")
     steps, batch_size, lr = settings.steps, settings.batch_size, settings.lr

@@ -535,8 +535,8 @@ def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric
     ``mode=released``: ``residual`` is the transported weight R (the host holds W), trained as the released SFT."""
     ad, n = d.s.adapt, int(d.cfg.represent.max_length)
     if ad.mode == "released":
-        losses = finetune_mod.finetune_released(host.model, host.tok, d.texts.adapt_t, residual or {}, ad.trained_alpha,
-                                                ad.freeze, ad, n, progress=bool(d.cfg.progress), label=label)
+        losses = finetune_mod.finetune_released(host.model, host.tok, d.texts.adapt_t, residual or {}, ad, n,
+                                                progress=bool(d.cfg.progress), label=label)
     else:
         losses = finetune_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, ad, n, progress=bool(d.cfg.progress),
                                        label=label)
