@@ -436,10 +436,13 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     runs = [rec(1, "a <- b", "released:code", 0.1, -0.005, -0.005, -0.005, select=5.0),
             rec(2, "b <- a", "released:code", 0.1, 0.01, 0.02, 0.0),
             rec(3, "a <- b", "released:code + plan_scale=row_stochastic", 0.1, 0.02, 0.01, 0.03),
-            rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0, select=5.2)]
+            rec(4, "a <- b", None, 0.1, 0.03, 0.02, None), rec(5, "a <- b", "released:code", 0.03, -1.0, 0.0, 0.0, select=5.2),
+            rec(6, "a <- b", "released:code + epsilon=0.01", 0.1, -0.005, -0.0049999, -0.0049999)]
     t = ablation_table([r for r in runs if r.tags["alpha"] == "0.1"], runs)
     rows = {(r[0], r[1]): r for r in t.rows}  # per direction and setting; b <- a has one setting: not an ablation row
-    assert list(rows) == [("a <- b", "released:code"), ("a <- b", "released:code + plan_scale=row_stochastic"), ("a <- b", "seed")]
+    assert list(rows) == [("a <- b", "released:code"), ("a <- b", "released:code + epsilon=0.01"),
+                          ("a <- b", "released:code + plan_scale=row_stochastic"), ("a <- b", "seed")]
+    assert rows[("a <- b", "released:code + epsilon=0.01")][-6:-4] == ["0/1", "0/1"]  # 1e-7 below both controls: a tie
     assert rows[("a <- b", "released:code")][2] == "-0.0050"
     assert rows[("a <- b", "released:code")][-6:-4] == ["0/1", "0/1"]  # equal to both controls: 0 is not < 0
     assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-6:-4] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-5] == "—"

@@ -15,6 +15,7 @@ import numpy as np
 
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.context import Analysis
+from mergescope.analysis.sections.transport import lower
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.plotting import pyplot
 
@@ -128,7 +129,7 @@ def probe_section(an: Analysis, runs: list[Rec], number: str) -> Section:
                              note="One run per direction and probe setting, at its headline alpha. Probes are never the evaluation "
                                   "sentences (FLORES devtest): flores200 = FLORES dev, ntrex128 = NTREX-128 (1997 sentences)."))
     summary = [[ps, str(n), str(len(rs)), f3(_mean(rs, "plan_row_max"), 4), f3(_mean(rs, "plan_entropy")),
-                f3(_mean(rs, "delta_target_lang"), 4), f"{sum(1 for r in rs if r.m('ot_minus_rand_target_lang') < 0)}/{len(rs)}"]
+                f3(_mean(rs, "delta_target_lang"), 4), f"{sum(1 for r in rs if lower(r.m('ot_minus_rand_target_lang')))}/{len(rs)}"]
                for (ps, n), rs in groups.items()]
     sec.tables.append(RTable("Probe count: means over directions", ["probe set", "probes", "directions", "plan_row_max",
                                                                     "plan_entropy", "mean delta_target_lang", "beats control"], summary))
