@@ -93,7 +93,7 @@ def expand_multirun_study(argv: list[str], conf_dir: Path = CONF_DIR) -> list[st
     for key, spec in params.items():
         if str(spec).strip() != "all" or key in given:
             continue
-        from mergescope.study import every_metric, every_pair  # only when a study sweeps "all" (it imports Hydra's compose)
+        from mergescope.sweep import every_metric, every_pair  # only when a study sweeps "all" (it reads the registry)
 
         if key == "metric":
             extra.append(f"metric={every_metric()}")

@@ -38,6 +38,7 @@ from mergescope.native.settings import CheckpointSettings
 from mergescope.native.weights import routes
 from mergescope.progress import console, phase_bar, set_quiet, status, verbose
 from mergescope.runs import JOB_PEAK, JobResult, model_label, recording
+from mergescope.sweep import every_metric, every_pair
 from mergescope.workers import group_by, run_groups
 
 
@@ -52,23 +53,6 @@ class StudyJob:
     def run(self) -> JobResult:
         check_finite(self.cfg)  # the study's check of every job before any runs: a NaN setting of one job refused
         return handler(self.task)(self.cfg, self.overrides)
-
-
-def every_metric() -> str:
-    """``metric: all`` in a study's sweep: every registered metric plug-in that has its conf/metric YAML, in report
-    order (a new metric is in every such sweep with no other edit)."""
-    from mergescope.registry import metrics
-
-    have = set(conf_options("metric"))
-    return ",".join(e.name for e in metrics.entries() if e.name in have)
-
-
-def every_pair(models: list[str]) -> str:
-    """``pair: all``: every unordered pair of the study's ``models`` (conf/model names), in list order."""
-    if len(models) < 2:
-        raise MergescopeError(f"the sweep's pair: all needs the study's models (a list of at least two conf/model names at "
-                              f"the top level, models: [...]), got {models}")
-    return ",".join(f"{a}__{b}" for i, a in enumerate(models) for b in models[i + 1:])
 
 
 def sweep_jobs(params: dict[str, str], models: list[str] | None = None) -> list[list[str]]:

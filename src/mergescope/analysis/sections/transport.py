@@ -164,11 +164,7 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats),
                        "transport_beats_shrink": float(beats_s)})
     if several:
-        sec.tables.append(ablation_table(heads, runs))
-        an.csv["tables/transport_ablation.csv"] = sec.tables[-1].csv()
-        sec.text.append("Settings compared (headline alpha): " + "; ".join(
-            f"{r[0]} [{r[1]}]: delta {r[2]}, beats random plan {r[-6]}, beats shrink only {r[-5]}"
-            + (f"; alpha chosen on dev {r[-4]} (delta {r[-3]})" if r[-4] != "—" else "") for r in sec.tables[-1].rows) + ".")
+        _ablation(an, sec, heads, runs)
     if head:
         sec.tables.append(role_table(head, at))
         an.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
@@ -195,6 +191,15 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
                    lambda: figure_transport(runs))
     an.csv["tables/transport.csv"] = sec.tables[0].csv()
     an.console_tables.append(sec.tables[0])
+
+
+def _ablation(an: Analysis, sec: Section, heads: list[Rec], runs: list[Rec]) -> None:
+    """The settings table (:func:`ablation_table`), its CSV and its sentence."""
+    sec.tables.append(ablation_table(heads, runs))
+    an.csv["tables/transport_ablation.csv"] = sec.tables[-1].csv()
+    sec.text.append("Settings compared (headline alpha): " + "; ".join(
+        f"{r[0]} [{r[1]}]: delta {r[2]}, beats random plan {r[-6]}, beats shrink only {r[-5]}"
+        + (f"; alpha chosen on dev {r[-4]} (delta {r[-3]})" if r[-4] != "—" else "") for r in sec.tables[-1].rows) + ".")
 
 
 def role_table(head: list[Rec], at: str) -> RTable:
