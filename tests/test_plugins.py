@@ -329,15 +329,18 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert {(j.cfg.pair.a.lang, j.cfg.pair.b.lang) for j in ty} == {(own[j.cfg.pair.a.name], own[j.cfg.pair.b.name]) for j in ty}
     assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.native_pairs()] == ["smollm2-135m-pt__smollm2-135m-it"]
     assert {"smollm2-135m-pt", "smollm2-135m-it"} <= set(plan.entries)
+    def name(j):
+        t = j.cfg.merge.target
+        return f"{j.cfg.pair[t].name}<-{j.cfg.pair['b' if t == 'a' else 'a'].name}"
+
     tr = plan.transport_directions()
-    assert [f"{j.cfg.pair[j.cfg.merge.target].name}<-{j.cfg.pair['b' if j.cfg.merge.target == 'a' else 'a'].name}" for j in tr] == \
-        list(plan.cfg.transport_directions)
+    assert [name(j) for j in tr] == list(plan.cfg.transport_directions) == list(plan.named_directions())
     from omegaconf import OmegaConf
 
     sweep = plan.transport_sweep()  # a list entry: the swept direction (the first); a mapping: the directions it names
     assert len(sweep) == len(plan.cfg.transport_sweep.settings)
-    assert [plan._direction(j) for j in sweep].count("qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b") == 2
-    assert {plan._direction(j) for j in sweep} == {"smollm2-135m<-qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b"}
+    assert [name(j) for j in sweep].count("qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b") == 2
+    assert {name(j) for j in sweep} == {"smollm2-135m<-qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b"}
     assert all(j.cfg.merge.select_sentences == 16 for j in sweep)
     assert sum(j.cfg.merge.name == "transport" and j.cfg.merge.scale_match == "rms" for j in sweep) == 1
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-nope"]}])
@@ -348,7 +351,7 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
         plan.transport_sweep()
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-smollm2-135m"]}],
                      merge=False)
-    assert [(plan._direction(j), j.cfg.merge.epsilon) for j in plan.transport_sweep()] == [("gemma3-270m<-smollm2-135m", 0.05)]
+    assert [(name(j), j.cfg.merge.epsilon) for j in plan.transport_sweep()] == [("gemma3-270m<-smollm2-135m", 0.05)]
     assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
 
     OmegaConf.update(plan.cfg, "transport_directions", ["gemma3-270m<-nope"])

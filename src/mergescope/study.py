@@ -319,6 +319,10 @@ class Plan:
     def transport_directions(self) -> list[StudyJob]:
         """Both directions (target <- donor) of every pair, merge.target=a then b; with ``transport_directions``, only
         the ones it names ("target<-donor"), in its order."""
+        return list(self.named_directions().values())
+
+    def named_directions(self) -> dict[str, StudyJob]:
+        """:meth:`transport_directions` by name ("target<-donor")."""
         user_merge = any(_key(o) == "merge" for o in self.base)
         out: dict[str, StudyJob] = {}
         for label, sel in self.pairs.items():
@@ -328,12 +332,12 @@ class Plan:
                 out[name] = job("transport", [*self.base, *sel, *extra])
         keep = self.cfg.get("transport_directions")
         if keep is None:
-            return list(out.values())
+            return out
         unknown = [str(d) for d in keep if str(d).replace(" ", "") not in out]
         if unknown:
             raise MergescopeError(f"transport_directions names {unknown[0]!r}, not a direction (target<-donor) of this "
                                   f"study's pairs: {did_you_mean(unknown[0].replace(' ', ''), list(out))}")
-        return [out[str(d).replace(" ", "")] for d in keep]  # in the listed order (transport_sweep takes the first N)
+        return {str(d).replace(" ", ""): out[str(d).replace(" ", "")] for d in keep}  # listed order (transport_sweep: the first N)
 
     def transport_sweep(self) -> list[StudyJob]:
         """``transport_sweep`` (a calibration study): the first ``directions`` transport directions (all when unset),
@@ -343,9 +347,9 @@ class Plan:
         sw = self.cfg.get("transport_sweep")
         if not sw or "transport_sweep" not in self.arms:
             return []
-        every = self.transport_directions()
+        names = self.named_directions()
+        every = list(names.values())
         swept = every[: int(sw.directions)] if sw.get("directions") else every
-        names = {self._direction(j): j for j in every}
         out = []
         for i, entry in enumerate(sw.settings):
             if isinstance(entry, Mapping):
@@ -366,12 +370,6 @@ class Plan:
                 dirs, extra = swept, entry
             out += [job("transport", [*j.overrides, *(str(o) for o in extra)]) for j in dirs]
         return out
-
-    @staticmethod
-    def _direction(j: StudyJob) -> str:
-        """A transport job's ``target<-donor`` name."""
-        t = j.cfg.merge.target
-        return f"{j.cfg.pair[t].name}<-{j.cfg.pair['b' if t == 'a' else 'a'].name}"
 
     def adapt_jobs(self) -> list[StudyJob]:
         """The dimensional-adaptation arm: for every ``[small, large]`` of ``adaptation.pairs``, union (adapt=expand)

@@ -43,12 +43,17 @@ def variant(r: Rec) -> str:
     return r.tags.get("transport_variant") or "seed"
 
 
-def _headlines(runs: list[Rec]) -> list[Rec]:
-    """The headline-alpha run of every (direction, setting)."""
+def _by_setting(runs: list[Rec]) -> dict[tuple[str, str], list[Rec]]:
+    """Runs grouped by (direction, setting), in the order met."""
     groups: dict[tuple[str, str], list[Rec]] = {}
     for r in runs:
         groups.setdefault((direction(r), variant(r)), []).append(r)
-    return [x for x in (transport_headline(v) for v in groups.values()) if x is not None]
+    return groups
+
+
+def _headlines(runs: list[Rec]) -> list[Rec]:
+    """The headline-alpha run of every (direction, setting)."""
+    return [x for x in (transport_headline(v) for v in _by_setting(runs).values()) if x is not None]
 
 
 ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_shrink_target_lang",
@@ -82,12 +87,7 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
     """Per direction with more than one setting, per setting (the released method, each switch alone, the seed's full
     set ...) at its headline alpha: each column, and whether the OT plan beat each control; with ``runs`` (every alpha's
     run) the alpha chosen on the selection split and the alpha best on the evaluation (:func:`alpha_choice`)."""
-    groups: dict[tuple[str, str], list[Rec]] = {}
-    for r in head:
-        groups.setdefault((direction(r), variant(r)), []).append(r)
-    every: dict[tuple[str, str], list[Rec]] = {}
-    for r in runs or []:
-        every.setdefault((direction(r), variant(r)), []).append(r)
+    groups, every = _by_setting(head), _by_setting(runs or [])
     several = {d for d, _ in groups if sum(1 for dd, _ in groups if dd == d) > 1}
     rows = []
     for (d, v), rs in sorted(groups.items()):
@@ -102,7 +102,7 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
                   ["direction", "setting", *ABLATION_COLS, "beats random plan", "beats shrink only", "alpha chosen on dev",
                    "delta_target_lang at it", "alpha best on the evaluation", "delta_target_lang at that"], rows,
                   note="setting: the preset (seed = merge=transport; released:code / released:paper = merge=transport_released "
-                       "with merge.follow) and every switch changed from it. beats: ot_minus_* < -5e-5 nats/token (a "
+                       f"with merge.follow) and every switch changed from it. beats: ot_minus_* < -{TIE:g} nats/token (a "
                        "smaller difference rounds to 0.0000 and is a tie). ot_minus_shrink_* < 0: the OT fusion beat the "
                        "shrink-only control (the same alpha and mask, transported term zero). transported_relative_norm: "
                        "|M*T| / |M*W|. plan_entropy_gap: log m minus the plans' mean row entropy (0 = uniform); "
@@ -216,8 +216,8 @@ def role_table(head: list[Rec], at: str) -> RTable:
     return RTable(f"Transport by role (headline alpha {at})", ["role", "model", "directions", "mean delta_target_lang",
                                                                "mean ot_minus_rand_target_lang", "helped", "beats control"], rows,
                   note="Every direction with the model as target (its own language, fused from each donor), then every direction "
-                       "with the model as donor. helped: delta_target_lang < -5e-5; beats control: ot_minus_rand_target_lang "
-                       "< -5e-5 (a smaller difference is a tie).")
+                       f"with the model as donor. helped: delta_target_lang < -{TIE:g}; beats control: "
+                       f"ot_minus_rand_target_lang < -{TIE:g} (a smaller difference is a tie).")
 
 
 def _adapt_table(sec: Section, runs: list[Rec]) -> None:
