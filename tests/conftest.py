@@ -101,3 +101,13 @@ def write_tiny_gguf(path: Path, value: float = 0.0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def claim(name: str, est: float, half: float | None = None, groups: int = 30) -> dict[str, float]:
+    """A logged difference as a job logs it (mergescope.evidence.compare): the estimate in both NLL scopes and, with
+    ``half``, the default scope's paired interval est +/- half over ``groups`` articles (None: a run recorded without
+    one)."""
+    out = {name: est, f"{name}_rest": est}
+    if half is not None:
+        out.update({f"{name}_rest_lo": est - half, f"{name}_rest_hi": est + half, f"{name}_rest_groups": float(groups)})
+    return out

@@ -368,3 +368,44 @@ def test_score_sentences_never_builds_a_batch_by_vocabulary_tensor(tok, monkeypa
     # per batch: one check call on the last position of each row, then chunks of at most 5 scored positions
     assert sum(chunks) == sc.tokens.sum() + len(TEXT) and sorted(chunks)[-2] <= 5
     assert np.allclose(sc.nll, plain_nll(m, tok, TEXT)[0], rtol=1e-10)
+
+
+# ---------------------------------------------------------------- the first token apart (issue 44 item 3)
+
+def test_first_token_apart_equals_the_definition_written_out(tok):
+    """first_nll is the NLL of the sentence's first token given the start token alone, computed here from a forward on
+    [start, t1]; rest() takes it, one token and the bytes it covers out; the bytes a first token covers are those of its
+    own text (offsets), and the two scopes pool as ratios of sums."""
+    m = _model(tok)
+    s = score_sentences(m, tok, TEXT)
+    assert s.has_first
+    sid = start_id(tok)
+    for i, sent in enumerate(TEXT):
+        ids = tok(sent, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(m(input_ids=torch.tensor([[sid, ids[0]]])).logits[0, 0, : len(tok)].double(), -1)
+        assert s.first_nll[i] == pytest.approx(-float(logp[ids[0]]), abs=1e-9)
+        end = tok(sent, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][0][1]
+        assert s.first_bytes[i] == len(sent[:end].encode("utf-8"))
+    full, _ = plain_nll(m, tok, TEXT)
+    r = s.rest()
+    np.testing.assert_allclose(r.nll, full - s.first_nll, rtol=0, atol=1e-9)
+    assert r.tokens.tolist() == (s.tokens - 1).tolist()
+    assert r.nats_per_token == pytest.approx((full.sum() - s.first_nll.sum()) / (s.tokens.sum() - len(TEXT)), rel=1e-12)
+    assert r.bits_per_byte == pytest.approx(r.nll.sum() / math.log(2) / (s.bytes - s.first_bytes).sum(), rel=1e-12)
+    summ = s.summary()
+    assert summ["nll_rest"] == pytest.approx(r.nats_per_token) and summ["first_token_nll"] == pytest.approx(s.first_nll.mean())
+    # a selection keeps every column, the rest of a selection is the selection of the rest
+    sub = s.select(np.array([0, 2]))
+    assert sub.rest().nll.tolist() == r.nll[[0, 2]].tolist()
+
+
+def test_the_first_token_is_apart_in_every_batch_layout(tok):
+    """Sentences of different lengths batched together (right padding): each row's first-token NLL is its own, the
+    same as scored one by one."""
+    m = _model(tok)
+    together = score_sentences(m, tok, TEXT, batch_tokens=4096)
+    for i, sent in enumerate(TEXT):
+        alone = score_sentences(m, tok, [sent])
+        assert together.first_nll[i] == pytest.approx(alone.first_nll[0], abs=1e-9)
+        assert together.nll[i] == pytest.approx(alone.nll[0], abs=1e-9)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FLORES, make_tokenizer
+from conftest import claim, FLORES, make_tokenizer
 
 from mergescope.errors import MergescopeError, NotConverged
 from mergescope.transport import fusion as fus
@@ -636,11 +636,14 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
         assert m["plan_max_marginal_error"] <= 1e-5 and 0 < m["plan_row_max"] <= 1 and m["plan_cost_ratio"] >= 1 - 1e-9
     # the base NLLs are the same model on the same sentences in both runs: the plans were fitted once
     assert tr[0].data.metrics["base_nll_target_lang"] == tr[1].data.metrics["base_nll_target_lang"]
+    _check_intervals_from_the_sentences(cfg, tr[0])
     ad = [x for x in rs if x.data.tags["kind"] == "transport_adapt"]
     fused = next(x for x in ad if x.data.tags["stage"] == "fused")
     base = next(x for x in ad if x.data.tags["stage"] == "baseline")
     fm = fused.data.metrics
     assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
+    for k in ("fusion_effect_after_adapt", "ot_minus_rand_after_adapt", "rand_fusion_effect_after_adapt"):
+        assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] >= 5
     assert fm["nll_base_before"] == pytest.approx(tr[0].data.metrics["base_nll_target_lang"])
     assert fm["nll_fused_before"] == pytest.approx(tr[0].data.metrics["nll_target_lang"], abs=1e-9)  # adapt.alpha = 0.1
     bm = base.data.metrics
@@ -667,6 +670,35 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
         again = run_transport(*compose_cfg(transport_job(tiny_models, target="b")))
     assert again.skipped and len(runs(cfg.paths.root)) == len(rs)
     assert sorted(x.run_id for x in ledger) == sorted(x.info.run_id for x in rs)
+
+
+def _check_intervals_from_the_sentences(cfg, run):
+    """Every difference a transport run logs is recomputed from its per-sentence artifact: the estimates in both scopes
+    (every token; the first token apart) and the interval by FLORES article, from the logged sentences alone."""
+    import csv
+    import io
+
+    from mergescope.intervals import paired_difference
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    m = run.data.metrics
+    rows = list(csv.DictReader(io.StringIO(read_artifact_text(Tracker(cfg).client, run.info.run_id, "scores/sentences.csv"))))
+    col = lambda arm, lang, k: np.array([float(r[k]) for r in rows if r["arm"] == arm and r["lang"] == lang])  # noqa: E731
+    docs = [r["document"] for r in rows if r["arm"] == "base" and r["lang"] == "target_lang"]
+    assert len(docs) == 20 and len(set(docs)) == m["eval_groups_target_lang"] and docs[0].startswith("https://")
+    assert run.data.params["eval_resampled"] == "article"
+    for name, x, y in (("delta", "ot", "base"), ("ot_minus_rand", "ot", "rand"), ("ot_minus_shrink", "ot", "shrink")):
+        nx, ny, t = col(x, "target_lang", "nll"), col(y, "target_lang", "nll"), col(x, "target_lang", "tokens")
+        fx, fy = col(x, "target_lang", "first_nll"), col(y, "target_lang", "first_nll")
+        assert m[f"{name}_target_lang"] == pytest.approx(nx.sum() / t.sum() - ny.sum() / t.sum(), abs=1e-12)
+        rest = (nx - fx).sum() / (t - 1).sum() - (ny - fy).sum() / (t - 1).sum()
+        assert m[f"{name}_target_lang_rest"] == pytest.approx(rest, abs=1e-12)
+        want = paired_difference(nx - fx, ny - fy, t - 1, groups=docs, resampled="article")
+        assert (m[f"{name}_target_lang_rest_lo"], m[f"{name}_target_lang_rest_hi"]) == pytest.approx((want.lo, want.hi), abs=1e-12)
+        assert m[f"{name}_target_lang_rest_lo"] <= m[f"{name}_target_lang_rest"] <= m[f"{name}_target_lang_rest_hi"]
+    assert m["first_token_nll_target_lang"] == pytest.approx(col("base", "target_lang", "first_nll").mean(), abs=1e-12)
+    assert m["nll_rest_target_lang"] == pytest.approx(
+        (col("ot", "target_lang", "nll") - col("ot", "target_lang", "first_nll")).sum() / (col("ot", "target_lang", "tokens") - 1).sum())
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -929,7 +961,8 @@ def test_probe_count_section_compares_the_settings_direction_by_direction():
     def rec(i, d, n, row_max, delta, ctl):
         return Rec(f"pc{i:06d}xxxx", i, {"kind": "transport", "direction": d, "alpha": "0.1", "headline_alpha": "0.1"},
                    {"alpha": 0.1, "n_probe": float(n), "plan_row_max": row_max, "plan_entropy": 1.0, "plan_cost_ratio": 1.0,
-                    "plan_cost_mean": 0.9, "delta_target_lang": delta, "ot_minus_rand_target_lang": ctl},
+                    "plan_cost_mean": 0.9, **claim("delta_target_lang", delta, 0.0015),
+                    **claim("ot_minus_rand_target_lang", ctl, 0.0015)},
                    {"merge.probe_set": "ntrex128", "merge.epsilon": "0.01"})
 
     runs = [rec(0, "a <- b", 512, 0.5, -0.01, -0.002), rec(1, "b <- a", 512, 0.3, 0.02, 0.001),
@@ -939,7 +972,9 @@ def test_probe_count_section_compares_the_settings_direction_by_direction():
     per, mean = sec.tables
     assert [r[:3] for r in per.rows] == [["ntrex128", "512", "a <- b"], ["ntrex128", "512", "b <- a"], ["ntrex128", "1997", "a <- b"],
                                          ["ntrex128", "1997", "b <- a"]]
-    assert mean.rows == [["ntrex128", "512", "2", "0.4000", "1.000", "0.0050", "1/2"], ["ntrex128", "1997", "2", "0.3000", "1.000", "-0.0050", "2/2"]]
+    # beats control: only where the interval excludes 0 (-0.001 +/- 0.0015 covers it: not counted)
+    assert mean.rows == [["ntrex128", "512", "2", "0.4000", "1.000", "0.0050", "1/2"], ["ntrex128", "1997", "2", "0.3000", "1.000", "-0.0050", "1/2"]]
+    assert per.rows[0][7:9] == ["-0.0100 [-0.0115, -0.0085]", "-0.0020 [-0.0035, -0.0005]"]
     assert probe_count(an, "7d").title.startswith("7d. Probe count")
     assert epsilon_calibration(an, "7c") is None  # one epsilon: no calibration section
 
@@ -1173,6 +1208,8 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     assert fm["nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["nll_target_lang"], abs=1e-9)  # (1 - 0.5) W + 0.5 R
     assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_target_lang"], abs=1e-9)
     assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
+    for k in ("fusion_effect_after_adapt", "ot_minus_rand_after_adapt", "rand_fusion_effect_after_adapt"):
+        assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] >= 5
     assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
     # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr
     from mergescope.transport.job import baseline_hash, check

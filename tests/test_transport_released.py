@@ -417,6 +417,8 @@ def test_settings_refuse_a_bad_released_switch():
 def test_report_tables_carry_both_controls_and_the_settings_table():
     from types import SimpleNamespace
 
+    from conftest import claim
+
     from mergescope.analysis.records import Rec
     from mergescope.analysis.sections.transport import _fusion_table, ablation_table
     from mergescope.analysis.tables import Section
@@ -425,12 +427,12 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
         tags = {"kind": "transport", "direction": d, "alpha": str(alpha), "headline_alpha": "0.1", "target": d[0], "donor": d[-1]}
         if v:
             tags["transport_variant"] = v
-        m = {"alpha": alpha, "delta_target_lang": delta, "ot_minus_rand_target_lang": delta - rand, "transported_relative_norm": 0.01 * i,
-             "plan_entropy_gap": 1.0, "plan_rowmax_over_uniform": 3.0, "plan_cost_ratio": 1.01}
+        m = {"alpha": alpha, **claim("delta_target_lang", delta, 0.001), **claim("ot_minus_rand_target_lang", delta - rand, 0.001),
+             "transported_relative_norm": 0.01 * i, "plan_entropy_gap": 1.0, "plan_rowmax_over_uniform": 3.0, "plan_cost_ratio": 1.01}
         if shrink is not None:
-            m.update({"shrink_delta_target_lang": shrink, "ot_minus_shrink_target_lang": delta - shrink})
+            m.update({**claim("shrink_delta_target_lang", shrink, 0.001), **claim("ot_minus_shrink_target_lang", delta - shrink, 0.001)})
         if select is not None:
-            m["select_nll_target_lang"] = select
+            m["select_nll_rest_target_lang"] = select
         return Rec(f"run{i:04d}xxxx", i, tags, m, {})
 
     runs = [rec(1, "a <- b", "released:code", 0.1, -0.005, -0.005, -0.005, select=5.0),
@@ -443,13 +445,13 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     assert list(rows) == [("a <- b", "released:code"), ("a <- b", "released:code + epsilon=0.01"),
                           ("a <- b", "released:code + plan_scale=row_stochastic"), ("a <- b", "seed")]
     assert rows[("a <- b", "released:code + epsilon=0.01")][-6:-4] == ["0/1", "0/1"]  # 1e-7 below both controls: a tie
-    assert rows[("a <- b", "released:code")][2] == "-0.0050"
+    assert rows[("a <- b", "released:code")][2] == "-0.0050 [-0.0060, -0.0040]"  # one direction: its interval
     assert rows[("a <- b", "released:code")][-6:-4] == ["0/1", "0/1"]  # equal to both controls: 0 is not < 0
     assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-6:-4] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-5] == "—"
     # the alpha chosen on the selection split (0.1: NLL 5.0 < 5.2), its delta read on the evaluation; the paper's
     # protocol (the best alpha on the evaluation itself) apart: 0.03; no selection split: no chosen alpha
-    assert rows[("a <- b", "released:code")][-4:] == ["0.1", "-0.0050", "0.03", "-1.0000"]
-    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-4:] == ["—", "—", "0.1", "0.0200"]
+    assert rows[("a <- b", "released:code")][-4:] == ["0.1", "-0.0050 [-0.0060, -0.0040]", "0.03", "-1.0000 [-1.0010, -0.9990]"]
+    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-4:] == ["—", "—", "0.1", "+0.0200 [+0.0190, +0.0210]"]
     an = SimpleNamespace(metrics={}, csv={}, console_tables=[])
     sec = Section("transport", "7. Transport")
     _fusion_table(an, sec, runs)

@@ -14,9 +14,14 @@ two arms compare. It is the spec's "mean per-token NLL on the model's own side":
   sentence; the NLL counts the tokens scored and bits per byte the UTF-8 bytes of the text those tokens cover (from the
   fast tokenizer's offsets), never the bytes that were cut off. How many sentences were cut is returned and logged.
 
-Per sentence: ``nll`` (summed nats, float64), ``tokens`` (how many were predicted), ``bytes`` (UTF-8 bytes scored).
-Pooled over any set of sentences: nats per token = sum nll / sum tokens; bits per byte = sum nll / ln 2 / sum bytes
-(:class:`Scores`; a mean of per-sentence ratios is never reported).
+Per sentence: ``nll`` (summed nats, float64), ``tokens`` (how many were predicted), ``bytes`` (UTF-8 bytes scored),
+and the first token apart: ``first_nll`` (the nats of the sentence's first token, predicted from the start token alone)
+and ``first_bytes`` (the UTF-8 bytes that token covers). Pooled over any set of sentences: nats per token = sum nll /
+sum tokens; bits per byte = sum nll / ln 2 / sum bytes (:class:`Scores`; a mean of per-sentence ratios is never
+reported). :meth:`Scores.rest` is the same sentences without their first token (``nll_rest``, ``bits_per_byte_rest``):
+the first token is predicted from nothing but the start token, costs ~16 nats on Qwen2.5 after ``<|endoftext|>``
+(a quarter of a FLORES sentence's NLL) and depends on the start-token convention, so comparisons are made on the rest
+by default (``analysis.nll_scope``).
 
 **Memory.** No batch x length x vocabulary tensor is built: the model's forward runs with ``logits_to_keep=1`` (its
 body's final hidden states are read from the base model), and the LM head, the model's final-logit soft-capping
@@ -86,6 +91,7 @@ class Prepared:
     ids: list[list[int]]
     truncated: np.ndarray
     bytes: np.ndarray
+    first_bytes: np.ndarray   # the UTF-8 bytes the first scored token covers
 
 
 def _check_length(max_length: int) -> int:
@@ -104,6 +110,7 @@ def prepare(tokenizer, sentences: Sequence[str], max_length: int = 512) -> Prepa
     s = start_id(tokenizer)
     cut = [i for i, e in enumerate(enc) if len(e) > keep]
     nbytes = utf8_bytes(sentences)
+    first = first_token_bytes(tokenizer, sentences, enc, nbytes)
     if cut:
         if not getattr(tokenizer, "is_fast", False):
             raise MergescopeError(f"{len(cut)} sentences are longer than represent.max_length={max_length} tokens and this "
@@ -116,7 +123,23 @@ def prepare(tokenizer, sentences: Sequence[str], max_length: int = 512) -> Prepa
             nbytes[i] = len(sentences[i][: int(off[keep - 1][1])].encode("utf-8"))
     truncated = np.zeros(len(enc), dtype=bool)
     truncated[cut] = True
-    return Prepared([[s, *e[:keep]] for e in enc], truncated, nbytes)
+    return Prepared([[s, *e[:keep]] for e in enc], truncated, nbytes, np.minimum(first, nbytes))
+
+
+def first_token_bytes(tokenizer, sentences: Sequence[str], enc: list[list[int]], nbytes: np.ndarray) -> np.ndarray:
+    """(n,) the UTF-8 bytes of each sentence's text that its first token covers: from the fast tokenizer's offsets
+    (the characters up to the first token's end), else the byte length of the first token decoded alone; never more
+    than the sentence's bytes."""
+    out = np.zeros(len(enc), dtype=np.float64)
+    if getattr(tokenizer, "is_fast", False):
+        offs = tokenizer(list(sentences), add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for i, (sent, off) in enumerate(zip(sentences, offs)):
+            if off:
+                out[i] = len(sent[: int(off[0][1])].encode("utf-8"))
+    else:
+        for i, e in enumerate(enc):
+            out[i] = len(tokenizer.decode(e[:1]).encode("utf-8"))
+    return np.minimum(out, nbytes)
 
 
 def sentence_ids(tokenizer, sentences: Sequence[str], max_length: int = 512) -> list[list[int]]:
@@ -216,9 +239,10 @@ def _tile(head: Head, h: torch.Tensor, tgt: torch.Tensor, block: int) -> tuple[t
 
 @torch.inference_mode()
 def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.Tensor, targets: torch.Tensor,
-                  scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  scored: torch.Tensor, first: bool = False):
     """One padded batch: the logits at position t predict ``targets[:, t]`` where ``scored[:, t]``. Returns per row the
-    summed NLL (nats, float64) of the scored targets and whether every one of them is the argmax of its row."""
+    summed NLL (nats, float64) of the scored targets and whether every one of them is the argmax of its row; with
+    ``first``, also per row the NLL of the target at column 0 (the first token, predicted from the start token)."""
     top = int(torch.cat([x[m.bool()], targets[scored.bool()]]).max())
     if top >= head.vocab:
         raise MergescopeError(f"token id {top} is beyond the {head.vocab} rows scored (of the head's {head.rows}): "
@@ -237,37 +261,88 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
     sel = scored.bool()
     hs, tgt = h[sel], targets[sel]
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(sel)[sel]
+    at0 = torch.zeros_like(sel)
+    at0[:, 0] = True
+    at0 = at0[sel]  # which scored positions are column 0
     nll = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+    nll0 = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
     miss = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
     budget = CHUNK_ELEMENTS["cuda" if x.device.type == "cuda" else "cpu"]
     step = max(1, budget // head.vocab, min(TILE_POSITIONS, budget))
     for i in range(0, hs.shape[0], step):
         lse, picked, best = _tile(head, hs[i:i + step], tgt[i:i + step], max(1, budget // step))
         nll.index_add_(0, rows[i:i + step], lse - picked)
+        nll0.index_add_(0, rows[i:i + step], torch.where(at0[i:i + step], lse - picked, torch.zeros_like(lse)))
         miss.index_add_(0, rows[i:i + step], (best != tgt[i:i + step]).double())
-    return nll, miss == 0
+    return (nll, miss == 0, nll0) if first else (nll, miss == 0)
 
 
 @dataclass(frozen=True)
 class Scores:
-    """Per sentence: summed NLL (nats, float64), tokens predicted, UTF-8 bytes scored, whether it was cut."""
+    """Per sentence: summed NLL (nats, float64), tokens predicted, UTF-8 bytes scored, whether it was cut, and the first
+    token's own NLL and bytes (NaN where the scorer did not keep them)."""
 
     nll: np.ndarray
     tokens: np.ndarray
     bytes: np.ndarray
     truncated: np.ndarray
+    first_nll: np.ndarray | None = None
+    first_bytes: np.ndarray | None = None
+
+    FIELDS = ("nll", "tokens", "bytes", "truncated", "first_nll", "first_bytes")
 
     def select(self, rows) -> Scores:
-        return Scores(self.nll[rows], self.tokens[rows], self.bytes[rows], self.truncated[rows])
+        return Scores(*(None if getattr(self, f) is None else getattr(self, f)[rows] for f in self.FIELDS))
+
+    @staticmethod
+    def concat(parts: Sequence[Scores]) -> Scores:
+        """The sentences of every part, in order (the first token's scores kept only where every part has them)."""
+        cols = []
+        for f in Scores.FIELDS:
+            vals = [getattr(p, f) for p in parts]
+            cols.append(None if any(v is None for v in vals) else np.concatenate(vals))
+        return Scores(*cols)
+
+    @property
+    def has_first(self) -> bool:
+        return self.first_nll is not None and self.first_bytes is not None
+
+    def rest(self) -> Scores:
+        """The same sentences without their first token: its nats, its one token and the bytes it covers taken out."""
+        if not self.has_first:
+            raise ValueError("these scores did not keep the first token apart")
+        zero = np.zeros_like(self.nll)
+        return Scores(self.nll - self.first_nll, self.tokens - 1.0, self.bytes - self.first_bytes, self.truncated, zero,
+                      np.zeros_like(self.bytes))
+
+    def scope(self, which: str) -> Scores:
+        """``all`` (every token, as logged since the start) or ``rest`` (the first token apart)."""
+        if which == "all":
+            return self
+        if which == "rest":
+            return self.rest()
+        raise ValueError(f"an NLL scope is 'all' or 'rest', got {which!r}")
+
+    def summary(self, prefix: str = "") -> dict[str, float]:
+        """The pooled numbers of these sentences as metrics: ``nll``, ``bits_per_byte`` and, with the first token
+        apart, ``nll_rest``, ``bits_per_byte_rest`` and ``first_token_nll`` (its mean nats per sentence)."""
+        out = {f"{prefix}nll": self.nats_per_token, f"{prefix}bits_per_byte": self.bits_per_byte}
+        if self.has_first:
+            r = self.rest()
+            out.update({f"{prefix}nll_rest": r.nats_per_token, f"{prefix}bits_per_byte_rest": r.bits_per_byte,
+                        f"{prefix}first_token_nll": float(self.first_nll.mean())})
+        return out
 
     @property
     def nats_per_token(self) -> float:
-        return float(self.nll.sum() / self.tokens.sum())
+        total = float(self.tokens.sum())
+        return float(self.nll.sum() / total) if total > 0 else math.nan
 
     @property
     def bits_per_byte(self) -> float:
         """Total NLL in bits over total bytes scored (never a mean of per-sentence ratios)."""
-        return float(self.nll.sum() / LN2 / self.bytes.sum())
+        total = float(self.bytes.sum())
+        return float(self.nll.sum() / LN2 / total) if total > 0 else math.nan
 
     @property
     def sentence_bits_per_byte(self) -> np.ndarray:
@@ -287,16 +362,17 @@ def score_sentences(model, tokenizer, sentences: Sequence[str], batch_tokens="au
     prep = prepare(tokenizer, sentences, max_length)
     lengths = np.array([len(s) for s in prep.ids])
     head = Head(model, real_vocab(tokenizer, model.get_output_embeddings().weight.shape[0]))
-    nll = np.zeros(len(prep.ids))
+    nll, nll0 = np.zeros(len(prep.ids)), np.zeros(len(prep.ids))
     with bar() as pb:
         task = pb.add_task(label, total=len(prep.ids), visible=progress)
         for b in length_batches(lengths, batch_token_budget(batch_tokens, device)):
             x, m, p = pad_batch([prep.ids[i] for i in b], pad_id(tokenizer), "right", device)
             targets = torch.nn.functional.pad(x[:, 1:], (0, 1), value=0)
             scored = torch.nn.functional.pad(m[:, 1:], (0, 1), value=0)
-            nll[b] = window_scores(model, head, x, m, p, targets, scored)[0].cpu().numpy()
+            out = window_scores(model, head, x, m, p, targets, scored, first=True)
+            nll[b], nll0[b] = out[0].cpu().numpy(), out[2].cpu().numpy()
             pb.advance(task, len(b))
-    return Scores(nll, (lengths - 1).astype(np.float64), prep.bytes, prep.truncated)
+    return Scores(nll, (lengths - 1).astype(np.float64), prep.bytes, prep.truncated, nll0, prep.first_bytes)
 
 
 def token_nll(model, tokenizer, sentences: Sequence[str], batch_tokens="auto", max_length: int = 512,
@@ -304,8 +380,7 @@ def token_nll(model, tokenizer, sentences: Sequence[str], batch_tokens="auto", m
     """Mean per-token NLL (nats) over every predicted token of every sentence, with the token count, the number of
     sentences cut at ``max_length`` and the bits per byte of the same scores."""
     s = score_sentences(model, tokenizer, sentences, batch_tokens, max_length, progress, label)
-    return {"nll": s.nats_per_token, "n_tokens": int(s.tokens.sum()), "n_truncated": s.n_truncated,
-            "bits_per_byte": s.bits_per_byte}
+    return {**s.summary(), "n_tokens": int(s.tokens.sum()), "n_truncated": s.n_truncated}
 
 
 def sentence_nll(model, tokenizer, sentences: Sequence[str], batch_tokens="auto",

@@ -328,6 +328,10 @@ def check_counts(cfg: DictConfig) -> None:
 
     for key in COUNT_SETTINGS:
         positive_count(OmegaConf.select(cfg, key), key)
+    scope = OmegaConf.select(cfg, "analysis.nll_scope", default="rest")
+    if scope not in ("rest", "all"):
+        raise MergescopeError(f"analysis.nll_scope={scope}: give rest (each sentence's first token apart, the default) or all "
+                              "(every token)")
 
 
 def check_outputs(cfg: DictConfig) -> None:

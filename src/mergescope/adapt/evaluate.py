@@ -34,7 +34,7 @@ class Text:
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
     """The FLORES domain of each of the first ``n`` lines of ``split`` (None when there is no metadata)."""
-    from mergescope.shared_space.domains import metadata_column
+    from mergescope.documents import metadata_column
 
     col = metadata_column(root, split, "domain")
     return None if col is None else tuple(col)[:n]
@@ -87,7 +87,7 @@ def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: 
         for dom in sorted(set(t.domains or ())):
             by_domain.setdefault((t.split, dom), []).append(sc.select(np.array([d == dom for d in t.domains])))
     for (split, dom), parts in by_domain.items():
-        pooled = Scores(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("nll", "tokens", "bytes", "truncated")))
+        pooled = Scores.concat(parts)
         out[f"{split}_nll.{dom}"], out[f"{split}_bpb.{dom}"] = pooled.nats_per_token, pooled.bits_per_byte
     for split in sorted({t.split for t in texts}):
         langs = [t.lang for t in texts if t.split == split]

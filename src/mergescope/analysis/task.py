@@ -161,7 +161,10 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     study = load_study(cfg, job_runs)
     from mergescope.analysis.build import build_analysis  # the sections and scipy.stats: only when a report is built
 
+    from mergescope.analysis.claims import set_scope
+
     n_perm = int((cfg.get("analysis") or {}).get("n_permutations", N_PERMUTATIONS))
+    set_scope(str((cfg.get("analysis") or {}).get("nll_scope", "rest")))
     an = build_analysis(study, n_permutations=n_perm)
     if timings:  # the launch's wall time per arm (the study passes it): a section of its own, after the findings
         sec = Section("timing", "Time per arm (this launch)")

@@ -42,3 +42,40 @@ def check_knn(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
                   reference="https://arxiv.org/abs/2405.07987")
 def mutual_knn_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
     return {"mutual_knn": mutual_knn(X, Y, k=k, device=device), "mutual_knn_chance": k / (len(X) - 1)}
+
+
+def _hsic_u(k: torch.Tensor, l_: torch.Tensor) -> torch.Tensor:
+    """The unbiased HSIC estimator (Song et al. 2012) of two n x n matrices that need not be symmetric (a kNN mask
+    keeps row i's neighbours, not column i's): tr(K L) = sum(K * L^T), 1^T K L 1 = (K^T 1) . (L 1); diagonals ignored."""
+    n = k.shape[0]
+    k = k - torch.diag(torch.diagonal(k))
+    l_ = l_ - torch.diag(torch.diagonal(l_))
+    trace = (k * l_.T).sum()
+    cross = k.sum(0) @ l_.sum(1)
+    return (trace + k.sum() * l_.sum() / ((n - 1) * (n - 2)) - 2.0 * cross / (n - 2)) / (n * (n - 3))
+
+
+def cknna(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
+    """Centered kernel nearest-neighbour alignment (Huh et al. 2024): the unbiased CKA of the linear kernels of the
+    L2-normalised rows (cosine), restricted to the entries (i, j) where j is among i's k nearest neighbours in BOTH
+    spaces (self excluded): HSIC_u(M*K, M*L) / sqrt(HSIC_u(M_K*K, M_K*K) HSIC_u(M_L*L, M_L*L)), each self-term with its
+    own space's neighbours. With k = n - 1 every off-diagonal entry is kept and it is the debiased CKA of the
+    normalised rows (tested)."""
+    x, y = pair_f64(X, Y, device)
+    n = x.shape[0]
+    if n < 4:
+        raise ValueError(f"CKNNA needs at least 4 sentences, got {n}")
+    if not 1 <= k < n:
+        raise ValueError(f"k must be in [1, n-1={n - 1}], got {k}")
+    zx, zy = torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1)
+    kx, ky = zx @ zx.T, zy @ zy.T
+    mx, my = _knn_mask(x, k).double(), _knn_mask(y, k).double()
+    both = mx * my
+    den = torch.sqrt(_hsic_u(mx * kx, mx * kx) * _hsic_u(my * ky, my * ky))
+    return float(_hsic_u(both * kx, both * ky) / den) if float(den) > 0 else float("nan")
+
+
+@metrics.register("cknna", check=check_knn, order=5.5, higher_is_better=True,
+                  reference="https://arxiv.org/abs/2405.07987")
+def cknna_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
+    return {"cknna": cknna(X, Y, k=k, device=device)}

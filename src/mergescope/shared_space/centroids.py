@@ -21,7 +21,7 @@ from scipy.stats import rankdata
 
 from mergescope.errors import MergescopeError
 from mergescope.shared_space.agreement import null_summary
-from mergescope.shared_space.domains import metadata_column
+from mergescope.documents import metadata_column
 
 AS_STRONG_P = 0.05  # random partitions "agree as strongly" when the observed value is not above their 95th percentile
 

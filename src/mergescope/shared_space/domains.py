@@ -8,22 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from mergescope.data import folder_part
+from mergescope.documents import metadata_column
 
 PUD_SOURCES = {"n": "news", "w": "wikipedia"}
-
-
-def metadata_column(root: Path | str, split: str, column: str) -> list[str] | None:
-    """One column of FLORES-200's ``metadata_<split>.tsv`` (one value per sentence line), or None when the file or
-    the column is missing."""
-    meta = Path(root) / f"metadata_{split}.tsv"
-    if not meta.is_file():
-        return None
-    lines = meta.read_text(encoding="utf-8").splitlines()
-    head = lines[0].split("\t")
-    if column not in head:
-        return None
-    col = head.index(column)
-    return [line.split("\t")[col] for line in lines[1:] if line.strip()]
 
 
 def _flores(root: Path, split: str) -> list[str] | None:

@@ -32,9 +32,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import token_nll
+from mergescope.bpb import Scores, score_sentences
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
+from mergescope.evidence import compare, documents_for, read_scores, sentence_csv
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent.cache import cache_enabled
@@ -50,6 +51,9 @@ TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.ma
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
 """What the no-fusion baseline's hash reads besides the target's model entry (hashed as ``target``), its weights and
 the adaptation text."""
+EVIDENCE = 1
+"""In every transport job's identity: 1 = per-sentence scores kept, every difference with its paired interval and the
+first token apart (runs from before it have none, so they run again)."""
 PROBE_CACHE_VERSION = 3  # 3: checksummed entries (mergescope.integrity); 2: a leading special token (BOS) is left out of the pooling; the key has the dtype
 
 
@@ -100,7 +104,7 @@ def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> di
     out = {}
     for a in alphas:
         merge = {**parts["merge"], "alphas": [float(a)], "headline_alpha": None, "adapt": {"enabled": False}}
-        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, **extra})
+        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, "evidence": EVIDENCE, **extra})
     return out
 
 
@@ -111,7 +115,7 @@ def _digest(sentences: tuple[str, ...]) -> str:
 def _hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **extra: Any) -> str:
     """A job's cfg_hash: the config sections in ``keys``, the fingerprint of every model it reads, and ``extra``."""
     refs = [models.resolve(e) for e in reads]
-    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), **extra})
+    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), "evidence": EVIDENCE, **extra})
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class Texts:
     adapt_t: tuple[str, ...]
     ranges: dict[str, str]
     select_t: tuple[str, ...] = ()   # the alpha-selection split (the target's language), after the probes
+    select_start: int = 0            # its first line in the probe split's file (0-based)
 
 
 def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Texts:
@@ -170,7 +175,7 @@ def texts(cfg: DictConfig, s: TransportSettings, lang_t: str, lang_d: str) -> Te
         console.print(f"[yellow]{pt.source} is both the evaluation and the probe split, cut into disjoint ranges: "
                       f"evaluation lines 1-{n_eval}, probes {start + 1}-{start + n_probe}, adaptation {a0 + 1}-{len(pt.sentences)}[/]")
     return Texts(et.sentences[:n_eval], ed.sentences[:n_eval], pt.sentences[start:start + n_probe],
-                 pd.sentences[start:start + n_probe], adapt, ranges, pt.sentences[s0:s0 + n_sel])
+                 pd.sentences[start:start + n_probe], adapt, ranges, pt.sentences[s0:s0 + n_sel], s0)
 
 
 def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
@@ -262,9 +267,13 @@ class _Host:
         for k, v in weights.items():
             sd[k].copy_(v.to(sd[k].device, sd[k].dtype))
 
+    def scores(self, sentences, label: str) -> Scores:
+        """Per-sentence scores of the model as it now is (:mod:`mergescope.bpb`)."""
+        return score_sentences(self.model, self.tok, sentences, batch_tokens=self.cfg.represent.batch_tokens,
+                               max_length=int(self.cfg.represent.max_length), progress=bool(self.cfg.progress), label=label)
+
     def nll(self, sentences, label: str) -> float:
-        return token_nll(self.model, self.tok, sentences, batch_tokens=self.cfg.represent.batch_tokens,
-                         max_length=int(self.cfg.represent.max_length), progress=bool(self.cfg.progress), label=label)["nll"]
+        return self.scores(sentences, label).nats_per_token
 
 
 @dataclass
@@ -280,6 +289,8 @@ class _Fitted:
     base_d: float
     n_probe: int
     base_select: float | None = None   # the unfused target on the alpha-selection split (None: no split)
+    base_scores: dict[str, Scores] | None = None   # the unfused target per sentence: "target_lang", "donor_lang", "select"
+    docs: dict[str, tuple[list[str] | None, str]] | None = None  # the documents of each evaluation set, and what one is
 
 
 def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -388,9 +399,24 @@ def _fit(d: _Direction) -> _Fitted:
         layer_table = {"kept": align.kept.round(6).tolist(), "plan": align.plan.round(6).tolist(),
                        "cost_pre": align.cost_pre.round(6).tolist(), "cost_post": align.cost_post.round(6).tolist()}
         stats = {**_plan_stats([*align.infos, *fusion.infos], fusion, layer_diagonal(align)), **top_k_effective(tp, s.top_k, d.label)}
-    base_t, base_d = host.nll(d.eval_t, "nll target"), host.nll(d.eval_d, "nll donor lang")
-    base_sel = host.nll(d.texts.select_t, "nll target (alpha selection)") if d.texts.select_t else None
-    return _Fitted(host, donor_true, fusion, stats, layer_table, base_t, base_d, len(d.texts.probe_t), base_sel)
+    base = {"target_lang": host.scores(d.eval_t, "nll target"), "donor_lang": host.scores(d.eval_d, "nll donor lang")}
+    if d.texts.select_t:
+        base["select"] = host.scores(d.texts.select_t, "nll target (alpha selection)")
+    return _Fitted(host, donor_true, fusion, stats, layer_table, base["target_lang"].nats_per_token,
+                   base["donor_lang"].nats_per_token, len(d.texts.probe_t),
+                   base["select"].nats_per_token if "select" in base else None, base, eval_documents(d))
+
+
+def eval_documents(d: _Direction) -> dict[str, tuple[list[str] | None, str]]:
+    """The documents (FLORES articles) of the evaluation sentences of both languages, what a paired interval resamples;
+    the selection split's are those of the probe split's lines after the probes."""
+    n = len(d.eval_t)
+    out = {"target_lang": documents_for(d.cfg.data, str(d.target.lang), n),
+           "donor_lang": documents_for(d.cfg.data, str(d.donor.lang), n)}
+    if d.texts.select_t:
+        out["select"] = documents_for(probe_data(d.cfg, d.s), str(d.target.lang), len(d.texts.select_t),
+                                      d.texts.select_start)
+    return out
 
 
 def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
@@ -471,17 +497,24 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
     host = f.host
 
     def body(job: Job) -> dict[str, float]:
-        values = {"alpha": a, "base_nll_target_lang": f.base_t, "base_nll_donor_lang": f.base_d}
+        base = f.base_scores or {}
+        values = {"alpha": a, **_named(base["target_lang"], "base_", "target_lang"), **_named(base["donor_lang"], "base_", "donor_lang")}
         per_tensor = {}
+        sc: dict[tuple[str, str], Scores] = {("base", k): v for k, v in base.items()}
         # the OT plan, the random-plan control, and the shrink-only control (the same alpha and mask, T = 0)
         for ctl, shrink, prefix in ((False, False, ""), (True, False, "rand_"), (False, True, "shrink_")):
             host.set(f.fusion.weights(a, control=ctl, shrink=shrink))
-            values[f"{prefix}nll_target_lang"] = host.nll(d.eval_t, f"{prefix}fused a={a:g} target")
-            values[f"{prefix}nll_donor_lang"] = host.nll(d.eval_d, f"{prefix}fused a={a:g} donor lang")
+            arm = prefix.rstrip("_") or "ot"
+            for lang, sents, what in (("target_lang", d.eval_t, "target"), ("donor_lang", d.eval_d, "donor lang")):
+                sc[(arm, lang)] = host.scores(sents, f"{prefix}fused a={a:g} {what}")
+                values.update(_named(sc[(arm, lang)], prefix, lang))
             if not prefix and d.texts.select_t:  # the alpha-selection split: the OT fusion only (what is chosen)
-                values["select_nll_target_lang"] = host.nll(d.texts.select_t, f"fused a={a:g} selection split")
-                values["select_delta_target_lang"] = values["select_nll_target_lang"] - f.base_select
-            agg, per_tensor[prefix.rstrip("_") or "ot"] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
+                sc[("ot", "select")] = host.scores(d.texts.select_t, f"fused a={a:g} selection split")
+                values["select_nll_target_lang"] = sc[("ot", "select")].nats_per_token
+                values["select_nll_rest_target_lang"] = sc[("ot", "select")].rest().nats_per_token
+                docs, what = f.docs["select"]
+                values.update(compare("select_delta_target_lang", sc[("ot", "select")], base["select"], docs, what))
+            agg, per_tensor[arm] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
         if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
             from mergescope.native.save import save_transport
@@ -489,12 +522,15 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             host.set(f.fusion.weights(a, control=False))
             job.log_params({"saved_to": save_transport(d.cfg, host.model, host.tok, job.run_id, d.label, a)})
         host.set(f.fusion.original)
-        for lang in ("target_lang", "donor_lang"):
-            values[f"delta_{lang}"] = values[f"nll_{lang}"] - values[f"base_nll_{lang}"]
-            values[f"rand_delta_{lang}"] = values[f"rand_nll_{lang}"] - values[f"base_nll_{lang}"]
-            values[f"ot_minus_rand_{lang}"] = values[f"nll_{lang}"] - values[f"rand_nll_{lang}"]
-            values[f"shrink_delta_{lang}"] = values[f"shrink_nll_{lang}"] - values[f"base_nll_{lang}"]
-            values[f"ot_minus_shrink_{lang}"] = values[f"nll_{lang}"] - values[f"shrink_nll_{lang}"]
+        for lang in ("target_lang", "donor_lang"):  # every difference with its paired interval, by article
+            docs, what = f.docs[lang]
+            for name, x, y in (("delta", "ot", "base"), ("rand_delta", "rand", "base"), ("ot_minus_rand", "ot", "rand"),
+                               ("shrink_delta", "shrink", "base"), ("ot_minus_shrink", "ot", "shrink")):
+                values.update(compare(f"{name}_{lang}", sc[(x, lang)], sc[(y, lang)], docs, what))
+            values[f"first_token_nll_{lang}"] = float(base[lang].first_nll.mean())
+            values[f"eval_groups_{lang}"] = float(len(set(docs)) if docs is not None else len(sc[("base", lang)].nll))
+        job.log_text(sentence_csv(sc, {k: v[0] for k, v in f.docs.items()}), "scores/sentences.csv")
+        job.log_params({"eval_resampled": f.docs["target_lang"][1]})
         values.update(f.plan_stats)
         values.update({"n_probe": float(f.n_probe), "n_eval_target": float(len(d.eval_t)), "n_eval_donor": float(len(d.eval_d))})
         if d.texts.select_t:
@@ -511,6 +547,12 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
                   f"(random plan {v['rand_delta_target_lang']:+.4f}, shrink only {v.get('shrink_delta_target_lang', math.nan):+.4f}), "
                   f"donor lang {v['delta_donor_lang']:+.4f}")
     return r
+
+
+def _named(scores: Scores, prefix: str, lang: str) -> dict[str, float]:
+    """``<prefix>nll_<lang>``, ``<prefix>nll_rest_<lang>`` and their bits per byte (the first token's cost is logged
+    once per language, from the unfused target)."""
+    return {f"{prefix}{k}_{lang}": v for k, v in scores.summary().items() if k != "first_token_nll"}
 
 
 def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline: float, skipped: bool) -> JobResult:
@@ -545,7 +587,7 @@ def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric
     return losses
 
 
-def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
+def _baseline(d: _Direction, host: _Host, f: _Fitted) -> tuple[JobResult, Scores | None]:
     """The no-fusion baseline: the same fine-tuning of the unfused target (one run per target)."""
     name = model_label(d.target)
     tags = {"kind": "transport_adapt", "route": "transport", "stage": "baseline", "target": name, "donor": "none",
@@ -555,16 +597,27 @@ def _baseline(d: _Direction, host: _Host, base_t: float) -> JobResult:
     def body(job: Job) -> dict[str, float]:
         host.set(host.snapshot)
         losses = _finetune(d, host, job, None, f"adapt baseline {name}")
-        after = host.nll(d.eval_t, "nll baseline adapted")
+        kept["after"] = after = host.scores(d.eval_t, "nll baseline adapted")
         job.log_params({"text.adapt": d.texts.ranges["text.adapt"], "text.eval": d.texts.ranges["text.eval"]})
-        return {"nll_base_before": base_t, "nll_baseline_after": after, "delta_adapt": after - base_t,
+        job.log_text(sentence_csv({("baseline_after", "target_lang"): after}, {"target_lang": f.docs["target_lang"][0]}),
+                     "scores/sentences.csv")
+        return {"nll_base_before": f.base_t, "nll_baseline_after": after.nats_per_token,
+                "nll_rest_baseline_after": after.rest().nats_per_token,
+                **compare("delta_adapt", after, f.base_scores["target_lang"], *f.docs["target_lang"]),
                 "train_loss_first": losses[0], "train_loss_last": losses[-1], "n_adapt_sentences": float(len(d.texts.adapt_t))}
 
+    kept: dict[str, Scores] = {}
     spec = JobSpec(f"transport-adapt baseline {name}", tags, keys=BASELINE_KEYS, cfg_hash=baseline_hash(d.cfg, d.texts.adapt_t))
-    return run_once(d.cfg, spec, body, d.overrides)
+    r = run_once(d.cfg, spec, body, d.overrides)
+    if "after" not in kept:  # reused: its per-sentence scores from its artifact (none in a run recorded before them)
+        kept_after = read_scores(d.cfg, r.run_id, "baseline_after", "target_lang")
+        if kept_after is not None:
+            kept["after"] = kept_after
+    return r, kept.get("after")
 
 
-def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None) -> dict[str, float]:
+def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float | None,
+               out: dict[tuple[str, str], Scores]) -> dict[str, float]:
     """One fused model (OT, or the random-plan control) fine-tuned as ``merge.adapt.mode`` says (mergescope's: at
     adapt.alpha, its residual frozen; released: at the training alpha, what ``adapt.freeze`` says trains), measured
     on both languages; the host is restored afterwards."""
@@ -582,9 +635,12 @@ def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float
         del fused
         before = before if before is not None else host.nll(d.eval_t, f"nll {p}fused")
     losses = _finetune(d, host, job, residual, f"adapt {p}fused {d.label}", f"{p}train_loss")
-    after, after_d = host.nll(d.eval_t, f"nll {p}fused adapted"), host.nll(d.eval_d, f"nll {p}fused adapted, donor lang")
+    after = host.scores(d.eval_t, f"nll {p}fused adapted")
+    after_d = host.scores(d.eval_d, f"nll {p}fused adapted, donor lang")
     host.set(host.snapshot)
-    return {f"{p}nll_fused_before": before, f"{p}nll_fused_after": after, f"{p}nll_donor_lang_fused_after": after_d,
+    out[(p, "target_lang")], out[(p, "donor_lang")] = after, after_d
+    return {f"{p}nll_fused_before": before, f"{p}nll_fused_after": after.nats_per_token,
+            f"{p}nll_rest_fused_after": after.rest().nats_per_token, f"{p}nll_donor_lang_fused_after": after_d.nats_per_token,
             f"{p}train_loss_first": losses[0], f"{p}train_loss_last": losses[-1]}
 
 
@@ -593,20 +649,27 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
     frozen, against the no-fusion baseline (the same fine-tuning of the unfused target)."""
     host, a = f.host, d.s.adapt.alpha
     host.snapshot = {k: v.detach().clone() for k, v in host.model.state_dict().items()}
-    baseline = _baseline(d, host, f.base_t)
+    baseline, base_scores = _baseline(d, host, f)
     host.set(host.snapshot)
     base_after = baseline.metrics["nll_baseline_after"]
 
     def body(job: Job) -> dict[str, float]:
+        sc: dict[tuple[str, str], Scores] = {}
         v = {"alpha": a, "nll_base_before": f.base_t, "base_nll_donor_lang": f.base_d, "nll_baseline_after": base_after,
-             **_adapt_one(d, f, job, False, fused_nll), **_adapt_one(d, f, job, True, None)}
+             **_adapt_one(d, f, job, False, fused_nll, sc), **_adapt_one(d, f, job, True, None, sc)}
         v["fusion_effect_before_adapt"] = v["nll_fused_before"] - f.base_t
+        docs_t, docs_d = f.docs["target_lang"], f.docs["donor_lang"]
         for p in ("", "rand_"):
-            v[f"{p}fusion_effect_after_adapt"] = v[f"{p}nll_fused_after"] - base_after
-            v[f"{p}delta_donor_lang_after_adapt"] = v[f"{p}nll_donor_lang_fused_after"] - f.base_d
-        v["ot_minus_rand_after_adapt"] = v["nll_fused_after"] - v["rand_nll_fused_after"]
-        v["ot_minus_rand_donor_lang_after_adapt"] = v["nll_donor_lang_fused_after"] - v["rand_nll_donor_lang_fused_after"]
+            if base_scores is not None:  # against the adapted no-fusion baseline, sentence by sentence
+                v.update(compare(f"{p}fusion_effect_after_adapt", sc[(p, "target_lang")], base_scores, *docs_t))
+            else:  # a baseline run recorded before per-sentence scores: the difference without an interval
+                v[f"{p}fusion_effect_after_adapt"] = v[f"{p}nll_fused_after"] - base_after
+            v.update(compare(f"{p}delta_donor_lang_after_adapt", sc[(p, "donor_lang")], f.base_scores["donor_lang"], *docs_d))
+        v.update(compare("ot_minus_rand_after_adapt", sc[("", "target_lang")], sc[("rand_", "target_lang")], *docs_t))
+        v.update(compare("ot_minus_rand_donor_lang_after_adapt", sc[("", "donor_lang")], sc[("rand_", "donor_lang")], *docs_d))
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
+        job.log_text(sentence_csv({((p.rstrip("_") or "ot") + "_after", lang): x for (p, lang), x in sc.items()},
+                                  {k: val[0] for k, val in f.docs.items()}), "scores/sentences.csv")
         return v
 
     r = run_once(d.cfg, JobSpec(f"transport-adapt a={a:g} {d.label}", {**d.tags("transport_adapt", stage="fused", alpha=a),

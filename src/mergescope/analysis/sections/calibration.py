@@ -15,7 +15,8 @@ import numpy as np
 
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.context import Analysis
-from mergescope.analysis.sections.transport import lower
+from mergescope.analysis import claims
+from mergescope.analysis.sections.transport import CLAIM_RULE
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.plotting import pyplot
 
@@ -122,17 +123,22 @@ def probe_section(an: Analysis, runs: list[Rec], number: str) -> Section:
     sec = Section("probe_count", f"{number}. Probe count: the plans and the deltas against the number of probe sentences")
     groups = by_setting(runs, probe_of)
     rows = [[ps, str(n), direction(r), f3(r.m("plan_cost_mean"), 4), f3(r.m("plan_row_max"), 4), f3(r.m("plan_entropy")),
-             f3(r.m("plan_cost_ratio"), 4), f3(r.m("delta_target_lang"), 4), f3(r.m("ot_minus_rand_target_lang"), 4), short(r.run_id)]
+             f3(r.m("plan_cost_ratio"), 4), claims.cell(r, "delta_target_lang"), claims.cell(r, "ot_minus_rand_target_lang"),
+             short(r.run_id)]
             for (ps, n), rs in groups.items() for r in sorted(rs, key=direction)]
     sec.tables.append(RTable("Probe count", ["probe set", "probes", "direction", "cost mean (1 - rho)", "plan_row_max", "plan_entropy",
                                              "plan_cost_ratio", "delta_target_lang", "ot_minus_rand_target_lang", "run"], rows,
                              note="One run per direction and probe setting, at its headline alpha. Probes are never the evaluation "
-                                  "sentences (FLORES devtest): flores200 = FLORES dev, ntrex128 = NTREX-128 (1997 sentences)."))
+                                  "sentences (FLORES devtest): flores200 = FLORES dev, ntrex128 = NTREX-128 (1997 sentences). "
+                                  f"Differences in nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}, with their paired 95% "
+                                  "intervals over the evaluation's FLORES articles."))
     summary = [[ps, str(n), str(len(rs)), f3(_mean(rs, "plan_row_max"), 4), f3(_mean(rs, "plan_entropy")),
-                f3(_mean(rs, "delta_target_lang"), 4), f"{sum(1 for r in rs if lower(r.m('ot_minus_rand_target_lang')))}/{len(rs)}"]
+                f3(_mean(rs, claims.metric("delta_target_lang")), 4),
+                f"{claims.count_lower(rs, 'ot_minus_rand_target_lang')}/{len(rs)}"]
                for (ps, n), rs in groups.items()]
     sec.tables.append(RTable("Probe count: means over directions", ["probe set", "probes", "directions", "plan_row_max",
-                                                                    "plan_entropy", "mean delta_target_lang", "beats control"], summary))
+                                                                    "plan_entropy", "mean delta_target_lang", "beats control"], summary,
+                             note=f"beats control: {CLAIM_RULE}."))
     an.csv["tables/probe_count.csv"] = sec.tables[0].csv()
     return sec
 

@@ -5,36 +5,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.tables import RTable, Section, f3, median, short
 from mergescope.plotting import pyplot
 
-__all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "lower", "TIE"]
+__all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "CLAIM_RULE"]
 
-
-TIE = 5e-5
-"""Nats/token: a difference smaller than this (it rounds to 0.0000 in the tables) is a tie, not a gain or a win. The
-released method's transported term is ~1e-8 of the weight and moves the NLL by ~1e-7 either way: floating-point noise,
-not a plan that beat its control."""
-
-
-def lower(x: float) -> bool:
-    """``x`` (a difference in nats/token) is below zero by more than :data:`TIE`."""
-    return x < -TIE
+CLAIM_RULE = ("a direction counts only where the paired 95% interval of its difference (bootstrap over FLORES articles, "
+              "mergescope.intervals) lies below 0; an interval covering 0, fewer than 8 articles, a difference under 5e-5 "
+              "(float noise) or a run recorded without an interval counts for neither side")
 
 
 def _counts(rs: list[Rec]) -> tuple[int, int]:
-    """(fusion helped, the OT plan beat its control) on the target's language, over runs (one per direction); a
-    difference within :data:`TIE` of zero counts for neither."""
-    return (sum(1 for x in rs if lower(x.m("delta_target_lang"))), sum(1 for x in rs if lower(x.m("ot_minus_rand_target_lang"))))
+    """(fusion helped, the OT plan beat its control) on the target's language, over runs (one per direction): each
+    only where its interval excludes zero (:mod:`mergescope.analysis.claims`)."""
+    return claims.count_lower(rs, "delta_target_lang"), claims.count_lower(rs, "ot_minus_rand_target_lang")
 
 
 def _shrink(rs: list[Rec]) -> tuple[int, int]:
     """(the OT fusion beat its shrink-only control, runs that have one) on the target's language: the shrink-only control
     is the same fusion (alpha, mask) with the transported term zero; runs recorded before it have no shrink_* metrics."""
     have = [x for x in rs if np.isfinite(x.m("ot_minus_shrink_target_lang"))]
-    return sum(1 for x in have if lower(x.m("ot_minus_shrink_target_lang"))), len(have)
+    return claims.count_lower(have, "ot_minus_shrink_target_lang"), len(have)
 
 
 def variant(r: Rec) -> str:
@@ -56,9 +50,21 @@ def _headlines(runs: list[Rec]) -> list[Rec]:
     return [x for x in (transport_headline(v) for v in _by_setting(runs).values()) if x is not None]
 
 
+INTERVAL_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang",
+                 "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang", "shrink_delta_target_lang", "rand_delta_target_lang")
+"""The differences a transport run logs with a paired interval (in both NLL scopes)."""
+
 ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_shrink_target_lang",
                  "shrink_delta_target_lang", "transported_relative_norm", "plan_entropy_gap", "plan_rowmax_over_uniform",
                  "plan_cost_ratio")
+
+
+def _nll_key(name: str) -> str:
+    """A pooled NLL metric in the analysis's scope: ``nll_target_lang`` -> ``nll_rest_target_lang`` (a name without
+    ``nll_`` is returned as it is)."""
+    if claims.SCOPE["value"] == "all" or "nll_" not in name:
+        return name
+    return name.replace("nll_", "nll_rest_", 1)
 
 
 def main_variant(head: list[Rec]) -> str:
@@ -76,10 +82,11 @@ def alpha_choice(rs: list[Rec]) -> tuple[str, str, str, str]:
     measurement (chosen on FLORES dev lines disjoint from the probes and the evaluation); the second is the paper's
     protocol (the best alpha read off the reported numbers), optimistic by construction. "—" where no run has a
     selection split."""
-    have = [r for r in rs if np.isfinite(r.m("select_nll_target_lang"))]
-    dev = min(have, key=lambda r: (r.m("select_nll_target_lang"), r.m("alpha"))) if len(have) == len(rs) and have else None
-    ev = min(rs, key=lambda r: (r.m("delta_target_lang"), r.m("alpha"))) if rs else None
-    show = lambda r: (f"{r.m('alpha'):g}", f3(r.m("delta_target_lang"), 4)) if r is not None else ("—", "—")  # noqa: E731
+    sel, dk = _nll_key("select_nll_target_lang"), claims.metric("delta_target_lang")
+    have = [r for r in rs if np.isfinite(r.m(sel))]
+    dev = min(have, key=lambda r: (r.m(sel), r.m("alpha"))) if len(have) == len(rs) and have else None
+    ev = min(rs, key=lambda r: (r.m(dk), r.m("alpha"))) if rs else None
+    show = lambda r: (f"{r.m('alpha'):g}", claims.cell(r, "delta_target_lang")) if r is not None else ("—", "—")  # noqa: E731
     return (*show(dev), *show(ev))
 
 
@@ -93,17 +100,20 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
     for (d, v), rs in sorted(groups.items()):
         if d not in several:
             continue
-        beats_r = sum(1 for x in rs if lower(x.m("ot_minus_rand_target_lang")))
+        beats_r = claims.count_lower(rs, "ot_minus_rand_target_lang")
         beats_s, n_s = _shrink(rs)
-        means = [f3(float(np.nanmean([x.m(c) for x in rs])) if any(np.isfinite(x.m(c)) for x in rs) else float("nan"), 4)
+        means = [(claims.cell(rs[0], c) if len(rs) == 1 and c in INTERVAL_COLS else
+                  f3(float(np.nanmean([x.m(claims.metric(c) if c in INTERVAL_COLS else c) for x in rs]))
+                     if any(np.isfinite(x.m(claims.metric(c) if c in INTERVAL_COLS else c)) for x in rs) else float("nan"), 4))
                  for c in ABLATION_COLS]
         rows.append([d, v, *means, f"{beats_r}/{len(rs)}", f"{beats_s}/{n_s}" if n_s else "—", *alpha_choice(every.get((d, v), []))])
     return RTable("Transport settings: the released method, each deviation, the seed's set (headline alpha)",
                   ["direction", "setting", *ABLATION_COLS, "beats random plan", "beats shrink only", "alpha chosen on dev",
                    "delta_target_lang at it", "alpha best on the evaluation", "delta_target_lang at that"], rows,
                   note="setting: the preset (seed = merge=transport; released:code / released:paper = merge=transport_released "
-                       f"with merge.follow) and every switch changed from it. beats: ot_minus_* < -{TIE:g} nats/token (a "
-                       "smaller difference rounds to 0.0000 and is a tie). ot_minus_shrink_* < 0: the OT fusion beat the "
+                       "with merge.follow) and every switch changed from it. Differences in nats/token "
+                       f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}, with their paired 95% interval where one setting has one "
+                       f"direction. beats: {CLAIM_RULE}. ot_minus_shrink_*: the OT fusion against the "
                        "shrink-only control (the same alpha and mask, transported term zero). transported_relative_norm: "
                        "|M*T| / |M*W|. plan_entropy_gap: log m minus the plans' mean row entropy (0 = uniform); "
                        "plan_rowmax_over_uniform: mean row max x m (1 = uniform); plan_cost_ratio: transport cost over the "
@@ -118,14 +128,20 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
             "ot_minus_rand_donor_lang", "shrink_delta_target_lang", "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang",
             "transported_relative_norm", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio",
-            "select_delta_target_lang"]
+            "select_delta_target_lang", "first_token_nll_target_lang", "eval_groups_target_lang"]
     several = len({variant(r) for r in runs}) > 1
     heads = [{"fused_weight_cosine": "transport_weight_cosine", "fused_relative_l2": "transport_relative_l2"}.get(c, c) for c in cols]
+    scope = claims.SCOPE["value"]
+    show = lambda r, c: claims.cell(r, c) if c in INTERVAL_COLS or c.startswith("select_delta") else f3(r.m(_nll_key(c)), 4)  # noqa: E731
     rows = [[direction(r) + (f" [{variant(r)}]" if several else ""), r.tags.get("alpha", f3(r.m("alpha"))),
-             *[f3(r.m(c), 4) for c in cols], short(r.run_id)]
+             *[show(r, c) for c in cols], short(r.run_id)]
             for r in sorted(runs, key=lambda r: (direction(r), variant(r), r.m("alpha")))]
     sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
-                             note="Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
+                             note=f"NLL in nats/token {claims.SCOPE_NOTE[scope]} (analysis.nll_scope={scope}; both scopes are "
+                                  "logged); each difference with its paired 95% bootstrap interval over the evaluation "
+                                  "sentences' FLORES articles (eval_groups_target_lang: how many; first_token_nll_target_lang: "
+                                  "the unfused target's mean nats on each sentence's first token, predicted from the start token "
+                                  "alone). Negative delta_* = fusion reduced NLL (helped). ot_minus_rand_* < 0 = the OT plan beat the "
                                   "shuffled-plan control (same fusion, plan rows shuffled). shrink_delta_* / ot_minus_shrink_*: "
                                   "the shrink-only control, the same fusion (alpha, mask) with the transported term zero, and the "
                                   "OT fusion against it (< 0 = the transported term helped beyond the shrink). "
@@ -143,21 +159,23 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     beats_s, n_s = _shrink(head)
     shrink_txt = (f"; it beats its shrink-only control (transported term zero) in {beats_s}/{n_s}" if n_s else
                   "; no run has the shrink-only control (recorded before it)")
-    med = median(x.m("delta_target_lang") for x in head)
-    top = min(head, key=lambda x: x.m("delta_target_lang")) if head else None
+    dk = claims.metric("delta_target_lang")
+    med = median(x.m(dk) for x in head)
+    top = min(head, key=lambda x: x.m(dk)) if head else None
     at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
     sec.text.append(f"{len(by_dir)} directions fused" + (f" (setting {main}; the others: the ablation table)" if several else "")
                     + f". At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
                     f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
                     f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
-                    f"target's language in {beats}/{len(head)}{shrink_txt}."
-                    + (f" Largest gain at that alpha: {direction(top)}, delta {f3(top.m('delta_target_lang'), 4)} "
+                    f"target's language in {beats}/{len(head)}{shrink_txt}; {CLAIM_RULE}; nats/token "
+                    f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}."
+                    + (f" Largest gain at that alpha: {direction(top)}, delta {claims.cell(top, 'delta_target_lang')} "
                        f"(run {short(top.run_id)})." if top else ""))
     per_alpha = {}
     for r in (x for x in runs if variant(x) == main):
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
-    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (median delta "
-                   f"{f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
+    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (interval below 0; "
+                   f"median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
                    + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
@@ -211,13 +229,14 @@ def role_table(head: list[Rec], at: str) -> RTable:
             groups.setdefault(r.tags.get(role, "?"), []).append(r)
         for model, rs in sorted(groups.items()):
             helped, beats = _counts(rs)
-            rows.append([role, model, str(len(rs)), f3(float(np.mean([x.m("delta_target_lang") for x in rs])), 4),
-                         f3(float(np.mean([x.m("ot_minus_rand_target_lang") for x in rs])), 4), f"{helped}/{len(rs)}", f"{beats}/{len(rs)}"])
+            rows.append([role, model, str(len(rs)), f3(float(np.mean([x.m(claims.metric("delta_target_lang")) for x in rs])), 4),
+                         f3(float(np.mean([x.m(claims.metric("ot_minus_rand_target_lang")) for x in rs])), 4), f"{helped}/{len(rs)}",
+                         f"{beats}/{len(rs)}"])
     return RTable(f"Transport by role (headline alpha {at})", ["role", "model", "directions", "mean delta_target_lang",
                                                                "mean ot_minus_rand_target_lang", "helped", "beats control"], rows,
                   note="Every direction with the model as target (its own language, fused from each donor), then every direction "
-                       f"with the model as donor. helped: delta_target_lang < -{TIE:g}; beats control: "
-                       f"ot_minus_rand_target_lang < -{TIE:g} (a smaller difference is a tie).")
+                       f"with the model as donor; means in nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}. helped "
+                       f"(delta_target_lang) and beats control (ot_minus_rand_target_lang): {CLAIM_RULE}.")
 
 
 def _adapt_table(sec: Section, runs: list[Rec]) -> None:
@@ -233,12 +252,14 @@ def _adapt_table(sec: Section, runs: list[Rec]) -> None:
                                   "warmup and linear decay), its baseline the same training of the unfused target. "
                                   "fusion_effect_after_adapt = fused-then-adapted NLL minus the unfused model adapted the same way "
                                   "(negative = fusion helped); rand_ = the same for the random-plan-fused model (its control)."))
-    helped = sum(1 for r in runs if lower(r.m("fusion_effect_after_adapt")))
+    helped = claims.count_lower(runs, "fusion_effect_after_adapt")
     beats = [r for r in runs if np.isfinite(r.m("rand_fusion_effect_after_adapt"))]
     sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions"
                     + (f"; the OT-fused model beats the adapted random-plan control in "
-                       f"{sum(1 for r in beats if r.m('fusion_effect_after_adapt') < r.m('rand_fusion_effect_after_adapt'))}/{len(beats)}."
-                       if beats else "."))
+                       f"{claims.count_lower(beats, 'ot_minus_rand_after_adapt')}/{len(beats)}" if beats else "")
+                    + f" ({CLAIM_RULE}; nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}). "
+                    + "; ".join(f"{direction(r)}: fusion effect {claims.cell(r, 'fusion_effect_after_adapt')}, OT minus random plan "
+                                f"{claims.cell(r, 'ot_minus_rand_after_adapt')}" for r in runs) + ".")
 
 
 def transport(an: Analysis, number: str) -> Section:

@@ -1,0 +1,100 @@
+"""Comparisons of scored arms as an arm logs them: the paired interval of :mod:`mergescope.intervals` on per-sentence
+:class:`~mergescope.bpb.Scores`, in both NLL scopes, and the per-sentence table every scoring run keeps.
+
+:func:`compare` turns two arms' scores on the same sentences into metrics: ``<name>`` (the difference in nats per
+token over every token, as logged before intervals existed), ``<name>_lo``, ``<name>_hi``, ``<name>_p``,
+``<name>_groups``, and the same for the first token apart under ``<name>_rest...`` (the default scope of every claim:
+:mod:`mergescope.bpb`). An arm given as a list of scores is a control over several seeds (the interval includes their
+spread). :func:`sentence_csv` is the artifact the numbers can be recomputed from.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mergescope.bpb import Scores
+from mergescope.intervals import Paired, paired_difference
+
+__all__ = ["SCOPES", "compare", "documents_for", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
+
+SCOPES = ("all", "rest")
+"""``all``: every predicted token; ``rest``: the first token (predicted from the start token alone) apart."""
+
+
+def _stack(x: Scores | Sequence[Scores], scope: str, field: str) -> np.ndarray:
+    parts = [x] if isinstance(x, Scores) else list(x)
+    return np.stack([getattr(p.scope(scope), field) for p in parts])
+
+
+def paired(a: Scores | Sequence[Scores], b: Scores | Sequence[Scores], groups: Sequence[str] | None, what: str,
+           scope: str = "rest", unit: str = "token", seed: int = 0) -> Paired:
+    """``a`` minus ``b`` (nats per token, or bits per byte with ``unit="byte"``) over the same sentences, resampled by
+    ``groups`` (what a group is: ``what``)."""
+    den = "tokens" if unit == "token" else "bytes"
+    scale = 1.0 if unit == "token" else 1.0 / np.log(2.0)
+    return paired_difference(_stack(a, scope, "nll"), _stack(b, scope, "nll"), _stack(a, scope, den), _stack(b, scope, den),
+                             groups=groups, resampled=what, seed=seed, scale=scale)
+
+
+def compare(name: str, a: Scores | Sequence[Scores], b: Scores | Sequence[Scores], groups: Sequence[str] | None,
+            what: str, seed: int = 0) -> dict[str, float]:
+    """The metrics of ``a - b`` in nats per token in both scopes (module doc)."""
+    out: dict[str, float] = {}
+    for scope in SCOPES:
+        if scope == "rest" and not all(s.has_first for s in ([a] if isinstance(a, Scores) else a) + ([b] if isinstance(b, Scores) else b)):
+            continue
+        out.update(paired(a, b, groups, what, scope, seed=seed).metrics(name if scope == "all" else f"{name}_rest"))
+    return out
+
+
+def documents_for(data_cfg: Any, lang: str, n: int, start: int = 0) -> tuple[list[str] | None, str]:
+    """The documents of ``n`` evaluation sentences (:func:`mergescope.documents.documents`)."""
+    from mergescope.documents import documents
+
+    return documents(data_cfg, lang, n, start)
+
+
+def sentence_csv(arms: Mapping[tuple[str, str], Scores], groups: Mapping[str, Sequence[str] | None]) -> str:
+    """One row per (arm, language, sentence): its document, summed NLL, tokens, bytes and the first token's NLL and
+    bytes; ``groups`` maps each language to its sentences' documents (or None)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["arm", "lang", "sentence", "document", "nll", "tokens", "bytes", "first_nll", "first_bytes"])
+    for (arm, lang), s in arms.items():
+        docs = groups.get(lang)
+        for i in range(len(s.nll)):
+            w.writerow([arm, lang, i, "" if docs is None else docs[i], repr(float(s.nll[i])), int(s.tokens[i]),
+                        int(s.bytes[i]), "" if s.first_nll is None else repr(float(s.first_nll[i])),
+                        "" if s.first_bytes is None else int(s.first_bytes[i])])
+    return buf.getvalue()
+
+
+def scores_from_csv(text: str, arm: str, lang: str) -> Scores | None:
+    """One (arm, language)'s :class:`Scores` back from :func:`sentence_csv`'s text (None when it has none)."""
+    rows = [r for r in csv.DictReader(io.StringIO(text)) if r["arm"] == arm and r["lang"] == lang]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: int(r["sentence"]))
+    col = lambda k: np.array([float(r[k]) for r in rows])  # noqa: E731
+    first = all(r["first_nll"] != "" for r in rows)
+    return Scores(col("nll"), col("tokens"), col("bytes"), np.zeros(len(rows), dtype=bool),
+                  col("first_nll") if first else None, col("first_bytes") if first else None)
+
+
+def read_scores(cfg: Any, run_id: str, arm: str, lang: str) -> Scores | None:
+    """A finished run's per-sentence scores of (arm, language), from its ``scores/sentences.csv`` (None for a run
+    recorded without them)."""
+    from mlflow.exceptions import MlflowException
+
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    try:
+        text = read_artifact_text(Tracker(cfg).client, run_id, "scores/sentences.csv")
+    except (OSError, MlflowException):
+        return None
+    return scores_from_csv(text, arm, lang)
