@@ -176,7 +176,22 @@ def check_cka(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
                               "sentences; lower metric.n_blocks or use more sentences")
 
 
-@metrics.register("cka", check=check_cka, order=1, higher_is_better=True, headline="cka",
+def cka_null(X: Any, Y: Any, perms: list[torch.Tensor], n_blocks: int = 50, device: str = "auto") -> list[float]:
+    """Linear CKA of X against Y's rows permuted by each of ``perms``, from the centred Gram matrices: CKA(X, Y[p]) =
+    <Kx, Ky[p][:, p]>_F / (|Kx|_F |Ky|_F) (centring commutes with a row permutation), one gather per permutation
+    instead of a pass over the features. Equal to :func:`linear_cka` on the permuted rows (tested)."""
+    x, y = pair_f64(X, Y, device)
+    x, y = center(x), center(y)
+    kx, ky = x @ x.T, y @ y.T
+    den = float(torch.linalg.norm(kx) * torch.linalg.norm(ky))
+    out = []
+    for p in perms:
+        p = p.to(ky.device)
+        out.append(float((kx * ky[p][:, p]).sum()) / den)
+    return out
+
+
+@metrics.register("cka", check=check_cka, order=1, higher_is_better=True, headline="cka", null=cka_null,
                   reference="https://arxiv.org/abs/1905.00414")
 def cka_metric(X: Any, Y: Any, n_blocks: int = 50, device: str = "auto") -> dict[str, float]:
     est, lo, hi = cka_jackknife(X, Y, n_blocks=n_blocks, device=device)

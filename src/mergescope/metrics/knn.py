@@ -38,7 +38,19 @@ def check_knn(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
                               "itself; lower metric.k or use more sentences")
 
 
-@metrics.register("mutual_knn", check=check_knn, order=5, higher_is_better=True,
+def mutual_knn_null(X: Any, Y: Any, perms: list[torch.Tensor], k: int = 10, device: str = "auto") -> list[float]:
+    """:func:`mutual_knn` of X against Y's rows permuted by each of ``perms``: Y[p]'s neighbour mask is Y's with rows
+    and columns gathered by p, so the masks are built once (equal to recomputing, tested)."""
+    x, y = pair_f64(X, Y, device)
+    mx, my = _knn_mask(x, k), _knn_mask(y, k)
+    out = []
+    for p in perms:
+        p = p.to(my.device)
+        out.append(float((mx & my[p][:, p]).sum(dim=1).double().mean() / k))
+    return out
+
+
+@metrics.register("mutual_knn", check=check_knn, order=5, higher_is_better=True, null=mutual_knn_null,
                   reference="https://arxiv.org/abs/2405.07987")
 def mutual_knn_metric(X: Any, Y: Any, k: int = 10, device: str = "auto") -> dict[str, float]:
     return {"mutual_knn": mutual_knn(X, Y, k=k, device=device), "mutual_knn_chance": k / (len(X) - 1)}

@@ -29,6 +29,14 @@ def procrustes_alignability(X: Any, Y: Any, device: str = "auto") -> float:
     return float(torch.linalg.svdvals(_unit(y).T @ _unit(x)).sum())
 
 
-@metrics.register("procrustes", order=2, higher_is_better=True, reference="https://arxiv.org/abs/2108.01661")
+def procrustes_null(X: Any, Y: Any, perms: list, device: str = "auto") -> list[float]:
+    """:func:`procrustes_alignability` of X against Y's rows permuted by each of ``perms`` (centring and scaling are
+    permutation-equivariant: done once)."""
+    x, y = pair_f64(X, Y, device)
+    ux, uy = _unit(x), _unit(y)
+    return [float(torch.linalg.svdvals(uy[p.to(uy.device)].T @ ux).sum()) for p in perms]
+
+
+@metrics.register("procrustes", order=2, higher_is_better=True, null=procrustes_null, reference="https://arxiv.org/abs/2108.01661")
 def procrustes_metric(X: Any, Y: Any, device: str = "auto") -> dict[str, float]:
     return {"procrustes": procrustes_alignability(X, Y, device=device)}

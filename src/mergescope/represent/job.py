@@ -52,9 +52,33 @@ def shuffled_values(fn, Xa: np.ndarray, Xb: np.ndarray, perms: list[np.ndarray],
     return out
 
 
+def calibrated_values(entry, Xa: np.ndarray, Xb: np.ndarray, cfg: DictConfig, kwargs: dict[str, Any]) -> dict[str, float]:
+    """The metric's headline calibrated against its permutation null (:mod:`mergescope.metrics.calibrate`):
+    ``control.calibration_permutations`` draws (0: not calibrated) seeded by the control seed and the pair, so every
+    metric of a pair sees the same permutations; ``<headline>_calibrated``, ``_cal_p``, ``_cal_tau``."""
+    from mergescope.metrics.calibrate import calibrate, permutation_seed
+
+    k = int(cfg.control.get("calibration_permutations", 0) or 0)
+    if k <= 0:
+        return {}
+    key = entry.headline
+    sim = lambda x, y: entry.fn(x, y, device=cfg.device, **kwargs)[key]  # noqa: E731
+    fast = entry.meta.get("null")
+    null = (lambda x, y, perms: fast(x, y, perms, device=cfg.device, **kwargs)) if fast is not None else None  # noqa: E731
+    cal = calibrate(Xa, Xb, sim, K=k, alpha=float(cfg.control.get("calibration_alpha", 0.05)), smax=1.0,
+                    seed=permutation_seed(int(cfg.control.seed), pair_label(cfg)), null=null)
+    return {**cal.metrics(key), "calibration_permutations": float(k)}
+
+
 def check_represent(cfg: DictConfig) -> None:
     if int(cfg.control.get("seeds", 1)) < 1:
         raise MergescopeError(f"control.seeds must be at least 1 (replications of the shuffled control), got {cfg.control.seeds}")
+    k, a = cfg.control.get("calibration_permutations", 0), cfg.control.get("calibration_alpha", 0.05)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise MergescopeError(f"control.calibration_permutations={k}: give a whole number >= 0 (0 = no calibration; 200 is the "
+                              "method's default)")
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < float(a) < 1:
+        raise MergescopeError(f"control.calibration_alpha={a}: give a level in (0, 1) such as 0.05")
     r = cfg.represent
     if r.pooling not in POOLINGS:
         raise MergescopeError(f"unknown represent.pooling '{r.pooling}': choose one of {', '.join(POOLINGS)}")
@@ -147,6 +171,7 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         perms = control_permutations(Xa.shape[0], int(cfg.control.seed), pair_label(cfg), int(cfg.control.seeds))
         values = dict(entry.fn(Xa, Xb, device=cfg.device, **kwargs))
         values.update(shuffled_values(entry.fn, Xa, Xb, perms, job, device=cfg.device, **kwargs))
+        values.update(calibrated_values(entry, Xa, Xb, cfg, kwargs))
         values.update({"n_sentences": float(Xa.shape[0]), "dim_a": float(Xa.shape[1]), "dim_b": float(Xb.shape[1]),
                        "control_seeds": float(len(perms))})
         job.log_params({"control.permutation_head": perms[0][:8].tolist(), "cache_a": meta_a["cache"], "cache_b": meta_b["cache"]})
