@@ -124,7 +124,8 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
                        "reported sentences themselves), optimistic by construction: not a measurement of a chosen alpha.")
 
 
-def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
+def fusion_rows(runs: list[Rec]) -> RTable:
+    """Every direction and alpha: the NLLs, each difference with its interval, the plan and weight diagnostics."""
     cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
             "ot_minus_rand_donor_lang", "shrink_delta_target_lang", "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang",
             "transported_relative_norm", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio",
@@ -136,7 +137,7 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     rows = [[direction(r) + (f" [{variant(r)}]" if several else ""), r.tags.get("alpha", f3(r.m("alpha"))),
              *[show(r, c) for c in cols], short(r.run_id)]
             for r in sorted(runs, key=lambda r: (direction(r), variant(r), r.m("alpha")))]
-    sec.tables.append(RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
+    return RTable("Fusion without adaptation: every direction and alpha", ["direction", "alpha", *heads, "run"], rows,
                              note=f"NLL in nats/token {claims.SCOPE_NOTE[scope]} (analysis.nll_scope={scope}; both scopes are "
                                   "logged); each difference with its paired 95% bootstrap interval over the evaluation "
                                   "sentences' FLORES articles (eval_groups_target_lang: how many; first_token_nll_target_lang: "
@@ -148,7 +149,12 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
                                   "transported_relative_norm: |M*T| / |M*W| on the fused entries. transport_weight_cosine / "
                                   "transport_relative_l2: every fused tensor against the target's original, after the transport. "
                                   "select_delta_target_lang: the fused target's delta on the alpha-selection split (FLORES dev "
-                                  "lines after the probes; — when the run has none): what the ablation table's alpha is chosen on."))
+                                  "lines after the probes; — when the run has none): what the ablation table's alpha is chosen on.")
+
+
+def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
+    several = len({variant(r) for r in runs}) > 1
+    sec.tables.append(fusion_rows(runs))
     by_dir: dict[str, list[Rec]] = {}
     for r in runs:
         by_dir.setdefault(direction(r), []).append(r)
