@@ -147,12 +147,18 @@ def test_merge_gain_takes_the_operator_chosen_on_the_selection_split_not_the_rep
     monkeypatch.setattr(nj, "run_merge", lambda mc, *a, **k: JobResult(mc.merge.name * 32, False, planted[mc.merge.name], "h"))
     logged = {}
     job = SimpleNamespace(log_params=logged.update)
+    from mergescope.bpb import Scores
+
+    planted["a"].update({"merge_gain_rest": 0.25, "merge_gain_rest_lo": 0.1, "merge_gain_rest_hi": 0.4, "merge_gain_rest_groups": 9.0})
+    ends = tuple(Scores(np.array([v * 10]), np.array([10.0]), np.array([30.0]), np.array([False])) for v in (5.2, 5.3))
     cfg, _ = compose_cfg(["task=native"])
-    out = nj._merge_values(cfg, None, job, [], (5.2, 5.3), {})
+    out = nj._merge_values(cfg, None, job, [], ends, {})
     assert out["merge_gain"] == pytest.approx(5.2 - 5.0) and out["chosen_merged_nll"] == 5.0 and out["chosen_val_nll"] == 4.0
     assert out["merge_beats_better_endpoint"] == 1.0 and logged["merge_chosen"]["merge"] == "a"
+    # the chosen merge's own interval travels with its gain (its run measured it on these sentences)
+    assert (out["merge_gain_rest_lo"], out["merge_gain_rest_hi"], out["merge_gain_rest_groups"]) == (0.1, 0.4, 9.0)
     none, _ = compose_cfg(["task=native", "native.select_split=null"])
-    assert nj._merge_values(none, None, job, [], (5.2, 5.3), {}) == {}
+    assert nj._merge_values(none, None, job, [], ends, {}) == {}
 
 
 def test_a_selection_split_that_shares_the_reported_lines_is_refused_before_any_run(tiny_models, compose_cfg):
@@ -200,9 +206,15 @@ def test_barrier_is_over_interior_points_only_and_can_be_negative(compose_cfg, m
             self.t = 0.0
 
     fake = FakePair()
-    monkeypatch.setattr(pair_mod, "host_nll", lambda cfg, loaded, s, label: 2.0 + loaded.t - 0.4 * loaded.t * (1 - loaded.t))
-    ts, nll, barrier = pair_mod.lmc_curve(cfg, fake, ["x"])
-    assert list(ts) == [0, 0.25, 0.5, 0.75, 1]
+    from mergescope.bpb import Scores
+
+    def score(cfg, loaded, s, label):
+        v = 2.0 + loaded.t - 0.4 * loaded.t * (1 - loaded.t)
+        return Scores(np.array([v * 4]), np.array([4.0]), np.array([9.0]), np.array([False]))
+
+    monkeypatch.setattr(pair_mod, "host_scores", score)
+    ts, nll, barrier, (s0, s1) = pair_mod.lmc_curve(cfg, fake, ["x"])
+    assert list(ts) == [0, 0.25, 0.5, 0.75, 1] and s0.nats_per_token == 2.0 and s1.nats_per_token == 3.0
     assert barrier == pytest.approx(-0.4 * 0.25 * 0.75, abs=1e-12)  # max over interior t of -0.4 t (1-t)
 
 
@@ -282,3 +294,38 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
                            "native.merges=[linear,ties]"])
     r2 = run_native(cfg, ov)
     assert "tv_cosine" not in r2.metrics and "nll_base_por_Latn" not in r2.metrics
+
+
+def test_merge_gain_carries_its_paired_interval_recomputed_from_the_sentences(tiny_models, compose_cfg):
+    """Every merge run keeps its endpoints' and the merge's per-sentence scores; merge_gain (better endpoint minus
+    merge) in both scopes and its interval by FLORES article equal what the logged sentences give; the native run
+    copies the chosen merge's interval."""
+    import csv
+    import io
+
+    from test_e2e import runs
+
+    from mergescope.intervals import paired_difference
+    from mergescope.native.job import run_native
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    cfg, ov = compose_cfg(ckpt_pair(tiny_models, ra="step1", rb="step2", base="null", merges="[linear,slerp]"))
+    native = run_native(cfg, ov).metrics
+    merges = [r for r in runs(cfg.paths.root) if r.data.tags.get("kind") == "merge"]
+    assert len(merges) == 2
+    for r in merges:
+        m = r.data.metrics
+        rows = list(csv.DictReader(io.StringIO(read_artifact_text(Tracker(cfg).client, r.info.run_id, "scores/sentences.csv"))))
+        col = lambda arm, k: np.array([float(x[k]) for x in rows if x["arm"] == arm])  # noqa: E731
+        docs = [x["document"] for x in rows if x["arm"] == "a"]
+        tok = col("a", "tokens")
+        rest = {arm: col(arm, "nll") - col(arm, "first_nll") for arm in ("a", "t1", "merged_seed0")}
+        best = min(("a", "t1"), key=lambda a: rest[a].sum())
+        want = paired_difference(rest[best], rest["merged_seed0"], tok - 1, groups=docs)
+        assert m["merge_gain_rest"] == pytest.approx(want.estimate, abs=1e-12)
+        assert (m["merge_gain_rest_lo"], m["merge_gain_rest_hi"]) == pytest.approx((want.lo, want.hi), abs=1e-12)
+        assert m["merge_gain"] == pytest.approx(min(m["nll_a"], m["nll_t1"]) - m["nll"], abs=1e-12)
+        assert m["merge_gain_rest_ref"] == float(("a", "t1").index(best))
+    chosen = min(merges, key=lambda r: r.data.metrics["val_nll"])  # the native run chooses on the selection split
+    assert (native["merge_gain_rest_lo"], native["merge_gain_rest_hi"]) == (
+        chosen.data.metrics["merge_gain_rest_lo"], chosen.data.metrics["merge_gain_rest_hi"])

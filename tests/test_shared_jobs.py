@@ -145,6 +145,16 @@ def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, t
 
     assert m["gain_always_best"] == 0.0
     assert ("bpb_domain" in m) == (domains(cfg.data, "eng_Latn", 60) is not None)
+    # both scopes, each router's gain with its paired interval by FLORES article, recomputed from the per-sentence table
+    assert m["bpb_oracle_rest"] <= m["bpb_always_best_rest"] + 1e-12
+    for sfx in ("", "_rest"):
+        assert m[f"gain_space{sfx}_lo"] <= m[f"gain_space{sfx}"] <= m[f"gain_space{sfx}_hi"]
+        assert m[f"gain_space{sfx}_groups"] == 19  # the first 60 devtest lines are 19 articles
+    assert m["gain_space"] == pytest.approx(m["bpb_always_best"] - m["bpb_space"], abs=1e-12)
+    assert m["gain_oracle_rest_lo"] >= 0  # the oracle is never worse than always-best, sentence by sentence
+    from mergescope.intervals import verdict
+
+    assert m["space_beats_best"] == float(verdict(m["gain_space_rest"], m["gain_space_rest_lo"], m["gain_space_rest_hi"], 19) == "higher")
 
 
 @pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")

@@ -20,7 +20,7 @@ import numpy as np
 from mergescope.bpb import Scores
 from mergescope.intervals import Paired, paired_difference
 
-__all__ = ["SCOPES", "compare", "documents_for", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
+__all__ = ["SCOPES", "compare", "documents_for", "gain_over_best", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
 
 SCOPES = ("all", "rest")
 """``all``: every predicted token; ``rest``: the first token (predicted from the start token alone) apart."""
@@ -49,6 +49,22 @@ def compare(name: str, a: Scores | Sequence[Scores], b: Scores | Sequence[Scores
         if scope == "rest" and not all(s.has_first for s in ([a] if isinstance(a, Scores) else a) + ([b] if isinstance(b, Scores) else b)):
             continue
         out.update(paired(a, b, groups, what, scope, seed=seed).metrics(name if scope == "all" else f"{name}_rest"))
+    return out
+
+
+def gain_over_best(name: str, refs: Sequence[Scores], cand: Scores | Sequence[Scores], groups: Sequence[str] | None,
+                   what: str, seed: int = 0) -> dict[str, float]:
+    """The best of ``refs`` (the lowest pooled NLL, chosen in each scope on its own: which endpoint is better can depend
+    on the first token) minus ``cand``: positive = the candidate (a merge) beats the better reference, with the paired
+    interval in both scopes; ``<name>_ref`` (and ``_rest_ref``) is the index of the reference it was measured against."""
+    out: dict[str, float] = {}
+    for scope in SCOPES:
+        if scope == "rest" and not all(s.has_first for s in [*refs, *([cand] if isinstance(cand, Scores) else cand)]):
+            continue
+        i = min(range(len(refs)), key=lambda j: refs[j].scope(scope).nats_per_token)
+        key = name if scope == "all" else f"{name}_rest"
+        out.update(paired(refs[i], cand, groups, what, scope, seed=seed).metrics(key))
+        out[f"{key}_ref"] = float(i)
     return out
 
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.merge import resolve_preset
-from mergescope.native.merges import merge_configs, preset_config, run_merge
+from mergescope.native.merges import EVIDENCE, merge_configs, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
@@ -56,15 +56,18 @@ def _weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
     return values
 
 
-def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences) -> dict[str, float]:
-    ts, curve, barrier = lmc_curve(cfg, loaded, sentences)
+def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences, ends: list) -> dict[str, float]:
+    """The LMC curve's numbers; its two endpoints' per-sentence scores are appended to ``ends`` (every merge's gain is
+    measured against them)."""
+    ts, curve, barrier, end_scores = lmc_curve(cfg, loaded, sentences)
+    ends.extend(end_scores)
     for i, (t, v) in enumerate(zip(ts, curve)):
         job.log_metrics({"lmc_nll": float(v), "lmc_t": float(t)}, step=i)
     return {"lmc_barrier": barrier, "nll_a": float(curve[0]), "nll_t1": float(curve[-1]),
             "lmc_midpoint_nll": float(curve[np.flatnonzero(ts == 0.5)[0]]), "n_sentences": float(len(sentences))}
 
 
-def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple[float, float],
+def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple,
                   lang_ends: dict[str, float]) -> dict[str, float]:
     merges = []
     for mc in merge_configs(cfg):
@@ -78,9 +81,11 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
     # The operator is chosen on native.select_split (its lines disjoint from data.split's), and its gain reported on
     # data.split: the minimum over operators of the reported NLLs would be chosen on the sentences it reports.
     name, chosen = min(independent, key=lambda nr: nr[1].metrics["val_nll"])
-    gain = min(endpoints) - chosen.metrics["nll"]
+    gain = min(e.nats_per_token for e in endpoints) - chosen.metrics["nll"]
     job.log_params({"merge_chosen": {"merge": name, "run": chosen.run_id, "on": NativeSettings.from_cfg(cfg).select_split}})
-    return {"merge_gain": gain, "chosen_merged_nll": chosen.metrics["nll"], "chosen_val_nll": chosen.metrics["val_nll"],
+    # the chosen merge's gain and its paired interval (its own run measured them on these sentences and endpoints)
+    intervals = {k: v for k, v in chosen.metrics.items() if k.startswith("merge_gain_")}
+    return {"merge_gain": gain, **intervals, "chosen_merged_nll": chosen.metrics["nll"], "chosen_val_nll": chosen.metrics["val_nll"],
             "merge_beats_better_endpoint": float(gain > 0)}
 
 
@@ -107,7 +112,7 @@ def hash_extra(cfg: DictConfig) -> dict:
     checkpoint pairs the settings of the CKA between the checkpoints."""
     ns = NativeSettings.from_cfg(cfg)
     presets = ns.merges
-    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in presets}}
+    extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in presets}, "evidence": EVIDENCE}
     if (ts := ns.transplant_settings()) is not None:  # every setting, defaults included (unset: earlier hashes unchanged)
         extra["transplant"] = asdict(ts)
     if any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") == "gram" for n in presets):
@@ -143,11 +148,12 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
             job.log_params({"task_vector_base": f"{model_label(base_entry(cfg))}"
                                                 f"{'@' + str(base_entry(cfg).revision) if base_entry(cfg).get('revision') else ''}"})
         sentences = nll_sentences(cfg)
-        values.update(_lmc_values(cfg, loaded, job, sentences))
+        ends: list = []
+        values.update(_lmc_values(cfg, loaded, job, sentences, ends))
         # native.nll_langs: each expert and the base on every language (the host's language: the LMC curve's ends)
         lang_ends = lang_endpoints(cfg, loaded, (sentences, values["nll_a"], values["nll_t1"]))
         values.update(lang_ends)
-        values.update(_merge_values(cfg, loaded, job, overrides, (values["nll_a"], values["nll_t1"]), lang_ends))
+        values.update(_merge_values(cfg, loaded, job, overrides, tuple(ends), lang_ends))
         if same_run(cfg):
             values["cka"] = checkpoint_cka(cfg, overrides)
         return values

@@ -11,14 +11,19 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope.config import conf_options, load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
-from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, lang_endpoints, lang_sentences, nll_langs,
-                                    nll_sentences, no_base_reason, select_sentences)
+from mergescope.bpb import Scores
+from mergescope.evidence import gain_over_best, sentence_csv
+from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
+                                    nll_documents, nll_langs, nll_sentences, no_base_reason, select_sentences)
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "native.select_split",
               "represent.max_length"]
+EVIDENCE = 1
+"""In every merge's and native run's identity: 1 = per-sentence scores kept, merge_gain with its paired interval and the
+first token apart (runs recorded before have none, so they run again)."""
 TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
                   "run it with task=transport (the study runs it for every pair)")
 
@@ -73,10 +78,12 @@ def same_as_linear(entry, kwargs: dict) -> bool:
     return float(kwargs.get("lambda_", 1.0)) == 1.0 and w is not None and abs(sum(w) - 1.0) < 1e-12
 
 
-def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job) -> dict[str, float]:
+def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job,
+                kept: list[Scores] | None = None) -> dict[str, float]:
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
     (seed, seed+1, ...), each seed's NLL a metric step. ``val_nll``: the same on ``native.select_split`` (what the
-    native run chooses its operator on), when that split shares no line with the scored one."""
+    native run chooses its operator on), when that split shares no line with the scored one. ``kept``: each seed's
+    per-sentence scores on the host's sentences are appended to it."""
     n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
     val = select_sentences(cfg)
@@ -87,7 +94,10 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
         for name in pair.coverage.shared:  # tensor by tensor into the host: no second whole model in memory
             pair.set_shared(merge_state_dicts(entry, kw, [pair.sd_a, pair.sd_b], pair.sd_base, [name], cfg.device, stats))
         what = f"nll {cfg.merge.name}" + (f" seed {kw['seed']}" if n > 1 else "")
-        nlls.append(host_nll(cfg, pair, sentences, what))
+        sc = host_scores(cfg, pair, sentences, what)
+        nlls.append(sc.nats_per_token)
+        if kept is not None:
+            kept.append(sc)
         for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
             by_lang[lang].append(nlls[-1] if tuple(t) == tuple(sentences) else host_nll(cfg, pair, t, f"{what} {lang}"))
         if val is not None:
@@ -101,12 +111,12 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
             **({"val_nll": float(np.mean(vals)), "n_val_sentences": float(len(val))} if val is not None else {})}
 
 
-def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[float, float]:
-    nll0 = host_nll(cfg, loaded, sentences, "nll a")
+def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[Scores, Scores]:
+    s0 = host_scores(cfg, loaded, sentences, "nll a")
     loaded.interpolate(1.0)
-    nll1 = host_nll(cfg, loaded, sentences, "nll t=1")
+    s1 = host_scores(cfg, loaded, sentences, "nll t=1")
     loaded.restore()
-    return nll0, nll1
+    return s0, s1
 
 
 def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
@@ -135,7 +145,7 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
 
 
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
-              endpoints: tuple[float, float] | None = None, lang_ends: dict[str, float] | None = None) -> JobResult:
+              endpoints: tuple[Scores, Scores] | None = None, lang_ends: dict[str, float] | None = None) -> JobResult:
     """One merged model's NLL on the host's language (and on every language of ``native.nll_langs``, beside each
     expert's and the base's there: ``lang_ends``, computed when not given): its own run (kind=merge, route=native).
     With ``+merge.models=[...]`` (or ``merge=mergekit merge.config=...``) it merges those models instead of the pair
@@ -151,9 +161,17 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     def body(job) -> dict[str, float]:
         pair = loaded or Loaded(cfg, need_base=entry.meta.get("needs_base", False) or bool(langs))
         sentences = nll_sentences(cfg)
-        nll0, nll1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
+        s0, s1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
+        nll0, nll1 = s0.nats_per_token, s1.nats_per_token
         ends = lang_ends if lang_ends is not None else lang_endpoints(cfg, pair)
-        res = _merged_nll(cfg, pair, entry, kwargs, sentences, job)
+        merged: list[Scores] = []
+        res = _merged_nll(cfg, pair, entry, kwargs, sentences, job, merged)
+        docs, what = nll_documents(cfg)
+        # merge_gain = the better endpoint minus the merge (seeds of a stochastic merge: the interval includes them)
+        gain = gain_over_best("merge_gain", [s0, s1], merged, docs, what)
+        job.log_text(sentence_csv({("a", "host"): s0, ("t1", "host"): s1,
+                                   **{(f"merged_seed{i}", "host"): m for i, m in enumerate(merged)}}, {"host": docs}),
+                     "scores/sentences.csv")
         if pair.transplant is not None:
             job.log_params({"transplant": pair.transplant})
         job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
@@ -161,7 +179,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
             from mergescope.native.save import save_pair
 
             job.log_params({"saved_to": save_pair(cfg, pair, entry, kwargs, job.run_id)})
-        return {**res, **ends, "nll_a": nll0, "nll_t1": nll1, "merge_gain": min(nll0, nll1) - res["nll"],
+        return {**res, **ends, "nll_a": nll0, "nll_t1": nll1, **gain, "merge_gain": min(nll0, nll1) - res["nll"],
                 "same_as_linear": float(same_as_linear(entry, kwargs)),
                 "n_shared_tensors": float(len(pair.coverage.shared)), "shared_params": float(pair.coverage.shared_params),
                 "n_sentences": float(len(sentences))}
@@ -170,7 +188,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None,
             "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}"}
-    extra = {**({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
+    extra = {"evidence": EVIDENCE, **({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
              **({"transplant": asdict(ts)} if ts is not None else {}),
              **({"gram": GRAM_RULE} if entry.meta.get("needs_stats") == "gram" else {})}
     res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {pair_text(cfg)}", tags, task="merge", keys=merge_keys(entry),

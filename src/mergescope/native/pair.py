@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import token_nll
+from mergescope.bpb import Scores, score_sentences
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.native.settings import NativeSettings
@@ -225,9 +225,21 @@ def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...],
     return out
 
 
+def host_scores(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> Scores:
+    """Per-sentence scores of the host as it now is (:mod:`mergescope.bpb`)."""
+    return score_sentences(loaded.host, loaded.tok, sentences, batch_tokens=cfg.represent.batch_tokens,
+                           max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=label)
+
+
 def host_nll(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> float:
-    return token_nll(loaded.host, loaded.tok, sentences, batch_tokens=cfg.represent.batch_tokens,
-                     max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=label)["nll"]
+    return host_scores(cfg, loaded, sentences, label).nats_per_token
+
+
+def nll_documents(cfg: DictConfig) -> tuple[list[str] | None, str]:
+    """The documents (FLORES articles) of :func:`nll_sentences`, what a merge's paired interval resamples."""
+    from mergescope.evidence import documents_for
+
+    return documents_for(cfg.data, str(cfg.pair.a.lang), len(nll_sentences(cfg)))
 
 
 def lmc_grid(n: int) -> np.ndarray:
@@ -235,18 +247,19 @@ def lmc_grid(n: int) -> np.ndarray:
     return np.union1d(np.linspace(0.0, 1.0, n), [0.5])
 
 
-def lmc_curve(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[np.ndarray, np.ndarray, float]:
-    """(t grid, NLL(t), barrier); barrier = max over interior t of NLL(t) - [(1-t) NLL(0) + t NLL(1)].
+def lmc_curve(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[np.ndarray, np.ndarray, float, tuple[Scores, Scores]]:
+    """(t grid, NLL(t), barrier, the two endpoints' per-sentence scores); barrier = max over interior t of NLL(t) -
+    [(1-t) NLL(0) + t NLL(1)].
 
     Interior points only (0 < t < 1): at the endpoints the difference is 0 by construction, and
     including them would floor the barrier at 0, hiding the negative barriers of near checkpoints
     (the spec's median for pairs within half a decade is -0.033)."""
     ts = lmc_grid(NativeSettings.from_cfg(cfg).lmc_points)
-    nll = []
+    scores = []
     for t in ts:
         loaded.interpolate(float(t))
-        nll.append(host_nll(cfg, loaded, sentences, f"lmc t={t:.2f}"))
+        scores.append(host_scores(cfg, loaded, sentences, f"lmc t={t:.2f}"))
     loaded.restore()
-    nll = np.array(nll)
+    nll = np.array([s.nats_per_token for s in scores])
     chord = (1 - ts) * nll[0] + ts * nll[-1]
-    return ts, nll, float(np.max((nll - chord)[1:-1]))
+    return ts, nll, float(np.max((nll - chord)[1:-1])), (scores[0], scores[-1])

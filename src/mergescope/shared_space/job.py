@@ -26,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import LN2, Scores, score_sentences
+from mergescope.evidence import documents_for
+from mergescope.intervals import verdict
 from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
 from mergescope.plotting import pyplot as plt
@@ -40,7 +42,7 @@ from mergescope.shared_space.domains import domains
 from mergescope.shared_space.evaluate import domain_transfer, fit_space, off_diagonal_mean, retrieval_eval
 from mergescope.shared_space.reorganize import change_corr, is_ssm, layer_change
 from mergescope.shared_space.reprs import final_layers, layer_reprs, models_tags, pc2_share, prepare
-from mergescope.shared_space.routing import pooled, route, summarise
+from mergescope.shared_space.routing import gain_intervals, pooled, route, summarise
 from mergescope.shared_space.settings import SharedSettings
 from mergescope.shared_space.space import save_space
 
@@ -350,13 +352,25 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         main = s.pooling
         Xs = [r[main][-1] for r in final_layers(cfg, s, entries, refs, sides)]
         doms = domains(cfg.data, str(entries[0].lang), bpb.shape[0])
+        docs, what = documents_for(cfg.data, str(entries[0].lang), bpb.shape[0])
         picks = route(bits, nbytes, Xs, doms, s.dim, s.folds, s.knn, s.seed)
-        out = summarise(bits, nbytes, picks)
-        for i, b in enumerate(pooled(bits, nbytes)):
-            out[f"bpb_model_{i}"] = float(b)
+        out = {**summarise(bits, nbytes, picks), **gain_intervals(bits, nbytes, picks, docs, what)}
+        # the same without each sentence's first token (which model is "always best" can depend on it)
+        rest = [sc.rest() for sc in scores]
+        bits_r, nbytes_r = np.stack([sc.nll / LN2 for sc in rest], axis=1), np.stack([sc.bytes for sc in rest], axis=1)
+        picks_r = route(bits_r, nbytes_r, Xs, doms, s.dim, s.folds, s.knn, s.seed)
+        out.update({f"{k}_rest": v for k, v in summarise(bits_r, nbytes_r, picks_r).items()})
+        out.update(gain_intervals(bits_r, nbytes_r, picks_r, docs, what, "_rest"))
+        out.update({f"always_best_model{sfx}": float(np.bincount(p["always_best"]).argmax())
+                    for sfx, p in (("", picks), ("_rest", picks_r))})
+        for i, (b, br) in enumerate(zip(pooled(bits, nbytes), pooled(bits_r, nbytes_r))):
+            out[f"bpb_model_{i}"], out[f"bpb_rest_model_{i}"] = float(b), float(br)
+            out[f"first_token_bits_model_{i}"] = float(scores[i].first_nll.mean() / LN2)
             out[f"truncated_model_{i}"] = float(scores[i].n_truncated)
             out[f"oracle_share_model_{i}"] = float(np.mean(picks["oracle"] == i))
-        out["space_beats_best"] = float(out["gain_space"] > 0)
+        # a claim only where the interval excludes 0 (the first token apart: the default scope of every comparison)
+        out["space_beats_best"] = float(verdict(out["gain_space_rest"], out["gain_space_rest_lo"], out["gain_space_rest_hi"],
+                                                out["gain_space_rest_groups"]) == "higher")
         rows = [{"sentence": n, "domain": (doms or [""] * len(bpb))[n], **{f"bpb_{lab}": float(bpb[n, i]) for i, lab in enumerate(labels)},
                  **{f"pick_{k}": labels[int(v[n])] for k, v in picks.items()}} for n in range(bpb.shape[0])]
         with tempfile.TemporaryDirectory() as d:
@@ -366,4 +380,5 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         return out
 
     tags = models_tags(cfg, s, "routing", labels)
-    return run_once(cfg, JobSpec(f"routing {len(labels)} models", tags, task="routing", keys=ROUTING_KEYS, reads=tuple(refs)), body, overrides)
+    return run_once(cfg, JobSpec(f"routing {len(labels)} models", tags, task="routing", keys=ROUTING_KEYS, reads=tuple(refs),
+                                 extra={"evidence": 1}), body, overrides)

@@ -44,10 +44,11 @@ def pooled(bits: np.ndarray, nbytes: np.ndarray, rows: np.ndarray | None = None)
 
 def route(bits: np.ndarray, nbytes: np.ndarray, Xs, doms, dim: int, k_folds: int, knn: int, seed: int) -> dict[str, np.ndarray]:
     """Per sentence (held-out in its fold): the model each router picks. ``bits`` and ``nbytes`` are (n, N models): each
-    sentence's NLL in bits and the UTF-8 bytes scored under each model."""
+    sentence's NLL in bits and the UTF-8 bytes scored under each model (a sentence with no bytes left, e.g. its one
+    token set apart, counts as a tie: model 0)."""
     n = bits.shape[0]
     picks = {name: np.zeros(n, dtype=int) for name in ("always_best", "space", "domain", "oracle")}
-    best = (bits / nbytes).argmin(axis=1)
+    best = np.divide(bits, nbytes, out=np.zeros_like(bits), where=nbytes > 0).argmin(axis=1)
     picks["oracle"] = best
     for test in folds(n, k_folds, seed):
         train = np.setdiff1d(np.arange(n), test)
@@ -77,4 +78,21 @@ def summarise(bits: np.ndarray, nbytes: np.ndarray, picks: dict[str, np.ndarray]
         out[f"oracle_agreement_{name}"] = float(np.mean(p == picks["oracle"]))
     for name in picks:
         out[f"gain_{name}"] = out["bpb_always_best"] - out[f"bpb_{name}"]
+    return out
+
+
+def gain_intervals(bits: np.ndarray, nbytes: np.ndarray, picks: dict[str, np.ndarray], groups, what: str,
+                   suffix: str = "") -> dict[str, float]:
+    """Each router's gain over always-best (bits per byte, positive = better) with its paired 95% interval: the two
+    routers' picked sentences resampled together by document (:mod:`mergescope.intervals`)."""
+    from mergescope.intervals import paired_difference
+
+    rows = np.arange(bits.shape[0])
+    ab = picks["always_best"]
+    out: dict[str, float] = {}
+    for name, p in picks.items():
+        if name == "always_best":
+            continue
+        d = paired_difference(bits[rows, ab], bits[rows, p], nbytes[rows, ab], nbytes[rows, p], groups=groups, resampled=what)
+        out.update(d.metrics(f"gain_{name}{suffix}"))
     return out

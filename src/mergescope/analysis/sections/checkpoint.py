@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, base_name
 from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
@@ -19,9 +20,11 @@ BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
 def _bin_row(run_label: str, name: str, rs: list[Rec]) -> list[str]:
     if not rs:
         return [run_label, name, "0", "—", "—", "—", ""]
-    beats = [r.m("merge_beats_better_endpoint") for r in rs if np.isfinite(r.m("merge_beats_better_endpoint"))]
-    share = f"{int(sum(beats))}/{len(beats)} ({100 * sum(beats) / len(beats):.0f}%)" if beats else "—"
-    return [run_label, name, str(len(rs)), f3(median(r.m("lmc_barrier") for r in rs)), f3(median(r.m("merge_gain") for r in rs)),
+    have = [r for r in rs if np.isfinite(r.m(claims.metric("merge_gain")))]
+    beats = sum(1 for r in have if claims.verdict(r, "merge_gain") == "higher")
+    share = f"{beats}/{len(have)} ({100 * beats / len(have):.0f}%)" if have else "—"
+    return [run_label, name, str(len(rs)), f3(median(r.m("lmc_barrier") for r in rs)),
+            f3(median(r.m(claims.metric("merge_gain")) for r in rs)),
             share, ", ".join(short(r.run_id) for r in rs) if len(rs) <= 8 else f"{len(rs)} runs (see per-pair table)"]
 
 
@@ -50,25 +53,28 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
                     "every weight-space quantity is defined. Trajectory distance = log10(step_b / step_a).")
     sec.tables.append(RTable("By trajectory distance", ["run", "bin", "n", "median lmc_barrier", "median merge_gain",
                                                           "merge beats better endpoint", "runs"], _bin_rows(ck),
-                             note="lmc_barrier in nats/token (negative: the straight path is better than its chord); "
-                                  "merge_gain = better endpoint's NLL - NLL of the merge chosen on native.select_split (the "
-                                  "lowest NLL on that split, disjoint from the reported sentences), both on data.split "
-                                  "(positive: merging beats the better endpoint)."))
+                             note="lmc_barrier in nats/token over every token (negative: the straight path is better than "
+                                  "its chord); merge_gain = better endpoint's NLL - NLL of the merge chosen on "
+                                  "native.select_split (the lowest NLL on that split, disjoint from the reported sentences), both "
+                                  f"on data.split, in nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]} (positive: merging "
+                                  "beats the better endpoint). merge beats better endpoint: counted only where merge_gain's "
+                                  "paired 95% interval over the sentences' FLORES articles lies above 0."))
     per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], r.group("merge_chosen").get("merge") or "—",
-            f3(r.m("chosen_merged_nll")),
-            "yes" if r.m("merge_beats_better_endpoint") == 1 else "no" if np.isfinite(r.m("merge_beats_better_endpoint")) else "—",
+            f3(r.m("chosen_merged_nll")), claims.cell(r, "merge_gain"), claims.verdict(r, "merge_gain"),
             short(r.run_id)] for r in ck]
     sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "chosen merge", "chosen_merged_nll",
-                                                     "beats", "run"], per,
+                                                     "merge_gain [95% CI]", "verdict", "run"], per,
                              note="chosen merge: the merge with the lowest NLL on native.select_split; its NLL and gain "
                                   "on data.split."))
     sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
     an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     an.metrics["checkpoint_pairs"] = float(len(ck))
-    beats = [r for r in ck if r.m("merge_beats_better_endpoint") == 1]
+    beats = [r for r in ck if claims.verdict(r, "merge_gain") == "higher"]
+    worse = [r for r in ck if claims.verdict(r, "merge_gain") == "lower"]
     bar = median(r.m("lmc_barrier") for r in ck)
-    sec.finding = (f"Over {len(ck)} checkpoint pairs the median LMC barrier is {f3(bar)} nats/token and merging beats the "
-                   f"better endpoint in {len(beats)}/{len(ck)} (the endpoints are the control; runs in the table).")
+    sec.finding = (f"Over {len(ck)} checkpoint pairs the median LMC barrier is {f3(bar)} nats/token; merging beats the "
+                   f"better endpoint in {len(beats)}/{len(ck)} and is worse than it in {len(worse)}/{len(ck)} (each where its "
+                   "paired 95% interval excludes 0; the rest cannot be told apart; the endpoints are the control).")
     an.console_tables.append(sec.tables[0])
     return sec
 

@@ -3,6 +3,7 @@ lm-eval beside them)."""
 
 from __future__ import annotations
 
+from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, is_checkpoint_pair
 from mergescope.analysis.tables import RTable, Section, f3, short
@@ -52,12 +53,15 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
         nll = f3(r.m("nll"), 4) + (f" ± {f3(r.m('nll_sd'), 4)} ({int(r.m('n_seeds'))} seeds)" if r.m("n_seeds") > 1 else "")
         same = " (the linear model: weights sum to 1, lambda 1)" if r.tags.get("same_as") == "linear" else ""
         mrows.append([r.tags.get("merge", "") + same, ", ".join(f"{k}={v}" for k, v in prm.items()), nll,
-                      f3(r.m("merge_gain"), 4), short(r.run_id), *(ev_cells[r.run_id] if ev_names else [])])
+                      claims.cell(r, "merge_gain"), short(r.run_id), *(ev_cells[r.run_id] if ev_names else [])])
     if mrows:
-        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain", "run",
-                                                                        *(ev_names and [*ev_names, "eval run"])], mrows,
-                                 note="lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
-                                 if ev_names else ""))
+        sec.tables.append(RTable(f"{pair}: merged models (kind=merge)", ["operator", "parameters", "nll", "merge_gain [95% CI]",
+                                                                        "run", *(ev_names and [*ev_names, "eval run"])], mrows,
+                                 note="nll over every token; merge_gain = the better endpoint's NLL minus the merge's, in "
+                                      f"nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}, with its paired 95% interval over "
+                                      "the sentences' FLORES articles (a stochastic merge's seeds resampled too)"
+                                      + ("; lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
+                                         if ev_names else "")))
     if n.tags.get("transplant"):
         sec.tables.append(transplant_table(n))
     by_lang = _by_language(n, mine)
@@ -162,7 +166,8 @@ def native_pair(an: Analysis, number: str) -> Section:
         chosen = chosen_text(n)
         sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token" +
                        (f"; the merge chosen on a disjoint split, {chosen}, has NLL {f3(n.m('chosen_merged_nll'))} against "
-                        f"the better endpoint (merge gain {f3(n.m('merge_gain'))})" if chosen else
+                        f"the better endpoint (merge gain {claims.cell(n, 'merge_gain')}: {claims.verdict(n, 'merge_gain')})"
+                        if chosen else
                         "; no merge was chosen (native.select_split unset: each merge's gain is in its table)") +
                        f" (run {short(n.run_id)}).")
     return sec

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from mergescope.analysis import claims
 from mergescope.analysis.records import Rec
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, short
@@ -310,13 +311,25 @@ def _content_table(study, r: Rec) -> RTable | None:
 
 
 def _routing_table(r: Rec) -> RTable:
-    names = [k[4:] for k in r.metrics if k.startswith("bpb_") and not k.startswith("bpb_model_")]
-    rows = [[n, _f(r.m(f"bpb_{n}"), 4), _f(r.m(f"gain_{n}"), 4), _f(r.m(f"oracle_agreement_{n}")), short(r.run_id)] for n in names]
-    verdict = ("the shared-space router beats always using the best model" if r.m("space_beats_best") > 0 else
-               "NEGATIVE RESULT: the shared-space router does not beat always using the best model")
+    names = [k[4:] for k in r.metrics if k.startswith("bpb_") and not k.startswith(("bpb_model_", "bpb_rest_model_"))
+             and not k.endswith("_rest")]
+    rest = claims.SCOPE["value"] == "rest" and np.isfinite(r.m("bpb_always_best_rest"))
+    sfx = "_rest" if rest else ""
+    rows = [[n, _f(r.m(f"bpb_{n}{sfx}"), 4), claims.cell(r, f"gain_{n}") if n != "always_best" else "—",
+             claims.verdict(r, f"gain_{n}") if n not in ("always_best", "oracle") else "", _f(r.m(f"oracle_agreement_{n}{sfx}")),
+             short(r.run_id)] for n in names]
+    said = claims.verdict(r, "gain_space")
+    verdict = {"higher": "the shared-space router beats always using the best model",
+               "lower": "NEGATIVE RESULT: the shared-space router is worse than always using the best model",
+               "tie": "NEGATIVE RESULT: the shared-space router cannot be told apart from always using the best model",
+               "too few": "too few documents to tell the shared-space router from always using the best model",
+               "no interval": "no interval recorded (a run from before intervals): no claim"}.get(said, said)
     return RTable(f"Routing by bits per byte (stand-in for the paper's tasks), {r.tags.get('data')}: {verdict}",
-                  ["router", "bits/byte", "gain vs always-best", "agrees with oracle", "run"], rows,
-                  note="gain > 0 = better than always-best; oracle = per-sentence best (an upper bound); domain = category-only router")
+                  ["router", "bits/byte", "gain vs always-best [95% CI]", "verdict", "agrees with oracle", "run"], rows,
+                  note=f"bits per byte {claims.SCOPE_NOTE[claims.SCOPE['value']]} (the routers and always-best chosen in that "
+                       "scope too); gain > 0 = better than always-best, with its paired 95% interval over the sentences' "
+                       "FLORES articles; a router beats always-best only where the interval lies above 0. oracle = per-sentence "
+                       "best (an upper bound); domain = category-only router")
 
 
 def shared_space_section(an: Analysis, number: str) -> Section:
