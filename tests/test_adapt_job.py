@@ -70,8 +70,24 @@ def test_union_runs_grid_anchors_controls_and_chooses_on_validation(scale, compo
     assert res.metrics["best_test_nll"] == pytest.approx(by[best]["test_nll"])
     assert {"test_nll.eng_Latn", "test_nll.wikinews", "test_bpb.por_Latn", "attn_entropy_mean"} <= set(by["0"])
     assert len(_runs(cfg, kind="adapt", control="noise")) == 1 and "test_nll_noise" in res.metrics
+    _check_summary_intervals(cfg, res.metrics, by, best)
     # E(small) keeps the small model's function: ratio 0's NLL is the small model's own
     assert run_adapt(cfg, ov).skipped
+
+
+def _check_summary_intervals(cfg, m, by, best):
+    """The summary's differences on the test split: estimates equal to the points' own test NLLs (a mean over
+    languages, in both scopes), each inside its paired interval; the merge minus each control likewise."""
+    assert m["gain_vs_small"] == pytest.approx(by["0"]["test_nll"] - by[best]["test_nll"], abs=1e-12)
+    assert m["gain_vs_small_rest"] == pytest.approx(by["0"]["test_nll_rest"] - by[best]["test_nll_rest"], abs=1e-12)
+    better = min(by["0"]["test_nll_rest"], by["1"]["test_nll_rest"])
+    assert m["gain_vs_better_end_rest"] == pytest.approx(better - by[best]["test_nll_rest"], abs=1e-12)
+    noise = _runs(cfg, kind="adapt", control="noise")[0].data.metrics
+    assert m["best_minus_noise_rest"] == pytest.approx(by[best]["test_nll_rest"] - noise["test_nll_rest"], abs=1e-12)
+    for k in ("gain_vs_small", "gain_vs_better_end", "best_minus_noise", "best_minus_scaling"):
+        for sfx in ("", "_rest"):
+            assert m[f"{k}{sfx}_lo"] <= m[f"{k}{sfx}"] <= m[f"{k}{sfx}_hi"]
+    assert m["gain_vs_small_rest_groups"] >= 3  # 6 sentences spread over the file: several articles
 
 
 def test_one_file_per_language_data_chooses_and_reports_on_disjoint_lines(scale, compose_cfg):

@@ -153,3 +153,23 @@ def test_bh_matches_the_step_up_rule():
     for p, v in zip(ps, q):
         if not math.isnan(p):
             assert v == pytest.approx(want[p], abs=1e-12)
+
+
+def test_strata_average_the_languages_and_draw_an_article_in_every_language_together():
+    """The adapt arm's number is a mean over languages of each language's ratio of sums: the estimate is that mean; a
+    language given twice (the same sentences as two strata) gives the one-language interval exactly (the same article
+    drawn in both); with independent noise per language the interval is narrower than one language's."""
+    rng = np.random.default_rng(3)
+    art = np.repeat(np.arange(25), 3)
+    tok = rng.integers(10, 40, (2, art.size)).astype(float)
+    na = tok * rng.normal(3.0, 0.3, (2, art.size))
+    nb = tok * rng.normal(3.05, 0.3, (2, art.size))
+    lang = np.repeat(["por", "ita"], art.size)
+    r = paired_difference(na.ravel(), nb.ravel(), tok.ravel(), groups=np.tile(art, 2), strata=lang)
+    want = np.mean([na[i].sum() / tok[i].sum() - nb[i].sum() / tok[i].sum() for i in range(2)])
+    assert r.estimate == pytest.approx(want, abs=1e-12) and r.n_groups == 25
+    one = paired_difference(na[0], nb[0], tok[0], groups=art)
+    twice = paired_difference(np.tile(na[0], 2), np.tile(nb[0], 2), np.tile(tok[0], 2), groups=np.tile(art, 2),
+                              strata=lang)
+    assert (twice.estimate, twice.lo, twice.hi, twice.p) == pytest.approx((one.estimate, one.lo, one.hi, one.p), abs=1e-12)
+    assert (r.hi - r.lo) < (one.hi - one.lo)

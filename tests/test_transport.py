@@ -632,6 +632,9 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
             assert m[f"ot_minus_shrink_{lang}"] == pytest.approx(m[f"nll_{lang}"] - m[f"shrink_nll_{lang}"], abs=1e-12)
             assert m[f"shrink_delta_{lang}"] == pytest.approx(m[f"shrink_nll_{lang}"] - m[f"base_nll_{lang}"], abs=1e-12)
         assert 0 < m["transported_relative_norm"] <= m["transported_relative_norm_max"] and t["transport_variant"] == "seed + epsilon=0.05, layer_topk=2"
+        # weights and biases apart: the whole is their mediant, between the two
+        rw, rb = m["transported_relative_norm_weights"], m["transported_relative_norm_biases"]
+        assert min(rw, rb) - 1e-12 <= m["transported_relative_norm"] <= max(rw, rb) + 1e-12 and rw > 0
         assert m["plan_entropy_gap"] == pytest.approx(m["plan_uniform_entropy"] - m["plan_entropy"], abs=1e-9)
         assert m["plan_max_marginal_error"] <= 1e-5 and 0 < m["plan_row_max"] <= 1 and m["plan_cost_ratio"] >= 1 - 1e-9
     # the base NLLs are the same model on the same sentences in both runs: the plans were fitted once

@@ -20,7 +20,7 @@ import numpy as np
 from mergescope.bpb import Scores
 from mergescope.intervals import Paired, paired_difference
 
-__all__ = ["SCOPES", "compare", "documents_for", "gain_over_best", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
+__all__ = ["SCOPES", "compare", "compare_strata", "documents_for", "gain_over_best", "read_all_scores", "strata_mean", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
 
 SCOPES = ("all", "rest")
 """``all``: every predicted token; ``rest``: the first token (predicted from the start token alone) apart."""
@@ -102,15 +102,60 @@ def scores_from_csv(text: str, arm: str, lang: str) -> Scores | None:
                   col("first_nll") if first else None, col("first_bytes") if first else None)
 
 
-def read_scores(cfg: Any, run_id: str, arm: str, lang: str) -> Scores | None:
-    """A finished run's per-sentence scores of (arm, language), from its ``scores/sentences.csv`` (None for a run
-    recorded without them)."""
+def _artifact(cfg: Any, run_id: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
     from mergescope.tracking import Tracker, read_artifact_text
 
     try:
-        text = read_artifact_text(Tracker(cfg).client, run_id, "scores/sentences.csv")
+        return read_artifact_text(Tracker(cfg).client, run_id, "scores/sentences.csv")
     except (OSError, MlflowException):
         return None
-    return scores_from_csv(text, arm, lang)
+
+
+def read_scores(cfg: Any, run_id: str, arm: str, lang: str) -> Scores | None:
+    """A finished run's per-sentence scores of (arm, language), from its ``scores/sentences.csv`` (None for a run
+    recorded without them)."""
+    text = _artifact(cfg, run_id)
+    return None if text is None else scores_from_csv(text, arm, lang)
+
+
+def read_all_scores(cfg: Any, run_id: str) -> tuple[dict[tuple[str, str], Scores], dict[str, list[str] | None]] | None:
+    """Every (arm, language) of a run's ``scores/sentences.csv`` and each language's documents (None: no such table)."""
+    text = _artifact(cfg, run_id)
+    if text is None:
+        return None
+    rows = list(csv.DictReader(io.StringIO(text)))
+    keys = list(dict.fromkeys((r["arm"], r["lang"]) for r in rows))
+    docs: dict[str, list[str] | None] = {}
+    for arm, lang in keys:
+        if lang not in docs:
+            d = [r["document"] for r in rows if r["arm"] == arm and r["lang"] == lang]
+            docs[lang] = d if all(d) else None
+    return {k: scores_from_csv(text, *k) for k in keys}, docs
+
+
+def strata_mean(scores: Mapping[str, Scores], scope: str) -> float:
+    """The mean over strata (languages) of each stratum's nats per token: how the adapt arm's test NLL pools."""
+    return float(np.mean([s.scope(scope).nats_per_token for s in scores.values()]))
+
+
+def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores], docs: Mapping[str, Sequence[str] | None],
+                   what: str, seed: int = 0) -> dict[str, float]:
+    """``a - b`` where each arm is a mean over strata (languages: the same keys in both) of its nats per token, in both
+    scopes, resampled by document with a document drawn in every language at once (parallel text)."""
+    keys = list(a)
+    if any(docs.get(k) is None for k in keys):
+        groups, what = None, "sentence"
+    else:
+        groups = [f"{d}" for k in keys for d in docs[k]]
+    strata = [k for k in keys for _ in range(len(a[k].nll))]
+    out: dict[str, float] = {}
+    for scope in SCOPES:
+        if scope == "rest" and not all(x.has_first for x in [*a.values(), *b.values()]):
+            continue
+        cat = lambda arm, f: np.concatenate([getattr(arm[k].scope(scope), f) for k in keys])  # noqa: E731
+        d = paired_difference(cat(a, "nll"), cat(b, "nll"), cat(a, "tokens"), cat(b, "tokens"), groups=groups,
+                              resampled=what, seed=seed, strata=strata)
+        out.update(d.metrics(name if scope == "all" else f"{name}_rest"))
+    return out

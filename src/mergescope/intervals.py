@@ -130,39 +130,46 @@ def _seeds(x, n: int, what: str) -> np.ndarray:
     return arr
 
 
-def _group_sums(x: np.ndarray, gi: np.ndarray, g: int) -> np.ndarray:
-    """(S, n) -> (S, G) sums per group."""
-    out = np.zeros((x.shape[0], g))
+def _group_sums(x: np.ndarray, gi: np.ndarray, g: int, si: np.ndarray, k: int) -> np.ndarray:
+    """(S, n) -> (S, K, G) sums per stratum and group."""
+    out = np.zeros((x.shape[0], k, g))
+    cell = si * g + gi
     for s in range(x.shape[0]):
-        out[s] = np.bincount(gi, weights=x[s], minlength=g)
+        out[s] = np.bincount(cell, weights=x[s], minlength=k * g).reshape(k, g)
     return out
 
 
 def _ratio(num: np.ndarray, den: np.ndarray, w_groups: np.ndarray, w_seeds: np.ndarray | None) -> np.ndarray:
-    """Per draw (rows of the (B, G) group weights): the seeds' ratios of weighted sums, averaged with (B, S) seed
-    weights (uniform when None)."""
-    r = (w_groups @ num.T) / (w_groups @ den.T)  # (B, S)
+    """Per draw (rows of the (B, G) group weights): each seed's mean over strata of the ratio of weighted sums, the
+    seeds averaged with (B, S) seed weights (uniform when None). ``num``, ``den``: (S, K, G)."""
+    s, k, g = num.shape
+    r = ((w_groups @ num.reshape(s * k, g).T) / (w_groups @ den.reshape(s * k, g).T)).reshape(-1, s, k).mean(axis=2)  # (B, S)
     if w_seeds is None:
         return r.mean(axis=1)
     return (r * w_seeds).sum(axis=1) / w_seeds.sum(axis=1)
 
 
 def _flip_stat(na, da, nb, db, flips: np.ndarray) -> np.ndarray:
-    """d after swapping the two arms' group sums where ``flips`` (P, G) is 1."""
+    """d after swapping the two arms' group sums where ``flips`` (P, G) is 1; the arms are (K, G), a stratum's ratios
+    averaged."""
     keep = 1.0 - flips
-    return (keep @ na + flips @ nb) / (keep @ da + flips @ db) - (keep @ nb + flips @ na) / (keep @ db + flips @ da)
+    a = (keep @ na.T + flips @ nb.T) / (keep @ da.T + flips @ db.T)
+    b = (keep @ nb.T + flips @ na.T) / (keep @ db.T + flips @ da.T)
+    return (a - b).mean(axis=1)
 
 
 def paired_difference(num_a, num_b, den_a, den_b=None, groups: Sequence | None = None, *, resampled: str | None = None,
                       n_boot: int = MIN_BOOT, n_perm: int = 10000, seed: int = 0, level: float = 0.95,
-                      scale: float = 1.0) -> Paired:
+                      scale: float = 1.0, strata: Sequence | None = None) -> Paired:
     """The paired difference of two arms' ratios of sums over the same ``n`` items (module doc).
 
     ``num_a``, ``num_b``: per item numerators (summed NLL), each ``(n,)`` or ``(S, n)`` for S seeds of a control;
     ``den_a``, ``den_b``: per item denominators (tokens or bytes; ``den_b`` defaults to ``den_a``), of the same shapes
     or ``(n,)``; ``groups``: one label per item (article, document) or None; ``resampled``: what a group is, for the
     record (default ``"sentence"`` without groups, else ``"group"``); ``scale`` multiplies every ratio (``1/ln 2`` for
-    bits per byte).
+    bits per byte); ``strata``: one label per item (a language): each arm's number is then the MEAN over strata of the
+    stratum's ratio of sums (the adapt arm's test NLL, a mean over languages), and items of different strata with the
+    same group label (the same FLORES article in two languages) are drawn together.
     """
     if n_boot < MIN_BOOT:
         raise ValueError(f"paired_difference: n_boot={n_boot}; give at least {MIN_BOOT}")
@@ -178,11 +185,12 @@ def paired_difference(num_a, num_b, den_a, den_b=None, groups: Sequence | None =
     if da.shape != na.shape or db.shape != nb.shape:
         raise ValueError("paired_difference: a denominator's seeds do not match its numerator's")
     gi, g = group_index(groups, n)
+    si, k = group_index(strata, n) if strata is not None else (np.zeros(n, dtype=np.int64), 1)
     what = resampled or ("sentence" if groups is None else "group")
     if n == 0:
         nan = math.nan
         return Paired(nan, nan, nan, nan, 0, 0, what, n_boot, level, na.shape[0], nb.shape[0])
-    ga, gda, gb, gdb = (_group_sums(x, gi, g) for x in (na, da, nb, db))
+    ga, gda, gb, gdb = (_group_sums(x, gi, g, si, k) for x in (na, da, nb, db))
     ones = np.ones((1, g))
     est = float(_ratio(ga, gda, ones, None)[0] - _ratio(gb, gdb, ones, None)[0]) * scale
 

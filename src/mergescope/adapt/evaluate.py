@@ -18,6 +18,7 @@ import torch
 from mergescope import data as data_mod
 from mergescope.config import plain_copy
 from mergescope.bpb import Scores, score_sentences
+from mergescope.documents import documents
 from mergescope.errors import MergescopeError
 from mergescope.represent import pad_batch, pad_id, tokenize
 
@@ -30,6 +31,12 @@ class Text:
     lang: str
     sentences: tuple[str, ...]
     domains: tuple[str, ...] | None
+    documents: tuple[str, ...] | None = None   # each sentence's FLORES article (what a paired interval resamples)
+
+    @property
+    def key(self) -> str:
+        """``<split>.<lang>``: the stratum of its per-sentence scores."""
+        return f"{self.split}.{self.lang}"
 
 
 def domains_of(root: Path, split: str, n: int) -> tuple[str, ...] | None:
@@ -70,18 +77,25 @@ def load_texts(data_cfg, langs: list[str], splits: dict[str, str], limit: int | 
             sents = [side.sentences[i] for i in rows]
             every = domains_of(Path(str(c.root)), split, len(side.sentences)) if c.get("source") != "hub" else None
             doms = tuple(every[i] for i in rows) if every and len(every) == len(side.sentences) else None
-            out.append(Text(role, lang, tuple(sents), doms))
+            docs, _ = documents(c, lang, len(side.sentences))
+            out.append(Text(role, lang, tuple(sents), doms, tuple(docs[i] for i in rows) if docs is not None else None))
     return out
 
 
-def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: int = 512) -> dict[str, float]:
+def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: int = 512,
+          kept: dict[str, Scores] | None = None) -> dict[str, float]:
     """``{val,test}_nll`` / ``_bpb`` (mean over languages), per language ``{split}_nll.<lang>``, and on every
     split per FLORES domain ``{split}_nll.<domain>`` (pooled over languages: total NLL over total tokens, total bits
-    over total bytes); ``{split}_truncated``: how many sentences ``max_length`` cut (their cut-off bytes are not counted)."""
+    over total bytes); ``{split}_truncated``: how many sentences ``max_length`` cut (their cut-off bytes are not counted);
+    ``{split}_nll_rest`` and per language ``{split}_nll_rest.<lang>``: the same without each sentence's first token.
+    ``kept``: each text's per-sentence scores, by :attr:`Text.key`."""
     out: dict[str, float] = {}
     by_domain: dict[tuple[str, str], list[Scores]] = {}
     for t in texts:
         sc = score_sentences(model, tokenizer, t.sentences, batch_tokens, max_length)
+        if kept is not None:
+            kept[t.key] = sc
+        out[f"{t.split}_nll_rest.{t.lang}"] = sc.rest().nats_per_token
         out[f"{t.split}_nll.{t.lang}"], out[f"{t.split}_bpb.{t.lang}"] = sc.nats_per_token, sc.bits_per_byte
         out[f"{t.split}_truncated"] = out.get(f"{t.split}_truncated", 0.0) + sc.n_truncated
         for dom in sorted(set(t.domains or ())):
@@ -92,6 +106,7 @@ def score(model, tokenizer, texts: list[Text], batch_tokens="auto", max_length: 
     for split in sorted({t.split for t in texts}):
         langs = [t.lang for t in texts if t.split == split]
         out[f"{split}_nll"] = float(np.mean([out[f"{split}_nll.{lang}"] for lang in langs]))
+        out[f"{split}_nll_rest"] = float(np.mean([out[f"{split}_nll_rest.{lang}"] for lang in langs]))
         out[f"{split}_bpb"] = float(np.mean([out[f"{split}_bpb.{lang}"] for lang in langs]))
     return out
 

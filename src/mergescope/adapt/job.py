@@ -26,6 +26,7 @@ from mergescope.adapt.kept import run_expansion  # task=expansion (a handler of 
 from mergescope.adapt.overlap import Overlap, competence_overlap, task_profile
 from mergescope.adapt.setup import Loaded, Setup, check_adapt
 from mergescope.config import to_plain
+from mergescope.evidence import compare_strata, read_all_scores, sentence_csv, strata_mean
 from mergescope.merge import merge_state_dicts, resolve_preset
 from mergescope.native.merges import preset_config
 from mergescope.progress import console
@@ -38,13 +39,18 @@ CHILD_KEYS = ["pair", "adapt", "data", "represent.max_length", "adaptation.val_s
 SOURCE_KEYS = ["data", "represent.max_length", "adaptation.val_split", "adaptation.test_split",
                "adaptation.nll_sentences", "adaptation.sample"]
 SIDES = ("small", "large")
+EVIDENCE = 1
+"""In every scored adapt run's identity: 1 = per-sentence scores kept (``scores/sentences.csv``), the first token apart
+and the summary's differences with their paired intervals (runs recorded before have none, so they run again)."""
 
 
 __all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
 
 def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
     ends = loaded.ends
-    values = score(ends.host, ends.tokenizer, loaded.texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
+    kept: dict = {}
+    values = score(ends.host, ends.tokenizer, loaded.texts, cfg.represent.batch_tokens, int(cfg.represent.max_length), kept)
+    log_scores(job, loaded.texts, kept)
     n = loaded.setup.settings.diag_sentences or 0
     if n:
         diag = attention_diagnostics(ends.host, ends.tokenizer, loaded.texts[0].sentences[:n], int(cfg.represent.max_length))
@@ -63,6 +69,13 @@ def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
 
         job.log_params({"saved_to": save_model(cfg, ends.host, ends.tokenizer, job.run_id)})
     return values
+
+
+def log_scores(job, texts, kept: dict) -> None:
+    """Every scored sentence of every split and language (``scores/sentences.csv``, arm ``model``, language
+    ``<split>.<lang>``): what the summary's paired intervals are computed from."""
+    job.log_text(sentence_csv({("model", t.key): kept[t.key] for t in texts}, {t.key: t.documents for t in texts}),
+                 "scores/sentences.csv")
 
 
 def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "adapt") -> dict[str, Any]:
@@ -84,7 +97,7 @@ def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, contr
         return {**values, "ratio": float(ratio)}
 
     name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}"
-    extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None}
+    extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None, "evidence": EVIDENCE}
     spec = JobSpec(name, _tags(cfg, setup, f"{ratio:g}", control), task="adapt", keys=CHILD_KEYS, reads=setup.refs, extra=extra)
     return run_once(cfg, spec, body, overrides)
 
@@ -117,7 +130,7 @@ def run_compare(cfg: DictConfig, setup: Setup, loaded: Loaded, name: str, ratio:
 
     tags = {**_tags(cfg, setup, f"{ratio:g}", "none", kind="merge"), "merge": name}
     return run_once(cfg, JobSpec(f"adapt-merge {name} r={ratio:g} {setup.small_label} x {setup.large_label}", tags,
-                                 task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset}), body, overrides)
+                                 task="adapt_merge", keys=CHILD_KEYS, reads=setup.refs, extra={"preset": preset, "evidence": EVIDENCE}), body, overrides)
 
 
 def _source_model(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str):
@@ -141,7 +154,9 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
         model, tok, host = _source_model(cfg, setup, loaded, side)
         st = setup.settings
         texts = load_texts(cfg.data, setup.langs, st.splits, st.nll_sentences, st.sample)
-        values = score(model, tok, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length))
+        kept: dict = {}
+        values = score(model, tok, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length), kept)
+        log_scores(job, texts, kept)
         n_params = float(models.true_config(model)["n_params"])
         if host:
             loaded.ends.set(0.0)
@@ -151,7 +166,7 @@ def run_source(cfg: DictConfig, setup: Setup, loaded: Loaded, side: str, overrid
             "source": side, "small": setup.small_label, "large": setup.large_label,
             "pair": f"{setup.small_label}__{setup.large_label}"}  # by size, whichever protocol scored it first
     return run_once(cfg, JobSpec(f"adapt source {side} {setup.small_label} x {setup.large_label}", tags, task="adapt_source",
-                                 keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs}), body, overrides)
+                                 keys=SOURCE_KEYS, reads=setup.refs, extra={"side": side, "langs": setup.langs, "evidence": EVIDENCE}), body, overrides)
 
 
 def overlap_of(sources: dict[str, JobResult]) -> Overlap:
@@ -192,6 +207,7 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
         for (name, r), res in compares.items():
             if r == best:
                 out[f"test_nll_{name}"] = res.metrics["test_nll"]
+        out.update(test_intervals(cfg, points, controls, compares, best))
         return {**out, **overlap.metrics(), **size_values(setup, sources)}
 
     children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
@@ -200,6 +216,38 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
     return run_once(cfg, JobSpec(f"adapt {setup.protocol} best {setup.small_label} x {setup.large_label}", tags,
                                  task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
                                  extra={"children": sorted(r.cfg_hash for r in children)}), body, overrides)
+
+
+def test_intervals(cfg, points, controls, compares, best: float) -> dict[str, float]:
+    """The summary's comparisons on the test split with their paired intervals (both scopes; a mean over languages
+    with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
+    (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
+    control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it). Runs
+    recorded without the tables give nothing (the summary's differences then carry no interval)."""
+    def test_of(run):
+        got = read_all_scores(cfg, run.run_id)
+        if got is None:
+            return None, None
+        scores, docs = got
+        keys = [lang for (arm, lang) in scores if arm == "model" and lang.startswith("test.")]
+        return {k: scores[("model", k)] for k in keys}, {k: docs[k] for k in keys}
+
+    b, docs = test_of(points[best])
+    lo, _ = test_of(points[0.0])
+    hi, _ = test_of(points[1.0])
+    if b is None or lo is None or hi is None:
+        return {}
+    what = "article" if all(d is not None for d in docs.values()) else "sentence"
+    out = compare_strata("gain_vs_small", lo, b, docs, what)
+    for scope in ("all", "rest"):
+        better = min((lo, hi), key=lambda e: strata_mean(e, scope))
+        part = compare_strata("gain_vs_better_end", better, b, docs, what)
+        out.update({k: v for k, v in part.items() if (k.startswith("gain_vs_better_end_rest")) == (scope == "rest")})
+    for (name, r), res in [*controls.items(), *compares.items()]:
+        other, _ = test_of(res) if r == best else (None, None)
+        if other is not None:
+            out.update(compare_strata(f"best_minus_{name}", b, other, docs, what))
+    return out
 
 
 def _at(setup: Setup, grid: list[float], best: float) -> list[float]:

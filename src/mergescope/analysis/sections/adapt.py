@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 
+from mergescope.analysis import claims
 from mergescope.analysis.records import Rec
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, f3, short
@@ -59,10 +60,12 @@ def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str]) -> l
         return None
     ends = [r.m("test_nll") for r in pts if r.m("ratio") in (0.0, 1.0)]
     band = [f"{r.m('ratio'):g}" for r in pts if 0 < r.m("ratio") < 1 and ends and r.m("test_nll") > max(ends)]
-    cells = [f3(best.m(k)) for k in ("test_nll_scaling", "test_nll_noise", *(f"test_nll_{n}" for n in compared))]
+    cells = [f3(best.m(f"test_nll_{k}")) + (f" (merge minus it {claims.cell(best, f'best_minus_{k}')})"
+                                             if math.isfinite(best.m(claims.metric(f"best_minus_{k}"))) else "")
+             for k in ("scaling", "noise", *compared)]
     return [f"{key[2]} {key[0]} ~ {key[1]}", f"{best.m('best_ratio'):g}", f3(best.m("best_test_nll")),
-            f3(best.m("test_nll_r0")), f3(best.m("test_nll_r1")), f3(best.m("gain_vs_small")), *cells,
-            ", ".join(band) or "none in grid", short(best.run_id)]
+            f3(best.m("test_nll_r0")), f3(best.m("test_nll_r1")), claims.cell(best, "gain_vs_small"),
+            claims.cell(best, "gain_vs_better_end"), *cells, ", ".join(band) or "none in grid", short(best.run_id)]
 
 
 def _tasks(pts: list[Rec]) -> list[str]:
@@ -267,10 +270,15 @@ def adapt_section(an: Analysis, number: str) -> Section:
     compared = compared_merges(runs)
     summary = [row for key, rs in groups.items() if (row := _summary_row(key, rs, _points(rs), compared))]
     sec.tables.append(RTable("Best ratio chosen on the validation split, reported on the test split",
-                             ["protocol / pair", "best ratio", "test NLL", "ratio 0", "ratio 1", "gain vs small",
-                              "scaling ctl", "noise ctl", *compared, "collapse band", "run"], summary,
-                             note="gain vs small = test NLL at ratio 0 minus at the chosen ratio (positive: the merge helps); "
-                                  "controls and comparisons at the chosen ratio; collapse band = grid ratios worse than both ends"))
+                             ["protocol / pair", "best ratio", "test NLL", "ratio 0", "ratio 1", "gain vs small [95% CI]",
+                              "gain vs better end [95% CI]", "scaling ctl", "noise ctl", *compared, "collapse band", "run"],
+                             summary,
+                             note="test NLL (mean over languages, every token); gain vs small = ratio 0 minus the chosen ratio, "
+                                  "gain vs better end = the better end minus it (positive: the merge helps), merge minus a "
+                                  "control or comparison at the chosen ratio (negative: the merge beats it), each in nats/token "
+                                  f"{claims.SCOPE_NOTE[claims.SCOPE['value']]} with its paired 95% interval over FLORES articles "
+                                  "(an article drawn in every language at once); collapse band = grid ratios worse than both "
+                                  "ends"))
     _gap_table(sec, groups)
     for key, rs in groups.items():
         if _points(rs):
@@ -295,11 +303,14 @@ def adapt_section(an: Analysis, number: str) -> Section:
         best = next((r for r in rs if r.tags.get("ratio") == "best"), None)
         if best is None:
             continue
-        ctl = min((best.m(k) for k in ("test_nll_scaling", "test_nll_noise") if math.isfinite(best.m(k))), default=float("nan"))
-        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev) gains "
-                     f"{best.m('gain_vs_small'):+.4f} nats/token on test over ratio 0"
-                     + (f", {'beating' if best.m('best_test_nll') < ctl else 'not beating'} its best control (merge "
-                        f"{best.m('best_test_nll'):.3f} vs control {ctl:.3f})" if math.isfinite(ctl) else "")
+        ctls = [k for k in ("scaling", "noise") if math.isfinite(best.m(f"test_nll_{k}"))]
+        beaten = [k for k in ctls if claims.verdict(best, f"best_minus_{k}") == "lower"]
+        said = {"higher": "helps", "lower": "hurts", "tie": "cannot be told from", "too few": "too few articles to tell from",
+                "no interval": "(no interval) against"}[claims.verdict(best, "gain_vs_small")]
+        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev) {said} ratio 0 on test "
+                     f"(gain {claims.cell(best, 'gain_vs_small')} nats/token)"
+                     + (f", beating {len(beaten)} of its {len(ctls)} controls ({', '.join(beaten) or 'none'}; each where the "
+                        "interval of the merge minus the control lies below 0)" if ctls else "")
                      + f" (run {short(best.run_id)})")
     if parts:
         sec.finding = " ".join(x for x in (sec.finding, "; ".join(parts) + ".") if x)

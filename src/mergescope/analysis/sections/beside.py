@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec
 from mergescope.analysis.tables import RTable, Section, median
@@ -65,7 +66,8 @@ def _adapt(an: Analysis) -> str:
     if not best:
         return "not measured (no adapt runs)"
     return "; ".join(f"{r.tags.get('protocol', r.tags.get('operator', '?'))} {r.tags.get('small')} ~ {r.tags.get('large')}: ratio "
-                     f"{r.m('best_ratio'):g} chosen on dev, {r.m('gain_vs_small'):+.4f} nats/token on test over the small model"
+                     f"{r.m('best_ratio'):g} chosen on dev, {claims.cell(r, 'gain_vs_small')} nats/token on test over the small "
+                     f"model ({claims.verdict(r, 'gain_vs_small')})"
                      for r in best)
 
 

@@ -55,7 +55,8 @@ INTERVAL_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_
 """The differences a transport run logs with a paired interval (in both NLL scopes)."""
 
 ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_shrink_target_lang",
-                 "shrink_delta_target_lang", "transported_relative_norm", "plan_entropy_gap", "plan_rowmax_over_uniform",
+                 "shrink_delta_target_lang", "transported_relative_norm", "transported_relative_norm_weights",
+                 "transported_relative_norm_biases", "plan_entropy_gap", "plan_rowmax_over_uniform",
                  "plan_cost_ratio")
 
 
@@ -115,7 +116,7 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
                        f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}, with their paired 95% interval where one setting has one "
                        f"direction. beats: {CLAIM_RULE}. ot_minus_shrink_*: the OT fusion against the "
                        "shrink-only control (the same alpha and mask, transported term zero). transported_relative_norm: "
-                       "|M*T| / |M*W|. plan_entropy_gap: log m minus the plans' mean row entropy (0 = uniform); "
+                       "|M*T| / |M*W| (_weights: the weight matrices alone; _biases: the bias vectors alone). plan_entropy_gap: log m minus the plans' mean row entropy (0 = uniform); "
                        "plan_rowmax_over_uniform: mean row max x m (1 = uniform); plan_cost_ratio: transport cost over the "
                        "unregularised optimum (ot.emd2). alpha chosen on dev: the grid alpha with the lowest NLL of the fused "
                        "target on the selection split (merge.select_sentences FLORES dev lines after the probes, disjoint from "
@@ -128,7 +129,7 @@ def fusion_rows(runs: list[Rec]) -> RTable:
     """Every direction and alpha: the NLLs, each difference with its interval, the plan and weight diagnostics."""
     cols = ["nll_target_lang", "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang",
             "ot_minus_rand_donor_lang", "shrink_delta_target_lang", "ot_minus_shrink_target_lang", "ot_minus_shrink_donor_lang",
-            "transported_relative_norm", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio",
+            "transported_relative_norm", "transported_relative_norm_weights", "transported_relative_norm_biases", "fused_weight_cosine", "fused_relative_l2", "plan_row_max", "plan_entropy", "plan_cost_ratio",
             "select_delta_target_lang", "first_token_nll_target_lang", "eval_groups_target_lang"]
     several = len({variant(r) for r in runs}) > 1
     heads = [{"fused_weight_cosine": "transport_weight_cosine", "fused_relative_l2": "transport_relative_l2"}.get(c, c) for c in cols]
@@ -146,7 +147,8 @@ def fusion_rows(runs: list[Rec]) -> RTable:
                                   "shuffled-plan control (same fusion, plan rows shuffled). shrink_delta_* / ot_minus_shrink_*: "
                                   "the shrink-only control, the same fusion (alpha, mask) with the transported term zero, and the "
                                   "OT fusion against it (< 0 = the transported term helped beyond the shrink). "
-                                  "transported_relative_norm: |M*T| / |M*W| on the fused entries. transport_weight_cosine / "
+                                  "transported_relative_norm: |M*T| / |M*W| on the fused entries (_weights / _biases: the weight "
+                                  "matrices / the bias vectors alone). transport_weight_cosine / "
                                   "transport_relative_l2: every fused tensor against the target's original, after the transport. "
                                   "select_delta_target_lang: the fused target's delta on the alpha-selection split (FLORES dev "
                                   "lines after the probes; — when the run has none): what the ablation table's alpha is chosen on.")
