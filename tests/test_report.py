@@ -48,6 +48,23 @@ def _log(tracker, cfg, name, tags, metrics=None, params=None, steps=None):
     return job.run_id
 
 
+H_MERGE, H_CK, H_TR = 0.05, 0.02, 0.005
+"""The half-widths of the planted intervals: merges of the native pair, checkpoint merges, transport differences."""
+
+
+def _claims(vals: dict, half: float, *keys: str) -> dict:
+    """``vals`` with each difference in ``keys`` logged as a job logs it: the estimate in the default scope too, with
+    its interval est +/- half over 30 articles."""
+    out = dict(vals)
+    for k in keys:
+        out.update({f"{k}_rest": vals[k], f"{k}_rest_lo": vals[k] - half, f"{k}_rest_hi": vals[k] + half, f"{k}_rest_groups": 30.0})
+    return out
+
+
+def _cell(v: float, half: float) -> str:
+    return f"{v:+.4f} [{v - half:+.4f}, {v + half:+.4f}]"
+
+
 def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoints: bool = True) -> dict:
     """A small study: 4 models, 6 cross-model pairs x 5 metrics, quality, typology, one native cross-model pair
     with merges, 10 checkpoint pairs, transport both ways on 2 pairs x 2 alphas, and adaptation."""
@@ -64,8 +81,9 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
         for metric, key in METRICS.items():
             v = float(rng.uniform(0.1, 0.6))
             vals = {key: v, f"{key}_shuffled": v / 20}
-            if metric == "cka":
-                vals.update({"cka_ci_low": v - 0.03, "cka_ci_high": v + 0.03})
+            if metric == "cka":  # calibrated against a planted null threshold tau = 0.3: pairs below it calibrate to 0
+                vals.update({"cka_ci_low": v - 0.03, "cka_ci_high": v + 0.03, "cka_calibrated": max(0.0, (v - 0.3) / 0.7),
+                             "cka_cal_p": 0.005 if v > 0.3 else 0.4, "cka_cal_tau": 0.3, "n_sentences": 200.0})
             if metric == "retrieval":
                 vals["retrieval_chance"] = 0.002
             truth["measure"][(pair, metric)] = vals
@@ -86,6 +104,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
            "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
            "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "chosen_merged_nll": 5.7, "chosen_val_nll": 5.65,
            "merge_beats_better_endpoint": 0.0}
+    nat = _claims(nat, H_MERGE, "merge_gain")
     from mergescope.native.weights import routes
 
     rt = routes(MODELS["m-en"][1], MODELS["m-zh"][1])
@@ -93,7 +112,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     for op, nll in (("linear", 5.8), ("slerp", 5.7)):
         merge_ids[op] = _log(tracker, cfg, f"merge:{op}", {"kind": "merge", "route": "native", "merge": op, "pair": pair,
                                                           "model_a": "m-en", "model_b": "m-zh", "cfg_hash": f"mg-{op}"},
-                             {"nll": nll, "merge_gain": 5.5 - nll, "val_nll": nll - 0.05},
+                             _claims({"nll": nll, "merge_gain": 5.5 - nll, "val_nll": nll - 0.05}, H_MERGE, "merge_gain"),
                              {"merge": {"name": op, "operator": op, "t": 0.5}})
     ids["native"] = _log(tracker, cfg, f"native:{pair}",
                          {"kind": "measure", "metric": "native", "route": "native", "arm": "cross-model", "pair": pair,
@@ -114,6 +133,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
                         "ties_sign_agreement": 1 - 0.05 * ratio + rng.normal(0, 0.005), "cka": 1 - 0.3 * ratio + rng.normal(0, 0.05),
                         "lmc_barrier": 0.2 * ratio - 0.1 + rng.normal(0, 0.03), "merge_gain": -0.1 * ratio + rng.normal(0, 0.03)}
                 vals["merge_beats_better_endpoint"] = float(vals["merge_gain"] > 0)
+                vals = _claims(vals, H_CK, "merge_gain")
                 pair = f"{fam}@{ra}__{fam}@{rb}"
                 truth["checkpoint"][pair] = vals
                 ids["checkpoint"][pair] = _log(tracker, cfg, f"native:{pair}", {
@@ -129,6 +149,8 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
                         "delta_donor_lang": d / 2, "ot_minus_rand_target_lang": c, "ot_minus_rand_donor_lang": c / 2,
                         "rand_nll_target_lang": NLL[target] + d - c, "plan_row_max": 0.3, "plan_entropy": 2.0,
                         "plan_cost_ratio": 1.01, "alpha": alpha}
+                vals = _claims(vals, H_TR, "delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_lang", "ot_minus_rand_donor_lang")
+                vals["nll_rest_target_lang"] = vals["nll_target_lang"]
                 truth["transport"][(direction, alpha)] = vals
                 ids["transport"][(direction, alpha)] = _log(tracker, cfg, f"transport:{direction}", {
                     "kind": "transport", "route": "transport", "target": target, "donor": donor, "direction": direction,
@@ -261,7 +283,7 @@ def test_report_sections_and_numbers(built):
     assert row[2] == str(len(near)) and row[3] == analysis.f3(np.median([v["lmc_barrier"] for v in near]))
     row = bins[("all runs", "beyond 1.5 decades (log10 ratio > 1.5)")]
     assert row[2] == str(len(far)) and row[4] == analysis.f3(np.median([v["merge_gain"] for v in far]))
-    beats = sum(v["merge_beats_better_endpoint"] for v in ck.values())
+    beats = sum(v["merge_gain"] - H_CK > 0 for v in ck.values())  # only where the interval lies above 0
     assert bins[("all runs", "all")][5].startswith(f"{int(beats)}/{len(ck)}")
 
     # native pair: coverage, diagnostics, the LMC curve and the merges
@@ -272,7 +294,8 @@ def test_report_sections_and_numbers(built):
     # the merge gain is the merge chosen on a disjoint split, named, never "the best merged NLL" on the reported one
     assert "best merged" not in md.lower() and "best_merged" not in md
     assert re.search(r"m-en__m-zh: LMC barrier 0\.987 nats/token; the merge chosen on a disjoint split, slerp \(lowest NLL "
-                     r"on dev, run \w{8}\), has NLL 5\.700 against the better endpoint \(merge gain -0\.200\)", md)
+                     r"on dev, run \w{8}\), has NLL 5\.700 against the better endpoint \(merge gain -0\.2000 \[-0\.2500, "
+                     r"-0\.1500\]: lower\)", md)
     assert "NLL of the merge chosen on native.select_split" in md
     merges = {r[0]: r for r in _md_table(md, "m-en__m-zh: merged models")[1:]}
     assert merges["slerp"][2] == "5.7000" and merges["slerp"][-1] == ids["merge"]["slerp"][:8]
@@ -282,13 +305,13 @@ def test_report_sections_and_numbers(built):
     assert len(tr) == 1 + 8
     for r in tr[1:]:
         vals = truth["transport"][(r[0], float(r[1]))]
-        assert r[3] == analysis.f3(vals["delta_target_lang"], 4) and r[5] == analysis.f3(vals["ot_minus_rand_target_lang"], 4)
+        assert r[3] == _cell(vals["delta_target_lang"], H_TR) and r[5] == _cell(vals["ot_minus_rand_target_lang"], H_TR)
         assert r[-1] == ids["transport"][(r[0], float(r[1]))][:8]
     per_dir = {}
     for (direction, _), vals in truth["transport"].items():
         per_dir.setdefault(direction, []).append(vals)
     heads = [next(x for x in v if x["alpha"] == 0.1) for v in per_dir.values()]
-    helped = sum(b["delta_target_lang"] < 0 for b in heads)
+    helped = sum(b["delta_target_lang"] + H_TR < 0 for b in heads)  # the interval below 0
     assert f"in {helped}/4 directions (median delta {analysis.f3(np.median([b['delta_target_lang'] for b in heads]), 4)}" in md
     assert "At the headline alpha 0.1 (merge.headline_alpha" in md and "Every alpha: alpha 0.01: helped" in md
     # transport by role: per target and per donor model, recomputed from the headline-alpha values
@@ -296,8 +319,8 @@ def test_report_sections_and_numbers(built):
     for (rl, model), r in role.items():
         mine = [v for (dr, a), v in truth["transport"].items() if a == 0.1 and dr.split(" <- ")[0 if rl == "target" else 1] == model]
         assert r[2] == str(len(mine)) and r[3] == analysis.f3(float(np.mean([v["delta_target_lang"] for v in mine])), 4)
-        assert r[5] == f"{sum(v['delta_target_lang'] < 0 for v in mine)}/{len(mine)}"
-        assert r[6] == f"{sum(v['ot_minus_rand_target_lang'] < 0 for v in mine)}/{len(mine)}"
+        assert r[5] == f"{sum(v['delta_target_lang'] + H_TR < 0 for v in mine)}/{len(mine)}"
+        assert r[6] == f"{sum(v['ot_minus_rand_target_lang'] + H_TR < 0 for v in mine)}/{len(mine)}"
     assert set(role) == {("target", "m-pt"), ("target", "m-it"), ("target", "m-en"), ("donor", "m-it"), ("donor", "m-pt"), ("donor", "m-en")}
     assert role[("target", "m-pt")][2] == "2" and role[("donor", "m-pt")][2] == "2" and role[("target", "m-it")][2] == "1"
     ad = _md_table(md, "Post-fusion adaptation")
@@ -308,8 +331,8 @@ def test_report_sections_and_numbers(built):
     assert cka_row[1].split(",")[0] in md.split("## 3.")[1].split("\n## ")[0] and cka_row[2].startswith("0.488-0.800 (median 0.587)")
     head = [v for (dr, a), v in truth["transport"].items() if a == 0.1]
     assert bs["transport fusion at the headline alpha"][1].startswith(
-        f"helps {sum(v['delta_target_lang'] < 0 for v in head)}/{len(head)} directions, OT beats its shuffled plan "
-        f"{sum(v['ot_minus_rand_target_lang'] < 0 for v in head)}/{len(head)}")
+        f"helps {sum(v['delta_target_lang'] + H_TR < 0 for v in head)}/{len(head)} directions, OT beats its shuffled plan "
+        f"{sum(v['ot_minus_rand_target_lang'] + H_TR < 0 for v in head)}/{len(head)}")
 
     # correlation tables: rho as scipy on the logged diagnostics; power statement present
     corr = {(r[0], r[1]): r for r in _md_table(md, "8a.")[1:]}
@@ -514,7 +537,8 @@ def test_a_correlation_finding_at_tiny_n_says_no_rho_can_reach_significance():
 
 
 def _num(s: str) -> float:
-    return float(s.strip("*"))
+    """A cell's number: a plain value, an italic one, or an estimate with its interval (the estimate)."""
+    return float(s.strip("*").split(" [")[0])
 
 
 def test_every_finding_is_true_of_its_table(built):
@@ -534,9 +558,10 @@ def test_every_finding_is_true_of_its_table(built):
             elif cell != "—" and j > i:
                 shuffled.append((j, i, _num(cell)))
     sh = {(i, j): v for i, j, v in shuffled}
-    above = sum(v > sh[(i, j)] for i, j, v in matched)
-    m = re.search(r"above its shuffled control for (\d+) of (\d+) pairs: matched ([\d.]+)-([\d.]+) \(median ([\d.]+)\) "
-                  r"against shuffled ([\d.]+\d)-([\d.]+\d)", an.section("cka").finding)
+    cal = {r[0]: r for r in _md_table(md, "cka: raw, shuffled control and calibrated")[1:]}
+    above = sum(float(r[4]) > 0 for r in cal.values())  # the calibrated score above 0: above the permutation null
+    m = re.search(r"above its permutation null \(p <= alpha, the calibrated score above 0\) for (\d+) of (\d+) pairs: "
+                  r"matched ([\d.]+)-([\d.]+) \(median ([\d.]+)\) raw, against shuffled ([\d.]+\d)-([\d.]+\d)", an.section("cka").finding)
     mv, sv = [v for *_, v in matched], list(sh.values())
     assert (int(m[1]), int(m[2])) == (above, len(matched))
     assert [float(x) for x in m.groups()[2:]] == pytest.approx([min(mv), max(mv), float(np.median(mv)), min(sv), max(sv)], abs=6e-4)
@@ -544,19 +569,21 @@ def test_every_finding_is_true_of_its_table(built):
     per = _md_table(md, "Per checkpoint pair")
     col = per[0].index("lmc_barrier")
     bars = [_num(r[col]) for r in per[1:]]
-    beats = sum(r[per[0].index("beats")] == "yes" for r in per[1:])
-    m = re.search(r"Over (\d+) checkpoint pairs the median LMC barrier is (-?[\d.]+) nats/token and merging beats the "
+    beats = sum(r[per[0].index("verdict")] == "higher" for r in per[1:])
+    m = re.search(r"Over (\d+) checkpoint pairs the median LMC barrier is (-?[\d.]+) nats/token; merging beats the "
                   r"better endpoint in (\d+)/(\d+)", an.section("checkpoint").finding)
     assert int(m[1]) == len(per) - 1 == int(m[4]) and int(m[3]) == beats
     assert float(m[2]) == pytest.approx(float(np.median(bars)), abs=6e-4)
 
     fusion = _md_table(md, "Fusion without adaptation")
-    m = re.search(r"At the headline alpha ([\d.]+), fusion helps the target in (\d+)/(\d+) directions \(median delta "
-                  r"(-?[\d.]+) nats/token\) and the OT plan beats its shuffled-plan control in (\d+)/(\d+)",
+    m = re.search(r"At the headline alpha ([\d.]+), fusion helps the target in (\d+)/(\d+) directions \(interval below 0; "
+                  r"median delta (-?[\d.]+) nats/token\) and the OT plan beats its shuffled-plan control in (\d+)/(\d+)",
                   an.section("transport").finding)
     h = fusion[0]
     at = [r for r in fusion[1:] if float(r[h.index("alpha")]) == float(m[1])]
     deltas = [_num(r[h.index("delta_target_lang")]) for r in at]
     ctl = [_num(r[h.index("ot_minus_rand_target_lang")]) for r in at]
-    assert int(m[3]) == len(at) == int(m[6]) and int(m[2]) == sum(d < 0 for d in deltas) and int(m[5]) == sum(c < 0 for c in ctl)
+    below = lambda cell: float(cell.split(", ")[1].rstrip("]")) < 0  # noqa: E731  the interval's upper end
+    assert int(m[3]) == len(at) == int(m[6]) and int(m[2]) == sum(below(r[h.index("delta_target_lang")]) for r in at)
+    assert int(m[5]) == sum(below(r[h.index("ot_minus_rand_target_lang")]) for r in at)
     assert float(m[4]) == pytest.approx(float(np.median(deltas)), abs=6e-5)

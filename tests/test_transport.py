@@ -1212,7 +1212,7 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_target_lang"], abs=1e-9)
     assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
     for k in ("fusion_effect_after_adapt", "ot_minus_rand_after_adapt", "rand_fusion_effect_after_adapt"):
-        assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] >= 5
+        assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] == 4  # 12 lines, 4 articles
     assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
     # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr
     from mergescope.transport.job import baseline_hash, check

@@ -34,7 +34,7 @@ def _cka(recs: list[Rec]) -> str:
     cc = [r.m("cka_calibrated") for r in recs if math.isfinite(r.m("cka_calibrated"))]
     cal = (f"; calibrated {min(cc):.3f}-{max(cc):.3f} (median {median(cc):.3f}), above its permutation null for "
            f"{sum(1 for c in cc if c > 0)}/{len(recs)}" if cc else "; not calibrated")
-    return (f"raw {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}), {len(recs)} pairs"
+    return (f"matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) raw, {len(recs)} pairs"
             + (f", n = {'/'.join(map(str, n))}" if n else "") + cal)
 
 

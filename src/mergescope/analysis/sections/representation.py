@@ -31,7 +31,7 @@ def cka_section(an: Analysis, number: str) -> Section:
                f"{np.nanmin(cc):.3f}-{np.nanmax(cc):.3f} (median {median(cc):.3f})" if np.isfinite(cc).any() else
                "; not calibrated (runs recorded before control.calibration_permutations)")
         sec.text.append(f"Matched CKA is above its permutation null (p <= alpha, the calibrated score above 0) for {n_above} "
-                        f"of {len(cka_recs)} pairs: raw matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) against "
+                        f"of {len(cka_recs)} pairs: matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) raw, against "
                         f"shuffled {min(ss):.3f}-{max(ss):.3f}{cal}.")
         sec.finding = sec.text[-1]
         sec.tables.append(RTable("CKA matrix (lower = matched, upper italic = shuffled)", ["", *models], rows,
