@@ -1,0 +1,64 @@
+"""A comparative claim counts only with an interval that excludes 0 (mergescope.analysis.claims): a raw difference,
+an interval covering 0, too few articles, float noise or a run without an interval is never a finding; and no section
+of the analysis compares a difference metric by its raw sign."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import claim
+from mergescope.analysis import claims
+from mergescope.analysis.records import Rec
+
+SECTIONS = Path(__file__).resolve().parents[1] / "src" / "mergescope" / "analysis"
+
+RAW = re.compile(r"""\.m\(\s*f?["'][a-z_.{}]*(delta|gain|minus|effect)[a-z_.{}]*["']\s*\)\s*[<>]|[<>]=?\s*[a-z_]+\.m\(\s*f?["']"""
+                 r"""[a-z_.{}]*(delta|gain|minus|effect)""")
+"""A difference metric read and compared by its sign: ``r.m("delta_target_lang") < 0`` (either side)."""
+
+
+def _rec(i: int, metrics: dict) -> Rec:
+    return Rec(f"{i:032d}", i, {"kind": "transport"}, metrics, {})
+
+
+def test_only_intervals_that_exclude_zero_count():
+    runs = [_rec(1, claim("delta_target_lang", -0.02, 0.01)),             # below 0, interval below 0: counts
+            _rec(2, claim("delta_target_lang", -0.02, 0.03)),             # below 0, interval covers 0: a tie
+            _rec(3, claim("delta_target_lang", -0.02)),                   # no interval recorded: never counted
+            _rec(4, claim("delta_target_lang", -0.02, 0.01, groups=5)),   # 5 articles: too few to tell
+            _rec(5, claim("delta_target_lang", -1e-6, 1e-7)),             # float noise
+            _rec(6, claim("delta_target_lang", 0.02, 0.01))]              # above 0
+    assert [claims.verdict(r, "delta_target_lang") for r in runs] == ["lower", "tie", "no interval", "too few", "tie", "higher"]
+    assert claims.count_lower(runs, "delta_target_lang") == 1
+    assert claims.cell(runs[0], "delta_target_lang") == "-0.0200 [-0.0300, -0.0100]"
+    assert claims.cell(runs[2], "delta_target_lang") == "-0.0200 (no interval)"
+
+
+def test_the_scope_switches_which_metric_is_read():
+    r = _rec(1, {"delta_target_lang": -0.5, "delta_target_lang_lo": -0.6, "delta_target_lang_hi": -0.4,
+                 "delta_target_lang_groups": 30.0, **{k: v for k, v in claim("delta_target_lang", 0.01, 0.02).items()
+                                                       if k.startswith("delta_target_lang_rest")}})
+    try:
+        claims.set_scope("all")
+        assert claims.verdict(r, "delta_target_lang") == "lower"
+        claims.set_scope("rest")
+        assert claims.verdict(r, "delta_target_lang") == "tie"  # the first token carried the whole difference
+    finally:
+        claims.set_scope("rest")
+    with pytest.raises(ValueError, match="rest' or 'all"):
+        claims.set_scope("first")
+
+
+def test_no_section_compares_a_difference_by_its_raw_sign():
+    """Break one on purpose: the planted lines are caught; the analysis has none."""
+    for planted in ('helped = sum(1 for x in rs if x.m("delta_target_lang") < 0)',
+                    "beats = [r for r in ck if 0 < r.m('merge_gain')]",
+                    'ok = r.m(f"gain_{n}") > 0'):
+        assert RAW.search(planted), planted
+    assert not RAW.search('claims.count_lower(rs, "delta_target_lang")')
+    found = [f"{p.relative_to(SECTIONS)}:{i}: {line.strip()}" for p in sorted(SECTIONS.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if RAW.search(line)]
+    assert not found, found
