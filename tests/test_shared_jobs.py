@@ -125,6 +125,13 @@ def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, t
                            "shared.dims=[4,8]", "shared.dim=8", "shared.folds=3"])
     res = run_shared_space(cfg, ov)
     assert 0 <= res.metrics["gpa_p1_10"] <= 1 and "pairwise_p1_all" in res.metrics
+    # GPA against the pairwise maps with its paired interval: in whole folds of equal size (60 / 3) the pooled
+    # difference is the difference of the fold-averaged P@1s
+    r = res.metrics
+    assert r["gpa_minus_pairwise_p1_all"] == pytest.approx(r["gpa_p1_all"] - r["pairwise_p1_all"], abs=1e-12)
+    for pool in ("10", "all"):
+        assert r[f"gpa_minus_pairwise_p1_{pool}_lo"] <= r[f"gpa_minus_pairwise_p1_{pool}"] <= r[f"gpa_minus_pairwise_p1_{pool}_hi"]
+        assert r[f"gpa_minus_pairwise_p1_{pool}_groups"] == 19
     client = Tracker(cfg).client
     import csv
     import io

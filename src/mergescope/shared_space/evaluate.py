@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mergescope.shared_space.gpa import (GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_p1,
+from mergescope.shared_space.gpa import (GPAFit, Reduction, apply_map, folds, gpa, linear_map, pca_reduce, pooled_hits, pooled_p1,
                                    ridge_lambda, select_ridge)
 
 DEFAULT_RIDGES = (1e-4, 1e-3, 1e-2, 1e-1)
@@ -54,9 +54,12 @@ class Retrieval:
     lambdas: np.ndarray
     dim: int
     dim_requested: int
+    hits: dict[str, np.ndarray] | None = None   # per sentence (held out in its fold): hits over every ordered pair
+    scored: dict[str, np.ndarray] | None = None  # and how many retrievals it was scored in (the pairs x its pool)
 
 
-def _fold_matrices(Xs, train, test, dim, sizes, seed, ridges) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+def _fold_matrices(Xs, train, test, dim, sizes, seed, ridges, hits=None, scored=None
+                   ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     space = fit_space([x[train] for x in Xs], dim)
     shared = [space.project(i, x[test]) for i, x in enumerate(Xs)]
     reduced_train = [r.apply(x[train]) for r, x in zip(space.reductions, Xs)]
@@ -72,8 +75,13 @@ def _fold_matrices(Xs, train, test, dim, sizes, seed, ridges) -> tuple[dict[str,
             chosen[a, b], lams[a, b] = r, ridge_lambda(reduced_train[a], r)
             mapped = apply_map(linear_map(reduced_train[a], reduced_train[b], r), reduced_test[a])
             for s in sizes:
-                out[f"gpa@{pool_label(s)}"][a, b] = pooled_p1(shared[a], shared[b], s, seed)
-                out[f"pairwise@{pool_label(s)}"][a, b] = pooled_p1(mapped, reduced_test[b], s, seed)
+                for kind, q, g in (("gpa", shared[a], shared[b]), ("pairwise", mapped, reduced_test[b])):
+                    key = f"{kind}@{pool_label(s)}"
+                    hit, done = pooled_hits(q, g, s, seed)
+                    out[key][a, b] = float(hit.sum() / done.sum())
+                    if hits is not None:
+                        hits.setdefault(key, np.zeros(len(train) + len(test)))[test] += hit
+                        scored.setdefault(key, np.zeros(len(train) + len(test)))[test] += done
     return out, chosen, lams
 
 
@@ -85,16 +93,18 @@ def retrieval_eval(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequen
     parts = folds(n_rows, k, seed)
     acc: dict[str, list[np.ndarray]] = {}
     chosen, lams, dims = [], [], []
+    hits: dict[str, np.ndarray] = {}
+    scored: dict[str, np.ndarray] = {}
     for f, test in enumerate(parts):
         train = np.setdiff1d(np.arange(n_rows), test)
         dims.append(effective_dim([x[train] for x in Xs], dim))
-        mats, r, lam = _fold_matrices(Xs, train, test, dim, sizes, seed + f, ridges)
+        mats, r, lam = _fold_matrices(Xs, train, test, dim, sizes, seed + f, ridges, hits, scored)
         chosen.append(r)
         lams.append(lam)
         for key, m in mats.items():
             acc.setdefault(key, []).append(m)
     return Retrieval({key: np.mean(ms, axis=0) for key, ms in acc.items()}, np.stack(chosen), np.stack(lams),
-                     int(min(dims)), int(dim))
+                     int(min(dims)), int(dim), hits, scored)
 
 
 def retrieval_matrices(Xs: Sequence[np.ndarray], dim: int, k: int = 5, sizes: Sequence[int | None] = (10, 32, None),

@@ -199,16 +199,23 @@ def pools(n: int, size: int | None, seed: int) -> list[np.ndarray]:
     return [order[i : i + size] for i in range(0, n - size + 1, size)]
 
 
-def pooled_p1(Q: np.ndarray, G: np.ndarray, size: int | None, seed: int = 0) -> float:
-    """P@1 of cosine retrieval of each query row among the gallery rows of its pool."""
+def pooled_hits(Q: np.ndarray, G: np.ndarray, size: int | None, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per query row: whether cosine retrieval among the gallery rows of its pool found its own row, and whether the
+    row was in a pool at all (the remainder of the random pools is dropped)."""
     qn = Q / np.maximum(np.linalg.norm(Q, axis=1, keepdims=True), 1e-300)
     gn = G / np.maximum(np.linalg.norm(G, axis=1, keepdims=True), 1e-300)
-    hits, total = 0, 0
+    hit, scored = np.zeros(Q.shape[0]), np.zeros(Q.shape[0])
     for p in pools(Q.shape[0], size, seed):
         s = qn[p] @ gn[p].T
-        hits += int(np.sum(s.argmax(axis=1) == np.arange(len(p))))
-        total += len(p)
-    return hits / total
+        hit[p] = s.argmax(axis=1) == np.arange(len(p))
+        scored[p] = 1.0
+    return hit, scored
+
+
+def pooled_p1(Q: np.ndarray, G: np.ndarray, size: int | None, seed: int = 0) -> float:
+    """P@1 of cosine retrieval of each query row among the gallery rows of its pool."""
+    hit, scored = pooled_hits(Q, G, size, seed)
+    return float(hit.sum() / scored.sum())
 
 
 def folds(n: int, k: int, seed: int) -> list[np.ndarray]:

@@ -27,7 +27,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import LN2, Scores, score_sentences
 from mergescope.evidence import documents_for
-from mergescope.intervals import verdict
+from mergescope.intervals import paired_difference, verdict
 from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
 from mergescope.plotting import pyplot as plt
@@ -228,10 +228,10 @@ def ridge_metrics(res) -> dict[str, float]:
             "pairwise_ridge_max": float(chosen.max())}
 
 
-def depth_sweep(s: SharedSettings, job, per_model, labels) -> list[dict]:
+def depth_sweep(s: SharedSettings, job, per_model, labels, last: list | None = None) -> list[dict]:
     """GPA against pairwise maps at every relative depth. A depth where some model has no distinct state (it
     repeats another depth's) is computed and kept in the table, flagged ``distinct = 0``, but not logged as a
-    metric step: it is not a comparison at that depth."""
+    metric step: it is not a comparison at that depth. The last depth's :class:`Retrieval` is appended to ``last``."""
     rows = []
     main = s.pooling
     layers = [depth_layers(s.depths, len(r[main]) - 1) for r in per_model]
@@ -239,6 +239,8 @@ def depth_sweep(s: SharedSettings, job, per_model, labels) -> list[dict]:
     for k, d in enumerate(s.depths):
         Xs = [r[main][layers[i][k]] for i, r in enumerate(per_model)]
         res = retrieval_eval(Xs, s.dim, s.folds, s.pool_sizes, s.seed, s.ridges)
+        if last is not None and k == len(s.depths) - 1:
+            last.append(res)
         ok = all(x[k] for x in distinct)
         if ok:
             job.log_metrics({**{f"{key.replace('@', '_p1_')}_by_depth": off_diagonal_mean(m) for key, m in res.mats.items()},
@@ -291,6 +293,27 @@ def content_rows(cfg: DictConfig, s: SharedSettings, entries, sides, finals) -> 
     return [{**r, "lang": side.lang} for r in rows]
 
 
+def gpa_vs_pairwise(cfg: DictConfig, entries, res) -> dict[str, float]:
+    """At the last depth, per pool size: GPA minus the pairwise maps in held-out P@1, pooled over every held-out
+    sentence, ordered pair and fold (``gpa_minus_pairwise_p1_<pool>``), with its paired 95% interval over the
+    sentences' FLORES articles (each sentence's hits under both methods kept together)."""
+    if not res.hits:
+        return {}
+    n = len(next(iter(res.hits.values())))
+    docs, what = documents_for(cfg.data, str(entries[0].lang), n)
+    out: dict[str, float] = {}
+    for key in res.hits:
+        if not key.startswith("gpa@"):
+            continue
+        pool = key.split("@", 1)[1]
+        other = f"pairwise@{pool}"
+        ok = res.scored[key] > 0
+        d = paired_difference(res.hits[key][ok], res.hits[other][ok], res.scored[key][ok], res.scored[other][ok],
+                              groups=None if docs is None else [docs[i] for i in np.flatnonzero(ok)], resampled=what)
+        out.update(d.metrics(f"gpa_minus_pairwise_p1_{pool}"))
+    return out
+
+
 def headline(rows: list[dict], depth: float) -> dict[str, float]:
     out = {}
     for r in rows:
@@ -306,7 +329,8 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
         per_model = final_layers(cfg, s, entries, refs, sides)
         main = s.pooling
         finals = [r[main][-1] for r in per_model]
-        tables = {"retrieval": depth_sweep(s, job, per_model, labels), "dim_sweep": dim_sweep(s, job, finals)}
+        last: list = []
+        tables = {"retrieval": depth_sweep(s, job, per_model, labels, last), "dim_sweep": dim_sweep(s, job, finals)}
         dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
         if dom is not None:
             tables["transfer"] = domain_transfer(finals, dom, s.dim, s.transfer_pool, seed=s.seed)
@@ -319,13 +343,14 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
         with tempfile.TemporaryDirectory() as d:
             job.log_artifacts(save_space(space, space_meta(cfg, s, entries, [len(r[main]) - 1 for r in per_model], sides), d), "space")
         job.log_params({"models": labels, "layers": [len(r[main]) - 1 for r in per_model], "domains": sorted(set(dom or []))})
-        return {**headline(tables["retrieval"], s.depths[-1]), "gpa_iterations": float(space.fit.iterations),
+        return {**headline(tables["retrieval"], s.depths[-1]), **gpa_vs_pairwise(cfg, entries, last[0]),
+                "gpa_iterations": float(space.fit.iterations),
                 "dim_effective": float(space.reductions[0].basis.shape[1]),
                 "n_models": float(len(entries)), "n_sentences": float(len(sides[0].sentences))}
 
     tags = models_tags(cfg, s, "shared_space", labels)
     return run_once(cfg, JobSpec(f"shared_space {len(labels)} models", tags, task="shared_space", keys=SPACE_KEYS,
-                                 reads=tuple(refs)), body, overrides)
+                                 reads=tuple(refs), extra={"evidence": 1}), body, overrides)
 
 
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]

@@ -358,9 +358,14 @@ def shared_space_section(an: Analysis, number: str) -> Section:
     for r in sp:
         g, pw = r.m("gpa_p1_32"), r.m("pairwise_p1_32")
         if not sec.finding and math.isfinite(g) and math.isfinite(pw):
+            said = {"higher": "GPA beats the pairwise maps", "lower": "the pairwise maps beat GPA",
+                    "tie": "the two cannot be told apart", "too few": "too few articles to tell them apart",
+                    "no interval": "no interval recorded"}[claims.verdict(r, "gpa_minus_pairwise_p1_32", scope="all")]
             sec.finding = (f"At the final layer, held-out retrieval in pools of 32 (chance 0.031) is {g:.3f} in the GPA shared "
                            f"space against {pw:.3f} for pairwise ridge maps fitted per pair (ridge chosen inside each training "
-                           f"fold) on {r.tags.get('data')} (run {short(r.run_id)}).")
+                           f"fold) on {r.tags.get('data')}: GPA minus pairwise over every held-out sentence, pair and fold "
+                           f"{claims.cell(r, 'gpa_minus_pairwise_p1_32', scope='all')} (paired 95% interval over FLORES "
+                           f"articles): {said} (run {short(r.run_id)}).")
         sec.tables += _space_tables(study, r)
         sec.add_figure(f"shared_space_{r.tags.get('data', 'data')}", f"GPA vs pairwise retrieval (P@1, pool 32, final layer) "
                        f"per ordered pair, and the D sweep, on {r.tags.get('data')}", lambda r=r: _space_figures(study, r))
