@@ -656,7 +656,7 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     # the random-plan-fused model is adapted too (the control of fusion_effect_after_adapt); both on the donor's language
     assert fm["rand_fusion_effect_after_adapt"] == pytest.approx(fm["rand_nll_fused_after"] - base.data.metrics["nll_baseline_after"])
     assert fm["ot_minus_rand_after_adapt"] == pytest.approx(fm["nll_fused_after"] - fm["rand_nll_fused_after"])
-    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0].data.metrics["rand_nll_target_lang"], abs=1e-9)
+    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0].data.metrics["rand_nll_seed0_target_lang"], abs=1e-9)
     for p in ("", "rand_"):
         assert fm[f"{p}delta_donor_lang_after_adapt"] == pytest.approx(fm[f"{p}nll_donor_lang_fused_after"] - tr[0].data.metrics["base_nll_donor_lang"])
     assert fused.data.params["text.probes"].endswith("eng_Latn.dev lines 1-40") or fused.data.params["text.probes"].endswith("por_Latn.dev lines 1-40")
@@ -690,15 +690,21 @@ def _check_intervals_from_the_sentences(cfg, run):
     docs = [r["document"] for r in rows if r["arm"] == "base" and r["lang"] == "target_lang"]
     assert len(docs) == 20 and len(set(docs)) == m["eval_groups_target_lang"] and docs[0].startswith("https://")
     assert run.data.params["eval_resampled"] == "article"
-    for name, x, y in (("delta", "ot", "base"), ("ot_minus_rand", "ot", "rand"), ("ot_minus_shrink", "ot", "shrink")):
-        nx, ny, t = col(x, "target_lang", "nll"), col(y, "target_lang", "nll"), col(x, "target_lang", "tokens")
-        fx, fy = col(x, "target_lang", "first_nll"), col(y, "target_lang", "first_nll")
-        assert m[f"{name}_target_lang"] == pytest.approx(nx.sum() / t.sum() - ny.sum() / t.sum(), abs=1e-12)
-        rest = (nx - fx).sum() / (t - 1).sum() - (ny - fy).sum() / (t - 1).sum()
+    seeds = ["rand", *(f"rand{i}" for i in range(1, int(m["control_seeds"])))]
+    assert m["control_seeds"] == 5 and {r["arm"] for r in rows} >= set(seeds)
+    assert len({tuple(col(x, "target_lang", "nll")) for x in seeds}) == 5  # five different random plans
+    for name, x, y in (("delta", ["ot"], ["base"]), ("ot_minus_rand", ["ot"], seeds), ("ot_minus_shrink", ["ot"], ["shrink"])):
+        t = col("ot", "target_lang", "tokens")
+        nx, ny = (np.stack([col(a, "target_lang", "nll") for a in arms]) for arms in (x, y))
+        fx, fy = (np.stack([col(a, "target_lang", "first_nll") for a in arms]) for arms in (x, y))
+        mean_ratio = lambda n, d: float(np.mean([row.sum() / d.sum() for row in n]))  # noqa: E731  the control: its seeds' mean
+        assert m[f"{name}_target_lang"] == pytest.approx(mean_ratio(nx, t) - mean_ratio(ny, t), abs=1e-12)
+        rest = mean_ratio(nx - fx, t - 1) - mean_ratio(ny - fy, t - 1)
         assert m[f"{name}_target_lang_rest"] == pytest.approx(rest, abs=1e-12)
-        want = paired_difference(nx - fx, ny - fy, t - 1, groups=docs, resampled="article")
+        want = paired_difference(nx - fx, ny - fy, t - 1, groups=docs, resampled="article")  # the seeds resampled too
         assert (m[f"{name}_target_lang_rest_lo"], m[f"{name}_target_lang_rest_hi"]) == pytest.approx((want.lo, want.hi), abs=1e-12)
         assert m[f"{name}_target_lang_rest_lo"] <= m[f"{name}_target_lang_rest"] <= m[f"{name}_target_lang_rest_hi"]
+    assert m["rand_nll_sd_target_lang"] > 0
     assert m["first_token_nll_target_lang"] == pytest.approx(col("base", "target_lang", "first_nll").mean(), abs=1e-12)
     assert m["nll_rest_target_lang"] == pytest.approx(
         (col("ot", "target_lang", "nll") - col("ot", "target_lang", "first_nll")).sum() / (col("ot", "target_lang", "tokens") - 1).sum())
@@ -1209,7 +1215,7 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     assert fused.data.tags["adapt_mode"] == "released:frozen_hot@0.5" and base.data.tags["adapt_mode"] == "released"
     fm = fused.data.metrics
     assert fm["nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["nll_target_lang"], abs=1e-9)  # (1 - 0.5) W + 0.5 R
-    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_target_lang"], abs=1e-9)
+    assert fm["rand_nll_fused_before"] == pytest.approx(tr[0.5].data.metrics["rand_nll_seed0_target_lang"], abs=1e-9)
     assert fm["fusion_effect_after_adapt"] == pytest.approx(fm["nll_fused_after"] - base.data.metrics["nll_baseline_after"])
     for k in ("fusion_effect_after_adapt", "ot_minus_rand_after_adapt", "rand_fusion_effect_after_adapt"):
         assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] == 4  # 12 lines, 4 articles
@@ -1222,3 +1228,25 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
 
     assert h("merge.adapt.freeze=frozen_base") == h("merge.adapt.freeze=none", "merge.adapt.train_alpha=0.3") != h("merge.adapt.lr=1e-4")
     assert fused.data.params["baseline_run"] == base.info.run_id
+
+
+def test_control_seeds_keep_the_first_control_and_each_seed_is_a_control_of_its_own():
+    """merge.control_seeds=3: control seed 0 is exactly the one-seed fit's (earlier runs keep their control), and seed s
+    is exactly the control a one-seed fit with control_seed + s builds (the same plans, its own permutations)."""
+    target, donor, ta, da, tp, dp = _neox_llama_probes()
+    s3 = TransportSettings.defaults(epsilon=0.05, top_k=20, control_seeds=3)
+    align = fus.align_layers(tp, dp, s3, progress=False)
+    three = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s3, progress=False)
+    assert three.n_controls == 3
+    for seed in range(3):
+        one = fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align,
+                       TransportSettings.defaults(epsilon=0.05, top_k=20, control_seed=seed), progress=False)
+        for name in one.transported:
+            assert torch.equal(three.transported[name], one.transported[name])
+            assert torch.equal(three.control_of(seed)[name], one.control[name]), (seed, name)
+        w = three.weights(0.5, control=True, seed=seed)
+        assert all(torch.equal(w[n], one.weights(0.5, control=True)[n]) for n in w)
+    name = next(iter(three.transported))
+    assert not torch.equal(three.control_of(1)[name], three.control_of(2)[name])
+    with pytest.raises(MergescopeError, match="merge.control_seeds must be a whole number >= 1"):
+        TransportSettings.defaults(control_seeds=0)

@@ -483,3 +483,18 @@ def test_pots_batched_solver_against_the_home_made_one():
     for q, p in zip(home, pot):
         assert tot.plan_checks(p, a, b, 1e-5)[0] and tot.plan_checks(q, a, b, 1e-5)[0]
         assert 0 < float((q - p).abs().max()) < 1e-5
+
+
+def test_released_control_seeds_keep_the_first_control(tiny_pair):
+    """The released fit with merge.control_seeds=3: seed 0's control is the one-seed fit's; seed s is the one-seed fit's
+    with control_seed + s (the same T every time)."""
+    target, donor, tl, dl, tp, dp = tiny_pair
+    three = rel.fit(target, donor.state_dict(), tp, dp, tl, dl,
+                    TransportSettings.defaults("transport_released", top_k=7, control_seeds=3), progress=False).fusion
+    for seed in (0, 2):
+        one = rel.fit(target, donor.state_dict(), tp, dp, tl, dl,
+                      TransportSettings.defaults("transport_released", top_k=7, control_seed=seed, control_seeds=1),
+                      progress=False).fusion
+        for name in one.transported:
+            assert torch.equal(three.transported[name], one.transported[name])
+            assert torch.equal(three.control_of(seed)[name], one.control[name]), (seed, name)

@@ -224,23 +224,34 @@ class Fusion:
     diagnostics: dict[str, float] = field(default_factory=dict)
     infos: list[tot.PlanInfo] = field(default_factory=list)
     by_column: set[str] = field(default_factory=set)  # masked by input column (the released code's o_proj)
+    extra_controls: list[dict[str, torch.Tensor]] = field(default_factory=list)  # T_rand of control seeds 2.. (merge.control_seeds)
+
+    @property
+    def n_controls(self) -> int:
+        """How many random-plan controls (seeds) were built: ``control`` and ``extra_controls``."""
+        return 1 + len(self.extra_controls)
+
+    def control_of(self, seed: int) -> dict[str, torch.Tensor]:
+        """T_rand of control seed ``seed`` (0 = ``control``, the one every earlier run has)."""
+        return self.control if seed == 0 else self.extra_controls[seed - 1]
 
     def _o(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """The tensor with its masked axis first (a view)."""
         return w.T if name in self.by_column else w
 
-    def fused_rows(self, name: str, alpha: float, control: bool = False, shrink: bool = False) -> torch.Tensor:
-        """The masked rows of the fused tensor, in the model's dtype: W + alpha (T - W). ``shrink``: the shrink-only
-        control, the same fusion with the transported term set to zero, W + alpha (0 - W)."""
+    def fused_rows(self, name: str, alpha: float, control: bool = False, shrink: bool = False, seed: int = 0) -> torch.Tensor:
+        """The masked rows of the fused tensor, in the model's dtype: W + alpha (T - W) (``control``: T_rand of control
+        seed ``seed``). ``shrink``: the shrink-only control, the same fusion with the transported term set to zero,
+        W + alpha (0 - W)."""
         w = self._o(name, self.original[name])[self.rows[name]].to(torch.float64)
-        t = torch.zeros_like(w) if shrink else (self.control if control else self.transported)[name].to(w.device)
+        t = torch.zeros_like(w) if shrink else (self.control_of(seed) if control else self.transported)[name].to(w.device)
         return (w + alpha * (t - w)).to(self.original[name].dtype)
 
-    def weights(self, alpha: float, control: bool = False, shrink: bool = False) -> dict[str, torch.Tensor]:
+    def weights(self, alpha: float, control: bool = False, shrink: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
         out = {}
         for name, w in self.original.items():
             new = w.clone()
-            self._o(name, new)[self.rows[name]] = self.fused_rows(name, alpha, control, shrink)
+            self._o(name, new)[self.rows[name]] = self.fused_rows(name, alpha, control, shrink, seed)
             out[name] = new
         return out
 
@@ -315,7 +326,7 @@ def _left(rows: torch.Tensor, wb: torch.Tensor, chunk_elems: int = 1 << 22) -> t
 class _PairPlan:
     """One (target layer, donor layer) plan at one interface, in the forms the weights need."""
     rows: torch.Tensor | None       # Phi_out = n_target Q at the target's masked rows (output side)
-    rows_rand: torch.Tensor | None  # the control's: the rows perm[rows] of Phi_out
+    rows_rand: list[torch.Tensor] | None  # each control seed's: the rows perm[rows] of Phi_out
     phi_in: torch.Tensor | None     # Phi_in = n_donor Q, all rows (input side)
 
 
@@ -331,10 +342,14 @@ class _Ctx:
     device: torch.device
     gen: torch.Generator
     diag: dict[str, list[float]] = field(default_factory=dict)
+    extra_gens: list[torch.Generator] = field(default_factory=list)  # control seeds 2..: control_seed + 1, + 2, ...
 
 
-def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tensor | None, perm: torch.Tensor,
+def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tensor | None, perms: list[torch.Tensor],
                as_input: bool) -> _PairPlan:
+    """The plan of one interface between target layer l and donor layer m, with each control seed's shuffled rows
+    (``perms``: one permutation per seed, the first the one every earlier run has)."""
+    perm = perms[0]
     C = _cost(c.tp, c.dp, iface, l, m).to(c.device)
     Q, info = tot.solve(C, c.s.epsilon, c.s.max_iter, c.s.marginal_tol, what=f"{iface} neuron plan (layer {l} <- {m})")
     f.infos.append(info)
@@ -347,9 +362,9 @@ def _pair_plan(c: _Ctx, f: Fusion, iface: str, l: int, m: int, rows: torch.Tenso
     scaled = c.s.plan_scale == "row_stochastic"
     out = out_r = phi_in = None
     if rows is not None:
-        out, out_r = Q[rows], Q[perm[rows]]
+        out, out_r = Q[rows], [Q[p[rows]] for p in perms]
         if scaled:
-            out, out_r = tot.row_stochastic(out), tot.row_stochastic(out_r)
+            out, out_r = tot.row_stochastic(out), [tot.row_stochastic(x) for x in out_r]
     if as_input:
         phi_in = tot.column_stochastic(Q) if scaled else Q
     return _PairPlan(out, out_r, phi_in)
@@ -397,6 +412,8 @@ def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_ada
     outs, ins = {o for _, _, o, _ in names}, {i for _, _, _, i in names if i is not None}
     rows = {o: _top_k_rows(c.tp.magnitude["mlp_post" if o == itf.HIDDEN else o][l], c.s.top_k) for o in outs}
     perms = {k: torch.randperm(_width(c.tp, k, l), generator=c.gen).to(c.device) for k in sorted(outs | ins)}
+    seeds = [perms, *({k: torch.randperm(_width(c.tp, k, l), generator=g).to(c.device) for k in sorted(outs | ins)}
+                      for g in c.extra_gens)]
     f.control_perms.update({(l, k): v for k, v in perms.items()})
     for full, _, o, _ in names:
         w = t_sd[full].detach()
@@ -405,23 +422,35 @@ def _fuse_layer(c: _Ctx, f: Fusion, l: int, t_sd: dict[str, torch.Tensor], t_ada
         f.masks[full][f.rows[full]] = True
         f.transported[full] = torch.zeros((len(rows[o]), *w.shape[1:]), dtype=torch.float64, device=c.device)
         f.control[full] = torch.zeros_like(f.transported[full])
+        for extra in f.extra_controls:
+            extra[full] = torch.zeros_like(f.transported[full])
     for m in donors:
         weight = float(c.align.kept[l, m])
-        plans = {k: _pair_plan(c, f, k, l, m, rows.get(k), perms[k], k in ins) for k in sorted(outs | ins)}
+        plans = {k: _pair_plan(c, f, k, l, m, rows.get(k), [p[k] for p in seeds], k in ins) for k in sorted(outs | ins)}
         for full, dn, o, i in names:
             po = plans[o]
             wd = c.donor_sd[f"{c.d_prefix}.{m}.{dn}"]
             ratio = scale_ratio(t_sd[full], wd) if c.s.scale_match == "rms" else 1.0
             if c.s.scale_match == "rms":
                 c.diag.setdefault("scale_match_ratio", []).append(ratio)
-            left = _left(torch.cat([po.rows, po.rows_rand]), wd.to(c.device))
-            ot_part, rand_part = left[: po.rows.shape[0]], left[po.rows.shape[0]:]
+            left = _left(torch.cat([po.rows, *po.rows_rand]), wd.to(c.device))
+            n_rows = po.rows.shape[0]
+            ot_part = left[:n_rows]
             if i is not None:
                 ot_part = ot_part @ plans[i].phi_in.T
-                rand_part = (rand_part @ plans[i].phi_in.T)[:, perms[i]]
             f.transported[full] += weight * ratio * ot_part
-            f.control[full] += weight * ratio * rand_part
+            for s, dest in enumerate([f.control, *f.extra_controls]):  # each control seed's T_rand
+                rand_part = left[n_rows * (s + 1): n_rows * (s + 2)]
+                if i is not None:
+                    rand_part = (rand_part @ plans[i].phi_in.T)[:, seeds[s][i]]
+                dest[full] += weight * ratio * rand_part
         plans = po = left = ot_part = rand_part = None  # only one layer pair's plans are ever alive
+
+
+def control_generators(settings: TransportSettings) -> list[torch.Generator]:
+    """The generators of control seeds 2 .. ``merge.control_seeds``: seeded ``control_seed + 1``, ``+ 2``, ... (the first
+    seed's draws, from ``control_seed``, are those of every earlier run)."""
+    return [torch.Generator().manual_seed(settings.control_seed + i) for i in range(1, settings.control_seeds)]
 
 
 def fuse(target, donor_sd: Mapping[str, torch.Tensor], tp: Probe, dp: Probe, t_adapter: itf.Adapter, d_adapter: itf.Adapter,
@@ -432,8 +461,9 @@ def fuse(target, donor_sd: Mapping[str, torch.Tensor], tp: Probe, dp: Probe, t_a
     ``plan_scale`` and ``control_seed`` (the control's permutations)."""
     c = _Ctx(tp, dp, settings, align, donor_sd, d_adapter.layers_attr,
              {role: name for name, role, _, _ in itf.transported_weights(d_adapter)},
-             next(target.parameters()).device, torch.Generator().manual_seed(settings.control_seed))
-    f = Fusion({}, {}, {}, {}, {}, {})
+             next(target.parameters()).device, torch.Generator().manual_seed(settings.control_seed),
+             extra_gens=control_generators(settings))
+    f = Fusion({}, {}, {}, {}, {}, {}, extra_controls=[{} for _ in range(settings.control_seeds - 1)])
     t_sd = target.state_dict()
     with bar() as pb:
         task = pb.add_task("fusion plans", total=tp.n_layers, visible=progress)

@@ -516,6 +516,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
                 values.update(compare("select_delta_target_lang", sc[("ot", "select")], base["select"], docs, what))
             agg, per_tensor[arm] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
+        values.update(_more_controls(d, f, a, sc))
         if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
             from mergescope.native.save import save_transport
 
@@ -524,9 +525,11 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
         host.set(f.fusion.original)
         for lang in ("target_lang", "donor_lang"):  # every difference with its paired interval, by article
             docs, what = f.docs[lang]
+            rand = [sc[(arm, l_)] for arm, l_ in sc if l_ == lang and arm.startswith("rand")]  # every control seed
+            arms = {"ot": sc[("ot", lang)], "base": sc[("base", lang)], "shrink": sc[("shrink", lang)], "rand": rand}
             for name, x, y in (("delta", "ot", "base"), ("rand_delta", "rand", "base"), ("ot_minus_rand", "ot", "rand"),
                                ("shrink_delta", "shrink", "base"), ("ot_minus_shrink", "ot", "shrink")):
-                values.update(compare(f"{name}_{lang}", sc[(x, lang)], sc[(y, lang)], docs, what))
+                values.update(compare(f"{name}_{lang}", arms[x], arms[y], docs, what))
             values[f"first_token_nll_{lang}"] = float(base[lang].first_nll.mean())
             values[f"eval_groups_{lang}"] = float(len(set(docs)) if docs is not None else len(sc[("base", lang)].nll))
         job.log_text(sentence_csv(sc, {k: v[0] for k, v in f.docs.items()}), "scores/sentences.csv")
@@ -547,6 +550,25 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
                   f"(random plan {v['rand_delta_target_lang']:+.4f}, shrink only {v.get('shrink_delta_target_lang', math.nan):+.4f}), "
                   f"donor lang {v['delta_donor_lang']:+.4f}")
     return r
+
+
+def _more_controls(d: _Direction, f: _Fitted, a: float, sc: dict[tuple[str, str], Scores]) -> dict[str, float]:
+    """The random-plan control's other seeds (``merge.control_seeds``: arms ``rand1``, ``rand2``, ... in ``sc``), and
+    the control's numbers as the mean over every seed (``rand_nll_*``) with the spread between seeds (``_sd``)."""
+    host, out = f.host, {}
+    for s in range(1, f.fusion.n_controls):
+        host.set(f.fusion.weights(a, control=True, seed=s))
+        for lang, sents in (("target_lang", d.eval_t), ("donor_lang", d.eval_d)):
+            sc[(f"rand{s}", lang)] = host.scores(sents, f"rand_fused seed {s + 1} a={a:g} {lang}")
+    for lang in ("target_lang", "donor_lang"):
+        seeds = [v for (arm, l_), v in sc.items() if l_ == lang and arm.startswith("rand")]
+        out[f"rand_nll_seed0_{lang}"] = seeds[0].nats_per_token  # the seed the adapted control is made from
+        for key, scope in (("rand_nll", "all"), ("rand_nll_rest", "rest")):
+            vals = np.array([x.scope(scope).nats_per_token for x in seeds])
+            out[f"{key}_{lang}"] = float(vals.mean())
+            out[f"{key}_sd_{lang}"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+    out["control_seeds"] = float(f.fusion.n_controls)
+    return out
 
 
 def _named(scores: Scores, prefix: str, lang: str) -> dict[str, float]:

@@ -470,13 +470,13 @@ def fit(target, donor_sd: Mapping[str, torch.Tensor], tp: fus.Probe, dp: fus.Pro
             pb.advance(task)
     weights = {x: _layer_weights(st, plans[(tl.modules[x].post, dl.modules[x].post)], plans[(tl.modules[x].pre, dl.modules[x].pre)])
                for x in roles}
-    f = fus.Fusion({}, {}, {}, {}, {}, {})
+    f = fus.Fusion({}, {}, {}, {}, {}, {}, extra_controls=[{} for _ in range(s.control_seeds - 1)])
     t_sd = target.state_dict()
-    gen = torch.Generator().manual_seed(s.control_seed)
+    gens = [torch.Generator().manual_seed(s.control_seed), *fus.control_generators(s)]
     with bar() as pb:
         task = pb.add_task("fusion plans", total=tp.n_layers, visible=progress)
         for l in range(tp.n_layers):
-            _fuse_layer(st, f, l, roles, weights, t_sd, donor_sd, gen)
+            _fuse_layer(st, f, l, roles, weights, t_sd, donor_sd, gens)
             pb.advance(task)
     f.infos = st.infos
     f.diagnostics = {k: float(np.mean(v)) for k, v in st.diag.items()}
@@ -489,12 +489,15 @@ def fit(target, donor_sd: Mapping[str, torch.Tensor], tp: fus.Probe, dp: fus.Pro
 
 
 def _fuse_layer(st: _State, f: fus.Fusion, l: int, roles: list[str], weights: dict[str, np.ndarray],
-                t_sd: Mapping[str, torch.Tensor], donor_sd: Mapping[str, torch.Tensor], gen: torch.Generator) -> None:
+                t_sd: Mapping[str, torch.Tensor], donor_sd: Mapping[str, torch.Tensor], gens: list[torch.Generator]) -> None:
+    """Target layer l: T, and each control seed's T_rand (one generator per seed; R, R1, R2, ... in the accumulators)."""
     s, r, tl, dl = st.s, st.s.released, st.tl, st.dl
     tprefix, dprefix = f"{tl.layers_attr}.{l}", dl.layers_attr
     tviews = sorted({v for x in roles for v in (tl.modules[x].pre, tl.modules[x].post)})
-    perms = {v: torch.randperm(view(st.tp, tl, v, l).shape[1], generator=gen).to(st.device) for v in tviews}
+    seeds = [{v: torch.randperm(view(st.tp, tl, v, l).shape[1], generator=g).to(st.device) for v in tviews} for g in gens]
+    perms = seeds[0]
     f.control_perms.update({(l, v): p for v, p in perms.items()})
+    rk = ["R", *(f"R{i}" for i in range(1, len(seeds)))]  # each seed's accumulator (its bias: "b" + the key)
     mask, acc = {}, {}
     for x in roles:
         mod = tl.modules[x]
@@ -506,10 +509,9 @@ def _fuse_layer(st: _State, f: fus.Fusion, l: int, roles: list[str], weights: di
         n_out, n_in = view(st.tp, tl, mod.post, l).shape[1], view(st.tp, tl, mod.pre, l).shape[1]
         k = len(mask[x])
         shape = (n_out, k) if mod.by_column else (k, n_in)
-        acc[x] = {"T": torch.zeros(shape, dtype=torch.float64, device=st.device), "R": torch.zeros(shape, dtype=torch.float64, device=st.device)}
+        acc[x] = {key: torch.zeros(shape, dtype=torch.float64, device=st.device) for key in ("T", *rk)}
         if mod.bias is not None and not mod.by_column:
-            acc[x]["bT"] = torch.zeros(k, dtype=torch.float64, device=st.device)
-            acc[x]["bR"] = torch.zeros(k, dtype=torch.float64, device=st.device)
+            acc[x].update({f"b{key}": torch.zeros(k, dtype=torch.float64, device=st.device) for key in ("T", *rk)})
     donors = sorted({int(m) for x in roles for m in np.nonzero(weights[x][l])[0]})
     for m in donors:
         top = {x: float(weights[x][l, m]) == float(weights[x][l].max()) for x in roles}
@@ -532,20 +534,23 @@ def _fuse_layer(st: _State, f: fus.Fusion, l: int, roles: list[str], weights: di
             if s.scale_match == "rms":
                 ratio = fus.scale_ratio(_rows(t_sd[f"{tprefix}.{tm.weight}"], tm.rows), wd)
                 st.diag.setdefault("scale_match_ratio", []).append(ratio)
-            po, pi, rows = perms[tm.post], perms[tm.pre], mask[x]
+            rows = mask[x]
             if tm.by_column:
                 mid = fus._left(out_phi, wd.to(st.device))              # Phi_out W_B (all target output rows)
                 acc[x]["T"] += w * ratio * (mid @ in_phi[rows].T)
-                acc[x]["R"] += w * ratio * (mid @ in_phi[pi[rows]].T)[po]
+                for key, p in zip(rk, seeds):
+                    acc[x][key] += w * ratio * (mid @ in_phi[p[tm.pre][rows]].T)[p[tm.post]]
             else:
-                left = fus._left(torch.cat([out_phi[rows], out_phi[po[rows]]]), wd.to(st.device))
+                left = fus._left(torch.cat([out_phi[rows], *(out_phi[p[tm.post][rows]] for p in seeds)]), wd.to(st.device))
                 k = len(rows)
                 acc[x]["T"] += w * ratio * (left[:k] @ in_phi.T)
-                acc[x]["R"] += w * ratio * (left[k:] @ in_phi.T)[:, pi]
+                for i, (key, p) in enumerate(zip(rk, seeds), 1):
+                    acc[x][key] += w * ratio * (left[k * i:k * (i + 1)] @ in_phi.T)[:, p[tm.pre]]
                 if "bT" in acc[x] and dm.bias is not None:
                     bd = _rows(donor_sd[f"{dprefix}.{m}.{dm.bias}"], dm.rows).to(st.device, torch.float64)
                     acc[x]["bT"] += w * ratio * (out_phi[rows] @ bd)
-                    acc[x]["bR"] += w * ratio * (out_phi[po[rows]] @ bd)
+                    for key, p in zip(rk, seeds):
+                        acc[x][f"b{key}"] += w * ratio * (out_phi[p[tm.post][rows]] @ bd)
         cache.clear()
     _store(f, l, roles, mask, acc, t_sd, tl, tprefix)
 
@@ -556,18 +561,19 @@ def _rows(w: torch.Tensor, rows: tuple[int, ...] | None) -> torch.Tensor:
 
 def _store(f: fus.Fusion, l: int, roles, mask, acc, t_sd, tl: Layout, tprefix: str) -> None:
     """Into the Fusion, per parameter: its masked rows (parameter rows; NeoX's q/k/v blocks share one parameter) or
-    columns, with T and T_rand there, sorted."""
+    columns, with T and every control seed's T_rand there, sorted."""
+    rk = ["R", *(f"R{i}" for i in range(1, f.n_controls))]
     parts: dict[str, list] = {}
     for x in roles:
         mod = tl.modules[x]
         name = f"{tprefix}.{mod.weight}"
         if mod.by_column:
-            parts.setdefault(name, []).append((mask[x], acc[x]["T"].T, acc[x]["R"].T, True))
+            parts.setdefault(name, []).append((mask[x], acc[x]["T"].T, [acc[x][key].T for key in rk], True))
             continue
         prow = mask[x] if mod.rows is None else torch.as_tensor(mod.rows, device=mask[x].device)[mask[x]]
-        parts.setdefault(name, []).append((prow, acc[x]["T"], acc[x]["R"], False))
+        parts.setdefault(name, []).append((prow, acc[x]["T"], [acc[x][key] for key in rk], False))
         if "bT" in acc[x]:
-            parts.setdefault(f"{tprefix}.{mod.bias}", []).append((prow, acc[x]["bT"], acc[x]["bR"], False))
+            parts.setdefault(f"{tprefix}.{mod.bias}", []).append((prow, acc[x]["bT"], [acc[x][f"b{key}"] for key in rk], False))
     for name, ps in parts.items():
         w = t_sd[name].detach()
         idx = torch.cat([p[0] for p in ps])
@@ -575,7 +581,8 @@ def _store(f: fus.Fusion, l: int, roles, mask, acc, t_sd, tl: Layout, tprefix: s
         f.original[name] = w.clone()
         f.rows[name] = idx[order].to(w.device)
         f.transported[name] = torch.cat([p[1] for p in ps])[order.to(ps[0][1].device)]
-        f.control[name] = torch.cat([p[2] for p in ps])[order.to(ps[0][2].device)]
+        for s, dest in enumerate([f.control, *f.extra_controls]):
+            dest[name] = torch.cat([p[2][s] for p in ps])[order.to(ps[0][2][s].device)]
         if ps[0][3]:
             f.by_column.add(name)
         n = w.shape[1] if ps[0][3] else w.shape[0]

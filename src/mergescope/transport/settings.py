@@ -156,6 +156,13 @@ class ReleasedSettings:
         return cls(follow=follow, layer_max_iter=int(it), layer_tol=float(tol), **vals)
 
 
+def _control_seeds(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise MergescopeError(f"merge.control_seeds must be a whole number >= 1 (random-plan controls, each its own seed; the "
+                              f"report's intervals include their spread; 5 is the default), got {v!r}")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class TransportSettings:
     """``merge=transport``, validated. Build it with :meth:`from_cfg` (a job), :meth:`from_node` or :meth:`defaults`."""
@@ -180,6 +187,7 @@ class TransportSettings:
     name: str = "transport"      # transport (the seed's method) | transport_released
     released: ReleasedSettings | None = None  # merge=transport_released's own switches
     select_sentences: int = 0    # the alpha-selection split's sentences (0 = none): probe-split lines after the probes
+    control_seeds: int = 1       # random-plan controls, seeds control_seed, +1, ...: every interval includes their spread
 
     def variant(self) -> str:
         """The setting in words, for the ablation table: the preset (``seed``, ``released:code``, ``released:paper``)
@@ -246,7 +254,7 @@ class TransportSettings:
             epsilon=float(m.epsilon), layer_epsilon=float(m.layer_epsilon), max_iter=int(m.max_iter),
             marginal_tol=float(m.marginal_tol), layer_subsample=int(m.layer_subsample), layer_topk=int(m.layer_topk),
             top_k=int(m.top_k), plan_scale=str(m.plan_scale), alphas=tuple(float(a) for a in alphas),
-            headline_alpha=headline, control_seed=int(m.control_seed),
+            headline_alpha=headline, control_seed=int(m.control_seed), control_seeds=_control_seeds(m.get("control_seeds", 1)),
             adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
             scale_match=scale_match, name=name, released=ReleasedSettings.from_node(m) if name == "transport_released" else None,
             select_sentences=int(select),
