@@ -290,7 +290,8 @@ def _w_transport(c: Counter, cfg: DictConfig, w: Work) -> None:
     transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
     _, tok = c.tokens(cfg.data, t_entry.lang, None)
     alphas = len(m.get("alphas") or [])
-    w.add_forward(st, tok, logits=True, passes=1 + 2 * alphas)  # baseline, OT and control at every alpha
+    seeds = int(m.get("control_seeds") or 1)
+    w.add_forward(st, tok, logits=True, passes=1 + alphas * (2 + seeds))  # baseline; OT, shrink-only and each control seed
     ad = m.get("adapt") or {}
     if ad.get("enabled"):
         w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)
