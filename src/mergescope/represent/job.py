@@ -198,11 +198,13 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         job.log_params({"model.true": lm.true_config})
         res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
                         max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
-        return finite_or_fail({"nll": res["nll"], "bits_per_byte": res["bits_per_byte"], "n_tokens": float(res["n_tokens"]),
+        keys = ("nll", "bits_per_byte", "nll_rest", "bits_per_byte_rest", "first_token_nll")
+        return finite_or_fail({**{k: res[k] for k in keys}, "n_tokens": float(res["n_tokens"]),
                                "n_truncated": float(res["n_truncated"])},
                               f"quality of {ref.label}")
 
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
             "split": cfg.data.split, "seed": cfg.seed}
     return run_once(cfg, JobSpec(f"quality {model_label(entry)}", tags, task="quality", keys=QUALITY_KEYS, reads=(ref,),
+                                 extra={"evidence": 1},  # 1: the first token apart (nll_rest, first_token_nll)
                                  prepare=lambda: loaded.append(models.load(entry, cfg.device, ref=ref))), body, overrides)

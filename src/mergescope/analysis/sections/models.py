@@ -133,11 +133,16 @@ def per_model_quality(an: Analysis, number: str) -> Section:
     for m in an.models:
         q, t = an.quality.get(m), an.train.get(m)
         rows.append([m, q.tags.get("lang", "") if q else "", f3(q.m("nll")) if q else "—", short(q.run_id) if q else "",
-                     f3(t.m("heldout_nll")) if t else "—", f3(t.m("unigram_nll")) if t else "—", short(t.run_id) if t else ""])
+                     f3(t.m("heldout_nll")) if t else "—", f3(t.m("unigram_nll")) if t else "—", short(t.run_id) if t else "",
+                     f3(q.m("nll_rest")) if q else "—", f3(q.m("first_token_nll"), 2) if q else "—"])
         if q is None:
             sec.missing.append(f"{m}: FLORES NLL not measured (no kind=quality run)")
     sec.tables.append(RTable("Per-model quality (nats/token)", ["model", "lang", "FLORES nll", "run", "held-out nll (train text)",
-                                                                "unigram nll", "train run"], rows,
-                             note="Held-out and unigram NLL exist only for zoo models trained here (kind=train)."))
+                                                                "unigram nll", "train run", "nll without the first token",
+                                                                "first token (nats)"], rows,
+                             note="FLORES nll: every token of each sentence, the first one predicted from the start token alone; "
+                                  "without the first token: the rest (what comparisons are read on by default); first token: "
+                                  "its mean cost per sentence. Held-out and unigram NLL exist only for zoo models trained here "
+                                  "(kind=train)."))
     an.console_tables.append(sec.tables[0])
     return sec
