@@ -65,7 +65,10 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
     sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "chosen merge", "chosen_merged_nll",
                                                      "merge_gain [95% CI]", "verdict", "run"], per,
                              note="chosen merge: the merge with the lowest NLL on native.select_split; its NLL and gain "
-                                  "on data.split."))
+                                  "on data.split. merge_gain (a diagnostic column, as the correlation tables read it): over every "
+                                  f"token; merge_gain [95% CI] and its verdict: {claims.SCOPE_NOTE[claims.SCOPE['value']]}, the "
+                                  "paired interval over the sentences' FLORES articles (higher = the merge beats the better "
+                                  "endpoint)."))
     sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
     an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     an.metrics["checkpoint_pairs"] = float(len(ck))

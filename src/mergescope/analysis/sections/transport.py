@@ -63,9 +63,12 @@ ABLATION_COLS = ("delta_target_lang", "delta_donor_lang", "ot_minus_rand_target_
 def _nll_key(name: str) -> str:
     """A pooled NLL metric in the analysis's scope: ``nll_target_lang`` -> ``nll_rest_target_lang`` (a name without
     ``nll_`` is returned as it is)."""
-    if claims.SCOPE["value"] == "all" or "nll_" not in name:
+    if claims.SCOPE["value"] == "all":
         return name
-    return name.replace("nll_", "nll_rest_", 1)
+    for head in ("nll_", "select_nll_", "rand_nll_", "shrink_nll_", "base_nll_"):
+        if name.startswith(head):
+            return head + "rest_" + name[len(head):]
+    return name
 
 
 def main_variant(head: list[Rec]) -> str:
