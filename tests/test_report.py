@@ -582,7 +582,6 @@ def test_every_finding_is_true_of_its_table(built):
     h = fusion[0]
     at = [r for r in fusion[1:] if float(r[h.index("alpha")]) == float(m[1])]
     deltas = [_num(r[h.index("delta_target_lang")]) for r in at]
-    ctl = [_num(r[h.index("ot_minus_rand_target_lang")]) for r in at]
     below = lambda cell: float(cell.split(", ")[1].rstrip("]")) < 0  # noqa: E731  the interval's upper end
     assert int(m[3]) == len(at) == int(m[6]) and int(m[2]) == sum(below(r[h.index("delta_target_lang")]) for r in at)
     assert int(m[5]) == sum(below(r[h.index("ot_minus_rand_target_lang")]) for r in at)

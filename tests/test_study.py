@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHARED / "mono_tatoeba")
 MICRO = ["train.steps=40", "train.max_lines=4000", "train.batch_size=8", "train.eval_batches=4", "data.max_sentences=160",
          "checkpoints.revisions=[step4,step16,step40]", "~checkpoints.per_model", "shared.rsa_sentences=100", "native.nll_sentences=40", "native.lmc_points=5",
          "merge=transport", "merge.probe_sentences=48", "merge.alphas=[0.1]", "merge.epsilon=0.05", "merge.layer_topk=1",
-         "merge.adapt.steps=2", "merge.adapt.batch_size=4", "adaptation.nll_sentences=40", "adaptation.diag_sentences=8"]
+         "merge.adapt.steps=2", "merge.adapt.batch_size=4", "adaptation.nll_sentences=40", "adaptation.diag_sentences=8",
+         "merge.control_seeds=2", "control.calibration_permutations=20"]  # the study's wiring; the numbers: their own tests
 
 
 def test_default_study_on_micro_zoo(tmp_path: Path):
