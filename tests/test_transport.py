@@ -607,7 +607,7 @@ def transport_job(models, target="a", extra=()):
     return ["task=transport", "merge=transport", "pair=custom", f"pair.a.name_or_path={models['neox_en']}", "pair.a.lang=eng_Latn",
             f"pair.b.name_or_path={models['llama_pt']}", "pair.b.lang=por_Latn", f"merge.target={target}",
             "merge.probe_sentences=40", "merge.alphas=[0.1,0.5]", "merge.adapt.steps=3", "merge.adapt.batch_size=4",
-            "native.nll_sentences=20", "merge.epsilon=0.05", "merge.layer_topk=2", *extra]
+            "native.nll_sentences=20", "merge.epsilon=0.05", "merge.layer_topk=2", "merge.control_seeds=2", *extra]
 
 
 def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tiny_models, compose_cfg):
@@ -615,7 +615,7 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
 
     from mergescope.transport.job import run_transport
 
-    cfg, ov = compose_cfg(transport_job(tiny_models, target="b"))
+    cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=("merge.control_seeds=5",)))
     run_transport(cfg, ov)
     rs = runs(cfg.paths.root)
     assert {x.info.status for x in rs} == {"FINISHED"}
@@ -670,7 +670,7 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     from mergescope.runs import recording
 
     with recording() as ledger:
-        again = run_transport(*compose_cfg(transport_job(tiny_models, target="b")))
+        again = run_transport(*compose_cfg(transport_job(tiny_models, target="b", extra=("merge.control_seeds=5",))))
     assert again.skipped and len(runs(cfg.paths.root)) == len(rs)
     assert sorted(x.run_id for x in ledger) == sorted(x.info.run_id for x in rs)
 
