@@ -101,45 +101,41 @@ def _check_length(max_length: int) -> int:
 
 
 def prepare(tokenizer, sentences: Sequence[str], max_length: int = 512) -> Prepared:
-    """:class:`Prepared` of ``sentences``: [start] + the sentence's tokens (no other special tokens), cut at ``max_length``."""
+    """:class:`Prepared` of ``sentences``: [start] + the sentence's tokens (no other special tokens), cut at ``max_length``.
+    A fast tokenizer is called once, with offsets (what the bytes of a cut sentence and of each first token are read
+    from); a slow one decodes the first token alone and refuses to cut."""
     keep = _check_length(max_length) - 1
     sentences = list(sentences)
-    enc = tokenizer(sentences, add_special_tokens=False)["input_ids"]
+    fast = bool(getattr(tokenizer, "is_fast", False))
+    got = tokenizer(sentences, add_special_tokens=False, return_offsets_mapping=fast)
+    enc, offsets = got["input_ids"], got["offset_mapping"] if fast else None
     if any(len(e) == 0 for e in enc):
         raise MergescopeError("a sentence tokenised to zero tokens; remove empty lines from the data")
     s = start_id(tokenizer)
     cut = [i for i, e in enumerate(enc) if len(e) > keep]
     nbytes = utf8_bytes(sentences)
-    first = first_token_bytes(tokenizer, sentences, enc, nbytes)
-    if cut:
-        if not getattr(tokenizer, "is_fast", False):
-            raise MergescopeError(f"{len(cut)} sentences are longer than represent.max_length={max_length} tokens and this "
-                                  "tokenizer gives no offsets to count the bytes that were scored: raise represent.max_length")
-        offsets = tokenizer([sentences[i] for i in cut], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        for i, off in zip(cut, offsets):
-            if len(off) != len(enc[i]):
-                raise MergescopeError(f"the tokenizer's offsets ({len(off)}) do not match its tokens ({len(enc[i])}) for sentence "
-                                      f"{i}: raise represent.max_length above {len(enc[i])} so that nothing is cut")
-            nbytes[i] = len(sentences[i][: int(off[keep - 1][1])].encode("utf-8"))
+    first = first_token_bytes(tokenizer, sentences, enc, offsets)
+    if cut and not fast:
+        raise MergescopeError(f"{len(cut)} sentences are longer than represent.max_length={max_length} tokens and this "
+                              "tokenizer gives no offsets to count the bytes that were scored: raise represent.max_length")
+    for i in cut:
+        off = offsets[i]
+        if len(off) != len(enc[i]):
+            raise MergescopeError(f"the tokenizer's offsets ({len(off)}) do not match its tokens ({len(enc[i])}) for sentence "
+                                  f"{i}: raise represent.max_length above {len(enc[i])} so that nothing is cut")
+        nbytes[i] = len(sentences[i][: int(off[keep - 1][1])].encode("utf-8"))
     truncated = np.zeros(len(enc), dtype=bool)
     truncated[cut] = True
     return Prepared([[s, *e[:keep]] for e in enc], truncated, nbytes, np.minimum(first, nbytes))
 
 
-def first_token_bytes(tokenizer, sentences: Sequence[str], enc: list[list[int]], nbytes: np.ndarray) -> np.ndarray:
-    """(n,) the UTF-8 bytes of each sentence's text that its first token covers: from the fast tokenizer's offsets
-    (the characters up to the first token's end), else the byte length of the first token decoded alone; never more
-    than the sentence's bytes."""
-    out = np.zeros(len(enc), dtype=np.float64)
-    if getattr(tokenizer, "is_fast", False):
-        offs = tokenizer(list(sentences), add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        for i, (sent, off) in enumerate(zip(sentences, offs)):
-            if off:
-                out[i] = len(sent[: int(off[0][1])].encode("utf-8"))
-    else:
-        for i, e in enumerate(enc):
-            out[i] = len(tokenizer.decode(e[:1]).encode("utf-8"))
-    return np.minimum(out, nbytes)
+def first_token_bytes(tokenizer, sentences: Sequence[str], enc: list[list[int]], offsets=None) -> np.ndarray:
+    """(n,) the UTF-8 bytes of each sentence's text that its first token covers: from the fast tokenizer's ``offsets``
+    (the characters up to the first token's end), else the byte length of the first token decoded alone."""
+    if offsets is not None:
+        return np.array([len(sent[: int(off[0][1])].encode("utf-8")) if off else 0.0 for sent, off in zip(sentences, offsets)],
+                        dtype=np.float64)
+    return np.array([len(tokenizer.decode(e[:1]).encode("utf-8")) for e in enc], dtype=np.float64)
 
 
 def sentence_ids(tokenizer, sentences: Sequence[str], max_length: int = 512) -> list[list[int]]:
@@ -280,7 +276,7 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
 @dataclass(frozen=True)
 class Scores:
     """Per sentence: summed NLL (nats, float64), tokens predicted, UTF-8 bytes scored, whether it was cut, and the first
-    token's own NLL and bytes (NaN where the scorer did not keep them)."""
+    token's own NLL and bytes (None where the scorer did not keep them)."""
 
     nll: np.ndarray
     tokens: np.ndarray

@@ -20,15 +20,25 @@ import numpy as np
 from mergescope.bpb import Scores
 from mergescope.intervals import Paired, paired_difference
 
-__all__ = ["SCOPES", "compare", "compare_strata", "documents_for", "gain_over_best", "read_all_scores", "strata_mean", "paired", "read_scores", "scores_from_csv", "sentence_csv"]
+__all__ = ["SCOPES", "compare", "compare_strata", "gain_over_best", "paired", "read_all_scores", "read_scores",
+           "scores_from_csv", "sentence_csv", "strata_mean"]
 
 SCOPES = ("all", "rest")
 """``all``: every predicted token; ``rest``: the first token (predicted from the start token alone) apart."""
 
 
+def _parts(x: Scores | Sequence[Scores]) -> list[Scores]:
+    """An arm's scores as a list (one, or one per control seed)."""
+    return [x] if isinstance(x, Scores) else list(x)
+
+
+def _scopes(*arms) -> tuple[str, ...]:
+    """The scopes every arm's scores support: ``rest`` only where each kept its first token apart."""
+    return SCOPES if all(s.has_first for a in arms for s in _parts(a)) else ("all",)
+
+
 def _stack(x: Scores | Sequence[Scores], scope: str, field: str) -> np.ndarray:
-    parts = [x] if isinstance(x, Scores) else list(x)
-    return np.stack([getattr(p.scope(scope), field) for p in parts])
+    return np.stack([getattr(p.scope(scope), field) for p in _parts(x)])
 
 
 def paired(a: Scores | Sequence[Scores], b: Scores | Sequence[Scores], groups: Sequence[str] | None, what: str,
@@ -45,9 +55,7 @@ def compare(name: str, a: Scores | Sequence[Scores], b: Scores | Sequence[Scores
             what: str, seed: int = 0) -> dict[str, float]:
     """The metrics of ``a - b`` in nats per token in both scopes (module doc)."""
     out: dict[str, float] = {}
-    for scope in SCOPES:
-        if scope == "rest" and not all(s.has_first for s in ([a] if isinstance(a, Scores) else a) + ([b] if isinstance(b, Scores) else b)):
-            continue
+    for scope in _scopes(a, b):
         out.update(paired(a, b, groups, what, scope, seed=seed).metrics(name if scope == "all" else f"{name}_rest"))
     return out
 
@@ -58,21 +66,12 @@ def gain_over_best(name: str, refs: Sequence[Scores], cand: Scores | Sequence[Sc
     on the first token) minus ``cand``: positive = the candidate (a merge) beats the better reference, with the paired
     interval in both scopes; ``<name>_ref`` (and ``_rest_ref``) is the index of the reference it was measured against."""
     out: dict[str, float] = {}
-    for scope in SCOPES:
-        if scope == "rest" and not all(s.has_first for s in [*refs, *([cand] if isinstance(cand, Scores) else cand)]):
-            continue
+    for scope in _scopes(*refs, cand):
         i = min(range(len(refs)), key=lambda j: refs[j].scope(scope).nats_per_token)
         key = name if scope == "all" else f"{name}_rest"
         out.update(paired(refs[i], cand, groups, what, scope, seed=seed).metrics(key))
         out[f"{key}_ref"] = float(i)
     return out
-
-
-def documents_for(data_cfg: Any, lang: str, n: int, start: int = 0) -> tuple[list[str] | None, str]:
-    """The documents of ``n`` evaluation sentences (:func:`mergescope.documents.documents`)."""
-    from mergescope.documents import documents
-
-    return documents(data_cfg, lang, n, start)
 
 
 def sentence_csv(arms: Mapping[tuple[str, str], Scores], groups: Mapping[str, Sequence[str] | None]) -> str:
@@ -92,7 +91,10 @@ def sentence_csv(arms: Mapping[tuple[str, str], Scores], groups: Mapping[str, Se
 
 def scores_from_csv(text: str, arm: str, lang: str) -> Scores | None:
     """One (arm, language)'s :class:`Scores` back from :func:`sentence_csv`'s text (None when it has none)."""
-    rows = [r for r in csv.DictReader(io.StringIO(text)) if r["arm"] == arm and r["lang"] == lang]
+    return _scores_of([r for r in csv.DictReader(io.StringIO(text)) if r["arm"] == arm and r["lang"] == lang])
+
+
+def _scores_of(rows: list[dict]) -> Scores | None:
     if not rows:
         return None
     rows.sort(key=lambda r: int(r["sentence"]))
@@ -125,14 +127,15 @@ def read_all_scores(cfg: Any, run_id: str) -> tuple[dict[tuple[str, str], Scores
     text = _artifact(cfg, run_id)
     if text is None:
         return None
-    rows = list(csv.DictReader(io.StringIO(text)))
-    keys = list(dict.fromkeys((r["arm"], r["lang"]) for r in rows))
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in csv.DictReader(io.StringIO(text)):
+        by.setdefault((r["arm"], r["lang"]), []).append(r)
     docs: dict[str, list[str] | None] = {}
-    for arm, lang in keys:
+    for (_, lang), rows in by.items():
         if lang not in docs:
-            d = [r["document"] for r in rows if r["arm"] == arm and r["lang"] == lang]
+            d = [r["document"] for r in sorted(rows, key=lambda r: int(r["sentence"]))]
             docs[lang] = d if all(d) else None
-    return {k: scores_from_csv(text, *k) for k in keys}, docs
+    return {k: _scores_of(rows) for k, rows in by.items()}, docs
 
 
 def strata_mean(scores: Mapping[str, Scores], scope: str) -> float:
@@ -141,9 +144,10 @@ def strata_mean(scores: Mapping[str, Scores], scope: str) -> float:
 
 
 def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores], docs: Mapping[str, Sequence[str] | None],
-                   what: str, seed: int = 0) -> dict[str, float]:
-    """``a - b`` where each arm is a mean over strata (languages: the same keys in both) of its nats per token, in both
-    scopes, resampled by document with a document drawn in every language at once (parallel text)."""
+                   what: str, seed: int = 0, scopes: Sequence[str] = SCOPES) -> dict[str, float]:
+    """``a - b`` where each arm is a mean over strata (languages: the same keys in both) of its nats per token, in
+    ``scopes`` (both by default), resampled by document with a document drawn in every language at once (parallel
+    text)."""
     keys = list(a)
     if any(docs.get(k) is None for k in keys):
         groups, what = None, "sentence"
@@ -151,9 +155,7 @@ def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores], 
         groups = [f"{d}" for k in keys for d in docs[k]]
     strata = [k for k in keys for _ in range(len(a[k].nll))]
     out: dict[str, float] = {}
-    for scope in SCOPES:
-        if scope == "rest" and not all(x.has_first for x in [*a.values(), *b.values()]):
-            continue
+    for scope in (x for x in _scopes(*a.values(), *b.values()) if x in scopes):
         cat = lambda arm, f: np.concatenate([getattr(arm[k].scope(scope), f) for k in keys])  # noqa: E731
         d = paired_difference(cat(a, "nll"), cat(b, "nll"), cat(a, "tokens"), cat(b, "tokens"), groups=groups,
                               resampled=what, seed=seed, strata=strata)

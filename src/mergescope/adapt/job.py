@@ -207,7 +207,7 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
         for (name, r), res in compares.items():
             if r == best:
                 out[f"test_nll_{name}"] = res.metrics["test_nll"]
-        out.update(test_intervals(cfg, points, controls, compares, best))
+        out.update(summary_intervals(cfg, points, controls, compares, best))
         return {**out, **overlap.metrics(), **size_values(setup, sources)}
 
     children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
@@ -218,7 +218,7 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
                                  extra={"children": sorted(r.cfg_hash for r in children)}), body, overrides)
 
 
-def test_intervals(cfg, points, controls, compares, best: float) -> dict[str, float]:
+def summary_intervals(cfg, points, controls, compares, best: float) -> dict[str, float]:
     """The summary's comparisons on the test split with their paired intervals (both scopes; a mean over languages
     with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
     (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
@@ -239,10 +239,9 @@ def test_intervals(cfg, points, controls, compares, best: float) -> dict[str, fl
         return {}
     what = "article" if all(d is not None for d in docs.values()) else "sentence"
     out = compare_strata("gain_vs_small", lo, b, docs, what)
-    for scope in ("all", "rest"):
+    for scope in ("all", "rest"):  # the better end chosen in each scope on its own
         better = min((lo, hi), key=lambda e: strata_mean(e, scope))
-        part = compare_strata("gain_vs_better_end", better, b, docs, what)
-        out.update({k: v for k, v in part.items() if (k.startswith("gain_vs_better_end_rest")) == (scope == "rest")})
+        out.update(compare_strata("gain_vs_better_end", better, b, docs, what, scopes=(scope,)))
     for (name, r), res in [*controls.items(), *compares.items()]:
         other, _ = test_of(res) if r == best else (None, None)
         if other is not None:

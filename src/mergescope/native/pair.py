@@ -18,6 +18,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import Scores, score_sentences
 from mergescope.config import plain_copy
+from mergescope.documents import documents
 from mergescope.errors import MergescopeError
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stream import streamed_state
@@ -237,9 +238,7 @@ def host_nll(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> float:
 
 def nll_documents(cfg: DictConfig) -> tuple[list[str] | None, str]:
     """The documents (FLORES articles) of :func:`nll_sentences`, what a merge's paired interval resamples."""
-    from mergescope.evidence import documents_for
-
-    return documents_for(cfg.data, str(cfg.pair.a.lang), len(nll_sentences(cfg)))
+    return documents(cfg.data, str(cfg.pair.a.lang), len(nll_sentences(cfg)))
 
 
 def lmc_grid(n: int) -> np.ndarray:

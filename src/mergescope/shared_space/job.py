@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import LN2, Scores, score_sentences
-from mergescope.evidence import documents_for
+from mergescope.documents import documents
 from mergescope.intervals import paired_difference, verdict
 from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
@@ -300,7 +300,7 @@ def gpa_vs_pairwise(cfg: DictConfig, entries, res) -> dict[str, float]:
     if not res.hits:
         return {}
     n = len(next(iter(res.hits.values())))
-    docs, what = documents_for(cfg.data, str(entries[0].lang), n)
+    docs, what = documents(cfg.data, str(entries[0].lang), n)
     out: dict[str, float] = {}
     for key in res.hits:
         if not key.startswith("gpa@"):
@@ -377,7 +377,7 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
         main = s.pooling
         Xs = [r[main][-1] for r in final_layers(cfg, s, entries, refs, sides)]
         doms = domains(cfg.data, str(entries[0].lang), bpb.shape[0])
-        docs, what = documents_for(cfg.data, str(entries[0].lang), bpb.shape[0])
+        docs, what = documents(cfg.data, str(entries[0].lang), bpb.shape[0])
         picks = route(bits, nbytes, Xs, doms, s.dim, s.folds, s.knn, s.seed)
         out = {**summarise(bits, nbytes, picks), **gain_intervals(bits, nbytes, picks, docs, what)}
         # the same without each sentence's first token (which model is "always best" can depend on it)

@@ -35,7 +35,8 @@ from mergescope import models
 from mergescope.bpb import Scores, score_sentences
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
-from mergescope.evidence import compare, documents_for, read_scores, sentence_csv
+from mergescope.documents import documents
+from mergescope.evidence import compare, read_scores, sentence_csv
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent.cache import cache_enabled
@@ -411,10 +412,10 @@ def eval_documents(d: _Direction) -> dict[str, tuple[list[str] | None, str]]:
     """The documents (FLORES articles) of the evaluation sentences of both languages, what a paired interval resamples;
     the selection split's are those of the probe split's lines after the probes."""
     n = len(d.eval_t)
-    out = {"target_lang": documents_for(d.cfg.data, str(d.target.lang), n),
-           "donor_lang": documents_for(d.cfg.data, str(d.donor.lang), n)}
+    out = {"target_lang": documents(d.cfg.data, str(d.target.lang), n),
+           "donor_lang": documents(d.cfg.data, str(d.donor.lang), n)}
     if d.texts.select_t:
-        out["select"] = documents_for(probe_data(d.cfg, d.s), str(d.target.lang), len(d.texts.select_t),
+        out["select"] = documents(probe_data(d.cfg, d.s), str(d.target.lang), len(d.texts.select_t),
                                       d.texts.select_start)
     return out
 
@@ -497,7 +498,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
     host = f.host
 
     def body(job: Job) -> dict[str, float]:
-        base = f.base_scores or {}
+        base = f.base_scores
         values = {"alpha": a, **_named(base["target_lang"], "base_", "target_lang"), **_named(base["donor_lang"], "base_", "donor_lang")}
         per_tensor = {}
         sc: dict[tuple[str, str], Scores] = {("base", k): v for k, v in base.items()}
@@ -525,8 +526,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
         host.set(f.fusion.original)
         for lang in ("target_lang", "donor_lang"):  # every difference with its paired interval, by article
             docs, what = f.docs[lang]
-            rand = [sc[(arm, l_)] for arm, l_ in sc if l_ == lang and arm.startswith("rand")]  # every control seed
-            arms = {"ot": sc[("ot", lang)], "base": sc[("base", lang)], "shrink": sc[("shrink", lang)], "rand": rand}
+            arms = {"ot": sc[("ot", lang)], "base": sc[("base", lang)], "shrink": sc[("shrink", lang)], "rand": _rand_arms(sc, lang)}
             for name, x, y in (("delta", "ot", "base"), ("rand_delta", "rand", "base"), ("ot_minus_rand", "ot", "rand"),
                                ("shrink_delta", "shrink", "base"), ("ot_minus_shrink", "ot", "shrink")):
                 values.update(compare(f"{name}_{lang}", arms[x], arms[y], docs, what))
@@ -561,7 +561,7 @@ def _more_controls(d: _Direction, f: _Fitted, a: float, sc: dict[tuple[str, str]
         for lang, sents in (("target_lang", d.eval_t), ("donor_lang", d.eval_d)):
             sc[(f"rand{s}", lang)] = host.scores(sents, f"rand_fused seed {s + 1} a={a:g} {lang}")
     for lang in ("target_lang", "donor_lang"):
-        seeds = [v for (arm, l_), v in sc.items() if l_ == lang and arm.startswith("rand")]
+        seeds = _rand_arms(sc, lang)
         out[f"rand_nll_seed0_{lang}"] = seeds[0].nats_per_token  # the seed the adapted control is made from
         for key, scope in (("rand_nll", "all"), ("rand_nll_rest", "rest")):
             vals = np.array([x.scope(scope).nats_per_token for x in seeds])
@@ -569,6 +569,11 @@ def _more_controls(d: _Direction, f: _Fitted, a: float, sc: dict[tuple[str, str]
             out[f"{key}_sd_{lang}"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
     out["control_seeds"] = float(f.fusion.n_controls)
     return out
+
+
+def _rand_arms(sc: dict[tuple[str, str], Scores], lang: str) -> list[Scores]:
+    """Every random-plan control seed's scores on ``lang`` (arms ``rand``, ``rand1``, ...), seed 0 first."""
+    return [v for (arm, l_), v in sc.items() if l_ == lang and arm.startswith("rand")]
 
 
 def _named(scores: Scores, prefix: str, lang: str) -> dict[str, float]:
