@@ -62,6 +62,8 @@ def test_the_formula_on_a_hand_case():
     c = calibrated_score(0.9, [0.1, 0.2, 0.3, 0.6], alpha=0.2, smax=1.0)
     assert c.tau == 0.6 and c.calibrated == pytest.approx(0.3 / 0.4) and c.p == pytest.approx(1 / 5)
     assert calibrated_score(0.9, [0.1, 0.2, 0.3, 0.6], alpha=0.2, smax=None).calibrated == pytest.approx(0.3)
+    # a null value equal to the observed one counts against it (>=, as the package counts)
+    assert calibrated_score(0.5, [0.1, 0.2, 0.5, 0.6], alpha=0.2).p == pytest.approx(3 / 5)
 
 
 def test_vectorised_nulls_equal_recomputing():
