@@ -45,7 +45,7 @@ def _pair(a: Path, b: Path) -> list[str]:
 
 
 FAST = ["adaptation.langs=[eng_Latn,por_Latn]", "adaptation.nll_sentences=6", "adaptation.diag_sentences=3",
-        "adaptation.compare=[ties]", "adaptation.controls=[scaling,noise]"]
+        "adaptation.compare=[ties]", "adaptation.controls=[scaling,noise]", "adaptation.noise_seeds=2"]
 
 
 def _runs(cfg, **tags):
@@ -69,7 +69,10 @@ def test_union_runs_grid_anchors_controls_and_chooses_on_validation(scale, compo
     assert res.metrics["best_ratio"] == float(best)
     assert res.metrics["best_test_nll"] == pytest.approx(by[best]["test_nll"])
     assert {"test_nll.eng_Latn", "test_nll.wikinews", "test_bpb.por_Latn", "attn_entropy_mean"} <= set(by["0"])
-    assert len(_runs(cfg, kind="adapt", control="noise")) == 1 and "test_nll_noise" in res.metrics
+    noise = _runs(cfg, kind="adapt", control="noise")  # two seeds of the noise control, each its own run
+    assert sorted(r.data.tags["seed"] for r in noise) == ["0", "1"] and res.metrics["noise_seeds"] == 2
+    assert noise[0].data.metrics["test_nll"] != noise[1].data.metrics["test_nll"]
+    assert res.metrics["test_nll_noise"] == pytest.approx(sum(r.data.metrics["test_nll"] for r in noise) / 2, abs=1e-12)
     _check_summary_intervals(cfg, res.metrics, by, best)
     # E(small) keeps the small model's function: ratio 0's NLL is the small model's own
     assert run_adapt(cfg, ov).skipped
@@ -82,12 +85,21 @@ def _check_summary_intervals(cfg, m, by, best):
     assert m["gain_vs_small_rest"] == pytest.approx(by["0"]["test_nll_rest"] - by[best]["test_nll_rest"], abs=1e-12)
     better = min(by["0"]["test_nll_rest"], by["1"]["test_nll_rest"])
     assert m["gain_vs_better_end_rest"] == pytest.approx(better - by[best]["test_nll_rest"], abs=1e-12)
-    noise = _runs(cfg, kind="adapt", control="noise")[0].data.metrics
-    assert m["best_minus_noise_rest"] == pytest.approx(by[best]["test_nll_rest"] - noise["test_nll_rest"], abs=1e-12)
+    noise = [r.data.metrics["test_nll_rest"] for r in _runs(cfg, kind="adapt", control="noise")]
+    # the control's number is the mean over its seeds (each a mean over languages)
+    assert m["best_minus_noise_rest"] == pytest.approx(by[best]["test_nll_rest"] - sum(noise) / len(noise), abs=1e-12)
     for k in ("gain_vs_small", "gain_vs_better_end", "best_minus_noise", "best_minus_scaling"):
         for sfx in ("", "_rest"):
             assert m[f"{k}{sfx}_lo"] <= m[f"{k}{sfx}"] <= m[f"{k}{sfx}_hi"]
     assert m["gain_vs_small_rest_groups"] >= 3  # 6 sentences spread over the file: several articles
+    # the seesaw per task (each language, each FLORES domain pooled over the languages): the points' own numbers
+    tasks = [k[len("test_nll."):] for k in by[best] if k.startswith("test_nll.")]
+    assert {"eng_Latn", "por_Latn", "wikinews"} <= set(tasks)
+    for t in tasks:
+        for end in ("0", "1"):
+            got = m[f"seesaw_vs_r{end}.{t}"]
+            assert got == pytest.approx(by[best][f"test_nll.{t}"] - by[end][f"test_nll.{t}"], abs=1e-12), (t, end)
+            assert m[f"seesaw_vs_r{end}.{t}_rest_lo"] <= m[f"seesaw_vs_r{end}.{t}_rest"] <= m[f"seesaw_vs_r{end}.{t}_rest_hi"]
 
 
 def test_one_file_per_language_data_chooses_and_reports_on_disjoint_lines(scale, compose_cfg):

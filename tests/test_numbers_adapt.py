@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tokenizer
+from conftest import claim, make_tokenizer
 from mergescope.adapt import adapters, shape_of
 from mergescope.adapt.evaluate import attention_diagnostics, contributing_heads
 from mergescope.adapt.shapes import config_blockers, gqa_aligned_heads, gqa_mismatches, truncate_maps
@@ -263,16 +263,23 @@ def test_the_seesaw_is_read_at_the_ratio_chosen_on_dev_and_is_empty_without_one(
     # the old table reported as the "worst change" although no single model had it
     pts = [_rec("r0", 0.0, {"eng": 3.0, "por": 3.2}), _rec("r02", 0.02, {"eng": 2.99, "por": 3.19}),
            _rec("r98", 0.98, {"eng": 2.5, "por": 3.6}), _rec("r1", 1.0, {"eng": 2.4, "por": 3.7})]
-    best = Rec("best", 0, {"ratio": "best"}, {"best_ratio": 0.02}, {})
+    best = Rec("best", 0, {"ratio": "best"}, {"best_ratio": 0.02, **claim("seesaw_vs_r0.eng", -0.01, 0.005),
+                                             **claim("seesaw_vs_r1.eng", 0.59, 0.1), **claim("seesaw_vs_r0.por", -0.01, 0.005),
+                                             **claim("seesaw_vs_r1.por", -0.51, 0.1)}, {})
     chosen = chosen_point([*pts, best], pts)
     assert chosen.run_id == "r02"
-    rows, counts = seesaw_rows(key, pts, chosen)
+    rows, counts = seesaw_rows(key, pts, chosen, best)
     assert counts == {"tasks": 2, "regressed": 0, "worse_than_both": 0}
-    assert [r[2] for r in rows] == ["eng", "por"] and rows[0][6] == "-0.0100"
-    # a real seesaw at the chosen ratio: one task better, the other worse than ratio 0
+    assert [r[2] for r in rows] == ["eng", "por"] and rows[0][6] == "-0.0100 [-0.0150, -0.0050]"
+    # a real seesaw at the chosen ratio: one task better, the other worse than ratio 0 (its interval above 0) ...
     pts[1] = _rec("r02", 0.02, {"eng": 2.9, "por": 3.3})
-    _, counts = seesaw_rows(key, pts, chosen_point([*pts, best], pts))
-    assert counts["regressed"] == 1
+    worse = Rec("best", 0, {"ratio": "best"}, {**best.metrics, **claim("seesaw_vs_r0.por", 0.1, 0.05)}, {})
+    rows, counts = seesaw_rows(key, pts, chosen_point([*pts, worse], pts), worse)
+    assert counts["regressed"] == 1 and rows[1][8] == "yes"
+    # ... but a difference whose interval covers 0, or one recorded without an interval, is never a regression
+    for m in (claim("seesaw_vs_r0.por", 0.1, 0.2), claim("seesaw_vs_r0.por", 0.1)):
+        tie = Rec("best", 0, {"ratio": "best"}, {**best.metrics, **m}, {})
+        assert seesaw_rows(key, pts, chosen_point([*pts, tie], pts), tie)[1]["regressed"] == 0
     assert seesaw_rows(key, pts, None) == ([], {})
     assert per_ratio_rows(key, pts)[1] == ["union s ~ l", "por", "+0.1000", "+0.4000", "+0.5000"]
 

@@ -323,8 +323,12 @@ def _w_adapt(c: Counter, cfg: DictConfig, w: Work) -> None:
         w.add_load(s)
     langs = 2
     _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
-    grid = len(ad.get("union_grid") or ad.get("intersection_grid") or [1])
-    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2))  # val and test, every grid point, the ends
+    union = str(cfg.get("adapt", {}).get("operator", "expand")) == "expand"
+    grid = len(ad.get("union_grid" if union else "intersection_grid") or [1])
+    ctl = sum(int(ad.get("noise_seeds") or 1) if k == "noise" else 1 for k in (ad.get("controls") or []))
+    compare = 0 if union else len(ad.get("compare") or [])
+    # val and test, every grid point, the ends, each control seed and comparison operator at the chosen ratio
+    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2 + ctl + compare))
     w.held = [sa, sb]
 
 

@@ -143,21 +143,25 @@ def strata_mean(scores: Mapping[str, Scores], scope: str) -> float:
     return float(np.mean([s.scope(scope).nats_per_token for s in scores.values()]))
 
 
-def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores], docs: Mapping[str, Sequence[str] | None],
-                   what: str, seed: int = 0, scopes: Sequence[str] = SCOPES) -> dict[str, float]:
+def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores] | Sequence[Mapping[str, Scores]],
+                   docs: Mapping[str, Sequence[str] | None], what: str, seed: int = 0,
+                   scopes: Sequence[str] = SCOPES) -> dict[str, float]:
     """``a - b`` where each arm is a mean over strata (languages: the same keys in both) of its nats per token, in
     ``scopes`` (both by default), resampled by document with a document drawn in every language at once (parallel
-    text)."""
+    text). ``b`` may be a list of arms, one per control seed: its seeds are resampled with the documents (the
+    interval includes their spread) and its number is their mean."""
     keys = list(a)
+    bs = [b] if isinstance(b, Mapping) else list(b)
     if any(docs.get(k) is None for k in keys):
         groups, what = None, "sentence"
     else:
         groups = [f"{d}" for k in keys for d in docs[k]]
     strata = [k for k in keys for _ in range(len(a[k].nll))]
     out: dict[str, float] = {}
-    for scope in (x for x in _scopes(*a.values(), *b.values()) if x in scopes):
+    for scope in (x for x in _scopes(*a.values(), *(v for one in bs for v in one.values())) if x in scopes):
         cat = lambda arm, f: np.concatenate([getattr(arm[k].scope(scope), f) for k in keys])  # noqa: E731
-        d = paired_difference(cat(a, "nll"), cat(b, "nll"), cat(a, "tokens"), cat(b, "tokens"), groups=groups,
-                              resampled=what, seed=seed, strata=strata)
+        d = paired_difference(cat(a, "nll"), np.stack([cat(x, "nll") for x in bs]), cat(a, "tokens"),
+                              np.stack([cat(x, "tokens") for x in bs]), groups=groups, resampled=what, seed=seed,
+                              strata=strata)
         out.update(d.metrics(name if scope == "all" else f"{name}_rest"))
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from mergescope import models
@@ -25,8 +26,9 @@ from mergescope.adapt.evaluate import attention_diagnostics, load_texts, score
 from mergescope.adapt.kept import run_expansion  # task=expansion (a handler of this arm; see the module doc)
 from mergescope.adapt.overlap import Overlap, competence_overlap, task_profile
 from mergescope.adapt.setup import Loaded, Setup, check_adapt
+from mergescope.bpb import Scores
 from mergescope.config import to_plain
-from mergescope.evidence import compare_strata, read_all_scores, sentence_csv, strata_mean
+from mergescope.evidence import compare, compare_strata, read_all_scores, sentence_csv, strata_mean
 from mergescope.merge import merge_state_dicts, resolve_preset
 from mergescope.native.merges import preset_config
 from mergescope.progress import console
@@ -42,6 +44,9 @@ SIDES = ("small", "large")
 EVIDENCE = 1
 """In every scored adapt run's identity: 1 = per-sentence scores kept (``scores/sentences.csv``), the first token apart
 and the summary's differences with their paired intervals (runs recorded before have none, so they run again)."""
+SUMMARY_VERSION = 2
+"""In the summary run's identity (what it computes from its children): 2 = the noise control over its seeds, the
+seesaw per task with intervals."""
 
 
 __all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
@@ -85,9 +90,11 @@ def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "
             **pair_tags(cfg), "seed": setup.settings.control_seed}
 
 
-def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, control: str, overrides) -> JobResult:
-    """One scored model: the merge (``control='none'``) or a control at ``ratio``."""
-    seed = setup.settings.control_seed
+def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, control: str, overrides,
+              seed: int | None = None) -> JobResult:
+    """One scored model: the merge (``control='none'``) or a control at ``ratio`` (the noise control: of ``seed``,
+    by default ``adaptation.control_seed``)."""
+    seed = setup.settings.control_seed if seed is None else int(seed)
 
     def body(job) -> dict[str, float]:
         loaded.ensure()
@@ -98,8 +105,17 @@ def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, contr
 
     name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}"
     extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None, "evidence": EVIDENCE}
-    spec = JobSpec(name, _tags(cfg, setup, f"{ratio:g}", control), task="adapt", keys=CHILD_KEYS, reads=setup.refs, extra=extra)
+    tags = {**_tags(cfg, setup, f"{ratio:g}", control), "seed": seed}
+    spec = JobSpec(name + (f" seed {seed}" if control == "noise" else ""), tags, task="adapt", keys=CHILD_KEYS,
+                   reads=setup.refs, extra=extra)
     return run_once(cfg, spec, body, overrides)
+
+
+def control_seeds(setup: Setup, control: str) -> list[int]:
+    """The seeds a control runs with: ``adaptation.noise_seeds`` of them from ``control_seed`` for the noise control
+    (its direction is random), the one ``control_seed`` for the deterministic scaling control."""
+    st = setup.settings
+    return [st.control_seed + i for i in range(st.noise_seeds if control == "noise" else 1)]
 
 
 def compare_preset(name: str, ratio: float) -> dict[str, Any]:
@@ -193,7 +209,9 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
 
     def body(job) -> dict[str, float]:
         runs = {**{f"ratio:{r:g}": res.run_id for r, res in points.items()},
-                **{f"{k}:{r:g}": res.run_id for (k, r), res in [*controls.items(), *compares.items()]},
+                **{f"{k}:{r:g}" + (f":seed{i}" if len(rs) > 1 else ""): x.run_id
+                   for (k, r), rs in controls.items() for i, x in enumerate(rs)},
+                **{f"{k}:{r:g}": res.run_id for (k, r), res in compares.items()},
                 **{f"source:{side}": res.run_id for side, res in sources.items()}}
         job.log_params({"runs": runs})
         lo, hi, b = points[0.0].metrics, points[1.0].metrics, points[best].metrics
@@ -201,28 +219,56 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
                "best_test_bpb": b["test_bpb"], "test_nll_r0": lo["test_nll"], "test_nll_r1": hi["test_nll"],
                "gain_vs_small": lo["test_nll"] - b["test_nll"],  # ratio 0 is the small model (or E(small))
                "gain_vs_better_end": min(lo["test_nll"], hi["test_nll"]) - b["test_nll"]}
-        for (kind, r), res in controls.items():
-            if r == best:
-                out[f"test_nll_{kind}"] = res.metrics["test_nll"]
+        for (kind, r), rs in controls.items():
+            if r == best:  # a control of several seeds: their mean, and their spread
+                vals = [x.metrics["test_nll"] for x in rs]
+                out[f"test_nll_{kind}"] = float(np.mean(vals))
+                if len(vals) > 1:
+                    out[f"test_nll_{kind}_sd"] = float(np.std(vals, ddof=1))
+                    out[f"{kind}_seeds"] = float(len(vals))
         for (name, r), res in compares.items():
             if r == best:
                 out[f"test_nll_{name}"] = res.metrics["test_nll"]
-        out.update(summary_intervals(cfg, points, controls, compares, best))
+        st = setup.settings
+        texts = load_texts(cfg.data, setup.langs, st.splits, st.nll_sentences, st.sample)
+        out.update(summary_intervals(cfg, points, controls, compares, best,
+                                     {t.key: t.domains for t in texts if t.split == "test"}))
         return {**out, **overlap.metrics(), **size_values(setup, sources)}
 
-    children = [*points.values(), *controls.values(), *compares.values(), *sources.values()]
+    children = [*points.values(), *(x for rs in controls.values() for x in rs), *compares.values(), *sources.values()]
     tags = {**_tags(cfg, setup, "best", "none"), "competence": overlap.competence,
             "small_better_tasks": ",".join(overlap.small_better) or "none"}
     return run_once(cfg, JobSpec(f"adapt {setup.protocol} best {setup.small_label} x {setup.large_label}", tags,
                                  task="adapt_summary", keys=CHILD_KEYS, reads=setup.refs,
-                                 extra={"children": sorted(r.cfg_hash for r in children)}), body, overrides)
+                                 extra={"children": sorted(r.cfg_hash for r in children),
+                                        "summary": SUMMARY_VERSION}), body, overrides)
 
 
-def summary_intervals(cfg, points, controls, compares, best: float) -> dict[str, float]:
+def seesaw_intervals(b: dict, ends: dict[str, dict], docs: dict, domains: dict | None) -> dict[str, float]:
+    """The seesaw per task with its paired intervals: for each language (``<lang>``) and each FLORES domain (pooled over
+    the languages, an article drawn in every language at once), ``seesaw_vs_<end>.<task>`` = the chosen model's test
+    NLL minus the end's (``r0``, ``r1``; negative = the merge is better on that task), in both scopes."""
+    out: dict[str, float] = {}
+    tasks: dict[str, list[tuple[str, np.ndarray | None]]] = {k.split(".", 1)[1]: [(k, None)] for k in b}
+    for k, doms in (domains or {}).items():
+        if k in b and doms is not None and len(doms) == len(b[k].nll):
+            for dom in sorted(set(doms)):
+                tasks.setdefault(dom, []).append((k, np.array([d == dom for d in doms])))
+    for task, parts in tasks.items():
+        pick = lambda arm: Scores.concat([arm[k] if m is None else arm[k].select(m) for k, m in parts])  # noqa: E731
+        groups = None if any(docs.get(k) is None for k, _ in parts) else [
+            d for k, m in parts for d, keep in zip(docs[k], m if m is not None else [True] * len(docs[k])) if keep]
+        for end, arm in ends.items():
+            out.update(compare(f"seesaw_vs_{end}.{task}", pick(b), pick(arm), groups, "article" if groups else "sentence"))
+    return out
+
+
+def summary_intervals(cfg, points, controls, compares, best: float, domains: dict | None = None) -> dict[str, float]:
     """The summary's comparisons on the test split with their paired intervals (both scopes; a mean over languages
     with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
     (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
-    control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it). Runs
+    control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it; a control
+    of several seeds is their mean, its seeds resampled with the articles so the interval includes their spread). Runs
     recorded without the tables give nothing (the summary's differences then carry no interval)."""
     def test_of(run):
         got = read_all_scores(cfg, run.run_id)
@@ -239,13 +285,14 @@ def summary_intervals(cfg, points, controls, compares, best: float) -> dict[str,
         return {}
     what = "article" if all(d is not None for d in docs.values()) else "sentence"
     out = compare_strata("gain_vs_small", lo, b, docs, what)
+    out.update(seesaw_intervals(b, {"r0": lo, "r1": hi}, docs, domains))
     for scope in ("all", "rest"):  # the better end chosen in each scope on its own
         better = min((lo, hi), key=lambda e: strata_mean(e, scope))
         out.update(compare_strata("gain_vs_better_end", better, b, docs, what, scopes=(scope,)))
-    for (name, r), res in [*controls.items(), *compares.items()]:
-        other, _ = test_of(res) if r == best else (None, None)
-        if other is not None:
-            out.update(compare_strata(f"best_minus_{name}", b, other, docs, what))
+    for (name, r), rs in [*controls.items(), *((k, [v]) for k, v in compares.items())]:
+        others = [test_of(x)[0] for x in rs] if r == best else [None]
+        if all(o is not None for o in others):
+            out.update(compare_strata(f"best_minus_{name}", b, others, docs, what))
     return out
 
 
@@ -263,7 +310,7 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
         console.print(f"  {setup.protocol} ratio {r:g}: val {points[r].metrics['val_nll']:.4f} "
                       f"test {points[r].metrics['test_nll']:.4f}{' (done before)' if points[r].skipped else ''}")
     best = best_ratio(points, grid)
-    controls = {(k, r): run_point(cfg, setup, loaded, r, k, overrides)
+    controls = {(k, r): [run_point(cfg, setup, loaded, r, k, overrides, seed) for seed in control_seeds(setup, k)]
                 for r in _at(setup, grid, best) for k in setup.settings.controls}
     compares = {}
     if setup.protocol == "intersection":

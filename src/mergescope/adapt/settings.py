@@ -32,6 +32,7 @@ class AdaptationSettings(ArmSettings):
     diag_sentences: int | None = 0
     controls: tuple[str, ...] = ()
     control_seed: int = 0
+    noise_seeds: int = 5                     # the noise control's seeds: control_seed, +1, ... (the interval includes their spread)
     compare: tuple[str, ...] = ()
     at: str = "best"                         # best | grid
     pairs: tuple[Any, ...] = ()              # a study's [[small, large], ...]
@@ -47,6 +48,8 @@ class AdaptationSettings(ArmSettings):
                 raise MergescopeError(f"adaptation.{key} must hold ratios strictly between 0 and 1 (the anchors are always scored)")
         if self.at not in ("best", "grid"):
             raise MergescopeError(f"adaptation.at={self.at!r}: choose best or grid")
+        if int(self.noise_seeds) < 1:
+            raise MergescopeError(f"adaptation.noise_seeds must be >= 1 (the noise control's seeds), got {self.noise_seeds}")
         if self.sample not in ("spread", "first"):
             raise MergescopeError(f"adaptation.sample must be 'spread' or 'first', got {self.sample!r}")
         data = cfg.get("data") if cfg is not None else None

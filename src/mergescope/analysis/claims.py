@@ -14,7 +14,7 @@ import math
 from mergescope.analysis.records import Rec
 from mergescope.intervals import verdict as _verdict
 
-__all__ = ["SCOPE", "SCOPE_NOTE", "cell", "count_lower", "metric", "verdict", "set_scope"]
+__all__ = ["SCOPE", "SCOPE_NOTE", "cell", "count_lower", "edge_note", "metric", "verdict", "set_scope"]
 
 SCOPE = {"value": "rest"}
 """The NLL scope of every claim in this analysis (``analysis.nll_scope``): ``rest`` or ``all``."""
@@ -55,3 +55,17 @@ def cell(r: Rec, name: str, scope: str | None = None, digits: int = 4) -> str:
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return f"{est:+.{digits}f} (no interval)"
     return f"{est:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def edge_note(chosen: float, grid) -> str:
+    """"" where ``chosen`` lies inside ``grid`` (a setting chosen over a grid: alpha, ratio); otherwise a note that it
+    sits at the grid's lower or upper edge, so the optimum may lie outside the grid (widen it before reading the
+    choice as an optimum). A grid of one or two values has no interior: said so."""
+    g = sorted({float(x) for x in grid})
+    if len(g) < 3:
+        return f" (a grid of {len(g)}: no interior to choose from)"
+    if chosen <= g[0]:
+        return f" (at the grid's lower edge {g[0]:g}: the optimum may lie below it)"
+    if chosen >= g[-1]:
+        return f" (at the grid's upper edge {g[-1]:g}: the optimum may lie above it)"
+    return ""

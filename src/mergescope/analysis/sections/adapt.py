@@ -60,10 +60,14 @@ def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str]) -> l
         return None
     ends = [r.m("test_nll") for r in pts if r.m("ratio") in (0.0, 1.0)]
     band = [f"{r.m('ratio'):g}" for r in pts if 0 < r.m("ratio") < 1 and ends and r.m("test_nll") > max(ends)]
-    cells = [f3(best.m(f"test_nll_{k}")) + (f" (merge minus it {claims.cell(best, f'best_minus_{k}')})"
+    seeds = lambda k: (f" (mean of {best.m(f'{k}_seeds'):.0f} seeds, sd {best.m(f'test_nll_{k}_sd'):.4f})"  # noqa: E731
+                       if math.isfinite(best.m(f"{k}_seeds")) else "")
+    cells = [f3(best.m(f"test_nll_{k}")) + seeds(k) + (f" (merge minus it {claims.cell(best, f'best_minus_{k}')})"
                                              if math.isfinite(best.m(claims.metric(f"best_minus_{k}"))) else "")
              for k in ("scaling", "noise", *compared)]
-    return [f"{key[2]} {key[0]} ~ {key[1]}", f"{best.m('best_ratio'):g}", f3(best.m("best_test_nll")),
+    grid = [r.m("ratio") for r in pts if 0 < r.m("ratio") < 1]
+    return [f"{key[2]} {key[0]} ~ {key[1]}", f"{best.m('best_ratio'):g}" + claims.edge_note(best.m("best_ratio"), grid),
+            f3(best.m("best_test_nll")),
             f3(best.m("test_nll_r0")), f3(best.m("test_nll_r1")), claims.cell(best, "gain_vs_small"),
             claims.cell(best, "gain_vs_better_end"), *cells, ", ".join(band) or "none in grid", short(best.run_id)]
 
@@ -80,26 +84,31 @@ def chosen_point(runs: list[Rec], pts: list[Rec]) -> Rec | None:
     return next((r for r in pts if math.isclose(r.m("ratio"), best.m("best_ratio"), abs_tol=1e-12)), None)
 
 
-def seesaw_rows(key, pts: list[Rec], chosen: Rec | None) -> tuple[list[list[str]], dict[str, int]]:
+def seesaw_rows(key, pts: list[Rec], chosen: Rec | None, summary: Rec | None = None) -> tuple[list[list[str]], dict[str, int]]:
     """The seesaw of ONE model, the one chosen on the validation split: per task (language, FLORES domain), its test
-    NLL against both ends of the ratio axis. ``regressed`` = worse than the ratio-0 anchor; ``worse than both`` = a
-    task on which the merge is worse than either model it was built from."""
+    NLL against both ends of the ratio axis, each difference with its paired interval from the summary run
+    (``seesaw_vs_r0.<task>``, ``seesaw_vs_r1.<task>``). ``regressed`` = worse than the ratio-0 anchor, ``worse than
+    both`` = worse than either model it was built from: each only where the interval lies above 0 (a summary recorded
+    before the intervals: "no interval", never counted)."""
     lo = next((r for r in pts if r.m("ratio") == 0.0), None)
     hi = next((r for r in pts if r.m("ratio") == 1.0), None)
     if chosen is None or lo is None or hi is None:
         return [], {}
     rows, counts = [], {"tasks": 0, "regressed": 0, "worse_than_both": 0}
+    sm = summary if summary is not None else Rec("", 0, {}, {}, {})
     for task in _tasks(pts):
         k = f"test_nll.{task}"
         c, a, b = chosen.m(k), lo.m(k), hi.m(k)
         if not all(math.isfinite(v) for v in (c, a, b)):
             continue
+        v0, v1 = claims.verdict(sm, f"seesaw_vs_r0.{task}"), claims.verdict(sm, f"seesaw_vs_r1.{task}")
         counts["tasks"] += 1
-        counts["regressed"] += int(c > a)
-        counts["worse_than_both"] += int(c > max(a, b))
+        counts["regressed"] += int(v0 == "higher")
+        counts["worse_than_both"] += int(v0 == "higher" and v1 == "higher")
         rows.append([f"{key[2]} {key[0]} ~ {key[1]}", f"{chosen.m('ratio'):g}", task, f3(a), f3(b), f3(c),
-                     f"{c - a:+.4f}", f"{c - b:+.4f}", "yes" if c > a else "no", "yes" if c > max(a, b) else "no",
-                     short(chosen.run_id)])
+                     claims.cell(sm, f"seesaw_vs_r0.{task}"), claims.cell(sm, f"seesaw_vs_r1.{task}"),
+                     "yes" if v0 == "higher" else v0 if v0 in ("no interval", "too few") else "no",
+                     "yes" if v0 == v1 == "higher" else "no", short(chosen.run_id)])
     return rows, counts
 
 
@@ -286,16 +295,21 @@ def adapt_section(an: Analysis, number: str) -> Section:
     seesaw, verdicts = [], []
     for key, rs in groups.items():
         pts = _points(rs)
-        rows, counts = seesaw_rows(key, pts, chosen_point(rs, pts))
+        rows, counts = seesaw_rows(key, pts, chosen_point(rs, pts), next((r for r in rs if r.tags.get("ratio") == "best"), None))
         seesaw += rows
         if counts:
             verdicts.append(f"{key[2]} {key[0]} ~ {key[1]}: {counts['regressed']} of {counts['tasks']} tasks worse than "
-                            f"ratio 0, {counts['worse_than_both']} worse than both ends")
+                            f"ratio 0, {counts['worse_than_both']} worse than both ends (each where the interval lies above 0)")
     sec.tables.append(RTable("Seesaw of the model chosen on the validation split: per task, its test NLL against both ends",
                              ["protocol / pair", "chosen ratio", "task", "ratio-0 NLL", "ratio-1 NLL", "chosen NLL",
                               "vs ratio 0", "vs ratio 1", "regressed", "worse than both", "run"], seesaw,
-                             note="one model per protocol and pair (the ratio chosen on dev), scored on devtest; negative "
-                                  "= better; regressed = worse than the ratio-0 anchor on that task"))
+                             note="one model per protocol and pair (the ratio chosen on dev), scored on devtest; vs ratio "
+                                  "0 / 1: the chosen model's NLL minus the end's on that task (nats/token, "
+                                  f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}), with its paired 95% interval (resampled "
+                                  "by FLORES article; a domain pools its languages, an article drawn in every language "
+                                  "at once); negative = better. The NLL columns are over every token. regressed = "
+                                  "worse than the ratio-0 anchor with the interval above 0; worse than both = so "
+                                  "against both ends"))
     if verdicts:
         sec.text.append("Seesaw at the ratio chosen on the validation split: " + "; ".join(verdicts) + ".")
     parts = []
@@ -307,7 +321,9 @@ def adapt_section(an: Analysis, number: str) -> Section:
         beaten = [k for k in ctls if claims.verdict(best, f"best_minus_{k}") == "lower"]
         said = {"higher": "helps", "lower": "hurts", "tie": "cannot be told from", "too few": "too few articles to tell from",
                 "no interval": "(no interval) against"}[claims.verdict(best, "gain_vs_small")]
-        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev) {said} ratio 0 on test "
+        grid = [r.m("ratio") for r in _points(rs) if 0 < r.m("ratio") < 1]
+        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev"
+                     f"{claims.edge_note(best.m('best_ratio'), grid).replace(' (', '; ').rstrip(')')}) {said} ratio 0 on test "
                      f"(gain {claims.cell(best, 'gain_vs_small')} nats/token)"
                      + (f", beating {len(beaten)} of its {len(ctls)} controls ({', '.join(beaten) or 'none'}; each where the "
                         "interval of the merge minus the control lies below 0)" if ctls else "")

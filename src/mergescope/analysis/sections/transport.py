@@ -90,7 +90,9 @@ def alpha_choice(rs: list[Rec]) -> tuple[str, str, str, str]:
     have = [r for r in rs if np.isfinite(r.m(sel))]
     dev = min(have, key=lambda r: (r.m(sel), r.m("alpha"))) if len(have) == len(rs) and have else None
     ev = min(rs, key=lambda r: (r.m(dk), r.m("alpha"))) if rs else None
-    show = lambda r: (f"{r.m('alpha'):g}", claims.cell(r, "delta_target_lang")) if r is not None else ("—", "—")  # noqa: E731
+    grid = [r.m("alpha") for r in rs]
+    show = lambda r: ((f"{r.m('alpha'):g}" + claims.edge_note(r.m("alpha"), grid), claims.cell(r, "delta_target_lang"))  # noqa: E731
+                      if r is not None else ("—", "—"))
     return (*show(dev), *show(ev))
 
 
@@ -124,7 +126,7 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
                        "unregularised optimum (ot.emd2). alpha chosen on dev: the grid alpha with the lowest NLL of the fused "
                        "target on the selection split (merge.select_sentences FLORES dev lines after the probes, disjoint from "
                        "them and from the evaluation), its delta read on the evaluation sentences; — where the runs have no "
-                       "selection split. alpha best on the evaluation: the paper's protocol (the best alpha read off the "
+                       "selection split; a choice at an edge of the alpha grid is marked (the optimum may lie outside it). alpha best on the evaluation: the paper's protocol (the best alpha read off the "
                        "reported sentences themselves), optimistic by construction: not a measurement of a chosen alpha.")
 
 
