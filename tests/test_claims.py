@@ -62,3 +62,22 @@ def test_no_section_compares_a_difference_by_its_raw_sign():
     found = [f"{p.relative_to(SECTIONS)}:{i}: {line.strip()}" for p in sorted(SECTIONS.rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if RAW.search(line)]
     assert not found, found
+
+
+def test_a_choice_at_the_edge_of_its_grid_is_said():
+    assert claims.edge_note(0.03, [0.01, 0.03, 0.1]) == ""
+    assert "upper edge 0.1" in claims.edge_note(0.1, [0.01, 0.03, 0.1])
+    assert "lower edge 0.01" in claims.edge_note(0.01, [0.1, 0.01, 0.03])
+    assert "no interior" in claims.edge_note(0.03, [0.03, 0.1])
+
+
+def test_the_alpha_choice_marks_an_edge():
+    from mergescope.analysis.sections.transport import alpha_choice
+
+    rs = [_rec(i, {"alpha": a, "select_nll_rest_target_lang": s, "select_nll_target_lang": s,
+                   **claim("delta_target_lang", d, 0.01)})
+          for i, (a, s, d) in enumerate([(0.01, 3.0, -0.01), (0.03, 2.9, -0.02), (0.1, 2.8, -0.03)])]
+    dev, _, ev, _ = alpha_choice(rs)
+    assert dev.startswith("0.1 (at the grid's upper edge") and ev.startswith("0.1 (at the grid's upper edge")
+    rs[2].metrics.update(select_nll_rest_target_lang=3.1, select_nll_target_lang=3.1)
+    assert alpha_choice(rs)[0] == "0.03"
