@@ -1108,13 +1108,17 @@ def test_the_donor_is_streamed_and_never_in_memory_with_the_target(tiny_models, 
         assert torch.equal(a.transported[name], b.transported[name]) and torch.equal(a.control[name], b.control[name])
 
 
-@pytest.mark.parametrize("freeze", ["frozen_hot", "frozen_base", "none", "baseline"])
-def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
+@pytest.mark.parametrize("freeze,runs", [("frozen_hot", False), ("frozen_base", False), ("none", False), ("baseline", False),
+                                         ("frozen_hot", True), ("none", True)])
+def test_released_residual_sft_equals_the_patched_module_formulation(freeze, runs):
     """The released residual SFT against an independent formulation of it: the patched Linears compute
     F.linear(x, (1 - a) W + a R, b) (R a buffer, or a parameter when it trains), the batch run as single sentences with
     gradient accumulation (each sentence's mean token NLL, averaged), the Trainer's schedule set by hand each step, and
     the fold read off the patched forward at 0 and at the identity (as the released fold does). 'baseline': no
-    transported weights, every parameter trained by the same optimiser (the released no-fusion scenario)."""
+    transported weights, every parameter trained by the same optimiser (the released no-fusion scenario). ``runs``:
+    the released runs' settings: the Trainer's token-weighted loss over the accumulated batch, one pass over the text
+    in a seeded order, and the neuron-select fold (only the fused rows of q_proj and the fused input columns of
+    o_proj folded, the trained weight kept elsewhere)."""
     from mergescope.represent import tokenize
     from mergescope.transport.finetune import finetune_released, linear_warmup
 
@@ -1126,11 +1130,15 @@ def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
     g = torch.Generator().manual_seed(1)
     sd0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     R = {} if freeze == "baseline" else {n: sd0[n] + 0.3 * torch.randn(sd0[n].shape, generator=g) for n in names}
-    alpha, steps, lr, wd, bs = 0.2, 6, 3e-3, 0.1, 4
+    alpha, steps, lr, wd, bs = 0.2, 6, 3e-3, 0.1, (5 if runs else 4)
+    extra = dict(loss="token_weighted", fold="select", epochs=1) if runs else {}
     s = AdaptSettings(alpha=0.1, steps=steps, batch_size=bs, lr=lr, weight_decay=wd, grad_clip=0.5, seed=3,
-                      mode="released", freeze="frozen_hot" if freeze == "baseline" else freeze, train_alpha=alpha, warmup_ratio=0.34)
+                      mode="released", freeze="frozen_hot" if freeze == "baseline" else freeze, train_alpha=alpha,
+                      warmup_ratio=0.34, **extra)
+    masks = {names[0]: (torch.arange(sd0[names[0]].shape[0]) % 3 == 0, False),   # fused rows of q_proj
+             names[1]: (torch.arange(sd0[names[1]].shape[1]) % 2 == 1, True)}   # fused input columns of o_proj
     got = copy.deepcopy(model)
-    finetune_released(got, tok, sents, R, s, progress=False)
+    finetune_released(got, tok, sents, R, s, progress=False, fused=masks)
 
     ref = copy.deepcopy(model).train()
     train_base, train_res = freeze in ("frozen_hot", "none", "baseline"), freeze in ("frozen_base", "none")
@@ -1149,16 +1157,27 @@ def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
     ids, _ = tokenize(tok, sents, 512)
     ids = [x for x in ids if len(x) >= 2]
     rng = np.random.default_rng(3)
+    if runs:  # one pass in a seeded order, the last batch smaller
+        perm = rng.permutation(len(ids))
+        batches = [perm[i:i + bs] for i in range(0, len(ids), bs)]
+        assert len(ids) % bs != 0  # the short last batch is exercised
+    else:
+        batches = [rng.choice(len(ids), size=bs, replace=False) for _ in range(steps)]
+    steps = len(batches)
     warm = math.ceil(0.34 * steps)
-    for step in range(steps):
+    for step, batch in enumerate(batches):
         for grp in opt.param_groups:
             grp["lr"] = lr * (step / warm if step < warm else max(0.0, (steps - step) / (steps - warm)))
         assert grp["lr"] == pytest.approx(lr * linear_warmup(step, steps, warm))
         opt.zero_grad()
-        for i in rng.choice(len(ids), size=bs, replace=False):
+        n_tok = sum(len(ids[i]) - 1 for i in batch)
+        for i in batch:
             x = torch.tensor([ids[i]])
             logits = ref(input_ids=x, use_cache=False).logits
-            (torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]) / bs).backward()
+            if runs:  # the Trainer's: every token of the accumulated batch weighs the same
+                (torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum") / n_tok).backward()
+            else:
+                (torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]) / len(batch)).backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
     out = dict(got.named_parameters())
@@ -1166,6 +1185,10 @@ def test_released_residual_sft_equals_the_patched_module_formulation(freeze):
         for n, mod in patched.items():  # the released fold: the patched forward at 0 and at the identity
             eye = torch.eye(mod.in_features)
             folded = (mod(eye) - mod(torch.zeros(1, mod.in_features))).T
+            if runs:  # the neuron-select fold: the trained weight kept off the fused rows / columns
+                mask, by_column = masks[n]
+                folded = torch.where(mask.view(1, -1) if by_column else mask.view(-1, 1), folded, mod.weight)
+                assert not torch.allclose(folded, (mod(eye) - mod(torch.zeros(1, mod.in_features))).T, atol=1e-4)
             assert torch.allclose(out[n], folded, atol=2e-5), n
     for k, p in ref.named_parameters():
         if k.endswith(".hot") or k in R:
@@ -1190,6 +1213,15 @@ def test_released_adapt_settings_refused_in_one_line():
         AdaptSettings.from_node(OmegaConf.create({**base, "freeze": "frozen_base"}))
     with pytest.raises(MergescopeError, match="train_alpha must be in"):
         AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "train_alpha": 0.0}))
+    with pytest.raises(MergescopeError, match="merge.adapt.loss='mean'"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "loss": "mean"}))
+    with pytest.raises(MergescopeError, match="merge.adapt.fold='rows'"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "fold": "rows"}))
+    with pytest.raises(MergescopeError, match="merge.adapt.epochs must be"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "epochs": 0}))
+    with pytest.raises(MergescopeError, match="belong to merge.adapt.mode=released"):
+        AdaptSettings.from_node(OmegaConf.create({**base, "fold": "select"}))
+    assert AdaptSettings.from_node(OmegaConf.create({**base, "epochs": 2, "batch_size": 4})).n_steps(10) == 6
     s = AdaptSettings.from_node(OmegaConf.create({**base, "mode": "released", "freeze": "none", "train_alpha": 0.05}))
     assert s.label == "released:none@0.05" and AdaptSettings.from_node(OmegaConf.create(base)).label == "residual_frozen"
 
@@ -1204,7 +1236,7 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
 
     ov = [o.replace("merge=transport", "merge=transport_released") for o in transport_job(tiny_models, target="b")]
     cfg, ov = compose_cfg([*ov, "merge.adapt.enabled=true", "merge.adapt.steps=2", "merge.adapt.batch_size=4", "merge.adapt.train_alpha=0.5",
-                           "merge.alphas=[0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12"])
+                           "merge.adapt.lr=1e-3", "merge.alphas=[0.5]", "merge.headline_alpha=0.5", "native.nll_sentences=12"])
     run_transport(cfg, ov)
     rs = runs(cfg.paths.root)
     assert {x.info.status for x in rs} == {"FINISHED"}
@@ -1220,6 +1252,11 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     for k in ("fusion_effect_after_adapt", "ot_minus_rand_after_adapt", "rand_fusion_effect_after_adapt"):
         assert fm[f"{k}_rest_lo"] <= fm[f"{k}_rest"] <= fm[f"{k}_rest_hi"] and fm[f"{k}_rest_groups"] == 4  # 12 lines, 4 articles
     assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
+    # the no-fusion baseline under the same damping (R = W0), trained in the fused run: its own number, paired
+    assert fm["fusion_effect_vs_damped_after_adapt"] == pytest.approx(fm["nll_fused_after"] - fm["nll_damped_baseline_after"], abs=1e-12)
+    assert fm["rand_fusion_effect_vs_damped_after_adapt"] == pytest.approx(fm["rand_nll_fused_after"] - fm["nll_damped_baseline_after"], abs=1e-12)
+    assert abs(fm["nll_damped_baseline_after"] - base.data.metrics["nll_baseline_after"]) > 1e-6  # the damping changes it
+    assert fm["fusion_effect_vs_damped_after_adapt_rest_lo"] <= fm["fusion_effect_vs_damped_after_adapt_rest"] <= fm["fusion_effect_vs_damped_after_adapt_rest_hi"]
     # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr
     from mergescope.transport.job import baseline_hash, check
 

@@ -498,3 +498,34 @@ def test_released_control_seeds_keep_the_first_control(tiny_pair):
         for name in one.transported:
             assert torch.equal(three.transported[name], one.transported[name])
             assert torch.equal(three.control_of(seed)[name], one.control[name]), (seed, name)
+
+
+def test_bfloat16_probes_are_the_model_run_and_pooled_in_bfloat16(tiny_pair):
+    """merge.released.probe_dtype=bfloat16 (follow=code): a bfloat16 copy of the model, each sentence's token sum in
+    bfloat16. Against an independent formulation (the bfloat16 model's hidden states, summed in bfloat16): equal;
+    against the float32 probe: close (bfloat16's 8 bits of mantissa) but not the same numbers."""
+    import copy
+
+    target, _, tl, _, tp32, _ = tiny_pair
+    sents = lines("eng_Latn", n=60)
+    tok = make_tokenizer(lines("eng_Latn", n=300), 300)
+    ad = tl.adapter(rel.SUBLAYER_ROLES["qkvo_mlp"])
+    m16 = copy.deepcopy(target).to(torch.bfloat16)
+    p16 = fus.probe(m16, tok, sents, ad, progress=False, skip_leading_special=False, pool_dtype=torch.bfloat16)
+    site = next(k for k, (path, side) in ad.sites.items() if side == "out" and path.endswith("o_proj"))
+    from mergescope.represent import tokenize
+    from mergescope.transport import interfaces as itf
+
+    ids, _ = tokenize(tok, sents, 512)
+    mod = itf.get_path(itf.layers(m16, ad)[1], ad.sites[site][0])
+    got = []
+    h = mod.register_forward_hook(lambda m, i, o: got.append(o))
+    with torch.no_grad():
+        for s in ids[:3]:
+            m16.base_model(input_ids=torch.tensor([s]), use_cache=False)
+    h.remove()
+    for j in range(3):
+        want = got[j][0].sum(0).to(torch.float64) / len(ids[j])  # summed in bfloat16, divided in float64
+        assert torch.allclose(p16.pooled[site][1][j], want, rtol=0, atol=1e-12)
+    rel_err = (p16.pooled[site][1] - tp32.pooled[site][1]).norm() / tp32.pooled[site][1].norm()
+    assert 1e-4 < float(rel_err) < 5e-2

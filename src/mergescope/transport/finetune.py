@@ -32,13 +32,21 @@ def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tupl
 
 
 def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, label: str, progress: bool):
-    """``settings.steps`` batches of ``settings.batch_size`` sentences drawn without replacement by the data seed (the
-    same order for a fused model and its baseline), padded on the right, under one progress bar: (ids, mask, positions)."""
+    """The adaptation's batches, padded on the right, under one progress bar: (ids, mask, positions). ``steps``
+    batches of ``batch_size`` sentences each drawn without replacement by the data seed, or with ``epochs`` that many
+    passes over the text, each in a fresh seeded order (the last batch of a pass may be smaller). The same order for a
+    fused model and its baseline."""
     rng = np.random.default_rng(settings.seed)
+    total, bs = settings.n_steps(len(ids)), settings.batch_size
+    if settings.epochs is None:
+        order = (rng.choice(len(ids), size=bs, replace=False) for _ in range(total))
+    else:
+        order = (perm[i:i + bs] for _ in range(settings.epochs) for perm in [rng.permutation(len(ids))]
+                 for i in range(0, len(ids), bs))
     with bar() as pb:
-        task = pb.add_task(label, total=settings.steps, visible=progress)
-        for _ in range(settings.steps):
-            yield pad_batch([ids[i] for i in rng.choice(len(ids), size=settings.batch_size, replace=False)], pad, "right", device)
+        task = pb.add_task(label, total=total, visible=progress)
+        for rows in order:
+            yield pad_batch([ids[i] for i in rows], pad, "right", device)
             pb.advance(task)
 
 
@@ -91,8 +99,8 @@ def linear_warmup(step: int, steps: int, warmup: int) -> float:
 
 
 def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.Tensor], settings: AdaptSettings,
-                      max_length: int = 512, progress: bool = True,
-                      label: str = "adapt (released)") -> list[float]:
+                      max_length: int = 512, progress: bool = True, label: str = "adapt (released)",
+                      fused: dict[str, tuple[torch.Tensor, bool]] | None = None) -> list[float]:
     """The released code's residual SFT (its ``train_hot_residual_sft.py``, rebuilt from its definitions), in place.
 
     On entry ``model`` holds the target's own weights W. Each tensor named in ``transported`` is replaced in the forward
@@ -100,18 +108,23 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
     alpha the training alpha (``settings.trained_alpha``); ``settings.freeze`` says what trains: ``frozen_hot`` every
     model parameter, R frozen (the released default); ``frozen_base`` R only; ``none`` both. AdamW (betas 0.9 / 0.999, eps 1e-8, decay on matrices
     only: biases and norm weights are not decayed, as the Trainer does), a linear warmup over ``warmup_ratio`` of the
-    steps then a linear decay to 0, gradients clipped to ``grad_clip``; the loss is each sentence's mean token NLL,
-    averaged over the batch (the released batch of 1 with gradient accumulation). On return the model holds the
-    folded weights ``(1 - alpha) W' + alpha R'`` (its ``fold_hot_residual_into_weights``, dense). With ``transported``
-    empty this is the released no-fusion scenario: every parameter trained by the same optimiser and schedule.
-    Returns the per-step training loss."""
+    steps then a linear decay to 0, gradients clipped to ``grad_clip``; the loss (``settings.loss``) is each
+    sentence's mean token NLL averaged over the batch (``sentence_mean``: the released batch of 1 with gradient
+    accumulation, read per sentence) or the token-weighted mean over the batch (``token_weighted``: what the
+    Trainer's loss over an accumulated batch weighs). On return the model holds the folded weights ``(1 - alpha) W'
+    + alpha R'`` on every row (``settings.fold=dense``: its ``fold_hot_residual_into_weights``) or only on the fused
+    rows (``select``: its neuron-select branch, the trained W' kept on the rest; ``fused`` maps each tensor to its
+    bool mask over the fused axis and whether that axis is the input column). With ``transported`` empty this is
+    the released no-fusion scenario: every parameter trained by the same optimiser and schedule; with ``transported``
+    the target's own weights W0 it is the no-fusion baseline under the same damping. Returns the per-step loss."""
     from torch.func import functional_call
 
     alpha, freeze = settings.trained_alpha, settings.freeze
     if freeze not in FREEZES:
         raise MergescopeError(f"merge.adapt.freeze={freeze!r}: choose one of {', '.join(FREEZES)}")
-    steps, batch_size, lr = settings.steps, settings.batch_size, settings.lr
+    batch_size, lr = settings.batch_size, settings.lr
     device, ids = _text(model, tokenizer, sentences, batch_size, max_length)
+    steps = settings.n_steps(len(ids))
     named = dict(model.named_parameters())
     missing = sorted(set(transported) - set(named))
     if missing:
@@ -141,7 +154,10 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
             logits = (functional_call(model, effective(), args=(), kwargs=kw, strict=False) if res else model(**kw)).logits
             valid = m[:, 1:].to(logits.dtype)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
-            loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+            if settings.loss == "token_weighted":
+                loss = (nll * valid).sum() / valid.sum().clamp_min(1)
+            else:
+                loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if settings.grad_clip:
@@ -152,6 +168,12 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
     finally:
         with torch.no_grad():
             for n, w in effective().items():  # folded: the model holds what it computed with
+                if settings.fold == "select":  # ... on the fused rows only; the trained weight elsewhere
+                    mask, by_column = (fused or {}).get(n, (None, False))
+                    keep = torch.zeros(w.shape[1] if by_column else w.shape[0], dtype=torch.bool, device=w.device) \
+                        if mask is None else mask.to(w.device)
+                    sel = keep.view(1, -1) if by_column else keep.view(-1, *([1] * (w.dim() - 1)))
+                    w = torch.where(sel, w, named[n].detach())
                 named[n].copy_(w)
         for n, p in named.items():
             p.requires_grad_(was[n])

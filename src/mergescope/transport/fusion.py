@@ -54,9 +54,12 @@ class Probe:
 
 @torch.inference_mode()
 def probe(model, tokenizer, sentences, adapter: itf.Adapter, batch_tokens="auto",
-          max_length: int = 512, progress: bool = True, label: str = "probe", skip_leading_special: bool = True) -> Probe:
+          max_length: int = 512, progress: bool = True, label: str = "probe", skip_leading_special: bool = True,
+          pool_dtype: torch.dtype | None = None) -> Probe:
     """Activations at every interface of every layer, batched and length-sorted, via forward hooks.
-    ``skip_leading_special=False`` pools every real token, a leading BOS included (the released code's pooling)."""
+    ``skip_leading_special=False`` pools every real token, a leading BOS included (the released code's pooling).
+    ``pool_dtype``: each sentence's token sum taken in this dtype (``torch.bfloat16``: the released code's probes, a
+    model run and pooled in bfloat16); by default in float32 at least (a half-precision sum loses the small neurons)."""
     device = next(model.parameters()).device
     ids, _ = tokenize(tokenizer, sentences, max_length)
     lead = leading_special(ids, tokenizer) if skip_leading_special else np.zeros(len(ids), dtype=bool)
@@ -72,7 +75,9 @@ def probe(model, tokenizer, sentences, adapter: itf.Adapter, batch_tokens="auto"
     def hook(iface: str, li: int, side: str):
         def fn(module, inputs, output):
             x = inputs[0] if side == "in" else output
-            if x.dtype not in (torch.float32, torch.float64):
+            if pool_dtype is not None:
+                x = x.to(pool_dtype)
+            elif x.dtype not in (torch.float32, torch.float64):
                 x = x.float()  # half-precision sums over a sentence would lose the small neurons
             m = state["mask"].to(x.dtype)
             # sums over one sentence's tokens in the activation's dtype, everything after in float64

@@ -19,6 +19,7 @@ validated once (:class:`~mergescope.transport.settings.TransportSettings`) and p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -203,7 +204,8 @@ def probe_path(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ..
 
 
 def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
-                  adapter: itf.Adapter, skip_leading_special: bool = True, extra: dict[str, Any] | None = None) -> fus.Probe:
+                  adapter: itf.Adapter, skip_leading_special: bool = True, extra: dict[str, Any] | None = None,
+                  pool_dtype: torch.dtype | None = None) -> fus.Probe:
     path = probe_path(cfg, lm, sentences, lang, extra)
     use_cache = cache_enabled(cfg)  # reproduce --no-cache redoes the probes' forward passes
     # onto the model's device: on a GPU every cost matrix and Sinkhorn solve then runs there; checksummed, so a bad
@@ -213,7 +215,7 @@ def _probe_cached(cfg: DictConfig, lm: models.LoadedModel, sentences: tuple[str,
         return fus.Probe(d["pooled"], d["magnitude"], int(d["n_layers"]), int(d["n_tokens"]))
     p = fus.probe(lm.model, lm.tokenizer, sentences, adapter, batch_tokens=cfg.represent.batch_tokens,
                   max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"probe {lm.ref.label}",
-                  skip_leading_special=skip_leading_special)
+                  skip_leading_special=skip_leading_special, pool_dtype=pool_dtype)
     if not use_cache:
         return p
     save_torch(path, {"pooled": {k: [t.cpu() for t in v] for k, v in p.pooled.items()},  # temp file + rename
@@ -426,8 +428,17 @@ def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedMode
     apart from the seed's probes: the sites and the pooling are in the key)."""
     ad = lay.adapter(rel.SUBLAYER_ROLES[s.released.sublayers])
     skip = s.released.pooling == "skip_leading_special"
-    return _probe_cached(cfg, lm, sentences, lang, ad, skip_leading_special=skip,
-                         extra={"sites": sorted(f"{k}={p}:{side}" for k, (p, side) in ad.sites.items()), "skip_special": skip})
+    extra = {"sites": sorted(f"{k}={p}:{side}" for k, (p, side) in ad.sites.items()), "skip_special": skip}
+    if s.released.probe_dtype == "bfloat16":  # the released probes: a bfloat16 copy run and pooled in bfloat16
+        import copy
+
+        lm16 = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(torch.bfloat16))
+        try:
+            return _probe_cached(cfg, lm16, sentences, lang, ad, skip_leading_special=skip,
+                                 extra={**extra, "pool": "bfloat16"}, pool_dtype=torch.bfloat16)
+        finally:
+            del lm16
+    return _probe_cached(cfg, lm, sentences, lang, ad, skip_leading_special=skip, extra=extra)
 
 
 def top_k_effective(tp: fus.Probe, top_k: int, label: str) -> dict[str, float]:
@@ -599,13 +610,15 @@ def _summary(results: dict[float, JobResult], adapt: JobResult | None, headline:
     return JobResult(first.run_id, skipped, values, first.cfg_hash)
 
 
-def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric: str = "train_loss") -> list[float]:
+def _finetune(d: _Direction, host: _Host, job: Job, residual, label: str, metric: str = "train_loss",
+              fused: dict[str, tuple[torch.Tensor, bool]] | None = None) -> list[float]:
     """merge.adapt's fine-tuning of the host in place on the adaptation text; the loss curve is logged as ``metric``.
-    ``mode=released``: ``residual`` is the transported weight R (the host holds W), trained as the released SFT."""
+    ``mode=released``: ``residual`` is the transported weight R (the host holds W), trained as the released SFT;
+    ``fused``: each fused tensor's mask (what ``merge.adapt.fold=select`` folds)."""
     ad, n = d.s.adapt, int(d.cfg.represent.max_length)
     if ad.mode == "released":
         losses = finetune_mod.finetune_released(host.model, host.tok, d.texts.adapt_t, residual or {}, ad, n,
-                                                progress=bool(d.cfg.progress), label=label)
+                                                progress=bool(d.cfg.progress), label=label, fused=fused)
     else:
         losses = finetune_mod.finetune(host.model, host.tok, d.texts.adapt_t, residual, ad, n, progress=bool(d.cfg.progress),
                                        label=label)
@@ -655,13 +668,15 @@ def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float
         before = before if before is not None and at == a else host.nll(d.eval_t, f"nll {p}fused")
         residual = fusion.weights(1.0, control=control)
         host.set(host.snapshot)
+        mask = {n: (fusion.masks[n], n in fusion.by_column) for n in residual}
     else:
         fused = fusion.weights(a, control=control)
         residual = {n: (fused[n] - fusion.original[n]) for n in fused}
         host.set(fused)
         del fused
         before = before if before is not None else host.nll(d.eval_t, f"nll {p}fused")
-    losses = _finetune(d, host, job, residual, f"adapt {p}fused {d.label}", f"{p}train_loss")
+    losses = _finetune(d, host, job, residual, f"adapt {p}fused {d.label}", f"{p}train_loss",
+                       mask if d.s.adapt.mode == "released" else None)
     after = host.scores(d.eval_t, f"nll {p}fused adapted")
     after_d = host.scores(d.eval_d, f"nll {p}fused adapted, donor lang")
     host.set(host.snapshot)
@@ -669,6 +684,26 @@ def _adapt_one(d: _Direction, f: _Fitted, job: Job, control: bool, before: float
     return {f"{p}nll_fused_before": before, f"{p}nll_fused_after": after.nats_per_token,
             f"{p}nll_rest_fused_after": after.rest().nats_per_token, f"{p}nll_donor_lang_fused_after": after_d.nats_per_token,
             f"{p}train_loss_first": losses[0], f"{p}train_loss_last": losses[-1]}
+
+
+def _damped_baseline(d: _Direction, f: _Fitted, job: Job, sc: dict[tuple[str, str], Scores]) -> dict[str, float]:
+    """The released SFT trains each fused tensor through ``(1 - a) W + a R``: its updates reach the model damped by
+    (1 - a), where the plain no-fusion baseline's are not, so "fusion after SFT" against that baseline mixes the
+    transported term with the damping. This baseline is trained the same way with R = W0, the target's own weights
+    (no fusion, the same damping, the same fold: with ``fold=select`` no row is fused, so the trained weight is kept
+    everywhere): ``fusion_effect_vs_damped_after_adapt`` = the fused model minus it, paired."""
+    host = f.host
+    host.set(host.snapshot)
+    own = {n: host.snapshot[n].detach().clone() for n in f.fusion.original}
+    none = {n: (torch.zeros_like(f.fusion.masks[n]), n in f.fusion.by_column) for n in own}
+    losses = _finetune(d, host, job, own, f"adapt damped baseline {d.label}", "damped_train_loss", none)
+    after = host.scores(d.eval_t, "nll damped baseline adapted")
+    host.set(host.snapshot)
+    sc[("damped_baseline", "target_lang")] = after
+    return {"nll_damped_baseline_after": after.nats_per_token, "nll_rest_damped_baseline_after": after.rest().nats_per_token,
+            "damped_train_loss_last": losses[-1],
+            **compare("fusion_effect_vs_damped_after_adapt", sc[("", "target_lang")], after, *f.docs["target_lang"]),
+            **compare("rand_fusion_effect_vs_damped_after_adapt", sc[("rand_", "target_lang")], after, *f.docs["target_lang"])}
 
 
 def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) -> JobResult:
@@ -693,6 +728,8 @@ def _adapt(d: _Direction, f: _Fitted, h: str, fused_nll: float | None = None) ->
                 v[f"{p}fusion_effect_after_adapt"] = v[f"{p}nll_fused_after"] - base_after
             v.update(compare(f"{p}delta_donor_lang_after_adapt", sc[(p, "donor_lang")], f.base_scores["donor_lang"], *docs_d))
         v.update(compare("ot_minus_rand_after_adapt", sc[("", "target_lang")], sc[("rand_", "target_lang")], *docs_t))
+        if d.s.adapt.mode == "released":  # the no-fusion baseline under the fused arm's damping (module doc)
+            v.update(_damped_baseline(d, f, job, sc))
         v.update(compare("ot_minus_rand_donor_lang_after_adapt", sc[("", "donor_lang")], sc[("rand_", "donor_lang")], *docs_d))
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
         job.log_text(sentence_csv({((p.rstrip("_") or "ot") + "_after", lang): x for (p, lang), x in sc.items()},

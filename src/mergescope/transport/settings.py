@@ -28,12 +28,12 @@ TRANSPORT_NAMES = ("transport", "transport_released")  # the seed's method | the
 FOLLOW = ("code", "paper")
 RELEASED_CHOICES = {"layer_pairs": ("zipped", "all", "pruned"), "sublayers": ("qkvo", "qkvo_mlp", "mlp_attn_out"),
                     "plan_dtype": ("bfloat16", "float64"), "column_mask": ("output", "input"), "solver": ("released", "checked"),
-                    "pooling": ("all_tokens", "skip_leading_special")}
+                    "pooling": ("all_tokens", "skip_leading_special"), "probe_dtype": ("bfloat16", "float32")}
 AS_FOLLOWED = {  # merge.released.<key>: null takes the value of merge.follow
     "code": {"layer_pairs": "zipped", "sublayers": "qkvo", "plan_dtype": "bfloat16", "sigma_rescale": False, "q_topr": 0,
-             "p_topk": 0, "column_mask": "output"},
+             "p_topk": 0, "column_mask": "output", "probe_dtype": "bfloat16"},
     "paper": {"layer_pairs": "all", "sublayers": "qkvo_mlp", "plan_dtype": "float64", "sigma_rescale": True, "q_topr": 128,
-              "p_topk": 3, "column_mask": "input"},
+              "p_topk": 3, "column_mask": "input", "probe_dtype": "float32"},
 }
 SWITCHES = ("plan_scale", "epsilon", "layer_epsilon", "scale_match", "top_k", "layer_topk", "layer_subsample")
 """The settings an ablation varies (with every ``merge.released.*``): what :meth:`TransportSettings.variant` names."""
@@ -68,6 +68,13 @@ class AdaptSettings:
     freeze: str = "frozen_hot"     # released: frozen_hot (every parameter trains, R frozen) | frozen_base (R only) | none
     train_alpha: float | None = None  # released: the training alpha of (1 - a) W + a R (None = alpha)
     warmup_ratio: float = 0.03     # released: linear warmup over this share of the steps, then linear decay to 0
+    loss: str = "sentence_mean"    # released: sentence_mean (each sentence's mean token NLL, averaged) | token_weighted (the Trainer's)
+    fold: str = "dense"            # released: dense ((1 - a) W' + a R' on every row) | select (only the fused rows; W' elsewhere)
+    epochs: int | None = None      # passes over the adaptation text (None: ``steps`` batches drawn at random)
+
+    def n_steps(self, n_sentences: int) -> int:
+        """The optimiser steps over ``n_sentences``: ``steps``, or ``epochs`` passes of ceil(n / batch_size)."""
+        return self.steps if self.epochs is None else self.epochs * math.ceil(n_sentences / self.batch_size)
 
     @property
     def label(self) -> str:
@@ -102,10 +109,18 @@ class AdaptSettings:
         warm = float(ad.get("warmup_ratio", 0.03))
         if not 0 <= warm < 1:
             raise MergescopeError(f"merge.adapt.warmup_ratio must be in [0, 1), got {warm}")
-        if mode == "residual_frozen" and (freeze != "frozen_hot" or ta is not None):
-            raise MergescopeError("merge.adapt.freeze and merge.adapt.train_alpha belong to merge.adapt.mode=released; "
-                                  "set the mode, or leave them at frozen_hot / null")
-        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed), mode, freeze, ta, warm)
+        loss, fold = str(ad.get("loss") or "sentence_mean"), str(ad.get("fold") or "dense")
+        if loss not in ("sentence_mean", "token_weighted"):
+            raise MergescopeError(f"merge.adapt.loss={loss!r}: choose sentence_mean or token_weighted")
+        if fold not in ("dense", "select"):
+            raise MergescopeError(f"merge.adapt.fold={fold!r}: choose dense or select")
+        ep = ad.get("epochs")
+        if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+            raise MergescopeError(f"merge.adapt.epochs must be an integer >= 1 or null (= merge.adapt.steps batches), got {ep!r}")
+        if mode == "residual_frozen" and (freeze != "frozen_hot" or ta is not None or loss != "sentence_mean" or fold != "dense"):
+            raise MergescopeError("merge.adapt.freeze, train_alpha, loss and fold belong to merge.adapt.mode=released; "
+                                  "set the mode, or leave them at frozen_hot / null / sentence_mean / dense")
+        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed), mode, freeze, ta, warm, loss, fold, ep)
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,7 @@ class ReleasedSettings:
     column_mask: str      # o_proj / down_proj columns chosen by the module's output (the code) or input (paper) magnitude
     solver: str           # released (its log-domain Sinkhorn, its stopping rule) | checked (mergescope's checked chain)
     pooling: str          # all_tokens (the released code: a leading BOS pooled too) | skip_leading_special (mergescope's)
+    probe_dtype: str      # bfloat16 (the released code: probe forwards and pooling in bfloat16) | float32
     layer_max_iter: int   # the layer-level solver's iterations (its 1000)
     layer_tol: float      # ... and its stopping rule on the change of the log potential (its 1e-7)
 
