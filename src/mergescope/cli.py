@@ -32,6 +32,7 @@ TASKS: dict[str, str] = {
     "agreement": "mergescope.shared_space.job:run_agreement",
     "shared_space": "mergescope.shared_space.job:run_shared_space",
     "routing": "mergescope.shared_space.job:run_routing",
+    "precision_check": "mergescope.precision_check:run_precision_check",
     "adapt": "mergescope.adapt.job:run_adapt",
     "expansion": "mergescope.adapt.job:run_expansion",
 }

@@ -125,7 +125,9 @@ def to_plain(cfg: Any) -> Any:
 def job_hash(task: str, cfg: DictConfig, keys: list[str], extra: dict[str, Any] | None = None) -> str:
     """Hash of what determines a job's result: the task, the resolved config sections it reads, and
     ``extra`` parts (the fingerprints of the weights it reads, the contents of files it names)."""
-    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **(extra or {})})
+    from mergescope.precision import identity
+
+    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **(extra or {}), **identity(cfg)})
 
 
 def hash_parts(task: str, parts: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import token_nll
@@ -91,7 +92,7 @@ def check_represent(cfg: DictConfig) -> None:
 def repr_key(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> ReprKey:
     r = cfg.represent
     return ReprKey(model=models.fingerprint(ref), data=side.digest, lang=side.lang, split=str(cfg.data.split),
-                   pooling=str(r.pooling), layer=int(r.layer), dtype=str(entry.dtype), max_length=int(r.max_length))
+                   pooling=str(r.pooling), layer=int(r.layer), dtype=precision.dtype_tag(cfg, entry), max_length=int(r.max_length))
 
 
 def repr_cache(cfg: DictConfig) -> ReprCache:
@@ -108,12 +109,13 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
     hit = cache.get(key) if use else None
     if hit is not None:
         return hit[0], {**hit[1], "cache": "hit"}
-    lm = models.load(entry, cfg.device, ref=ref)
+    lm = models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref)
     r = cfg.represent
-    X, stats = embed(
-        lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
-        max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
-    )
+    with precision.active(cfg):
+        X, stats = embed(
+            lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
+            max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
+        )
     problem = representation_problem(X)
     if problem:
         raise MergescopeError(f"{ref.label} on {side.source}: {problem} (layer {r.layer}, pooling {r.pooling}); nothing "
@@ -196,8 +198,9 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     def body(job) -> dict[str, float]:
         lm = loaded[0]
         job.log_params({"model.true": lm.true_config})
-        res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
-                        max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
+        with precision.active(cfg):
+            res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
+                            max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
         keys = ("nll", "bits_per_byte", "nll_rest", "bits_per_byte_rest", "first_token_nll")
         return finite_or_fail({**{k: res[k] for k in keys}, "n_tokens": float(res["n_tokens"]),
                                "n_truncated": float(res["n_truncated"])},
@@ -207,4 +210,5 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
             "split": cfg.data.split, "seed": cfg.seed}
     return run_once(cfg, JobSpec(f"quality {model_label(entry)}", tags, task="quality", keys=QUALITY_KEYS, reads=(ref,),
                                  extra={"evidence": 1},  # 1: the first token apart (nll_rest, first_token_nll)
-                                 prepare=lambda: loaded.append(models.load(entry, cfg.device, ref=ref))), body, overrides)
+                                 prepare=lambda: loaded.append(models.load(precision.forward_entry(cfg, entry), cfg.device,
+                                                                           ref=ref))), body, overrides)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.bpb import LN2, Scores, score_sentences
@@ -360,8 +361,10 @@ def score_all(cfg, entries, refs, sides) -> list[Scores]:
     """Every sentence under every model (:mod:`mergescope.bpb`)."""
     out = []
     for e, r, side in zip(entries, refs, sides):
-        lm = models.load(e, cfg.device, ref=r)
-        out.append(score_sentences(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens, int(cfg.represent.max_length)))
+        lm = models.load(precision.forward_entry(cfg, e), cfg.device, ref=r)
+        with precision.active(cfg):
+            out.append(score_sentences(lm.model, lm.tokenizer, side.sentences, cfg.represent.batch_tokens,
+                                       int(cfg.represent.max_length)))
         del lm  # released before the next model loads: one model in memory at a time
     return out
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.errors import MergescopeError
@@ -21,13 +22,14 @@ def layer_reprs(cfg: DictConfig, s: SharedSettings, entry: Any, ref: models.Mode
     """{pooling: (L+1, n, d)} of one model on one side, for every pooling of the arm, cached per pooling."""
     r = cfg.represent
     keys = {p: LayersKey(model=models.fingerprint(ref), data=side.digest, lang=side.lang, split=str(cfg.data.split),
-                         pooling=p, dtype=str(entry.dtype), max_length=int(r.max_length)) for p in s.all_poolings}
+                         pooling=p, dtype=precision.dtype_tag(cfg, entry), max_length=int(r.max_length)) for p in s.all_poolings}
 
     def compute(missing: list[str]):
-        lm = models.load(entry, cfg.device, ref=ref)
-        out, stats = embed_layers(lm.model, lm.tokenizer, side.sentences, poolings=missing, batch_tokens=r.batch_tokens,
-                                  max_length=int(r.max_length), padding_side=r.padding_side,
-                                  progress=bool(cfg.progress), label=f"layers {ref.label}")
+        lm = models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref)
+        with precision.active(cfg):
+            out, stats = embed_layers(lm.model, lm.tokenizer, side.sentences, poolings=missing, batch_tokens=r.batch_tokens,
+                                      max_length=int(r.max_length), padding_side=r.padding_side,
+                                      progress=bool(cfg.progress), label=f"layers {ref.label}")
         return out, {"true_config": lm.true_config, **stats}
 
     return cached_layers(repr_cache(cfg), keys, compute)

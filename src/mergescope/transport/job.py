@@ -38,6 +38,7 @@ from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.documents import documents
 from mergescope.evidence import compare, read_scores, sentence_csv
+from mergescope import precision
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
 from mergescope.represent.cache import cache_enabled
@@ -106,7 +107,7 @@ def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> di
     out = {}
     for a in alphas:
         merge = {**parts["merge"], "alphas": [float(a)], "headline_alpha": None, "adapt": {"enabled": False}}
-        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, "evidence": EVIDENCE, **extra})
+        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, "evidence": EVIDENCE, **extra, **precision.identity(cfg)})
     return out
 
 
@@ -117,7 +118,8 @@ def _digest(sentences: tuple[str, ...]) -> str:
 def _hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **extra: Any) -> str:
     """A job's cfg_hash: the config sections in ``keys``, the fingerprint of every model it reads, and ``extra``."""
     refs = [models.resolve(e) for e in reads]
-    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), "evidence": EVIDENCE, **extra})
+    return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), "evidence": EVIDENCE, **extra,
+                             **precision.identity(cfg)})
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from mergescope.analysis.sections.beside import beside_the_seed
 from mergescope.analysis.sections.calibration import epsilon_calibration, probe_count
 from mergescope.analysis.sections.checkpoint import checkpoint_arm
 from mergescope.analysis.sections.correlations import correlations_checkpoint, correlations_cross
-from mergescope.analysis.sections.models import config_check, coverage, per_model_quality
+from mergescope.analysis.sections.models import config_check, coverage, per_model_quality, precision_section
 from mergescope.analysis.sections.native_pair import native_pair
 from mergescope.analysis.sections.other_settings import other_settings
 from mergescope.analysis.sections.representation import cka_section, one_language_section, pair_matrix
@@ -44,7 +44,7 @@ OUTLINE: tuple[tuple[Builder | None, ...], ...] = (
     (config_check,),
     (coverage,),
     (cka_section, one_language_section),
-    (pair_matrix, per_model_quality),
+    (pair_matrix, per_model_quality, precision_section),
     (checkpoint_arm,),
     (native_pair,),
     (transport, adapt_section, shared_space_section, epsilon_calibration, probe_count),

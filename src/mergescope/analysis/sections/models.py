@@ -146,3 +146,31 @@ def per_model_quality(an: Analysis, number: str) -> Section:
                                   "(kind=train)."))
     an.console_tables.append(sec.tables[0])
     return sec
+
+
+def precision_section(an: Analysis, number: str) -> Section | None:
+    """4b. The precision check (task=precision_check): per faster precision, the worst difference from float32 over
+    its 95% half-width for each criterion, and the arms it is harmless for; None where no check ran."""
+    runs = [r for r in [*an.study.records, *an.study.others] if r.kind == "precision_check"]
+    if not runs:
+        return None
+    from mergescope.precision_check import ARMS as PRECISION_ARMS
+    sec = Section("precision", f"{number}. Precision of the real-model forwards (float32 against faster precisions)")
+    rows, said = [], []
+    for r in sorted(runs, key=lambda r: r.tags.get("models", "")):
+        tol = r.m("tolerance")
+        for p in [x for x in r.tags.get("precisions", "").split(",") if x]:
+            ok = [a for a in PRECISION_ARMS if r.m(f"pass.{a}.{p}") == 1.0]
+            rows.append([r.tags.get("models", ""), p, f"{r.m(f'worst.cka.{p}'):.3f}", f"{r.m(f'worst.nll.{p}'):.3f}",
+                         f"{tol:g}", ", ".join(ok) or "none", f"{r.m('n_sentences'):.0f}", short(r.run_id)])
+            said.append(f"{p} is harmless for {', '.join(ok) or 'no arm'} on {r.tags.get('models', '')} "
+                        f"(worst CKA {r.m(f'worst.cka.{p}'):.3f}, NLL {r.m(f'worst.nll.{p}'):.3f} of the half-width)")
+    sec.tables.append(RTable("Precision check: the largest difference from float32 over its 95% half-width", [
+        "models", "precision", "worst CKA", "worst NLL", "tolerance", "harmless for", "sentences", "run"], rows,
+        note="worst CKA: max over model pairs of |CKA in the precision - CKA in float32| over the half-width of the float32 "
+             "CKA's jackknife interval; worst NLL: max over models of |bits per byte in the precision - in float32| "
+             "(without the first token) over the half-width of the narrowest paired interval between that model and "
+             "another (the same sentences). An arm is listed where its criterion's worst is below the tolerance "
+             "(measure, shared_space, agreement: CKA; quality, routing: NLL); elsewhere it stays float32."))
+    sec.text.append("; ".join(said) + ".")
+    return sec
