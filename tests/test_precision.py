@@ -144,3 +144,18 @@ def test_the_precision_check_measures_each_arms_quantities_against_float32(tiny_
         assert worst == pytest.approx(m[f"worst.cka.{p}"], abs=1e-4)  # the table's 4 decimals
     assert {r.info.status for r in runs(Path(cfg.paths.root))} == {"FINISHED"}
     assert run_precision_check(cfg, ov).skipped  # the same check again: reused
+
+
+def test_emulated_bfloat16_probes_have_their_own_identity(monkeypatch, compose_cfg):
+    """merge=transport_released (follow=code: bfloat16 probes) on a CPU without bfloat16 units runs the emulation,
+    whose numbers are not a native bfloat16 model's: its jobs' hashes say so; with units, or float32 probes, nothing."""
+    from mergescope.transport.job import probe_compute
+
+    cfg, _ = compose_cfg(["task=transport", "merge=transport_released"])
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ())
+    assert probe_compute(cfg) == {"probe_compute": "bfloat16-emulated"}
+    cfg32, _ = compose_cfg(["task=transport", "merge=transport_released", "merge.released.probe_dtype=float32"])
+    assert probe_compute(cfg32) == {}
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ("avx512_bf16",))
+    assert probe_compute(cfg) == {}
+    assert probe_compute(compose_cfg(["task=transport", "merge=transport"])[0]) == {}

@@ -98,6 +98,20 @@ def _alpha_cfg(cfg: DictConfig, alpha: float) -> DictConfig:
     return c
 
 
+def probe_compute(cfg: DictConfig) -> dict[str, str]:
+    """What a job's hash adds for HOW its bfloat16 probes are computed: nothing where they run natively (or are not
+    bfloat16), ``{"probe_compute": "bfloat16-emulated"}`` on hardware without bfloat16 units (the emulation's
+    numbers differ from a native bfloat16 model's in the accumulation order: :func:`mergescope.precision.bfloat16_copy`)."""
+    from mergescope.transport.settings import ReleasedSettings
+
+    m = cfg.get("merge")
+    if m is None or str(m.get("name")) != "transport_released":
+        return {}
+    if ReleasedSettings.from_node(m).probe_dtype != "bfloat16" or precision.bf16_native(str(cfg.get("device") or "cpu")):
+        return {}
+    return {"probe_compute": "bfloat16-emulated"}
+
+
 def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> dict[float, str]:
     """Each alpha's ``_hash("transport", _alpha_cfg(cfg, alpha), TRANSPORT_KEYS, reads, **extra)``, from one plain
     copy of the hashed sections (a config per alpha cost a cached relaunch 25 ms each, 60 of them); the same hashes
@@ -107,7 +121,8 @@ def _alpha_hashes(cfg: DictConfig, alphas, reads: list[Any], **extra: Any) -> di
     out = {}
     for a in alphas:
         merge = {**parts["merge"], "alphas": [float(a)], "headline_alpha": None, "adapt": {"enabled": False}}
-        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, "evidence": EVIDENCE, **extra, **precision.identity(cfg)})
+        out[a] = hash_parts("transport", {**parts, "merge": merge, **read, "evidence": EVIDENCE, **extra, **precision.identity(cfg),
+                                          **probe_compute(cfg)})
     return out
 
 
@@ -119,7 +134,7 @@ def _hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **extra
     """A job's cfg_hash: the config sections in ``keys``, the fingerprint of every model it reads, and ``extra``."""
     refs = [models.resolve(e) for e in reads]
     return hash_parts(task, {**{k: OmegaConf.select(cfg, k) for k in keys}, **model_parts(refs), "evidence": EVIDENCE, **extra,
-                             **precision.identity(cfg)})
+                             **precision.identity(cfg), **probe_compute(cfg)})
 
 
 @dataclass(frozen=True)
@@ -432,12 +447,12 @@ def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedMode
     skip = s.released.pooling == "skip_leading_special"
     extra = {"sites": sorted(f"{k}={p}:{side}" for k, (p, side) in ad.sites.items()), "skip_special": skip}
     if s.released.probe_dtype == "bfloat16":  # the released probes: a bfloat16 copy run and pooled in bfloat16
-        import copy
-
-        lm16 = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(torch.bfloat16))
+        native = precision.bf16_native(str(cfg.get("device") or "cpu"))
+        lm16 = dataclasses.replace(lm, model=precision.bfloat16_copy(lm.model, native))
         try:
             return _probe_cached(cfg, lm16, sentences, lang, ad, skip_leading_special=skip,
-                                 extra={**extra, "pool": "bfloat16"}, pool_dtype=torch.bfloat16)
+                                 extra={**extra, "pool": "bfloat16" if native else "bfloat16-emulated"},
+                                 pool_dtype=torch.bfloat16)
         finally:
             del lm16
     return _probe_cached(cfg, lm, sentences, lang, ad, skip_leading_special=skip, extra=extra)
