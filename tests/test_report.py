@@ -164,7 +164,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
                 "kind": "transport_adapt", "stage": "fused", "target": target, "donor": donor, "direction": direction,
                 "alpha": "0.1", "cfg_hash": f"ad-{direction}"}, {"nll_base_before": NLL[target], "nll_fused_before": NLL[target] + 0.01,
                                                   "nll_baseline_after": NLL[target] - 0.3, "nll_fused_after": NLL[target] - 0.35,
-                                                  "fusion_effect_after_adapt": -0.05})
+                                                  "fusion_effect_after_adapt": -0.05, "fusion_effect_after_adapt_rest": -0.05})
     return {"ids": ids, "truth": truth}
 
 

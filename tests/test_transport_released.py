@@ -450,8 +450,11 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-6:-4] == ["0/1", "1/1"] and rows[("a <- b", "seed")][-5] == "—"
     # the alpha chosen on the selection split (0.1: NLL 5.0 < 5.2), its delta read on the evaluation; the paper's
     # protocol (the best alpha on the evaluation itself) apart: 0.03; no selection split: no chosen alpha
-    assert rows[("a <- b", "released:code")][-4:] == ["0.1", "-0.0050 [-0.0060, -0.0040]", "0.03", "-1.0000 [-1.0010, -0.9990]"]
-    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-4:] == ["—", "—", "0.1", "+0.0200 [+0.0190, +0.0210]"]
+    two = " (a grid of 2: no interior to choose from)"  # alphas 0.03 and 0.1 only: any choice sits at an edge
+    assert rows[("a <- b", "released:code")][-4:] == ["0.1" + two, "-0.0050 [-0.0060, -0.0040]", "0.03" + two,
+                                                     "-1.0000 [-1.0010, -0.9990]"]
+    assert rows[("a <- b", "released:code + plan_scale=row_stochastic")][-4:] == ["—", "—", "0.1 (a grid of 1: no interior to choose from)",
+                                                                                 "+0.0200 [+0.0190, +0.0210]"]
     an = SimpleNamespace(metrics={}, csv={}, console_tables=[])
     sec = Section("transport", "7. Transport")
     _fusion_table(an, sec, runs)
