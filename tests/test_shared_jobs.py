@@ -196,3 +196,37 @@ def test_the_report_section_shows_centroids_state_space_gap_and_content_types(en
     for name in ("shared_agreement_by_depth", "shared_layer_cka", "shared_space_flores200"):
         assert shared.count(f"](figures/{name}.png)") == 1, name
     assert out["report_html"].read_text().count("data:image/png;base64,") >= 3
+
+
+def test_share_layers_runs_each_model_once_for_the_measure_arm_and_the_shared_space(tiny_models, compose_cfg, monkeypatch):
+    """represent.share_layers (the studies with a shared-space arm): the measure arm computes every pooling the shared
+    space reads at every layer in ONE forward per model and side, writes those entries, and takes its final layer from
+    it (equal to the single-layer path to float noise); the shared space then finds them all and runs no forward."""
+    from test_e2e import pair_args
+
+    from mergescope import data as data_mod
+    from mergescope import models
+    from mergescope.represent import job as rjob
+    from mergescope.represent.forward import embed as single
+    from mergescope.represent.layers import embed_layers as real_layers
+    from mergescope.shared_space import reprs
+    from mergescope.shared_space.settings import SharedSettings
+
+    cfg, ov = compose_cfg(["task=measure", "metric=cka", *pair_args(tiny_models), "represent.share_layers=true",
+                           "control.calibration_permutations=0"])
+    calls = []
+    monkeypatch.setattr(rjob, "embed_layers", lambda *a, **k: (calls.append(k["poolings"]), real_layers(*a, **k))[1])
+    monkeypatch.setattr(rjob, "embed", lambda *a, **k: pytest.fail("the single-layer path ran"))
+    rjob.run_measure(cfg, ov)
+    s = SharedSettings.from_cfg(cfg)
+    assert len(calls) == 2 and all(set(c) == set(s.all_poolings) for c in calls)  # one forward per side, every pooling
+    entry, ref = cfg.pair.a, models.resolve(cfg.pair.a)
+    side = data_mod.load_side(cfg.data, str(entry.lang))
+    X, meta = rjob.representations(cfg, entry, ref, side)
+    assert meta["cache"] == "hit"
+    lm = models.load(entry, "cpu", ref=ref)
+    Y, _ = single(lm.model, lm.tokenizer, side.sentences, pooling=str(cfg.represent.pooling), progress=False)
+    assert np.allclose(X, Y, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(reprs, "embed_layers", lambda *a, **k: pytest.fail("the shared space ran a second forward"))
+    got, _ = reprs.layer_reprs(cfg, s, entry, ref, side)
+    assert set(got) == set(s.all_poolings) and np.array_equal(got[str(cfg.represent.pooling)][-1], X)

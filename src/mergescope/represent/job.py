@@ -6,6 +6,8 @@ Each validates its inputs before an MLflow run exists, then runs through :func:`
 
 from __future__ import annotations
 
+import dataclasses
+
 import zlib
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem
 from mergescope.represent.forward import POOLINGS, embed
+from mergescope.represent.layers import LayersKey, embed_layers
 from mergescope.runs import JobResult, JobSpec, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
 
 MEASURE_KEYS = ["pair", "metric", "data", "represent.pooling", "represent.layer", "represent.max_length",
@@ -109,22 +112,50 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
     hit = cache.get(key) if use else None
     if hit is not None:
         return hit[0], {**hit[1], "cache": "hit"}
-    lm = models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref)
     r = cfg.represent
-    with precision.active(cfg):
-        X, stats = embed(
-            lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
-            max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress), label=f"embed {ref.label}",
-        )
+    # represent.share_layers (a study with a shared-space arm sets it): the final layer is read from, or computed
+    # with, the all-layer entry the shared space reads, so each model runs once per language for both arms
+    lkey = layers_key(cfg, entry, ref, side) if use and r.get("share_layers") and int(r.layer) == -1 else None
+    lhit = cache.get(lkey) if lkey is not None else None
+    writes = []
+    if lhit is not None:
+        X, meta, how = lhit[0][-1], {k: v for k, v in lhit[1].items()}, "layers"
+    else:
+        lm = models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref)
+        with precision.active(cfg):
+            if lkey is not None:  # every pooling the shared space reads, from the same forward
+                sh = cfg.get("shared") or {}
+                pools = list(dict.fromkeys([str(r.pooling), str(sh.get("pooling") or r.pooling), *map(str, sh.get("poolings") or [])]))
+                every, stats = embed_layers(lm.model, lm.tokenizer, side.sentences, poolings=pools,
+                                            batch_tokens=r.batch_tokens, max_length=int(r.max_length),
+                                            padding_side=r.padding_side, progress=bool(cfg.progress),
+                                            label=f"embed layers {ref.label}")
+                X = every[str(r.pooling)][-1]
+            else:
+                X, stats = embed(lm.model, lm.tokenizer, side.sentences, pooling=r.pooling, layer=int(r.layer),
+                                 batch_tokens=r.batch_tokens, max_length=int(r.max_length), padding_side=r.padding_side,
+                                 progress=bool(cfg.progress), label=f"embed {ref.label}")
+        meta, how = {"true_config": lm.true_config, **stats}, "miss"
+        if lkey is not None:
+            for name, arr in every.items():
+                k = dataclasses.replace(lkey, pooling=name)
+                writes.append(lambda k=k, arr=arr: cache.put(k, arr, meta))
     problem = representation_problem(X)
     if problem:
         raise MergescopeError(f"{ref.label} on {side.source}: {problem} (layer {r.layer}, pooling {r.pooling}); nothing "
                               "was measured or cached: check the model's weights and dtype (float32 avoids overflow)")
-    meta = {"true_config": lm.true_config, **stats}
     if use:
-        write = lambda: cache.put(key, X, meta)  # noqa: E731
-        write() if pending is None else pending.append(write)
-    return X, {**meta, "cache": "miss" if use else "off"}
+        writes.append(lambda: cache.put(key, X, meta))
+        for write in writes:
+            write() if pending is None else pending.append(write)
+    return X, {**meta, "cache": how if use else "off"}
+
+
+def layers_key(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> LayersKey:
+    """The all-layer cache key of one side's representations in the measure arm's pooling (the shared space's key)."""
+    r = cfg.represent
+    return LayersKey(model=models.fingerprint(ref), data=side.digest, lang=side.lang, split=str(cfg.data.split),
+                     pooling=str(r.pooling), dtype=precision.dtype_tag(cfg, entry), max_length=int(r.max_length))
 
 
 def needs_model(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> None:
