@@ -38,7 +38,8 @@ def _folder(root: Path, n: int = N) -> Path:
 
 def _measure(models: dict, data: Path, *extra: str) -> list[str]:
     return ["task=measure", "metric=cka", "pair=custom", f"pair.a.name_or_path={models['neox_en']}", "pair.a.lang=eng_Latn",
-            f"pair.b.name_or_path={models['llama_pt']}", "pair.b.lang=por_Latn", "data=folder", f"data.root={data}", *extra]
+            f"pair.b.name_or_path={models['llama_pt']}", "pair.b.lang=por_Latn", "data=folder", f"data.root={data}",
+            "represent.share_layers=false", *extra]  # the single-layer entries alone (the all-layer ones: the next test)
 
 
 def _run(compose_cfg, args: list[str]):
@@ -506,3 +507,29 @@ def test_the_default_store_folder_made_by_a_concurrent_job_is_used(tmp_path, mon
     (tmp_path / "afile").write_text("")
     with pytest.raises(MergescopeError, match="is a file, not a folder"):
         _writable_folder(tmp_path / "afile", "paths.root", str(tmp_path), create=True)
+
+
+def test_a_damaged_all_layer_entry_is_reported_deleted_and_recomputed(tiny_models, compose_cfg, tmp_path, capsys):
+    """represent.share_layers: the measure arm also writes the shared space's all-layer entries and reads its final
+    layer from them. Those entries are verified on read like every other: garbage in one (its single-layer entry
+    gone too) is reported, deleted and recomputed, never measured."""
+    data = _folder(tmp_path / "data")
+    args = _measure(tiny_models, data, "represent.share_layers=true")
+    first = _run(compose_cfg, args)
+    root = tmp_path / ".cache" / "mergescope" / "reprs"
+    from mergescope.integrity import load_json
+
+    metas = {f: load_json(f) for f in sorted(root.glob("*.json"))}
+    big = [f for f, m in metas.items() if m["key"].get("layers") == "all"]  # 3 poolings x 2 sides, (layers, n, d)
+    assert len(metas) == 8 and len(big) == 6 and all(len(metas[f]["shape"]) == 3 for f in big)
+    for f in metas:
+        if f not in big:  # the single-layer entries gone: the measure arm must read an all-layer one
+            f.unlink()
+            f.with_suffix(".npy").unlink()
+    for f in big:
+        _garbage(f.with_suffix(".npy"))
+    capsys.readouterr()
+    again = _run(compose_cfg, [*args, "rerun=true"])
+    err = capsys.readouterr().err
+    assert again.metrics["cka"] == pytest.approx(first.metrics["cka"], abs=1e-12)
+    assert err.count("is corrupt") >= 2

@@ -115,8 +115,9 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
     r = cfg.represent
     # represent.share_layers (a study with a shared-space arm sets it): the final layer is read from, or computed
     # with, the all-layer entry the shared space reads, so each model runs once per language for both arms
-    lkey = layers_key(cfg, entry, ref, side) if use and r.get("share_layers") and int(r.layer) == -1 else None
-    lhit = cache.get(lkey) if lkey is not None else None
+    # (the same path with the cache off, so a reproduction recomputes the same numbers, not the single-layer path's)
+    lkey = layers_key(cfg, entry, ref, side) if r.get("share_layers") and int(r.layer) == -1 else None
+    lhit = cache.get(lkey) if lkey is not None and use else None
     writes = []
     if lhit is not None:
         X, meta, how = lhit[0][-1], {k: v for k, v in lhit[1].items()}, "layers"
