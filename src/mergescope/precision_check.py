@@ -21,7 +21,6 @@ the study file's ``precision:`` per arm, not applied by itself.
 
 from __future__ import annotations
 
-import copy
 import io
 import itertools
 import math
@@ -80,7 +79,7 @@ def _forward(model, tok, sentences, cfg: DictConfig, value: str) -> tuple[np.nda
     before = torch.get_float32_matmul_precision()
     if value == "medium":
         torch.set_float32_matmul_precision("medium")
-    m = copy.deepcopy(model).to(torch.bfloat16) if value == "bfloat16" else model
+    m = prec_mod.bfloat16_copy(model, native=True) if value == "bfloat16" else model  # checked: the units exist
     try:
         X, _ = embed(m, tok, sentences, pooling=r.pooling, layer=int(r.layer), batch_tokens=r.batch_tokens,
                      max_length=int(r.max_length), padding_side=r.padding_side, progress=bool(cfg.progress),
