@@ -179,3 +179,21 @@ def test_a_fine_tune_is_counted_with_its_own_steps_and_batch():
                                                                              "train": {"batch_size": 8}}}, "train": train})
     w = costs.count(c, "train", ft)
     assert w.flops / toy.flops == pytest.approx((48 * 8 * 64) / (600 * 16 * 64))
+
+
+def test_a_fine_tune_not_trained_yet_is_counted_from_its_base(tmp_path):
+    """A fine-tune whose folder does not exist yet (study=crossarch_real on a fresh clone) has its base's shape, read
+    from the base's config.json (zoo.init_from); never the default config of its family (a 7B Llama: 40 GiB counted
+    for a 135M model); with no base on disk its estimate is unknown, naming the base."""
+    from mergescope.zoo.build import build_model
+
+    base = _entry(True)
+    m = build_model(OmegaConf.to_container(base.zoo), 300, seed=0)
+    m.config.save_pretrained(tmp_path / "base")
+    ft = OmegaConf.create({"name": "ft", "name_or_path": str(tmp_path / "ft"), "revision": None, "lang": "por_Latn",
+                           "zoo": {"family": "llama", "vocab_size": 300, "init_from": str(tmp_path / "base"), "steps": 48}})
+    s, src = costs.shape_of(ft)
+    assert src == "base config.json" and s.params == sum(p.numel() for p in m.parameters()) and s.hidden == 32
+    ft.zoo.init_from = str(tmp_path / "absent")
+    s, why = costs.shape_of(ft)
+    assert s is None and "absent" in why and "make real" in why

@@ -120,6 +120,12 @@ def shape_of(entry: Any) -> tuple[Shape | None, str]:
 
         c = AutoConfig.from_pretrained(ref.location, gguf_file=ref.gguf_file, trust_remote_code=False)
         return _shape_from_json(json.dumps(c.to_dict(), sort_keys=True, default=str), name), "gguf"
+    init_from = (entry.get("zoo") or {}).get("init_from")
+    if init_from:  # a fine-tune not trained yet: its base's shape (never a default config of its family)
+        base = Path(str(init_from)) / "config.json"
+        if base.is_file():
+            return _shape_from_json(base.read_text(), name), "base config.json"
+        return None, f"{name}: its base {init_from} is not on disk (install or train it first: make real for a real base)"
     if entry.get("zoo") is not None:
         from mergescope.zoo.build import zoo_config
 
