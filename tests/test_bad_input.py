@@ -330,3 +330,36 @@ def test_eval_lm_eval_without_the_harness_is_refused_before_any_run(tiny_models,
     assert code == 2 and lines == ["error: eval=lm_eval needs lm-evaluation-harness: pip install lm-eval (or pip install -e "
                                    "'.[eval]')"]
     assert [r.info.run_id for r in store_runs(tmp_path)] == before
+
+
+def no_start_token(folder: Path) -> None:
+    """The tokenizer of ``folder`` and of its revisions with no BOS, no EOS and no document separator."""
+    for f in [folder, *(d for d in folder.iterdir() if d.is_dir())]:
+        if (f / "tokenizer.json").is_file():
+            (f / "tokenizer.json").write_text((f / "tokenizer.json").read_text().replace("<|endoftext|>", "<|pad|>"))
+            c = json.loads((f / "tokenizer_config.json").read_text())
+            c.update(bos_token=None, eos_token=None, unk_token=None, pad_token="<|pad|>")
+            (f / "tokenizer_config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("extra", [["task=merge", "merge=linear", "save=true"], ["task=quality"]])
+def test_a_tokenizer_with_no_start_token_is_refused_before_any_run(tiny_models, tmp_path, compose_cfg, capsys, extra):
+    """Issue 47: a model whose tokenizer has no start token (no NLL can be defined) is refused before its run exists,
+    with no FAILED run left (a merge with save=true left one); the representation arm, which scores no NLL, still runs."""
+    from mergescope.bpb import start_id
+    from mergescope.models import load_tokenizer, resolve
+
+    m = broken_copy(tiny_models["neox_en"], tmp_path / "nostart", no_start_token)
+    pair = ["pair=custom", f"pair.a.name_or_path={m}", "pair.a.lang=eng_Latn", "pair.a.revision=step1",
+            f"pair.b.name_or_path={m}", "pair.b.lang=eng_Latn", "pair.b.revision=step2", "native.base=null",
+            "native.nll_sentences=8", f"paths.merged={tmp_path / 'merged'}"]
+    args = [*extra, *pair] if extra[0] == "task=merge" else [*extra, "model=custom", f"model.name_or_path={m}",
+                                                             "model.lang=eng_Latn", f"data.max_sentences={N}"]
+    cfg, _ = compose_cfg(args)
+    with pytest.raises(Exception, match="neither a BOS nor an EOS"):  # the fixture is what it claims
+        start_id(load_tokenizer(resolve(cfg.pair.a if extra[0] == "task=merge" else cfg.model)))
+    code, err = inproc(args, compose_cfg, capsys)
+    assert code == 2 and err.count("\n") == 1 and "neither a BOS nor an EOS" in err and "tokenizer_config.json" in err
+    assert store_runs(tmp_path) == [] and not (tmp_path / "merged").exists()
+    code, err = inproc(["task=measure", "metric=procrustes", *pair[:7], f"data.max_sentences={N}"], compose_cfg, capsys)
+    assert code is None or code == 0, err

@@ -83,6 +83,27 @@ def start_id(tokenizer) -> int:
     raise MergescopeError("the tokenizer has neither a BOS nor an EOS token to start a sentence from")
 
 
+_START_CHECKED: set[tuple] = set()
+
+
+def check_start(ref) -> None:
+    """Refuse, before any run exists, a model whose tokenizer gives no start token (:func:`start_id`): every NLL of
+    mergescope predicts a sentence's first token from it. Checked once per model version per process."""
+    key = (ref.location, ref.revision, ref.gguf_file)
+    if key in _START_CHECKED:
+        return
+    from mergescope import models
+
+    try:
+        start_id(models.load_tokenizer(ref))
+    except MergescopeError:
+        raise MergescopeError(
+            f"{ref.label}: its tokenizer has neither a BOS nor an EOS token (nor a document separator such as "
+            "<|endoftext|>) to start a sentence from, so no NLL can be defined; give it one (bos_token or eos_token in "
+            "its tokenizer_config.json)") from None
+    _START_CHECKED.add(key)
+
+
 @dataclass(frozen=True)
 class Prepared:
     """The scored token ids of each sentence ([start] + its tokens, cut at ``max_length``), whether it was cut, and the

@@ -200,6 +200,10 @@ def data_reads(cfg: DictConfig, keys: list[str]) -> dict[str, str]:
     return data_mod.content_digest(cfg.data, [x for x in langs if x and x != "None"], splits)
 
 
+NO_NLL_TASKS = frozenset({"measure", "agreement", "shared_space", "typology", "train"})
+"""Jobs that score no NLL (representations, tables, training): a tokenizer with no start token is not refused there."""
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """One job, as :func:`run_once` runs it: its run's name and tags, what identifies it, and its three hooks.
@@ -246,6 +250,11 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
             _nested_reused(cfg, tracker, h, done, nested)
         return done
     would_run()
+    if spec.task not in NO_NLL_TASKS:  # a model with no start token is refused here, before its run exists
+        from mergescope.bpb import check_start
+
+        for r in reads:
+            check_start(r)
     with claim(cfg, h):  # two launches of one job: the second waits here, then finds the first's run
         if done is None and not cfg.get("rerun"):
             done = finished(cfg, tracker, h)
