@@ -86,6 +86,30 @@ def test_four_parallel_writers_lose_no_run_and_never_see_the_password(running):
     assert password not in cmdline  # the database URI reaches the server through its environment only
 
 
+def test_a_live_server_named_with_credentials_is_reached_and_the_password_redacted(running, tmp_path):
+    """Issue 47: http://user:pw@127.0.0.1:PORT reached (the check sends them as basic auth, as MLflow's client does),
+    the job FINISHED in the server's store, the password in no param, tag, output or file of the launch."""
+    from mlflow.tracking import MlflowClient
+
+    from mergescope.store import server_problem
+
+    _, _, state = running
+    secret = "s3cr3t-Pw0rd"
+    uri = state["uri"].replace("http://", f"http://alice:{secret}@")
+    assert server_problem(uri) is None and server_problem(uri.replace(state["uri"].rsplit(":", 1)[1], "9")) is not None
+    env = {**{k: v for k, v in os.environ.items() if k != "MERGESCOPE_TRACKING_URI"}, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, str(REPO / "launch.py"), "task=typology", f"pair={PAIRS[0]}", f"tracking.uri={uri}",
+                        "tracking.experiment=credentials", f"paths.root={tmp_path}", "progress=false",
+                        f"hydra.run.dir={tmp_path}/out"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(state["uri"])
+    runs = client.search_runs([client.get_experiment_by_name("credentials").experiment_id])
+    assert [x.info.status for x in runs] == ["FINISHED"]
+    assert secret not in r.stdout + r.stderr
+    assert all(secret not in v for v in [*runs[0].data.params.values(), *runs[0].data.tags.values()])
+    assert all(secret not in f.read_text(errors="replace") for f in tmp_path.rglob("*") if f.is_file())
+
+
 def test_postgres_listens_on_loopback_only(running):
     _, folder, _ = running
     conf = (folder / "pg" / "postgresql.conf").read_text()

@@ -102,11 +102,26 @@ def sqlite_problem(path: Path) -> str | None:
 def server_problem(uri: str, timeout: float = 3.0) -> str | None:
     """Why the tracking server at ``uri`` cannot be reached (probed once, ``timeout`` seconds); None when it answers.
     Any HTTP answer counts as alive; a refused connection, a timeout or a bad address does not."""
+    import base64
     import urllib.error
+    import urllib.parse
     import urllib.request
 
+    parts = urllib.parse.urlsplit(uri.rstrip("/"))
+    headers = {}
+    if parts.username is not None or parts.password is not None:  # user:password@host: sent as basic auth, as MLflow does
+        cred = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(cred.encode()).decode()
+        netloc = parts.hostname or ""
+        netloc = f"[{netloc}]" if ":" in netloc else netloc
+        try:
+            port = parts.port
+        except ValueError as exc:
+            return str(exc)
+        parts = parts._replace(netloc=netloc if port is None else f"{netloc}:{port}")
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+        req = urllib.request.Request(f"{urllib.parse.urlunsplit(parts)}/health", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout):
             return None
     except urllib.error.HTTPError:
         return None

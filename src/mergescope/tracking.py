@@ -62,6 +62,9 @@ def client_for(uri: str):
     """The MLflow client of a store (one per URI per process)."""
     from mlflow.tracking import MlflowClient
 
+    from mergescope.cli import scrub_mlflow_links
+
+    scrub_mlflow_links()  # MLflow's own "View run" print, with a URI's password in it, written scrubbed
     for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
     with store_lock(uri):  # the client creates (and migrates) the schema: one process at a time
