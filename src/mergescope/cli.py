@@ -284,29 +284,6 @@ def guard_hydra() -> None:
     scrub_log_records()
 
 
-def scrub_mlflow_links() -> None:
-    """MLflow prints each ended run's link ("View run ... at: URL") straight to stdout, with the tracking URI's
-    ``user:password@`` in it: that print is captured and written scrubbed."""
-    import contextlib
-    import io
-
-    from mlflow.tracking._tracking_service.client import TrackingServiceClient
-
-    plain = TrackingServiceClient._log_url
-    if getattr(plain, "_mergescope", False):
-        return
-
-    def log_url(self, run_id):
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            plain(self, run_id)
-        if buf.getvalue():
-            sys.stdout.write(scrub(buf.getvalue()))
-
-    log_url._mergescope = True  # type: ignore[attr-defined]
-    TrackingServiceClient._log_url = log_url
-
-
 def scrub_log_records() -> None:
     """Every log record (Hydra's launcher lists each job's overrides) has secret override values replaced."""
     import logging

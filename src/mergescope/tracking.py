@@ -57,12 +57,36 @@ def store_uri(cfg: DictConfig) -> tuple[str, str]:
     return uri, artifacts
 
 
+def scrub_mlflow_links() -> None:
+    """MLflow prints each ended run's link ("View run ... at: URL") straight to stdout, with the tracking URI's
+    ``user:password@`` in it: that print is captured and written scrubbed."""
+    import contextlib
+    import io
+    import sys
+
+    from mergescope.config import redact_text
+
+    from mlflow.tracking._tracking_service.client import TrackingServiceClient
+
+    plain = TrackingServiceClient._log_url
+    if getattr(plain, "_mergescope", False):
+        return
+
+    def log_url(self, run_id):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            plain(self, run_id)
+        if buf.getvalue():
+            sys.stdout.write(redact_text(buf.getvalue()))
+
+    log_url._mergescope = True  # type: ignore[attr-defined]
+    TrackingServiceClient._log_url = log_url
+
+
 @lru_cache(maxsize=None)
 def client_for(uri: str):
     """The MLflow client of a store (one per URI per process)."""
     from mlflow.tracking import MlflowClient
-
-    from mergescope.cli import scrub_mlflow_links
 
     scrub_mlflow_links()  # MLflow's own "View run" print, with a URI's password in it, written scrubbed
     for name in ("alembic", "mlflow", "alembic.runtime.migration", "mlflow.store.db.utils"):
