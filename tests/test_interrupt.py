@@ -103,3 +103,24 @@ def test_four_parallel_sweeps_on_a_fresh_store(tiny_models, tmp_path):
     runs = statuses(tmp_path)
     assert len(runs) == 8 and {st for _, st, _ in runs} == {"FINISHED"}, runs
     assert Counter(m for _, _, m in runs) == {"cka": 4, "procrustes": 4}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_sigterm_inside_a_store_call_is_raised_when_the_call_returns(depth):
+    """The CI failure of stop 50: SIGTERM landed inside an MLflow write, whose session then held SQLite's lock against
+    the KILLED write. The signal is now noted inside a store call and raised only when the outermost one returns."""
+    from contextlib import ExitStack
+
+    from mergescope.tracking import Terminated, killed_on_sigterm, store_call
+
+    done = []
+    with killed_on_sigterm(), pytest.raises(Terminated) as info:
+        with ExitStack() as calls:
+            for _ in range(depth):
+                calls.enter_context(store_call())
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here; it must not raise inside the call
+            done.append("the call finished")
+    assert done == ["the call finished"] and info.value.code == 143
+    with store_call():  # nothing left pending
+        pass

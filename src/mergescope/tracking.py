@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+import functools
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,28 @@ def client_for(uri: str):
         path = local_path(uri) if uri.startswith("sqlite:") else None
         if path is not None and (not path.exists() or path.stat().st_size == 0):
             create_sqlite(path)  # made and migrated in a temporary file, moved into place when complete
-        return MlflowClient(tracking_uri=uri)
+        return StoreWrites(MlflowClient(tracking_uri=uri))
+
+
+class StoreWrites:
+    """An MLflow client whose every call runs with SIGTERM deferred (:func:`store_call`): a signal that lands inside a
+    store write is raised when the write has returned, so no SQLAlchemy session is left holding SQLite's write lock
+    for the KILLED status write that follows (the lock it would wait on would be its own)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            with store_call():
+                return attr(*args, **kwargs)
+
+        return call
 
 
 @lru_cache(maxsize=None)
@@ -380,8 +402,29 @@ class Terminated(SystemExit):
     """SIGTERM, raised in the main thread: the open run (if any) is marked KILLED and the process exits with 143."""
 
 
+_IN_STORE = threading.local()  # depth of store calls on this thread, and a SIGTERM that arrived during one
+
+
+@contextmanager
+def store_call() -> Iterator[None]:
+    """A store call with SIGTERM deferred: the handler only notes it; it is raised here once the outermost call has
+    returned (or raised), outside any store session."""
+    depth = getattr(_IN_STORE, "depth", 0)
+    _IN_STORE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _IN_STORE.depth = depth
+        if depth == 0 and getattr(_IN_STORE, "pending", None) is not None:
+            signum, _IN_STORE.pending = _IN_STORE.pending, None
+            raise Terminated(128 + signum)
+
+
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean exit: a second SIGTERM does not interrupt the clean-up
+    if getattr(_IN_STORE, "depth", 0) > 0:  # inside a store write: raised when it returns (store_call)
+        _IN_STORE.pending = signum
+        return
     raise Terminated(128 + signum)
 
 
