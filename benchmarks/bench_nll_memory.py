@@ -1,12 +1,12 @@
 """Peak memory of one NLL batch on a Gemma-sized vocabulary (262144 rows): the full-logits path against the project's
-chunked head (:mod:`mergescope.bpb`). Not a timing.
+chunked head (:mod:`mergescope.scoring.bpb`). Not a timing.
 
 A tiny Gemma 3 text model (2 layers, hidden 64, final-logit soft-capping 30, float32) scores a batch of
 ``--batch`` x ``--length`` random tokens twice, each in a fresh process so that neither sees the other's peak:
 
 - ``full``: what the NLL paths did before (the model's forward returns every position's logits, batch x length x
   vocabulary float32, then a float64 copy and a log-softmax over it);
-- ``chunked``: :func:`mergescope.bpb.window_scores` (the forward keeps one position's logits; the head, the
+- ``chunked``: :func:`mergescope.scoring.bpb.window_scores` (the forward keeps one position's logits; the head, the
   soft-capping and the log-softmax run on chunks of at most ``CHUNK_ELEMENTS`` logits).
 
 plus ``body``, the model's forward alone with one position's logits (what every path needs). Each process runs one
@@ -56,7 +56,7 @@ def model_and_batch(vocab: int, batch: int, length: int, device: str):
 
 
 def one(mode: str, vocab: int, batch: int, length: int, device: str) -> dict:
-    from mergescope.bpb import Head, window_scores
+    from mergescope.scoring.bpb import Head, window_scores
 
     model, x, m, p, targets, scored = model_and_batch(vocab, batch, length, device)
     with torch.inference_mode():  # warm-up: the libraries' one-time allocations are not the path's

@@ -89,7 +89,7 @@ def main() -> int:
         return 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.bpb import token_nll
+    from mergescope.scoring.bpb import token_nll
     from mergescope.precision import cpu_bf16_units
     from mergescope.represent import embed
 

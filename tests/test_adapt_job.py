@@ -166,7 +166,7 @@ def test_save_true_writes_a_folder_that_reloads_to_the_same_nll(scale, compose_c
     from mergescope.adapt.evaluate import load_texts
 
     texts = load_texts(cfg.data, ["eng_Latn", "por_Latn"], {"val": "dev", "test": "devtest"}, 6, str(cfg.adaptation.sample))
-    from mergescope.bpb import sentence_nll
+    from mergescope.scoring.bpb import sentence_nll
 
     per_lang = [sentence_nll(model, tok, t.sentences) for t in texts if t.split == "test"]
     reloaded = sum(float(n.sum() / k.sum()) for n, k in per_lang) / 2
@@ -174,7 +174,7 @@ def test_save_true_writes_a_folder_that_reloads_to_the_same_nll(scale, compose_c
 
 
 def test_lm_eval_local_tasks_and_metric_names(tmp_path):
-    from mergescope.adapt.lmeval import flat_metrics, local_tasks
+    from mergescope.scoring.lmeval import flat_metrics, local_tasks
 
     from conftest import FLORES
 

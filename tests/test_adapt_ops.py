@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mergescope.adapt import adapters, expand_blockers, expand_maps, shape_of, slot_map, truncate_maps
-from mergescope.adapt.shapes import head_map, repeat_blockers
+from mergescope.shapes import head_map, repeat_blockers
 from mergescope.errors import MergescopeError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -346,7 +346,7 @@ def no_start_token(folder: Path) -> None:
 def test_a_tokenizer_with_no_start_token_is_refused_before_any_run(tiny_models, tmp_path, compose_cfg, capsys, extra):
     """Issue 47: a model whose tokenizer has no start token (no NLL can be defined) is refused before its run exists,
     with no FAILED run left (a merge with save=true left one); the representation arm, which scores no NLL, still runs."""
-    from mergescope.bpb import start_id
+    from mergescope.scoring.bpb import start_id
     from mergescope.models import load_tokenizer, resolve
 
     m = broken_copy(tiny_models["neox_en"], tmp_path / "nostart", no_start_token)

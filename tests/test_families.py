@@ -188,7 +188,7 @@ def test_expand_zero_keeps_a_gemma3_model_and_truncate_gives_it_back(toks):
     """Gemma 3's width rules: embedding rows x sqrt(h_s/h_t) (its model multiplies them by sqrt(h)), (1 + w) norms
     scaled as 1 + w, the tied final norm left as it is (the head reads it through the rescaled rows), q_norm / k_norm
     copied; over depth the new layers are identities, each source layer keeping its sliding or full attention."""
-    from mergescope.adapt.shapes import expand_layer_pairs, layer_type_blockers, shape_of
+    from mergescope.shapes import expand_layer_pairs, layer_type_blockers, shape_of
 
     tok = toks["bos"]
     small = _boost(tiny_model("gemma3", len(tok), seed=0), 0)
@@ -196,7 +196,7 @@ def test_expand_zero_keeps_a_gemma3_model_and_truncate_gives_it_back(toks):
     eps = small.config.rms_norm_eps
     wide = _gemma_target(tok, eps)
     sd = _adapt("expand", small, wide)
-    from mergescope.adapt.shapes import expand_maps
+    from mergescope.shapes import expand_maps
 
     c, h = math.sqrt(32 / 64), expand_maps(shape_of(small.config), shape_of(wide.config))["h"]  # whole head_dim blocks
     emb_s = small.state_dict()["model.embed_tokens.weight"]
@@ -230,7 +230,7 @@ def test_expand_zero_keeps_a_gemma3_model_and_truncate_gives_it_back(toks):
 
 def test_gemma3_refusals_name_why(toks):
     from mergescope.adapt.kept import target_configs
-    from mergescope.adapt.shapes import shape_of, truncate_maps
+    from mergescope.shapes import shape_of, truncate_maps
 
     small = tiny_model("gemma3", 64, seed=0)
     with pytest.raises(MergescopeError, match=r"embedding scale sqrt\(hidden\) and \(1 \+ w\) norms are not kept by "
@@ -242,7 +242,7 @@ def test_gemma3_refusals_name_why(toks):
     other = tiny_model("gemma3", 64, seed=0, head_dim=8, num_attention_heads=2)
     with pytest.raises(MergescopeError, match=r"head_dim differs \(16 vs 8\): gemma3_text normalises each query and key"):
         truncate_maps(shape_of(small.config), shape_of(other.config))
-    from mergescope.adapt.shapes import config_blockers
+    from mergescope.shapes import config_blockers
 
     bad = copy.deepcopy(small.config)  # the attention's 1/sqrt(query_pre_attn_scalar): a setting GGUF does not carry
     bad.query_pre_attn_scalar = 64

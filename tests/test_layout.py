@@ -70,6 +70,24 @@ def test_no_import_cycle(top_level_only):
             visit(m, [m])
 
 
+ARMS = ("represent", "native", "transport", "adapt", "shared_space", "zoo")
+
+
+def test_the_shared_services_import_no_arm():
+    """Saving, lm-eval scoring, batching and the NLL definition serve every route: they live in ``scoring`` and import
+    no arm, and no arm reaches into another arm for them (issue 46: no arrow runs back up)."""
+    mods = _modules()
+    bad = [f"{m} imports {t}" for m, tree in mods.items() if m.startswith("mergescope.scoring")
+           for n in _imports(tree, False) for t in _targets(n) if any(t.startswith(f"mergescope.{a}") for a in ARMS)]
+    for m, tree in mods.items():
+        arm = next((a for a in ARMS if m.startswith(f"mergescope.{a}.") or m == f"mergescope.{a}"), None)
+        if arm in ("represent", "native", "transport", "adapt", "shared_space"):
+            bad += [f"{m} imports {t}" for n in _imports(tree, False) for t in _targets(n)
+                    if t.startswith(("mergescope.adapt.save", "mergescope.adapt.lmeval", "mergescope.represent.forward"))
+                    and not t.startswith(f"mergescope.{arm}")]
+    assert not bad, bad
+
+
 def test_no_module_imports_another_modules_private_name():
     bad = []
     for m, tree in _modules().items():

@@ -95,7 +95,7 @@ SENTS = ["The cat sat on the mat.", "A short one.", "Merging models needs eviden
 def _plain_gram_layer0(model, tok, sentences) -> torch.Tensor:
     """Layer 0's query_key_value input Gram, one sentence at a time (no padding): input_layernorm(embeddings), with
     the bias's constant 1 appended (query_key_value has a bias: the augmented input [x, 1])."""
-    from mergescope.bpb import sentence_ids
+    from mergescope.scoring.bpb import sentence_ids
 
     g = 0
     with torch.no_grad():
@@ -115,7 +115,7 @@ def test_gram_statistics_match_a_plain_loop_and_shared_inputs_share_one(tiny_mod
     grams, tokens = gram_stats(model, tok, SENTS, names, batch_tokens=64)  # padded batches of several lengths
     key = "gpt_neox.layers.0.attention.query_key_value.weight"
     torch.testing.assert_close(grams[key], _plain_gram_layer0(model, tok, SENTS), rtol=1e-10, atol=1e-10)
-    assert tokens == sum(len(s) for s in __import__("mergescope.bpb", fromlist=["x"]).sentence_ids(tok, SENTS))
+    assert tokens == sum(len(s) for s in __import__("mergescope.scoring.bpb", fromlist=["x"]).sentence_ids(tok, SENTS))
     assert "gpt_neox.layers.0.input_layernorm.weight" not in grams  # not a linear layer
     assert {k for k in grams if k.endswith("dense_4h_to_h.weight")} and grams[key].shape == (33, 33)  # [x, 1]
     assert grams[key.replace(".weight", ".bias")] is grams[key]  # the bias is solved with its weight
@@ -133,7 +133,7 @@ def test_fisher_is_the_mean_of_per_sentence_squared_gradients(tiny_models):
     two, _ = fisher_stats(model, tok, SENTS[1:2], names)
     for n in names:
         torch.testing.assert_close(both[n], (one[n] + two[n]) / 2, rtol=1e-5, atol=1e-12)
-    from mergescope.bpb import sentence_ids
+    from mergescope.scoring.bpb import sentence_ids
 
     ids = torch.tensor([sentence_ids(tok, SENTS[:1])[0]])
     model.zero_grad()

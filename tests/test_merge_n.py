@@ -358,7 +358,7 @@ def test_transport_save_true_writes_the_fused_model(tiny_models, compose_cfg):
     from test_transport import transport_job
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.bpb import token_nll
+    from mergescope.scoring.bpb import token_nll
     from mergescope.transport.job import check, run_transport, sides, texts
 
     cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=("merge.alphas=[0.1]", "save=true")))
@@ -475,7 +475,7 @@ def test_a_host_loaded_tensor_by_tensor_is_the_from_pretrained_model(tmp_path, a
 
     from conftest import ARCHS
     from mergescope import models
-    from mergescope.native.stream import load_streamed
+    from mergescope.stream import load_streamed
     from mergescope.zoo import build_model, sample_lines
 
     tok = make_tokenizer(sample_lines("eng_Latn"), vocab_size=320)

@@ -25,11 +25,11 @@ def ckpt_pair(models, ra="step2", rb=None, base="step1", merges="[]", points=3):
 
 def outside_nll(state: dict, path: Path, sentences: list[str]) -> float:
     """Mean per-token NLL of a model with the given weights, one sentence at a time, plain transformers, by the one
-    definition (mergescope.bpb): every token predicted from the model's start token, the softmax over the tokenizer's
+    definition (mergescope.scoring.bpb): every token predicted from the model's start token, the softmax over the tokenizer's
     rows only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.bpb import start_id
+    from mergescope.scoring.bpb import start_id
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -147,7 +147,7 @@ def test_merge_gain_takes_the_operator_chosen_on_the_selection_split_not_the_rep
     monkeypatch.setattr(nj, "run_merge", lambda mc, *a, **k: JobResult(mc.merge.name * 32, False, planted[mc.merge.name], "h"))
     logged = {}
     job = SimpleNamespace(log_params=logged.update)
-    from mergescope.bpb import Scores
+    from mergescope.scoring.bpb import Scores
 
     planted["a"].update({"merge_gain_rest": 0.25, "merge_gain_rest_lo": 0.1, "merge_gain_rest_hi": 0.4, "merge_gain_rest_groups": 9.0})
     ends = tuple(Scores(np.array([v * 10]), np.array([10.0]), np.array([30.0]), np.array([False])) for v in (5.2, 5.3))
@@ -206,7 +206,7 @@ def test_barrier_is_over_interior_points_only_and_can_be_negative(compose_cfg, m
             self.t = 0.0
 
     fake = FakePair()
-    from mergescope.bpb import Scores
+    from mergescope.scoring.bpb import Scores
 
     def score(cfg, loaded, s, label):
         v = 2.0 + loaded.t - 0.4 * loaded.t * (1 - loaded.t)

@@ -1,4 +1,4 @@
-"""One definition of NLL and bits per byte (mergescope.bpb; issue 36 items 7 and 9, issue 35 item 3's vocabulary part):
+"""One definition of NLL and bits per byte (mergescope.scoring.bpb; issue 36 items 7 and 9, issue 35 item 3's vocabulary part):
 every arm's path gives the same number on the same model and sentences; the first token is predicted from the start
 token whatever the tokenizer adds; padded vocabulary rows are out of the softmax; bits per byte under truncation counts
 only the bytes scored, and a set of sentences is pooled as total bits over total bytes; the head is applied in chunks
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import make_tokenizer
-from mergescope import bpb
-from mergescope.bpb import Head, score_sentences, start_id, token_nll, window_scores
+from mergescope.scoring import bpb
+from mergescope.scoring.bpb import Head, score_sentences, start_id, token_nll, window_scores
 from mergescope.errors import MergescopeError
 
 LLAMA = dict(family="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -104,7 +104,7 @@ def test_lm_eval_scores_the_same_bits_per_byte(tok, tmp_path):
     byte on the same FLORES lines (its default BOS prefix and full-vocabulary softmax would not)."""
     pytest.importorskip("lm_eval")
     from conftest import FLORES
-    from mergescope.adapt.lmeval import evaluate, local_tasks
+    from mergescope.scoring.lmeval import evaluate, local_tasks
 
     m = _model(len(tok) + 13, dtype=torch.float32)
     names = local_tasks(str(FLORES), "devtest", ["eng_Latn"], tmp_path / "tasks")
@@ -119,7 +119,7 @@ def test_lm_eval_scores_the_same_bits_per_byte(tok, tmp_path):
 def test_lm_eval_loglikelihood_of_a_continuation_and_its_greedy_flag(tok):
     """The scorer behind lm-eval on a plain (context, continuation) request: the continuation's summed log-probability
     by hand over the tokenizer's rows, and is_greedy true exactly when every continuation token is the argmax."""
-    from mergescope.adapt.lmeval import loglikelihoods
+    from mergescope.scoring.lmeval import loglikelihoods
 
     m = _model(len(tok) + 5)
     ctx = tok("The cat sat", add_special_tokens=False)["input_ids"]
@@ -289,7 +289,7 @@ def _tiny_gemma3(vocab: int, cap: float | None):
 
 
 def _batch(vocab: int, seed: int = 0):
-    from mergescope.represent.forward import pad_batch
+    from mergescope.scoring.batching import pad_batch
 
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (23, 9, 17)]

@@ -13,8 +13,8 @@ import torch
 from conftest import claim, make_tokenizer
 from mergescope.adapt import adapters, shape_of
 from mergescope.adapt.evaluate import attention_diagnostics, contributing_heads
-from mergescope.adapt.shapes import config_blockers, gqa_aligned_heads, gqa_mismatches, truncate_maps
-from mergescope.bpb import score_sentences, sentence_ids, sentence_nll
+from mergescope.shapes import config_blockers, gqa_aligned_heads, gqa_mismatches, truncate_maps
+from mergescope.scoring.bpb import score_sentences, sentence_ids, sentence_nll
 from mergescope.errors import MergescopeError
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -219,7 +219,7 @@ def test_bits_per_byte_predicts_every_token_from_the_start_token_on_a_known_case
     m = _model("llama", tok, **SMALL)
     sent = ["Rain in the hills."]
     ids = sentence_ids(tok, sent)[0]
-    from mergescope.bpb import start_id
+    from mergescope.scoring.bpb import start_id
 
     assert ids[0] == start_id(tok) == tok.get_vocab()["<|endoftext|>"]  # the zoo's document separator
     assert ids[1:] == tok(sent, add_special_tokens=False)["input_ids"][0]
@@ -360,7 +360,7 @@ def test_the_stratified_mantel_null_relabels_checkpoints_within_each_run():
 def test_the_start_token_is_the_document_separator_not_a_declared_chat_bos(tok):
     """A tokenizer that adds no BOS but declares a chat-role marker as its BOS (SmolLM2: <|im_start|>) starts from
     its document separator; one that adds its BOS itself starts from that."""
-    from mergescope.bpb import start_id
+    from mergescope.scoring.bpb import start_id
 
     class Chat:  # SmolLM2's arrangement on the zoo tokenizer: a declared BOS that is never added
         def __init__(self, base):

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from mergescope import models, real
 from mergescope.errors import MergescopeError
-from mergescope.bpb import start_id, token_nll
+from mergescope.scoring.bpb import start_id, token_nll
 from mergescope.represent.forward import embed, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ def test_nll_matches_a_plain_loop(lm):
 @needs_real
 def test_a_tokenizer_without_bos(lm):
     """SmolLM2 declares <|im_start|> as its BOS but adds none: the first token is the sentence's first word, so pooling
-    includes it; NLL predicts it too, from <|endoftext|> (mergescope.bpb), so a one-token sentence has one token scored."""
+    includes it; NLL predicts it too, from <|endoftext|> (mergescope.scoring.bpb), so a one-token sentence has one token scored."""
     tok = lm.tokenizer
     assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
     ids, _ = tokenize(tok, SENTS, 512)
@@ -288,7 +288,7 @@ def test_ties_merge_of_two_real_finetunes(lm, folder, pt_finetune, tmp_path):
     languages and different from each expert's and the base's."""
     from mergescope.config import load_conf
     from mergescope.merge import merge_state_dicts, resolve_preset
-    from mergescope.native.stream import streamed_state
+    from mergescope.stream import streamed_state
     from mergescope.native.weights import coverage
 
     _, _, pt_out, _ = pt_finetune
@@ -356,7 +356,7 @@ def test_expand_zero_keeps_the_real_model_and_truncate_slots_inverts_it(lm):
     is 9.9999997e-06, a float32 value); the config check accepts that eps (and refuses one that is neither equal nor the rule); Truncate(select=slots) gives the
     real weights back bitwise (the norm gains x c then / c to one ulp; bitwise without the norm scale)."""
     from mergescope.adapt import adapters, shape_of
-    from mergescope.adapt.shapes import config_blockers
+    from mergescope.shapes import config_blockers
 
     src = lm.model.config
     eps = float(src.rms_norm_eps)
@@ -395,7 +395,7 @@ def test_expand_repeat_keeps_the_real_model(lm):
     weight that reads a repeated axis divided by the repeat count. (Twice the hidden as well would be a ~480M-parameter
     float64 target: ~12 GB for the test.)"""
     from mergescope.adapt import adapters, shape_of
-    from mergescope.adapt.shapes import config_blockers
+    from mergescope.shapes import config_blockers
 
     src = lm.model.config
     tgt = _wide_llama(src, intermediate_size=2 * int(src.intermediate_size))

@@ -99,7 +99,7 @@ def test_greedy_continuation(name):
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_english_flores_nll_is_plausible(name):
-    from mergescope.bpb import token_nll
+    from mergescope.scoring.bpb import token_nll
 
     if not (FLORES / "devtest").is_dir():
         pytest.skip("FLORES-200 not found (MERGESCOPE_DATA)")
@@ -107,7 +107,7 @@ def test_english_flores_nll_is_plausible(name):
 
     lines = list(_read_lines(next((FLORES / "devtest").glob("eng_Latn*")))[:48])
     got = token_nll(folder_lm(name).model, folder_lm(name).tokenizer, lines, progress=False)
-    # plain English news/wiki text, scored from the start token (mergescope.bpb): every model beats a unigram model
+    # plain English news/wiki text, scored from the start token (mergescope.scoring.bpb): every model beats a unigram model
     # (~7.5 nats/token); measured on these 48 sentences: Qwen2.5-Coder-0.5B-Instruct 5.94, the others below 4.5
     assert 1.0 < got["nll"] < (7.0 if name == "qwen2.5-coder-0.5b" else 4.5), got
 

@@ -186,7 +186,7 @@ def _permute(model, family: str, seed: int) -> tuple[torch.nn.Module, list[torch
 
 
 def _nll(model, tok, sents) -> float:
-    from mergescope.bpb import token_nll
+    from mergescope.scoring.bpb import token_nll
 
     return token_nll(model, tok, sents, progress=False)["nll"]
 
@@ -1084,7 +1084,7 @@ def test_the_donor_is_streamed_and_never_in_memory_with_the_target(tiny_models, 
     tensor from its files (native.stream): the fusion receives a streamed state, the donor is loaded before the target
     and only once, and every fused tensor and control equals the fusion from the loaded donor's state dict exactly."""
     from mergescope import models
-    from mergescope.native.stream import StreamedState
+    from mergescope.stream import StreamedState
     from mergescope.transport import fusion as fus
     from mergescope.transport import job as tj
 

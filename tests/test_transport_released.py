@@ -378,7 +378,7 @@ def test_task_runs_the_released_preset_with_both_controls(tiny_models, compose_c
         assert m["select_delta_target_lang"] == pytest.approx(m["select_nll_target_lang"] - m["select_base_nll_target_lang"], abs=1e-12)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mergescope.bpb import token_nll
+    from mergescope.scoring.bpb import token_nll
 
     path = tiny_models["neox_en"]
     ref = token_nll(AutoModelForCausalLM.from_pretrained(path).double().float(), AutoTokenizer.from_pretrained(path),

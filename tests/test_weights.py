@@ -314,7 +314,7 @@ def test_tied_embeddings_counted_once_when_streamed(tmp_path):
     from omegaconf import OmegaConf
 
     from mergescope import models
-    from mergescope.native.stream import streamed_state
+    from mergescope.stream import streamed_state
 
     arch = {**LLAMA, "tie_word_embeddings": True}
     a, b = _model(arch, 300, seed=0), _model(arch, 300, seed=1)

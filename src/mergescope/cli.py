@@ -352,7 +352,7 @@ def check_outputs(cfg: DictConfig) -> None:
         except (ImportError, ValueError):  # a module entry of None: not importable
             found = False
         if not found:
-            from mergescope.adapt.lmeval import INSTALL
+            from mergescope.scoring.lmeval import INSTALL
 
             raise MergescopeError(INSTALL)
 

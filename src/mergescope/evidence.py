@@ -1,10 +1,10 @@
 """Comparisons of scored arms as an arm logs them: the paired interval of :mod:`mergescope.intervals` on per-sentence
-:class:`~mergescope.bpb.Scores`, in both NLL scopes, and the per-sentence table every scoring run keeps.
+:class:`~mergescope.scoring.bpb.Scores`, in both NLL scopes, and the per-sentence table every scoring run keeps.
 
 :func:`compare` turns two arms' scores on the same sentences into metrics: ``<name>`` (the difference in nats per
 token over every token, as logged before intervals existed), ``<name>_lo``, ``<name>_hi``, ``<name>_p``,
 ``<name>_groups``, and the same for the first token apart under ``<name>_rest...`` (the default scope of every claim:
-:mod:`mergescope.bpb`). An arm given as a list of scores is a control over several seeds (the interval includes their
+:mod:`mergescope.scoring.bpb`). An arm given as a list of scores is a control over several seeds (the interval includes their
 spread). :func:`sentence_csv` is the artifact the numbers can be recomputed from.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mergescope.bpb import Scores
+from mergescope.scoring.bpb import Scores
 from mergescope.intervals import Paired, paired_difference
 
 __all__ = ["SCOPES", "compare", "compare_strata", "gain_over_best", "paired", "read_all_scores", "read_scores",

@@ -6,7 +6,7 @@
   forwards and restored after.
 - ``bfloat16``: the model held in bfloat16 (the fast path on a CPU with AMX / AVX-512 bfloat16: ``torch.autocast`` on a
   CPU re-casts float32 weights at every call). The reductions that matter stay wide: pooling sums and the statistics in
-  float32 / float64 (:mod:`mergescope.represent`), the log-softmax of an NLL in float64 (:mod:`mergescope.bpb`).
+  float32 / float64 (:mod:`mergescope.represent`), the log-softmax of an NLL in float64 (:mod:`mergescope.scoring.bpb`).
 
 Only the forward-only arms take ``bfloat16`` (:data:`FORWARD_TASKS`); a merging route computes and scores its merged
 models in float32 or better (``medium`` is accepted there: its weights stay float32). A precision the hardware would

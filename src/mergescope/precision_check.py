@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope import precision as prec_mod
-from mergescope.bpb import Scores, score_sentences
+from mergescope.scoring.bpb import Scores, score_sentences
 from mergescope.config import plain_copy
 from mergescope.documents import documents
 from mergescope.errors import MergescopeError

@@ -251,7 +251,7 @@ def run_once(cfg: DictConfig, spec: JobSpec, body: Callable[[Job], dict[str, flo
         return done
     would_run()
     if spec.task not in NO_NLL_TASKS:  # a model with no start token is refused here, before its run exists
-        from mergescope.bpb import check_start
+        from mergescope.scoring.bpb import check_start
 
         for r in reads:
             check_start(r)

@@ -8,7 +8,7 @@ intersecting / reversed from two task profiles), ``job`` (``task=adapt``).
 """
 
 from mergescope.adapt.plugins import adapt_state, adapters, resolve_adapter
-from mergescope.adapt.shapes import Shape, expand_blockers, expand_maps, shape_of, slot_map, truncate_maps
+from mergescope.shapes import Shape, expand_blockers, expand_maps, shape_of, slot_map, truncate_maps
 
 __all__ = ["Shape", "adapt_state", "adapters", "expand_blockers", "expand_maps", "resolve_adapter", "shape_of",
            "slot_map", "truncate_maps"]

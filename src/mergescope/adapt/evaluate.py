@@ -1,5 +1,5 @@
 """Scoring a model of the adapt arm: NLL per language and per FLORES domain (nats per token and bits per
-byte, as :mod:`mergescope.bpb` defines them: every token predicted from the start token, padded vocabulary rows
+byte, as :mod:`mergescope.scoring.bpb` defines them: every token predicted from the start token, padded vocabulary rows
 out of the softmax), on a validation and a disjoint test split, and the diagnostics read against the collapse: attention
 entropy per layer (mean over heads and real query tokens) and the residual-stream norm per layer.
 
@@ -17,10 +17,10 @@ import torch
 
 from mergescope import data as data_mod
 from mergescope.config import plain_copy
-from mergescope.bpb import Scores, score_sentences
+from mergescope.scoring.bpb import Scores, score_sentences
 from mergescope.documents import documents
 from mergescope.errors import MergescopeError
-from mergescope.represent import pad_batch, pad_id, tokenize
+from mergescope.scoring.batching import pad_batch, pad_id, tokenize
 
 
 @dataclass(frozen=True)

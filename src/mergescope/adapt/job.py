@@ -26,7 +26,7 @@ from mergescope.adapt.evaluate import attention_diagnostics, load_texts, score
 from mergescope.adapt.kept import run_expansion  # task=expansion (a handler of this arm; see the module doc)
 from mergescope.adapt.overlap import Overlap, competence_overlap, task_profile
 from mergescope.adapt.setup import Loaded, Setup, check_adapt
-from mergescope.bpb import Scores
+from mergescope.scoring.bpb import Scores
 from mergescope.config import to_plain
 from mergescope.evidence import compare, compare_strata, read_all_scores, sentence_csv, strata_mean
 from mergescope.merge import merge_state_dicts, resolve_preset
@@ -70,7 +70,7 @@ def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
     if s.gqa_mismatched is not None:  # Truncate's prefix breaks the GQA pairing of some query heads (counted, logged)
         values.update({"gqa_mismatched_heads": float(s.gqa_mismatched), "gqa_query_heads": float(s.shapes[0].heads)})
     if cfg.get("save"):
-        from mergescope.adapt.save import save_model
+        from mergescope.scoring.save import save_model
 
         job.log_params({"saved_to": save_model(cfg, ends.host, ends.tokenizer, job.run_id)})
     return values
@@ -322,7 +322,7 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     console.print(f"  competence overlap: {m.get('overlap_frac_large_better', float('nan')):.2f} of the tasks better on "
                   f"the large model, small-better margin {m.get('small_better_margin', float('nan')):.4f}")
     if str(cfg.eval.name) == "lm_eval":
-        from mergescope.adapt.lmeval import run_lm_eval
+        from mergescope.scoring.lmeval import run_lm_eval
 
         run_lm_eval(cfg, setup, loaded, best, points[best].run_id, overrides)
     return result

@@ -12,7 +12,7 @@ One run (kind=expansion, route=adapt) per model and target, in ``expansion.dtype
 is measured and not the rounding): the logits of the source and of the expanded model on the first
 ``expansion.sentences`` sentences of the model's language (``data.split``), every real token and every vocabulary row
 of the tokenizer: max and mean |difference|, the largest |logit| (the scale), the fraction of tokens with the same
-argmax, both models' NLL (nats/token, every token predicted from the start token, :mod:`mergescope.bpb`); in zero mode,
+argmax, both models' NLL (nats/token, every token predicted from the start token, :mod:`mergescope.scoring.bpb`); in zero mode,
 Truncate(select=slots) of the expanded state dict against the source's tensors (max |difference|, how many bitwise
 equal); the wall time and the process's peak RSS. ``kept`` = max |logit difference| <= ``expansion.tol`` and every
 argmax equal. Bad input (an unknown config field, a shape Expand cannot place, a blocked setting) is refused before
@@ -36,14 +36,14 @@ from mergescope import models
 from mergescope.adapt.plugins import adapters
 from mergescope.adapt.settings import ExpansionSettings
 from mergescope.adapt.setup import config_of
-from mergescope.adapt.shapes import (Shape, config_blockers, expand_layer_pairs, expand_maps, layer_type_blockers,
+from mergescope.shapes import (Shape, config_blockers, expand_layer_pairs, expand_maps, layer_type_blockers,
                                      repeat_maps, shape_of)
-from mergescope.bpb import real_vocab, sentence_ids
+from mergescope.scoring.bpb import real_vocab, sentence_ids
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.memory import process_peak_gb
 from mergescope.progress import console
-from mergescope.represent.forward import pad_batch, pad_id
+from mergescope.scoring.batching import pad_batch, pad_id
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
 
 KEYS = ["model", "expansion.target", "expansion.sentences", "expansion.dtype", "expansion.tol", "data",

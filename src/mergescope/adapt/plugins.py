@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mergescope.adapt.roles import Role, embedding_name, head_name, role_of
-from mergescope.adapt.shapes import Shape
+from mergescope.shapes import Shape
 from mergescope.errors import MergescopeError
 from mergescope.registry import Entry, Registry
 

@@ -20,7 +20,7 @@ from mergescope.adapt.evaluate import Text, load_texts
 from mergescope.adapt.plugins import adapt_state, resolve_adapter
 from mergescope.adapt.protocol import Ends, host_state, materialize, targets_of
 from mergescope.adapt.settings import AdaptationSettings
-from mergescope.adapt.shapes import (Shape, compatibility, config_blockers, expand_layer_pairs, expand_maps,
+from mergescope.shapes import (Shape, compatibility, config_blockers, expand_layer_pairs, expand_maps,
                                      gqa_aligned_heads, gqa_mismatches, layer_type_blockers, protocols, repeat_maps,
                                      shape_of, sizes, truncate_maps)
 from mergescope.errors import MergescopeError
@@ -185,7 +185,7 @@ class Loaded:
     def _streamed(ref: models.ModelRef, dtype: str, cache, model=None):
         """A model's state dict read tensor by tensor from its safetensors files, or None (a GGUF file, a layout
         that cannot be streamed: then it is loaded as before)."""
-        from mergescope.native.stream import streamed_state
+        from mergescope.stream import streamed_state
 
         if ref.gguf_file:
             return None

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope.config import conf_options, load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError, did_you_mean
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
-from mergescope.bpb import Scores
+from mergescope.scoring.bpb import Scores
 from mergescope.evidence import gain_over_best, sentence_csv
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
                                     nll_documents, nll_langs, nll_sentences, no_base_reason, select_sentences)

@@ -3,7 +3,7 @@ mergekit YAML (``merge=mergekit merge.config=path.yaml``, :mod:`mergescope.nativ
 (kind=merge, route=native).
 
 The host is the first model, loaded once with its tokenizer; every model and the base are read tensor by tensor
-from their safetensors files (:func:`mergescope.native.stream.streamed_state`), so the merge needs the host plus
+from their safetensors files (:func:`mergescope.stream.streamed_state`), so the merge needs the host plus
 one tensor position of each model in memory. The merged tensors are those every model (and the base) holds with
 one name and shape; the host keeps its others. Scored on every model's language (and ``native.nll_langs``):
 ``nll_<lang>`` for the merged model, ``nll_m<i>_<lang>`` for model i, ``nll_base_<lang>``; ``nll`` and
@@ -26,7 +26,7 @@ from mergescope.native.pair import host_nll, lang_sentences, nll_langs
 from mergescope.native.spec import Spec, model_entry
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS, check_stats, each_model
-from mergescope.native.stream import StreamedState, load_streamed, streamed_state
+from mergescope.stream import StreamedState, load_streamed, streamed_state
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, model_label, run_once
 

@@ -16,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import Scores, score_sentences
+from mergescope.scoring.bpb import Scores, score_sentences
 from mergescope.config import plain_copy
 from mergescope.documents import documents
 from mergescope.errors import MergescopeError
 from mergescope.native.settings import NativeSettings
-from mergescope.native.stream import streamed_state
+from mergescope.stream import streamed_state
 from mergescope.native.weights import coverage, routes
 from mergescope.runs import model_label, pair_label
 
@@ -227,7 +227,7 @@ def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...],
 
 
 def host_scores(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> Scores:
-    """Per-sentence scores of the host as it now is (:mod:`mergescope.bpb`)."""
+    """Per-sentence scores of the host as it now is (:mod:`mergescope.scoring.bpb`)."""
     return score_sentences(loaded.host, loaded.tok, sentences, batch_tokens=cfg.represent.batch_tokens,
                            max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=label)
 

@@ -1,6 +1,6 @@
 """A native merge's merged model: ``save=true`` writes it (safetensors, config, tokenizer, a model card) under
 ``paths.merged/<run id>/``; ``eval=lm_eval`` scores it in memory with lm-evaluation-harness (the adapt arm's
-offline FLORES tasks, :mod:`mergescope.adapt.lmeval`), one kind=eval run tagged ``merge_run``."""
+offline FLORES tasks, :mod:`mergescope.scoring.lmeval`), one kind=eval run tagged ``merge_run``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[st
 
 def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: dict, models: Sequence[str],
                 base: str | None, source: str = "", layout: str = "") -> str:
-    from mergescope.adapt.save import save_model
+    from mergescope.scoring.save import save_model
 
     return save_model(cfg, model, tokenizer, run_id,
                       card(entry.name, str(cfg.merge.name), kwargs, models, base, run_id, source, layout))
@@ -44,7 +44,7 @@ def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], l
     """lm-eval on a merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only when the
     eval runs): one kind=eval run (route=native unless ``tags`` says transport) tagged ``merge_run``; its identity is
     the merge run's."""
-    from mergescope.adapt.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
+    from mergescope.scoring.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
 
     check_lm_eval()
     folder = Path(str(cfg.paths.cache)) / "lm_eval_tasks"
@@ -120,7 +120,7 @@ def pair_lm_eval(cfg: DictConfig, loaded, entry, kwargs: dict, merge: JobResult,
 
 def save_transport(cfg: DictConfig, model, tokenizer, run_id: str, direction: str, alpha: float) -> str:
     """transport's fused target at ``alpha`` (the target's architecture and tokenizer, its fused tensors)."""
-    from mergescope.adapt.save import save_model
+    from mergescope.scoring.save import save_model
 
     text = "\n".join(["---", "library_name: transformers", "tags: [merge, mergescope, transport]", "---", "",
                       "# Fused with mergescope's transport operator", "",

@@ -118,7 +118,7 @@ def langs_of(cfg: DictConfig, spec: Spec) -> list[str]:
 
 
 def _states(cfg: DictConfig, spec: Spec, refs) -> list:
-    from mergescope.native.stream import streamed_state
+    from mergescope.stream import streamed_state
 
     out = []
     for e, r in zip(spec.entries, refs):

@@ -2,7 +2,7 @@
 
 Each model is read on the first ``merge_stats.sentences`` sentences of its own language in ``merge_stats.split``
 (FLORES dev by default), which must differ from ``data.split`` (the split the merged model is scored on): the merge
-never sees the text it is judged on. Sentences are tokenised as everywhere else (:func:`mergescope.bpb.sentence_ids`:
+never sees the text it is judged on. Sentences are tokenised as everywhere else (:func:`mergescope.scoring.bpb.sentence_ids`:
 the start token, then the sentence's own tokens).
 
 - ``gram`` (RegMean): for every linear layer whose weight is merged, the inner-product matrix G = X^T X (float64) of
@@ -28,11 +28,11 @@ import torch
 from omegaconf import DictConfig
 
 from mergescope import data as data_mod
-from mergescope.bpb import real_vocab, sentence_ids
+from mergescope.scoring.bpb import real_vocab, sentence_ids
 from mergescope.config import plain_copy
 from mergescope.errors import MergescopeError
 from mergescope.progress import console
-from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id
 
 KINDS = ("gram", "fisher")
 GRAM_RULE = "bias_augmented"  # in the identity of every run a gram (RegMean) merge feeds: a biased layer's [X, 1]

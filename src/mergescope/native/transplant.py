@@ -2,7 +2,7 @@
 
 - :func:`run_transplant`: the transplant's own cost, one run (kind=transplant, route=transplant): one model's NLL on
   its own language before (its own tokenizer) and after the transplant (the target tokenizer), for the route's
-  method (OMP) and for its control. Scored as the adapt arm scores (:mod:`mergescope.bpb`: every token of a sentence
+  method (OMP) and for its control. Scored as the adapt arm scores (:mod:`mergescope.scoring.bpb`: every token of a sentence
   predicted from the start token), in nats per token (``nll_before``, ``nll_after``, ``control_nll_after``) and in
   bits per UTF-8 byte (``bpb_*``), the unit that compares two tokenizers (a token of one is not a token of the other):
   ``cost_bpb`` = ``bpb_after`` - ``bpb_before`` (the headline), ``control_cost_bpb`` the control's; ``cost_nll`` and
@@ -57,7 +57,7 @@ def _same(ra: models.ModelRef, rb: models.ModelRef) -> bool:
 
 def _names_of(ref: models.ModelRef, dtype: str):
     """The vocabulary tensor names of a model's architecture, from a weightless skeleton (nothing read)."""
-    from mergescope.native.stream import model_folder, skeleton
+    from mergescope.stream import model_folder, skeleton
 
     if ref.gguf_file:
         return vocab_names(models.load_model(ref, dtype, "cpu"))
@@ -67,7 +67,7 @@ def _names_of(ref: models.ModelRef, dtype: str):
 def _donor(ref: models.ModelRef, dtype: str, cache) -> Donor:
     """A donor's vocabulary and rows, its embedding and head read from its files (the whole model loaded only when it
     cannot be streamed)."""
-    from mergescope.native.stream import streamed_state
+    from mergescope.stream import streamed_state
 
     s = streamed_state(ref, dtype, cache_root=cache) if not ref.gguf_file else None
     sd = s[0] if s is not None else models.load_model(ref, dtype, "cpu").state_dict()
@@ -78,8 +78,8 @@ def _donor(ref: models.ModelRef, dtype: str, cache) -> Donor:
 
 
 def _score(cfg: DictConfig, model, tok, sentences) -> tuple[float, float]:
-    """(nats per token, bits per UTF-8 byte) of the sentences (:mod:`mergescope.bpb`)."""
-    from mergescope.bpb import LN2, sentence_nll, utf8_bytes
+    """(nats per token, bits per UTF-8 byte) of the sentences (:mod:`mergescope.scoring.bpb`)."""
+    from mergescope.scoring.bpb import LN2, sentence_nll, utf8_bytes
 
     nll, ntok = sentence_nll(model, tok, sentences, batch_tokens=cfg.represent.batch_tokens,
                              max_length=int(cfg.represent.max_length))

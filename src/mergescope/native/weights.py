@@ -261,7 +261,7 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
         elif not larger_a or not larger_b:
             small, large, s_name, l_name = (sa, sb, "a", "b") if not larger_a else (sb, sa, "b", "a")
             if small is not None and large is not None:  # which of the two the operators define, and why not
-                from mergescope.adapt.shapes import protocols, protocols_text
+                from mergescope.shapes import protocols, protocols_text
 
                 notes.append(protocols_text(small, large, (s_name, l_name)))
                 p = protocols(small, large)
@@ -314,7 +314,7 @@ def _axis_sizes(c: dict) -> dict[str, Any]:
 
 def _adapt_shape(c: dict):
     """The adapt operators' Shape of a true config, or None (a family they do not map, or a missing field)."""
-    from mergescope.adapt.shapes import FAMILIES, Shape
+    from mergescope.shapes import FAMILIES, Shape
 
     keys = ("hidden", "ffn", "layers", "heads", "vocab")
     if c.get("model_type") not in FAMILIES or any(c.get(k) is None for k in keys) or _head_dim(c) is None:

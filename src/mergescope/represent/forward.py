@@ -1,4 +1,4 @@
-"""Sentence representations: batched, length-sorted forward passes (per-token NLL is :mod:`mergescope.bpb`'s).
+"""Sentence representations: batched, length-sorted forward passes (per-token NLL is :mod:`mergescope.scoring.bpb`'s).
 
 Pooling over the sentence's own tokens of a chosen hidden state:
 - ``sgpt``: position-weighted mean (Muennighoff 2022), weight of the i-th pooled token = i;
@@ -21,68 +21,10 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
+from mergescope.scoring.batching import (batch_token_budget, leading_special, length_batches, pad_batch,  # noqa: F401 (re-exported)
+                                       pad_id, tokenize)
 
 POOLINGS = ("sgpt", "mean", "last")
-
-
-def batch_token_budget(value: int | str, device: torch.device) -> int:
-    """Padded tokens per forward batch; ``auto`` = 2048 on CPU (cache-friendly, measured best on
-    2 cores) and 16384 on CUDA."""
-    if str(value) == "auto":
-        return 16384 if device.type == "cuda" else 2048
-    return int(value)
-
-
-def tokenize(tokenizer, sentences: list[str] | tuple[str, ...], max_length: int) -> tuple[list[list[int]], int]:
-    """Token ids with the tokenizer's default special tokens; truncation only above ``max_length``.
-
-    Returns (ids, n_truncated).
-    """
-    enc = tokenizer(list(sentences), add_special_tokens=True, truncation=False)["input_ids"]
-    n_trunc = sum(len(e) > max_length for e in enc)
-    ids = [e[:max_length] for e in enc]
-    if any(len(e) == 0 for e in ids):
-        raise MergescopeError("a sentence tokenised to zero tokens; remove empty lines from the data")
-    return ids, n_trunc
-
-
-def length_batches(lengths: np.ndarray, batch_tokens: int, max_batch: int = 256) -> list[np.ndarray]:
-    """Indices grouped longest-first so that each batch's padded size stays within ``batch_tokens``."""
-    order = np.argsort(-lengths, kind="stable")
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        longest = max(cur_max, int(lengths[i]))
-        if cur and (longest * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
-            batches.append(np.array(cur))
-            cur, longest = [], int(lengths[i])
-        cur.append(i)
-        cur_max = longest
-    if cur:
-        batches.append(np.array(cur))
-    return batches
-
-
-def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, position_ids) for one batch; positions count real tokens only."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        if side == "left":
-            ids[r, width - len(s):] = torch.tensor(s)
-            mask[r, width - len(s):] = 1
-        else:
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(s)] = 1
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), pos.to(device)
-
-
-def leading_special(ids: list[list[int]], tokenizer) -> np.ndarray:
-    """Per sentence: does it start with a special token (BOS, ...)? Never for a sentence of one token (it
-    would have nothing left to pool)."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    return np.array([len(s) > 1 and s[0] in special for s in ids], dtype=bool)
 
 
 def pooling_mask(mask: torch.Tensor, lead: np.ndarray) -> torch.Tensor:
@@ -109,14 +51,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
         raise MergescopeError(f"unknown pooling '{pooling}': choose one of {', '.join(POOLINGS)}")
     w = w / w.sum(1, keepdim=True)
     return torch.einsum("bt,btd->bd", w, h)
-
-
-def pad_id(tokenizer) -> int:
-    for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
-        v = getattr(tokenizer, attr, None)
-        if v is not None:
-            return int(v)
-    return 0
 
 
 def final_hidden(model, ids, mask, pos, layer: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import token_nll
+from mergescope.scoring.bpb import token_nll
 from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem

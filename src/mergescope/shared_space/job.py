@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import LN2, Scores, score_sentences
+from mergescope.scoring.bpb import LN2, Scores, score_sentences
 from mergescope.documents import documents
 from mergescope.intervals import paired_difference, verdict
 from mergescope.errors import MergescopeError
@@ -358,7 +358,7 @@ ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "share
 
 
 def score_all(cfg, entries, refs, sides) -> list[Scores]:
-    """Every sentence under every model (:mod:`mergescope.bpb`)."""
+    """Every sentence under every model (:mod:`mergescope.scoring.bpb`)."""
     out = []
     for e, r, side in zip(entries, refs, sides):
         lm = models.load(precision.forward_entry(cfg, e), cfg.device, ref=r)

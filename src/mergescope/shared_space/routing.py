@@ -1,5 +1,5 @@
 """Routing (the paper's §8) with bits per byte as the gradeable task: every sentence is scored by every
-model (:mod:`mergescope.bpb`, the project's one definition: comparable across tokenizers, each sentence starts from the
+model (:mod:`mergescope.scoring.bpb`, the project's one definition: comparable across tokenizers, each sentence starts from the
 model's start token, so every one of its tokens is predicted). Per held-out fold, routers pick one model per sentence:
 
 - ``always_best``: the model with the lowest bits per byte on the training fold;

@@ -18,7 +18,7 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.represent import pad_batch, pad_id, tokenize
+from mergescope.scoring.batching import pad_batch, pad_id, tokenize
 from mergescope.transport.settings import AdaptSettings
 
 

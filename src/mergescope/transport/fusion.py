@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from mergescope.progress import bar
-from mergescope.represent import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
-from mergescope.represent.forward import leading_special  # the one rule for a leading BOS, shared with pooling
+from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id, tokenize
+from mergescope.scoring.batching import leading_special  # the one rule for a leading BOS, shared with pooling
 from mergescope.transport import interfaces as itf
 from mergescope.transport import ot as tot
 from mergescope.transport.settings import TransportSettings

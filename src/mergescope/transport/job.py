@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
-from mergescope.bpb import Scores, score_sentences
+from mergescope.scoring.bpb import Scores, score_sentences
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.documents import documents
@@ -288,7 +288,7 @@ class _Host:
             sd[k].copy_(v.to(sd[k].device, sd[k].dtype))
 
     def scores(self, sentences, label: str) -> Scores:
-        """Per-sentence scores of the model as it now is (:mod:`mergescope.bpb`)."""
+        """Per-sentence scores of the model as it now is (:mod:`mergescope.scoring.bpb`)."""
         return score_sentences(self.model, self.tok, sentences, batch_tokens=self.cfg.represent.batch_tokens,
                                max_length=int(self.cfg.represent.max_length), progress=bool(self.cfg.progress), label=label)
 
@@ -326,7 +326,7 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
     lm_eval = cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"
     if lm_eval:
-        from mergescope.adapt.lmeval import check_lm_eval
+        from mergescope.scoring.lmeval import check_lm_eval
 
         check_lm_eval()  # before any plan is fitted
     fitted: list[_Fitted] = []
@@ -378,7 +378,7 @@ def _fit(d: _Direction) -> _Fitted:
     donor's weights streamed tensor by tensor from its files, and measure the unfused target. The two models are
     never in memory together (a 1B direction held both in float32: 11 GiB before its own tensors); where the donor
     cannot be streamed (no safetensors names to serve every tensor) its loaded state dict is kept as before."""
-    from mergescope.native.stream import streamed_state
+    from mergescope.stream import streamed_state
 
     cfg, s, progress = d.cfg, d.s, bool(d.cfg.progress)
     dtype_d = models.merge_dtype(d.donor.get("dtype"))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from mergescope.adapt.plugins import adapters, index, walk
 from mergescope.adapt.roles import Role, final_norm_name
-from mergescope.adapt.shapes import Shape, expand_maps, repeat_maps
+from mergescope.shapes import Shape, expand_maps, repeat_maps
 from mergescope.errors import MergescopeError
 
 MODES = ("zero", "repeat")

@@ -21,7 +21,7 @@ from torch import Tensor
 from mergescope.adapt.ops.expand import embed_factor, norm_factor, rescale
 from mergescope.adapt.plugins import adapters, index, walk
 from mergescope.adapt.roles import Role
-from mergescope.adapt.shapes import Shape, expand_maps, truncate_maps
+from mergescope.shapes import Shape, expand_maps, truncate_maps
 from mergescope.errors import MergescopeError
 
 SELECTS = ("prefix", "slots")

@@ -2,10 +2,10 @@
 ``HFLM(pretrained=model, tokenizer=tokenizer)``. Offline (``eval.tasks=null``) the tasks are local YAMLs built from
 the FLORES files: one rolling log-likelihood task per language (word and byte perplexity, bits per byte).
 
-lm-eval's token log-probabilities are the project's (:mod:`mergescope.bpb`): its rolling windows start from the
-model's start token (:func:`mergescope.bpb.start_id`, not lm-eval's default BOS: SmolLM2 declares a chat marker as
+lm-eval's token log-probabilities are the project's (:mod:`mergescope.scoring.bpb`): its rolling windows start from the
+model's start token (:func:`mergescope.scoring.bpb.start_id`, not lm-eval's default BOS: SmolLM2 declares a chat marker as
 BOS) with no other special token, the softmax excludes padded vocabulary rows, and the head is applied in chunks
-(:func:`mergescope.bpb.window_scores`): no batch x length x vocabulary log-softmax is built. A FLORES sentence that
+(:func:`mergescope.scoring.bpb.window_scores`): no batch x length x vocabulary log-softmax is built. A FLORES sentence that
 fits the model's context is thus scored exactly as the quality and adapt arms score it, and lm-eval's bits per byte
 (total over its documents) equals theirs.
 One run per scored model (kind=eval, route=adapt, tag ``merge_run`` = the merge run's id); the harness's
@@ -84,8 +84,8 @@ def loglikelihoods(model, tokenizer, requests, max_length: int, batch_tokens="au
     import numpy as np
     import torch
 
-    from mergescope.bpb import Head, real_vocab, window_scores
-    from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+    from mergescope.scoring.bpb import Head, real_vocab, window_scores
+    from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id
 
     device = next(model.parameters()).device
     head = Head(model, real_vocab(tokenizer, model.get_output_embeddings().weight.shape[0]))
@@ -129,7 +129,7 @@ def evaluate(model, tokenizer, tasks: list[str], include: Path | None, batch_siz
 
     import logging
 
-    from mergescope.bpb import start_id
+    from mergescope.scoring.bpb import start_id
 
     log = logging.getLogger("lm_eval")
     level = log.level

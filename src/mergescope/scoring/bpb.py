@@ -43,7 +43,7 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.represent.forward import batch_token_budget, length_batches, pad_batch, pad_id
+from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id
 
 LN2 = math.log(2.0)
 
