@@ -83,7 +83,8 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
             vals = {key: v, f"{key}_shuffled": v / 20}
             if metric == "cka":  # calibrated against a planted null threshold tau = 0.3: pairs below it calibrate to 0
                 vals.update({"cka_ci_low": v - 0.03, "cka_ci_high": v + 0.03, "cka_calibrated": max(0.0, (v - 0.3) / 0.7),
-                             "cka_cal_p": 0.005 if v > 0.3 else 0.4, "cka_cal_tau": 0.3, "n_sentences": 200.0})
+                             "cka_cal_p": 0.005 if v > 0.3 else 0.4, "cka_cal_tau": 0.3, "n_sentences": 200.0,
+                             "control_seeds": 5.0, "cka_shuffled_sd": v / 200})
             if metric == "retrieval":
                 vals["retrieval_chance"] = 0.002
             truth["measure"][(pair, metric)] = vals
@@ -329,6 +330,10 @@ def test_report_sections_and_numbers(built):
     bs = {r[0]: r for r in _md_table(md, "This study beside the seed reports")[1:]}
     cka_row = bs["matched last-layer CKA, each model on its own language"]
     assert cka_row[1].split(",")[0] in md.split("## 3.")[1].split("\n## ")[0] and cka_row[2].startswith("0.488-0.800 (median 0.587)")
+    assert "; 95% jackknife half-width 0.030-0.030;" in cka_row[1]  # (hi - lo) / 2 of the planted +-0.03
+    sh = [v["cka_shuffled"] for (_, m), v in truth["measure"].items() if m == "cka"]
+    assert bs["shuffled-control CKA"][1] == (f"{min(sh):.3f}-{max(sh):.3f} (mean over 5 seeds; sd over seeds up to "
+                                             f"{max(sh) / 10:.3f})")  # sd = v / 200 = shuffled / 10
     head = [v for (dr, a), v in truth["transport"].items() if a == 0.1]
     assert bs["transport fusion at the headline alpha"][1].startswith(
         f"helps {sum(v['delta_target_lang'] + H_TR < 0 for v in head)}/{len(head)} directions, OT beats its shuffled plan "

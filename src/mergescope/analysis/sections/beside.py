@@ -34,13 +34,22 @@ def _cka(recs: list[Rec]) -> str:
     cc = [r.m("cka_calibrated") for r in recs if math.isfinite(r.m("cka_calibrated"))]
     cal = (f"; calibrated {min(cc):.3f}-{max(cc):.3f} (median {median(cc):.3f}), above its permutation null for "
            f"{sum(1 for c in cc if c > 0)}/{len(recs)}" if cc else "; not calibrated")
+    hw = [(r.m("cka_ci_high") - r.m("cka_ci_low")) / 2 for r in recs
+          if math.isfinite(r.m("cka_ci_high")) and math.isfinite(r.m("cka_ci_low"))]
+    half = f"; 95% jackknife half-width {min(hw):.3f}-{max(hw):.3f}" if hw else ""
     return (f"matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) raw, {len(recs)} pairs"
-            + (f", n = {'/'.join(map(str, n))}" if n else "") + cal)
+            + (f", n = {'/'.join(map(str, n))}" if n else "") + half + cal)
 
 
 def _shuffled(recs: list[Rec]) -> str:
     ss = [r.m("cka_shuffled") for r in recs]
-    return f"{min(ss):.3f}-{max(ss):.3f}" if ss else "not measured"
+    if not ss:
+        return "not measured"
+    seeds = sorted({int(r.m("control_seeds")) for r in recs if math.isfinite(r.m("control_seeds"))})
+    sd = [r.m("cka_shuffled_sd") for r in recs if math.isfinite(r.m("cka_shuffled_sd"))]
+    over = (f" (mean over {'/'.join(map(str, seeds))} seeds" + (f"; sd over seeds up to {max(sd):.3f})" if sd and max(seeds) > 1 else ")")
+            if seeds else "")
+    return f"{min(ss):.3f}-{max(ss):.3f}{over}"
 
 
 def _retrieval(recs: list[Rec]) -> str:
