@@ -7,8 +7,9 @@ PORT   ?= 5000
 RUN    ?=
 SERVER_DIR  ?= .server
 SERVER_PORT ?= 5050
+CLUSTER_DIR ?= .cluster
 
-.PHONY: all install run test test-fast data real ui reproduce bench clean-cache server server-stop server-status
+.PHONY: all install run test test-fast data real ui reproduce bench clean-cache server server-stop server-status cluster cluster-stop cluster-status cluster-env test-cluster
 
 all: install data run
 
@@ -74,3 +75,21 @@ gpu-check: install
 
 clean-cache:
 	rm -rf .cache/mergescope
+
+# A one-node SLURM cluster on this host (munged, slurmctld, slurmd; config, key, state and logs under $(CLUSTER_DIR)),
+# to run the SLURM launcher before a real cluster. Submit from a shell that ran: eval "$$(make -s cluster-env)".
+cluster: install
+	$(PY) -m mergescope.cluster start --dir "$(CLUSTER_DIR)"
+
+cluster-stop:
+	$(PY) -m mergescope.cluster stop --dir "$(CLUSTER_DIR)"
+
+cluster-status:
+	$(PY) -m mergescope.cluster status --dir "$(CLUSTER_DIR)"
+
+cluster-env:
+	@$(PY) -m mergescope.cluster env --dir "$(CLUSTER_DIR)"
+
+# Only the tests that run against a one-node SLURM cluster (they start and stop their own).
+test-cluster: install
+	$(PY) -m pytest -q -m cluster

@@ -98,3 +98,12 @@ def test_study_workers_give_the_same_runs_and_job_list(compose_cfg):
     seq = [j.run() for j in jobs]  # in-process: the FINISHED runs are found and reused
     assert [r.cfg_hash for r in seq] == [r.cfg_hash for r in par] and all(r.skipped for r in seq)
     assert [r.metrics for r in seq] == [r.metrics for r in par]
+
+
+def test_without_slurm_make_cluster_names_the_install_command(monkeypatch, tmp_path):
+    from mergescope import cluster
+
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+    assert cluster.main(["start", "--dir", str(tmp_path / "c")]) == 2 and not (tmp_path / "c").exists()
+    with pytest.raises(cluster.MergescopeError, match=r"apt-get install -y slurm-wlm munge, then make cluster"):
+        cluster.start(tmp_path / "c")

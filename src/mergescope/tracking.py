@@ -431,15 +431,24 @@ def _on_sigterm(signum, frame) -> None:
 @contextmanager
 def killed_on_sigterm() -> Iterator[None]:
     """While a run is open, SIGTERM raises :class:`Terminated` (main thread only, and only over the default action:
-    a launcher's own handler is kept; nested runs share the outer run's handler). Outside runs SIGTERM is untouched."""
-    mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    a launcher's own handler is kept, except submitit's, which ignores it; nested runs share the outer run's handler).
+    Outside runs SIGTERM is as it was."""
+    before = signal.getsignal(signal.SIGTERM)
+    mine = threading.current_thread() is threading.main_thread() and (before == signal.SIG_DFL or _submitit_bypass(before))
     if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     finally:
         if mine:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, before)
+
+
+def _submitit_bypass(handler) -> bool:
+    """submitit's job handler, which only logs SIGTERM: in a SLURM job a SIGTERM means the job is being cancelled (or
+    preempted), and SIGKILL follows after the cluster's KillWait, so the run is marked KILLED first rather than left
+    RUNNING."""
+    return getattr(handler, "__name__", "") == "bypass" and "submitit" in (getattr(handler, "__module__", "") or "")
 
 
 def _hydra_dir() -> Path | None:
