@@ -24,8 +24,6 @@ import json
 import os
 import pwd
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ import time
 from pathlib import Path
 
 from mergescope.errors import MergescopeError
+from mergescope.server import free_port, pid_alive, stop_pid
 
 HOST = "127.0.0.1"
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / ".cluster"
@@ -96,12 +95,6 @@ class Layout:
 
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def node_resources() -> dict[str, str]:
@@ -183,24 +176,12 @@ def write_info(lay: Layout, info: dict) -> None:
     lay.info.write_text(json.dumps(info, indent=1) + "\n")
 
 
-def _pid_alive(pid: int | None, name: str) -> bool:
-    """A live process with this PID whose command line names ``name`` (a reused PID is not ours)."""
-    if not pid:
-        return False
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return name in cmd and state != "Z"
-
-
 def daemon_pid(lay: Layout, daemon: str) -> int | None:
     try:
         pid = int(lay.pid(daemon).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if _pid_alive(pid, daemon) else None
+    return pid if pid_alive(pid, daemon) else None
 
 
 def environment(lay: Layout) -> dict[str, str]:
@@ -267,24 +248,9 @@ def _job_steps() -> list[int]:
     """PIDs of slurmstepd processes on this host (a job's step keeps running while its slurmd is gone)."""
     out = []
     for p in Path("/proc").iterdir():
-        if p.name.isdigit() and _pid_alive(int(p.name), "slurmstepd"):
+        if p.name.isdigit() and pid_alive(int(p.name), "slurmstepd"):
             out.append(int(p.name))
     return out
-
-
-def stop_pid(pid: int | None, name: str, timeout: float = 30) -> bool:
-    if not _pid_alive(pid, name):
-        return False
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + timeout
-    while _pid_alive(pid, name) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _pid_alive(pid, name):
-        os.kill(pid, signal.SIGKILL)
-    return True
 
 
 def stop(root: Path = DEFAULT_DIR, timeout: float = 60) -> dict[str, bool]:

@@ -138,15 +138,16 @@ def _pg_port(lay: Layout) -> int:
     return port
 
 
-def _pid_alive(pid: int | None, name: str) -> bool:
-    """A live process with this PID whose command line names ``name`` (a reused PID is not ours)."""
+def pid_alive(pid: int | None, name: str) -> bool:
+    """A live process with this PID whose command line names ``name`` (a reused PID is not ours, a zombie is gone)."""
     if not pid:
         return False
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return name in cmd
+    return name in cmd and state != "Z"
 
 
 def postgres_pid(lay: Layout) -> int | None:
@@ -155,7 +156,7 @@ def postgres_pid(lay: Layout) -> int | None:
         pid = int(pidfile.read_text().splitlines()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if _pid_alive(pid, "postgres") else None
+    return pid if pid_alive(pid, "postgres") else None
 
 
 def start_postgres(lay: Layout) -> int:
@@ -197,7 +198,7 @@ def read_state(lay: Layout) -> dict:
 
 def mlflow_pid(lay: Layout) -> int | None:
     pid = read_state(lay).get("mlflow_pid")
-    return pid if _pid_alive(pid, "mlflow") else None
+    return pid if pid_alive(pid, "mlflow") else None
 
 
 def _healthy(uri: str) -> bool:
@@ -256,7 +257,7 @@ def start(root: Path = DEFAULT_DIR, port: int = 5050, pg_port: int = 0, workers:
 
 def stop_pid(pid: int | None, name: str, sig: int = signal.SIGTERM, timeout: float = 60) -> bool:
     """Signal one process (and its session's group, for the MLflow server's workers) and wait for it."""
-    if not _pid_alive(pid, name):
+    if not pid_alive(pid, name):
         return False
     try:
         if name == "mlflow" and os.getpgid(pid) == pid:
@@ -266,13 +267,13 @@ def stop_pid(pid: int | None, name: str, sig: int = signal.SIGTERM, timeout: flo
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + timeout
-    while _pid_alive(pid, name) and time.monotonic() < deadline:
+    while pid_alive(pid, name) and time.monotonic() < deadline:
         time.sleep(0.2)
         try:
             os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
         except ChildProcessError:
             pass
-    if _pid_alive(pid, name):
+    if pid_alive(pid, name):
         os.kill(pid, signal.SIGKILL)
     return True
 
