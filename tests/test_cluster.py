@@ -131,3 +131,21 @@ def test_a_cancelled_job_is_never_left_running_and_a_resubmission_runs_only_what
     assert len(finished) == 2 and set(finished.values()) == {1}, finished
     assert Counter(st for st, _, _ in final) == {"FINISHED": 2, "KILLED": 1}
 
+
+
+@pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+def test_a_job_past_its_time_limit_fails_with_its_reason(slurm, tmp_path, tiny_models):
+    """A 3-minute limit with submitit's warning signal 140 s before it: the job is signalled 40 s in, mid-run; its run
+    ends FAILED with submitit's reason as the error tag (never RUNNING), and the launch fails."""
+    lay, _ = slurm
+    sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+             f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
+             "metric=procrustes", "control.seeds=100000", *SLURM, "hydra.launcher.timeout_min=3",
+             "hydra.launcher.signal_delay_s=140"]
+    r = launch(sweep, tmp_path, lay)
+    assert r.returncode != 0
+    db = tmp_path / "mlruns" / "mlflow.db"
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        rows = con.execute("SELECT r.status, t.value FROM runs r LEFT JOIN tags t ON t.run_uuid = r.run_uuid "
+                           "AND t.key = 'error'").fetchall()
+    assert rows == [("FAILED", "Job not requeued because: timed-out too many times.")], rows

@@ -402,13 +402,13 @@ class Terminated(SystemExit):
     """SIGTERM, raised in the main thread: the open run (if any) is marked KILLED and the process exits with 143."""
 
 
-_IN_STORE = threading.local()  # depth of store calls on this thread, and a SIGTERM that arrived during one
+_IN_STORE = threading.local()  # depth of store calls on this thread, and a signal's handler held during one
 
 
 @contextmanager
 def store_call() -> Iterator[None]:
-    """A store call with SIGTERM deferred: the handler only notes it; it is raised here once the outermost call has
-    returned (or raised), outside any store session."""
+    """A store call with SIGTERM (and, in a SLURM job, submitit's timeout signal) held: the handler is only noted,
+    and run here once the outermost call has returned (or raised), outside any store session."""
     depth = getattr(_IN_STORE, "depth", 0)
     _IN_STORE.depth = depth + 1
     try:
@@ -416,16 +416,25 @@ def store_call() -> Iterator[None]:
     finally:
         _IN_STORE.depth = depth
         if depth == 0 and getattr(_IN_STORE, "pending", None) is not None:
-            signum, _IN_STORE.pending = _IN_STORE.pending, None
-            raise Terminated(128 + signum)
+            (handler, signum), _IN_STORE.pending = _IN_STORE.pending, None
+            handler(signum, None)
+
+
+def _outside_store(handler, signum: int, frame) -> None:
+    """Run a signal's handler now, or (inside a store call) when that call returns."""
+    if getattr(_IN_STORE, "depth", 0) > 0:
+        _IN_STORE.pending = (handler, signum)
+        return
+    handler(signum, frame)
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated(128 + signum)
 
 
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean exit: a second SIGTERM does not interrupt the clean-up
-    if getattr(_IN_STORE, "depth", 0) > 0:  # inside a store write: raised when it returns (store_call)
-        _IN_STORE.pending = signum
-        return
-    raise Terminated(128 + signum)
+    _outside_store(_raise_terminated, signum, frame)
 
 
 @contextmanager
@@ -434,21 +443,30 @@ def killed_on_sigterm() -> Iterator[None]:
     a launcher's own handler is kept, except submitit's, which ignores it; nested runs share the outer run's handler).
     Outside runs SIGTERM is as it was."""
     before = signal.getsignal(signal.SIGTERM)
-    mine = threading.current_thread() is threading.main_thread() and (before == signal.SIG_DFL or _submitit_bypass(before))
+    main = threading.current_thread() is threading.main_thread()
+    mine = main and (before == signal.SIG_DFL or _submitit_handler(before, "bypass"))
+    timeout = signal.getsignal(signal.SIGUSR2) if main else None
+    held = _submitit_handler(timeout, "checkpoint_and_try_requeue")  # its error must not land inside a store write
     if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if held:
+        signal.signal(signal.SIGUSR2, functools.partial(_outside_store, timeout))
     try:
         yield
     finally:
         if mine:
             signal.signal(signal.SIGTERM, before)
+        if held:
+            signal.signal(signal.SIGUSR2, timeout)
 
 
-def _submitit_bypass(handler) -> bool:
-    """submitit's job handler, which only logs SIGTERM: in a SLURM job a SIGTERM means the job is being cancelled (or
-    preempted), and SIGKILL follows after the cluster's KillWait, so the run is marked KILLED first rather than left
-    RUNNING."""
-    return getattr(handler, "__name__", "") == "bypass" and "submitit" in (getattr(handler, "__module__", "") or "")
+def _submitit_handler(handler, name: str) -> bool:
+    """One of submitit's job handlers: ``bypass`` only logs SIGTERM, but in a SLURM job a SIGTERM means the job is being
+    cancelled (or preempted) and SIGKILL follows after the cluster's KillWait, so the run is marked KILLED first rather
+    than left RUNNING; ``checkpoint_and_try_requeue`` (the time limit's signal) raises submitit's error, which fails
+    the run with its reason, held until no store write is open."""
+    func = getattr(handler, "__func__", handler)
+    return getattr(func, "__name__", "") == name and "submitit" in (getattr(func, "__module__", "") or "")
 
 
 def _hydra_dir() -> Path | None:
