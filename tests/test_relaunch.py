@@ -149,8 +149,8 @@ def test_the_experiment_id_is_asked_of_the_store_once_per_process(compose_cfg, m
     first = tracking.Tracker(cfg)
     eid = first.experiment_id
     asked = []
-    real = type(first.client).get_experiment_by_name
-    monkeypatch.setattr(type(first.client), "get_experiment_by_name", lambda c, n: asked.append(n) or real(c, n))
+    real = type(first.client._client).get_experiment_by_name
+    monkeypatch.setattr(type(first.client._client), "get_experiment_by_name", lambda c, n: asked.append(n) or real(c, n))
     again = tracking.Tracker(cfg)
     assert again.experiment_id == eid == first.client.get_experiment_by_name("memo_check").experiment_id
     assert asked == ["memo_check"]  # only the line above asked; the second Tracker did not
@@ -173,8 +173,8 @@ def test_a_studys_done_checks_read_one_index_of_the_finished_runs(compose_cfg, m
         pass
     tr.client.set_terminated(tr.find_finished("ccc").info.run_id, status="FAILED")
     searches = []
-    real = type(tr.client).search_runs
-    monkeypatch.setattr(type(tr.client), "search_runs", lambda c, *a, **k: searches.append(k.get("filter_string")) or real(c, *a, **k))
+    real = type(tr.client._client).search_runs
+    monkeypatch.setattr(type(tr.client._client), "search_runs", lambda c, *a, **k: searches.append(k.get("filter_string")) or real(c, *a, **k))
     with tr.finished_index() as n:
         assert n == 2 and len(searches) == 1
         assert tr.find_finished("aaa").info.run_id == ids["aaa"][-1]  # the latest of the hash
