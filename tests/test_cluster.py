@@ -135,15 +135,26 @@ def test_a_cancelled_job_is_never_left_running_and_a_resubmission_runs_only_what
 
 @pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
 def test_a_job_past_its_time_limit_fails_with_its_reason(slurm, tmp_path, tiny_models):
-    """A 3-minute limit with submitit's warning signal 140 s before it: the job is signalled 40 s in, mid-run; its run
-    ends FAILED with submitit's reason as the error tag (never RUNNING), and the launch fails."""
+    """The time limit's warning: SLURM sends USR2 ``signal_delay_s`` before a job's limit (here sent by scancel once
+    the job's run is open, so the test does not depend on how long the job takes to start). With a 3-minute limit
+    submitit finds the job timed out (its guaranteed walltime, min(0.8 x limit, limit - 10 min), is past; with a long
+    limit the same signal reads as a preemption and submitit requeues the job) and raises its error: the run ends
+    FAILED with that reason as its error tag (never RUNNING), and the launch fails."""
     lay, _ = slurm
+    env = {**os.environ, **cluster.environment(lay)}
     sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
              f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
-             "metric=procrustes", "control.seeds=100000", *SLURM, "hydra.launcher.timeout_min=3",
-             "hydra.launcher.signal_delay_s=140"]
-    r = launch(sweep, tmp_path, lay)
-    assert r.returncode != 0
+             "metric=procrustes", "control.seeds=100000", *SLURM, "hydra.launcher.timeout_min=3"]
+    proc = launch(sweep, tmp_path, lay, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(tmp_path)):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, env=env).stdout.split()
+    assert jobs, "no running job to signal"
+    subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=env, check=True)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
     db = tmp_path / "mlruns" / "mlflow.db"
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         rows = con.execute("SELECT r.status, t.value FROM runs r LEFT JOIN tags t ON t.run_uuid = r.run_uuid "

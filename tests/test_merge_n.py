@@ -421,7 +421,7 @@ def test_a_bfloat16_family_merges_from_its_stored_tensors(compose_cfg, family, t
     float32 upcasts; the shared-tensor check reads headers only (no tensor read before the scoring)."""
     from transformers import AutoModelForCausalLM
 
-    from mergescope.native import stream
+    from mergescope import stream
     from mergescope.native.merges import run_merge
 
     bf = []
