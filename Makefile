@@ -15,9 +15,9 @@ all: install data run
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PIP) install -q 'torch==2.13.0'
-	$(PIP) install -q 'setuptools<81'
-	$(PIP) install -q -e '.[dev,eval]'
+	$(PIP) install -q --no-compile 'torch==2.13.0'
+	$(PIP) install -q --no-compile 'setuptools<81'
+	$(PIP) install -q --no-compile -e '.[dev,eval]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,7 +26,7 @@ run: install
 	$(PY) launch.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not heavy"
