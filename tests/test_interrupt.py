@@ -124,3 +124,28 @@ def test_a_sigterm_inside_a_store_call_is_raised_when_the_call_returns(depth):
     assert done == ["the call finished"] and info.value.code == 143
     with store_call():  # nothing left pending
         pass
+
+
+def test_submitits_timeout_signal_inside_a_store_call_is_held_until_it_returns():
+    """In a SLURM job submitit's USR2 handler (the time limit's warning) raises its error: inside an open run it is
+    held while a store call is open, like SIGTERM, and run when the call returns; afterwards it is submitit's again."""
+    from mergescope.tracking import killed_on_sigterm, store_call
+
+    calls, done = [], []
+
+    def checkpoint_and_try_requeue(signum, frame):  # named and placed as submitit's own handler
+        calls.append(signum)
+        raise RuntimeError("Job not requeued because: timed-out too many times.")
+
+    checkpoint_and_try_requeue.__module__ = "submitit.core.job_environment"
+    before = signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
+    try:
+        with killed_on_sigterm(), pytest.raises(RuntimeError, match="timed-out"):
+            with store_call():
+                os.kill(os.getpid(), signal.SIGUSR2)
+                time.sleep(0.05)
+                done.append("the call finished")  # held: the store write finishes first
+        assert done == ["the call finished"] and calls == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR2) is checkpoint_and_try_requeue
+    finally:
+        signal.signal(signal.SIGUSR2, before)

@@ -13,8 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-import functools
-from functools import lru_cache
+from functools import lru_cache, partial, wraps
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +99,8 @@ def client_for(uri: str):
 
 
 class StoreWrites:
-    """An MLflow client whose every call runs with SIGTERM deferred (:func:`store_call`): a signal that lands inside a
-    store write is raised when the write has returned, so no SQLAlchemy session is left holding SQLite's write lock
+    """An MLflow client whose every call runs inside :func:`store_call`: SIGTERM (and submitit's timeout signal) landing
+    inside a store write is acted on when the write has returned, so no SQLAlchemy session is left holding SQLite's write lock
     for the KILLED status write that follows (the lock it would wait on would be its own)."""
 
     def __init__(self, client):
@@ -112,7 +111,7 @@ class StoreWrites:
         if not callable(attr) or name.startswith("_"):
             return attr
 
-        @functools.wraps(attr)
+        @wraps(attr)
         def call(*args, **kwargs):
             with store_call():
                 return attr(*args, **kwargs)
@@ -450,7 +449,7 @@ def killed_on_sigterm() -> Iterator[None]:
     if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
     if held:
-        signal.signal(signal.SIGUSR2, functools.partial(_outside_store, timeout))
+        signal.signal(signal.SIGUSR2, partial(_outside_store, timeout))
     try:
         yield
     finally:
