@@ -159,4 +159,4 @@ def test_a_job_past_its_time_limit_fails_with_its_reason(slurm, tmp_path, tiny_m
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         rows = con.execute("SELECT r.status, t.value FROM runs r LEFT JOIN tags t ON t.run_uuid = r.run_uuid "
                            "AND t.key = 'error'").fetchall()
-    assert rows == [("FAILED", "Job not requeued because: timed-out too many times.")], rows
+    assert rows == [("FAILED", "Job not requeued because: timed-out too many times.")], rows  # never OmegaConf's wrapper

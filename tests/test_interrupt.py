@@ -149,3 +149,27 @@ def test_submitits_timeout_signal_inside_a_store_call_is_held_until_it_returns()
         assert signal.getsignal(signal.SIGUSR2) is checkpoint_and_try_requeue
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_an_error_raised_inside_a_resolver_is_recorded_as_itself():
+    """The CI failure of stop 51: submitit's time-limit error landed while OmegaConf resolved an interpolation, and
+    the run's error tag read 'UncompletedJobError raised while resolving interpolation: ...'. The reason recorded is
+    the wrapped error's own first line, whether OmegaConf chains it or only names it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    from mergescope.tracking import failure_reason
+
+    def fail():
+        raise RuntimeError("Job not requeued because: timed-out too many times.\nsecond line")
+
+    OmegaConf.register_new_resolver("test_fail_inside", fail, replace=True)
+    with pytest.raises(InterpolationResolutionError) as info:
+        OmegaConf.create({"x": "${test_fail_inside:}"}).x
+    assert "raised while resolving interpolation" in str(info.value)
+    assert failure_reason(info.value) == "Job not requeued because: timed-out too many times."
+    unchained = InterpolationResolutionError(str(info.value))
+    assert unchained.__cause__ is None
+    assert failure_reason(unchained) == "Job not requeued because: timed-out too many times."
+    assert failure_reason(ValueError()) == "ValueError"
+    assert failure_reason(ValueError("plain\nmore")) == "plain"

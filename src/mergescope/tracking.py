@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -96,6 +97,23 @@ def client_for(uri: str):
         if path is not None and (not path.exists() or path.stat().st_size == 0):
             create_sqlite(path)  # made and migrated in a temporary file, moved into place when complete
         return StoreWrites(MlflowClient(tracking_uri=uri))
+
+
+_WRAPPED = re.compile(r"^\w+ raised while resolving interpolation: ")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The first line of the error that stopped a job, as its run's ``error`` tag. An exception raised inside an
+    OmegaConf interpolation (a signal handler's error landing while a resolver runs: submitit's time-limit error)
+    arrives wrapped in ``InterpolationResolutionError``; the reason recorded is the wrapped one."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    while isinstance(exc, InterpolationResolutionError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc)
+    if not text:
+        return type(exc).__name__
+    return _WRAPPED.sub("", text.splitlines()[0])[:1000]
 
 
 class StoreWrites:
@@ -287,7 +305,7 @@ class Tracker:
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         """Why it failed, on the run (the report's calibration lists non-converged settings), and FAILED."""
-        self.client.set_tag(job.run_id, "error", str(exc).splitlines()[0][:1000] if str(exc) else type(exc).__name__)
+        self.client.set_tag(job.run_id, "error", failure_reason(exc))
         self.client.set_terminated(job.run_id, status="FAILED")
 
     @contextmanager
