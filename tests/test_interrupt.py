@@ -173,3 +173,37 @@ def test_an_error_raised_inside_a_resolver_is_recorded_as_itself():
     assert failure_reason(unchained) == "Job not requeued because: timed-out too many times."
     assert failure_reason(ValueError()) == "ValueError"
     assert failure_reason(ValueError("plain\nmore")) == "plain"
+
+
+@pytest.mark.parametrize("outcome", ["requeued", "timed out"])
+def test_submitits_requeue_leaves_the_run_killed_and_its_timeout_failed(outcome, compose_cfg, tmp_path):
+    """With time left, submitit's USR2 handler requeues the SLURM job and exits with ``sys.exit(-1)``: the open run is
+    KILLED (an interruption, the requeued job runs again), tagged with the reason, and the exit code stays -1. Past
+    its guaranteed time the same handler raises its error instead: the run is FAILED with it."""
+    from mergescope.tracking import Requeued, Tracker
+
+    def checkpoint_and_try_requeue(signum, frame):  # named and placed as submitit's own handler
+        if outcome == "requeued":
+            sys.exit(-1)
+        raise RuntimeError("Job not requeued because: timed-out too many times.")
+
+    checkpoint_and_try_requeue.__module__ = "submitit.core.job_environment"
+    cfg, _ = compose_cfg(["task=measure"])
+    tracker = Tracker(cfg)
+    before = signal.signal(signal.SIGUSR2, checkpoint_and_try_requeue)
+    try:
+        with pytest.raises(SystemExit if outcome == "requeued" else RuntimeError) as info:
+            with tracker.start(cfg, "preempted", {"kind": "seed"}):
+                os.kill(os.getpid(), signal.SIGUSR2)
+                time.sleep(0.05)
+        assert signal.getsignal(signal.SIGUSR2) is checkpoint_and_try_requeue
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    (run,) = tracker.runs("", status=None)
+    if outcome == "requeued":
+        assert isinstance(info.value, Requeued) and info.value.code == -1
+        assert run.info.status == "KILLED" and run.data.tags["interrupted"] == Requeued.reason
+        assert "error" not in run.data.tags
+    else:
+        assert run.info.status == "FAILED" and "interrupted" not in run.data.tags
+        assert run.data.tags["error"] == "Job not requeued because: timed-out too many times."

@@ -295,6 +295,8 @@ def test_interrupted_training_resumes_to_the_same_weights(trained, corpus, tmp_p
 
     summary = train_model(MICRO_ENTRY, MICRO_TRAIN, corpus, out, progress=False)
     assert summary["checkpoints"] == summary_full["checkpoints"]
+    last = max(s for s in checkpoint_steps(MICRO_TRAIN["steps"]) if s <= stop)
+    assert summary["resumed_from"] == last > 0 and summary_full["resumed_from"] == 0
     for rev in ["main", "step16"]:
         a, b = _load(out_full / rev).state_dict(), _load(out / rev).state_dict()
         for k in a:

@@ -321,6 +321,8 @@ class Tracker:
             except BaseException as exc:
                 if isinstance(exc, (Terminated, KeyboardInterrupt)):  # the signal may have landed inside a store write:
                     _release_interrupted(exc)                          # free that session's lock first
+                    if isinstance(exc, Requeued):
+                        self.client.set_tag(job.run_id, "interrupted", Requeued.reason)
                     self.client.set_terminated(job.run_id, status="KILLED")
                 else:
                     self._fail(job, exc)
@@ -419,6 +421,14 @@ class Terminated(SystemExit):
     """SIGTERM, raised in the main thread: the open run (if any) is marked KILLED and the process exits with 143."""
 
 
+class Requeued(Terminated):
+    """submitit requeued this SLURM job (a preemption's warning signal with time left) and exits: the open run is
+    marked KILLED with the reason as its ``interrupted`` tag; the requeued job opens a new run, which resumes from the
+    task's own checkpoint where it keeps one (zoo training)."""
+
+    reason = "preempted: SLURM requeued the job, which runs again (zoo training resumes from its last checkpoint)"
+
+
 _IN_STORE = threading.local()  # depth of store calls on this thread, and a signal's handler held during one
 
 
@@ -467,7 +477,7 @@ def killed_on_sigterm() -> Iterator[None]:
     if mine:
         signal.signal(signal.SIGTERM, _on_sigterm)
     if held:
-        signal.signal(signal.SIGUSR2, partial(_outside_store, timeout))
+        signal.signal(signal.SIGUSR2, partial(_outside_store, partial(_requeue_is_killed, timeout)))
     try:
         yield
     finally:
@@ -475,6 +485,24 @@ def killed_on_sigterm() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
         if held:
             signal.signal(signal.SIGUSR2, timeout)
+
+
+def _requeue_is_killed(handler, signum: int, frame) -> None:
+    """submitit's USR2 handler either raises its error (timed out: the run FAILS with it) or requeues the job and
+    exits with ``sys.exit(-1)``: that exit becomes :class:`Requeued` (same code), so the run reads KILLED, not FAILED.
+    ``scontrol requeue`` makes SLURM send the job SIGTERM at once: ignored from the handler's start (the job is on
+    its way out either way; SIGKILL follows after KillWait), so it cannot turn the requeue into a plain KILLED."""
+    term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        handler(signum, frame)
+    except SystemExit as exc:
+        if isinstance(exc, Terminated):
+            raise
+        raise Requeued(exc.code) from None
+    except BaseException:
+        signal.signal(signal.SIGTERM, term)
+        raise
+    signal.signal(signal.SIGTERM, term)
 
 
 def _submitit_handler(handler, name: str) -> bool:

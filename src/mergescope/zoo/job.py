@@ -45,6 +45,8 @@ def run_train(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
             cfg.paths.mono, out, log=job.log_metrics, progress=bool(cfg.progress),
         )
         job.log_params({"checkpoints": summary.get("checkpoints", [])})
+        if summary.get("resumed_from"):  # an interrupted training (a requeued SLURM job) continued from a checkpoint
+            job.client.set_tag(job.run_id, "resumed_from_step", str(summary["resumed_from"]))
         return {k: float(summary[k]) for k in FINAL_METRICS if k in summary}
 
     tags = {"kind": "train", "model": model_label(entry), "lang": entry.lang, "seed": cfg.train.seed}

@@ -439,6 +439,7 @@ def _summary(plan: _Plan, tr: _Trainer, data: _Data, stats: dict[str, float], to
         "device": str(plan.device),
         "fingerprint": plan.fingerprint,
         "finished": True,
+        "resumed_from": tr.start,  # the checkpoint step this call started from (0: trained from the initialisation)
     }
 
 
