@@ -10,6 +10,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -359,3 +360,46 @@ def test_sweeps_through_the_ssh_tunnel_finish_in_the_server_and_never_see_the_pa
         if f.is_file():
             assert password not in f.read_bytes().decode(errors="replace"), f
     assert all(password not in v for r in found for v in [*r.data.params.values(), *r.data.tags.values()])
+
+
+@pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found (set MERGESCOPE_DATA)")
+def test_a_node_going_down_under_a_job_ends_with_one_finished_run_per_job(slurm, tmp_path, tiny_models):
+    """slurmd killed (SIGKILL) while an array task's run is open: the controller marks the node NOT_RESPONDING, then
+    DOWN, and requeues the job; slurmd restarted (make cluster), the node comes back. Whatever the interrupted
+    incarnation did (finished its run while its step outlived slurmd, or was killed as an orphan step when the node
+    came back), the store ends with no run RUNNING and, after the same sweep is resubmitted, one FINISHED run per
+    cfg_hash."""
+    lay, _ = slurm
+    env = {**os.environ, **cluster.environment(lay)}
+    sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+             f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
+             "metric=procrustes", "control.seed=0,1", "control.seeds=2000", *SLURM, "hydra.launcher.array_parallelism=1"]
+    proc = launch(sweep, tmp_path, lay, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(tmp_path)):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    slurmd = cluster.daemon_pid(lay, "slurmd")
+    os.kill(slurmd, signal.SIGKILL)
+    states, deadline = [], time.time() + 120
+    while time.time() < deadline and (not states or states[-1] != "down"):
+        states.append(cluster.node_state(lay).rstrip("*~#$@+"))
+        time.sleep(1)
+    assert states[-1] == "down", sorted(set(states))
+    cluster.start(lay.root)  # slurmd again: the node comes back
+    assert cluster.node_state(lay).startswith(("idle", "mixed", "allocated")), cluster.node_state(lay)
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:  # the requeued task is held ~2 min (BeginTime): start it now
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True, env=env).stdout.split()
+        if queue[1:3] == ["PENDING", "BeginTime"]:
+            subprocess.run(["scontrol", "update", f"JobId={queue[0]}", "StartTime=now"], env=env, capture_output=True)
+        time.sleep(0.5)
+    first = proc.communicate(timeout=60)
+    after = Counter(st for st, _, _ in runs(tmp_path))
+    assert after["RUNNING"] == 0, (after, first[1][-2000:])
+    again = launch(sweep, tmp_path, lay)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    final = runs(tmp_path)
+    finished = Counter(h for st, h, _ in final if st == "FINISHED")
+    assert len(finished) == 2 and set(finished.values()) == {1}, (finished, after)
+    assert not any(st == "RUNNING" for st, _, _ in final)
