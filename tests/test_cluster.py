@@ -397,6 +397,7 @@ def test_a_node_going_down_under_a_job_ends_with_one_finished_run_per_job(slurm,
     first = proc.communicate(timeout=60)
     after = Counter(st for st, _, _ in runs(tmp_path))
     assert after["RUNNING"] == 0, (after, first[1][-2000:])
+    print(f"node states {sorted(set(states))}; after the first launch (exit {proc.returncode}): {dict(after)}")
     again = launch(sweep, tmp_path, lay)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     final = runs(tmp_path)
