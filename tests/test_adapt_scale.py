@@ -65,7 +65,7 @@ def test_study_adapt_runs_small_against_medium_and_large(study, compose_cfg):
     compose_cfg([])  # Hydra initialised on conf/
     plan = Plan([f"study={study}"])
     assert list(plan.entries) == list(FAMILY[:1]) + ["zoo-scale-l", "zoo-scale-l-nested", "zoo-scale-m"]
-    jobs = [(j.cfg.adapt.name, j.cfg.pair.a.name, j.cfg.pair.b.name) for j in plan.adapt_jobs()]
+    jobs = [(j.cfg.adapt.name, j.cfg.pair.a.name, j.cfg.pair.b.name) for j in plan.jobs("adapt")]
     for large in ("zoo-scale-m", "zoo-scale-l"):
         assert {("expand", "zoo-scale-s", large), ("truncate", "zoo-scale-s", large)} <= set(jobs)
     assert len(jobs) == 6

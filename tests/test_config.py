@@ -41,7 +41,7 @@ def test_study_sweeps_ten_pairs_and_every_metric(compose_cfg, study, n_models):
 
 def test_pair_all_needs_the_studys_models():
     from mergescope.errors import MergescopeError
-    from mergescope.study import every_pair
+    from mergescope.sweep import every_pair
 
     assert every_pair(["a", "b", "c"]) == "a__b,a__c,b__c"
     with pytest.raises(MergescopeError, match="pair: all needs the study's models"):
@@ -119,7 +119,7 @@ def test_the_compose_cache_never_holds_a_secret(compose_cfg, tmp_path):
     <paths.cache>/compose holds it (the same config as Hydra's either way)."""
     from hydra import compose
 
-    from mergescope import study
+    from mergescope import jobs as study
 
     compose_cfg([])
     study._COMPOSE_CACHE[:] = [tmp_path / "compose"]
@@ -161,7 +161,7 @@ def test_multirun_study_axes_written_out_and_per_model_languages_refused():
     expands; Hydra alone looks for conf/pair/all.yaml); an axis given on the command line is left alone; a study with
     per-model languages is refused in one line naming the study runner."""
     from mergescope.cli import expand_multirun_study
-    from mergescope.study import every_metric
+    from mergescope.sweep import every_metric
 
     assert expand_multirun_study(["study=toy"]) == ["study=toy"]  # no -m: the study runner expands it
     out = expand_multirun_study(["-m", "study=toy", "task=measure"])

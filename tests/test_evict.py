@@ -44,7 +44,8 @@ def test_a_revision_that_is_also_main_is_kept(tmp_path):
 
 
 def test_zoo_checkpoints_are_never_evicted(tiny_models, compose_cfg):
-    from mergescope.study import evict_checkpoints, job
+    from mergescope.jobs import job
+    from mergescope.native.arm import evict_checkpoints
 
     p = str(tiny_models["neox_en"])
     _, base = compose_cfg([])

@@ -119,15 +119,15 @@ def test_study_jobs_replay_from_their_overrides(compose_cfg):
     _, base = compose_cfg([])
     plan = Plan([*base, "study=toy"])
     assert len(plan.measures) == 50 and len(plan.pairs) == 10 and len(plan.entries) == 5 + 2  # + the adapt arm's pair
-    ck = plan.checkpoint_pairs()
+    ck = plan.jobs("checkpoints")
     assert len(ck) == 6 + 6 + 3 + 3 + 3  # every zoo family: 4 revisions per NeoX run, 3 for the others
     assert {(str(j.cfg.pair.a.revision), str(j.cfg.pair.b.revision)) for j in ck} >= {("step16", "step600"), ("step64", "step256")}
     assert {str(j.cfg.pair.a.name) for j in ck} == set(list(plan.entries)[:5])
-    ad = plan.adapt_jobs()
+    ad = plan.jobs("adapt")
     assert [(str(j.cfg.adapt.name), j.cfg.pair.a.name, j.cfg.pair.b.name) for j in ad] == [
         ("expand", "zoo-scale-s", "zoo-scale-l"), ("truncate", "zoo-scale-s", "zoo-scale-l")]
     jobs = [*plan.measures[:3], *plan.pair_jobs("typology")[:2], *plan.model_jobs("quality"), *ck[:2],
-            *plan.transport_directions()[:2], *ad]
+            *plan.jobs("transport")[:2], *ad]
     keys = {"measure": ["pair", "metric", "data"], "typology": ["pair"], "quality": ["model", "data"],
             "native": ["pair", "data", "native"], "transport": ["pair", "merge", "data"],
             "adapt": ["pair", "adapt", "adaptation", "data"]}
@@ -135,7 +135,7 @@ def test_study_jobs_replay_from_their_overrides(compose_cfg):
         again = compose(config_name="config", overrides=j.overrides)
         assert job_hash(j.task, again, keys[j.task]) == job_hash(j.task, j.cfg, keys[j.task]), j.overrides
         assert str(again.task.name) == j.task
-    assert [str(j.cfg.merge.target) for j in plan.transport_directions()[:2]] == ["a", "b"]
+    assert [str(j.cfg.merge.target) for j in plan.jobs("transport")[:2]] == ["a", "b"]
     assert all(o.startswith(("pair=", "++pair.")) for o in ck[0].overrides if o not in plan.base and not o.startswith("task="))
 
 
@@ -181,3 +181,70 @@ def test_one_run_name_grammar():
         literal = re.sub(r"\{[^}]*\}", "X", n.lstrip("f").strip('"'))
         assert ":" not in literal and "~" not in literal, n
         assert re.fullmatch(r"[a-z_-]+( \S+)*", literal), n
+
+
+def _constants(path: Path) -> set[str]:
+    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_the_study_and_the_entry_point_name_no_arm():
+    """Issue 46: the study, its plan and the entry point iterate the arms' declarations (mergescope.arm); no string in
+    study.py or cli.py is an arm's name, one of its phases, its tasks or its config groups."""
+    from mergescope.arm import arms
+
+    names = {x for a in arms() for x in (a.name, a.row, *a.tasks, *a.settings, *a.groups, *(p.name for p in a.phases))}
+    shared = {d.name for d in CONF_DIR.iterdir() if d.is_dir()} - {g for a in arms() for g in (*a.settings, *a.groups)}
+    names -= shared  # a config group every route shares (merge: the operators; task=merge is the native arm's)
+    for module in ("study.py", "cli.py"):
+        named = sorted(_constants(SRC / module) & names)
+        assert not named, f"{module} names {named}"
+
+
+def test_every_arm_is_declared_once_with_its_task_and_settings_configs():
+    """Each arm's tasks have their conf/task YAML, its settings group its conf/<group>/default.yaml, listed in
+    conf/config.yaml's defaults (which holds no other arm group); arm and phase names are unique; the arms' tasks and
+    the study's own make the entry point's task table."""
+    import yaml
+
+    from mergescope.arm import arm_tasks, arms, settings_groups
+
+    declared = arms()
+    assert [a.name for a in declared] == ["representation", "native", "checkpoints", "transport", "transport_sweep",
+                                          "shared_space", "adapt", "expansion"]
+    phases = [p.name for a in declared for p in a.phases]
+    assert len(phases) == len(set(phases))
+    for task in arm_tasks():
+        assert (CONF_DIR / "task" / f"{task}.yaml").is_file(), task
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
+    groups = {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v == "default"}
+    assert groups == set(settings_groups()) and all((CONF_DIR / g / "default.yaml").is_file() for g in groups)
+    assert set(TASKS) == set(arm_tasks()) | {"study", "train", "analyze", "precision_check"}
+
+
+def test_an_arm_from_a_folder_of_its_own_joins_a_study_with_no_other_edit(compose_cfg, tmp_path, monkeypatch):
+    """An arm outside the package (a folder with its arm.py, found through MERGESCOPE_ARM_PATH): a study that names it
+    lists its phase after the arms of lower order, with its jobs; the task table gains its task; a study naming it
+    without the folder is refused in one line."""
+    from mergescope.arm import EXTRA_ENV, arm_tasks, arms
+    from mergescope.study import Plan
+
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "arm.py").write_text(
+        "from mergescope.arm import Arm, Phase\n\n"
+        "ARMS = [Arm('probe', order=45, tasks={'probe_typology': 'mergescope.typology:run_typology'},\n"
+        "            phases=(Phase('probe pairs', lambda plan: plan.pair_jobs('typology', ['+tags.probe=1']),\n"
+        "                          lambda j, r: 'probed'),))]\n")
+    _, base = compose_cfg([])
+    with pytest.raises(MergescopeError, match="arms: unknown arm 'probe'"):
+        Plan([*base, "study=toy", "arms=[representation,probe]"])
+    monkeypatch.setenv(EXTRA_ENV, str(tmp_path))
+    names = [a.name for a in arms()]
+    assert names.index("probe") == names.index("transport_sweep") + 1  # by order: 41 < 45 < 50
+    assert arm_tasks()["probe_typology"] == "mergescope.typology:run_typology"
+    plan = Plan([*base, "study=toy", "arms=[representation,probe]"])
+    listed = [(arm, phase) for arm, phase, _ in plan.phases()]
+    assert listed.index(("probe", "probe pairs")) == listed.index(("transport", "transport settings")) + 1
+    probe = dict(((arm, phase), of) for arm, phase, of in plan.phases())[("probe", "probe pairs")]()
+    assert len(probe) == len(plan.pairs) == 10 and {j.task for j in probe} == {"typology"}
+    assert all("+tags.probe=1" in j.overrides for j in probe)
+    assert dict(((arm, phase), of) for arm, phase, of in plan.phases())[("transport", "transport")]() == []  # not named

@@ -4,6 +4,8 @@ correlation table, with no other edit; its metadata (headline, direction, refere
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,8 @@ def test_the_plugin_carries_its_metadata(plugin):
 
 
 def test_a_new_metric_is_in_every_metric_all_sweep(plugin):
-    from mergescope.study import every_metric, sweep_jobs
+    from mergescope.study import sweep_jobs
+    from mergescope.sweep import every_metric
 
     names = every_metric().split(",")
     assert names[:5] == ["cka", "procrustes", "svcca", "retrieval", "mutual_knn"] and names[-1] == NAME
@@ -108,22 +111,22 @@ def test_study_real_native_pairs_checkpoint_overrides_and_shared_models(compose_
     from mergescope.errors import MergescopeError
 
     compose_cfg([])  # Hydra initialised on conf/
-    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
-    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
-    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": True}})
+    monkeypatch.setattr("mergescope.models.resolve", lambda e: e)
+    monkeypatch.setattr("mergescope.models.load_config", lambda e: e)
+    monkeypatch.setattr("mergescope.native.weights.routes", lambda a, b: {"native": {"defined": True}})
     plan = study_mod.Plan(["study=real"])
-    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.native_pairs()] == ["smollm2-135m-pt__smollm2-135m-it"]
-    assert len(study_mod.Plan(["study=real", "native_pairs=null"]).native_pairs()) == 4  # null: every shared-space pair
-    ck = plan.checkpoint_pairs()
+    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.jobs("native")] == ["smollm2-135m-pt__smollm2-135m-it"]
+    assert len(study_mod.Plan(["study=real", "native_pairs=null"]).jobs("native")) == 4  # null: every shared-space pair
+    ck = plan.jobs("checkpoints")
     assert [(j.cfg.pair.a.revision, j.cfg.pair.b.revision) for j in ck] == [("step2", "step16"), ("step2", "step48"),
                                                                              ("step16", "step48")]
     assert all(list(j.cfg.native.merges) == ["linear", "ties"] and list(j.cfg.native.nll_langs) == [] for j in ck)
     assert list(plan.cfg.native.nll_langs) == ["por_Latn", "ita_Latn", "eng_Latn"]  # the native pair keeps its languages
     assert {"zoo-pythia-en", "zoo-mamba-en", "smollm2-135m"} <= set(plan.entries)
-    assert [j.task for j in plan.shared_jobs()].count("shared_space") == 1
+    assert [j.task for j in plan.jobs("shared space")].count("shared_space") == 1
     with pytest.raises(MergescopeError, match="native_pairs names 'pt__it', not a pair of this study"):
         study_mod.Plan(["study=real", "native_pairs=[pt__it]"])
-    ex = plan.expansion_jobs()  # the function check of Expand: the real base against each target, replayable overrides
+    ex = plan.jobs("expansion")  # the function check of Expand: the real base against each target, replayable overrides
     assert [(j.task, j.cfg.model.name, j.cfg.expansion.target.mode) for j in ex] == [
         ("expansion", "smollm2-135m", "zero"), ("expansion", "smollm2-135m", "repeat")]
     assert ex[0].cfg.expansion.target.changes.hidden_size == 768 and ex[1].cfg.expansion.target.changes.intermediate_size == 3072
@@ -138,21 +141,27 @@ def test_plan_true_lists_the_jobs_a_study_runs_with_their_cost(compose_cfg, monk
     from mergescope.runs import JobResult
 
     cfg, _ = compose_cfg([])
-    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
-    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
-    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": True}})
+    monkeypatch.setattr("mergescope.models.resolve", lambda e: e)
+    monkeypatch.setattr("mergescope.models.load_config", lambda e: e)
+    monkeypatch.setattr("mergescope.native.weights.routes", lambda a, b: {"native": {"defined": True}})
     plan = study_mod.Plan(["study=real"])
     phases = [(arm, name, of()) for arm, name, of in plan.phases()]
     ran: dict[str, list] = {}
-    monkeypatch.setattr(study_mod, "_run_all", lambda jobs, describe, *a, phase="jobs", **k: ran.setdefault(phase, []).extend(jobs) or [])
-    monkeypatch.setattr(study_mod, "_run_sweep", lambda jobs: ran.setdefault("transport settings", []).extend(jobs))
-    monkeypatch.setattr(study_mod, "_checkpoint_arm", lambda plan, jobs: ran.setdefault("checkpoints", []).extend(jobs))
+    monkeypatch.setattr(study_mod, "run_all", lambda jobs, describe, *a, phase="jobs", **k: ran.setdefault(phase, []).extend(jobs) or [])
+
+    def recorded(phase):  # a phase with a runner of its own (the checkpoints, the transport settings): jobs recorded
+        return lambda plan, jobs: ran.setdefault(phase.name, []).extend(jobs)
+
+    patched = tuple(dataclasses.replace(a, phases=tuple(p if p.run is None else dataclasses.replace(p, run=recorded(p))
+                                                        for p in a.phases)) for a in study_mod.arms())
+    monkeypatch.setattr(study_mod, "arms", lambda: patched)
     monkeypatch.setattr("mergescope.zoo.is_trained", lambda p: False)
     study_mod._run_jobs(plan, {})
     assert {name: [j.overrides for j in jobs] for _, name, jobs in phases if jobs} == \
         {name: [j.overrides for j in jobs] for name, jobs in ran.items() if jobs}
+    monkeypatch.undo()  # the models' files read as they are again (the cost counts read their shapes)
     done_ids = {id(j) for _, _, jobs in phases for j in jobs[::2]}  # every other job done
-    monkeypatch.setattr(study_mod, "_done_pass", lambda jobs, unknown=None: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
+    monkeypatch.setattr(study_mod, "done_pass", lambda jobs, unknown=None: ([(j, JobResult("r" * 32, True, {}, "h")) for j in jobs if id(j) in done_ids],
                                                                [j for j in jobs if id(j) not in done_ids]))
     peaks = iter([1.5, 2.5] * 1000)
     monkeypatch.setattr(study_mod, "_cost", lambda client, run_id: (10.0, next(peaks)))
@@ -314,9 +323,9 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     from mergescope.errors import MergescopeError
 
     compose_cfg([])
-    monkeypatch.setattr(study_mod, "resolve", lambda e: e)
-    monkeypatch.setattr(study_mod, "load_config", lambda e: e)
-    monkeypatch.setattr(study_mod, "routes", lambda a, b: {"native": {"defined": a.name.startswith("smollm2-135m-")}})
+    monkeypatch.setattr("mergescope.models.resolve", lambda e: e)
+    monkeypatch.setattr("mergescope.models.load_config", lambda e: e)
+    monkeypatch.setattr("mergescope.native.weights.routes", lambda a, b: {"native": {"defined": a.name.startswith("smollm2-135m-")}})
     base = ["study=crossarch_real", "hydra.sweeper.params.metric=cka"]
     plan = study_mod.Plan(base)
     own = {"smollm2-135m": "eng_Latn", "gemma3-270m": "pol_Latn", "qwen2.5-coder-0.5b": "por_Latn", "qwen2.5-coder-1.5b": "zho_Hans"}
@@ -327,17 +336,19 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert all(m.cfg.pair[s].lang == "eng_Latn" for m in one for s in "ab")
     ty = plan.pair_jobs("typology")  # the pair jobs read the own protocol's languages
     assert {(j.cfg.pair.a.lang, j.cfg.pair.b.lang) for j in ty} == {(own[j.cfg.pair.a.name], own[j.cfg.pair.b.name]) for j in ty}
-    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.native_pairs()] == ["smollm2-135m-pt__smollm2-135m-it"]
+    assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.jobs("native")] == ["smollm2-135m-pt__smollm2-135m-it"]
     assert {"smollm2-135m-pt", "smollm2-135m-it"} <= set(plan.entries)
     def name(j):
         t = j.cfg.merge.target
         return f"{j.cfg.pair[t].name}<-{j.cfg.pair['b' if t == 'a' else 'a'].name}"
 
-    tr = plan.transport_directions()
-    assert [name(j) for j in tr] == list(plan.cfg.transport_directions) == list(plan.named_directions())
+    tr = plan.jobs("transport")
+    from mergescope.transport.arm import named_directions
+
+    assert [name(j) for j in tr] == list(plan.cfg.transport_directions) == list(named_directions(plan))
     from omegaconf import OmegaConf
 
-    sweep = plan.transport_sweep()  # a list entry: the swept direction (the first); a mapping: the directions it names
+    sweep = plan.jobs("transport settings")  # a list entry: the swept direction (the first); a mapping: the directions it names
     assert len(sweep) == len(plan.cfg.transport_sweep.settings)
     assert [name(j) for j in sweep].count("qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b") == 2
     assert {name(j) for j in sweep} == {"smollm2-135m<-qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b"}
@@ -345,21 +356,21 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert sum(j.cfg.merge.name == "transport" and j.cfg.merge.scale_match == "rms" for j in sweep) == 1
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-nope"]}])
     with pytest.raises(MergescopeError, match=r"transport_sweep.settings\[0\].directions names 'gemma3-270m<-nope'"):
-        plan.transport_sweep()
+        plan.jobs("transport settings")
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "direction": ["x"]}])
     with pytest.raises(MergescopeError, match=r"a mapping takes overrides \(a list\) and directions .*not 'direction'"):
-        plan.transport_sweep()
+        plan.jobs("transport settings")
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-smollm2-135m"]}],
                      merge=False)
-    assert [(name(j), j.cfg.merge.epsilon) for j in plan.transport_sweep()] == [("gemma3-270m<-smollm2-135m", 0.05)]
-    assert [j.cfg.adapt.name for j in plan.adapt_jobs()] == ["truncate"]
+    assert [(name(j), j.cfg.merge.epsilon) for j in plan.jobs("transport settings")] == [("gemma3-270m<-smollm2-135m", 0.05)]
+    assert [j.cfg.adapt.name for j in plan.jobs("adapt")] == ["truncate"]
 
     OmegaConf.update(plan.cfg, "transport_directions", ["gemma3-270m<-nope"])
     with pytest.raises(MergescopeError, match="transport_directions names 'gemma3-270m<-nope'"):
-        plan.transport_directions()
+        plan.jobs("transport")
     OmegaConf.update(plan.cfg, "adaptation.operators", ["merge"])
     with pytest.raises(MergescopeError, match="adaptation.operators: unknown operator 'merge'"):
-        plan.adapt_jobs()
+        plan.jobs("adapt")
     OmegaConf.update(plan.cfg, "languages", {"nope": "eng_Latn"}, merge=False, force_add=True)
     with pytest.raises(MergescopeError, match="languages names 'nope', not one of the study's models"):
         study_mod.with_languages(plan.cfg, ["pair=a__b"])

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path):
     from hydra import compose
 
-    from mergescope import study
+    from mergescope import jobs as study
 
     compose_cfg([])  # initialises Hydra on conf/
     study._COMPOSE_CACHE[:] = [tmp_path / "compose"]
@@ -51,7 +51,7 @@ def test_the_compose_cache_gives_back_what_hydra_composes(compose_cfg, tmp_path)
 
 
 def test_a_phase_whose_jobs_are_done_starts_no_worker(monkeypatch):
-    from mergescope import study
+    from mergescope import jobs as study
     from mergescope.runs import JobResult, would_run
 
     class Job:
@@ -67,9 +67,9 @@ def test_a_phase_whose_jobs_are_done_starts_no_worker(monkeypatch):
     started = []
     monkeypatch.setattr(study, "run_groups", lambda groups, workers: started.append(groups) or [[j.run() for j in g] for g in groups])
     jobs = [Job(True) for _ in range(4)]
-    assert len(study._run_all(jobs, lambda j, r: "x", workers=2)) == 4 and not started
+    assert len(study.run_all(jobs, lambda j, r: "x", workers=2)) == 4 and not started
     jobs = [Job(True), Job(False), Job(True), Job(False)]
-    out = study._run_all(jobs, lambda j, r: "x", workers=2)
+    out = study.run_all(jobs, lambda j, r: "x", workers=2)
     assert len(out) == 4 and len(started) == 1 and sorted(sum(started[0], []), key=id) == sorted([jobs[1], jobs[3]], key=id)
     assert [j.ran for j in jobs] == [0, 1, 0, 1]  # each pending job ran once, after the done-check pass stopped it
 
@@ -90,7 +90,8 @@ def test_a_study_phase_is_one_bar_and_each_jobs_line_only_with_verbose(monkeypat
     lines silenced; -v (verbose=true) prints them as before."""
     from rich.console import Console
 
-    from mergescope import progress, study
+    from mergescope import jobs as study
+    from mergescope import progress
     from mergescope.cli import verbose_flag
     from mergescope.runs import JobResult
 
@@ -105,12 +106,12 @@ def test_a_study_phase_is_one_bar_and_each_jobs_line_only_with_verbose(monkeypat
     monkeypatch.setattr(progress, "status", bars)
     monkeypatch.setattr(study, "console", lines)
     lines.quiet = True
-    study._run_all([Job(True), Job(False), Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
+    study.run_all([Job(True), Job(False), Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
     shown = bars.export_text()
     assert "measure" in shown and "3/3" in shown and "1 run, 2 reused" in shown
     assert lines.export_text() == ""
     lines.quiet = False
-    study._run_all([Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
+    study.run_all([Job(True)], lambda j, r: "cka zoo-neox-en x zoo-neox-zh", phase="measure")
     assert lines.export_text().strip() == "[1/1] cka zoo-neox-en x zoo-neox-zh (done before)"
     assert verbose_flag(["study=toy", "-v"]) == ["study=toy", "verbose=true"] and verbose_flag(["a=1"]) == ["a=1"]
 

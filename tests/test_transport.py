@@ -1006,10 +1006,10 @@ def test_a_failed_run_carries_its_reason_and_the_calibration_counts_it(compose_c
 
 
 def test_a_sweep_setting_that_does_not_converge_is_recorded_and_the_sweep_goes_on(compose_cfg, monkeypatch):
-    """study._run_sweep: the failing setting leaves one FAILED kind=transport run with its epsilon and reason; the
+    """The transport_sweep arm's runner: the failing setting leaves one FAILED kind=transport run with its epsilon and reason; the
     next setting still runs."""
-    from mergescope import study
     from mergescope.tracking import Tracker
+    from mergescope.transport.arm import run_sweep
 
     cfg, ov = compose_cfg(["task=transport", "merge=transport", "merge.epsilon=0.001"])
     ran = []
@@ -1025,14 +1025,14 @@ def test_a_sweep_setting_that_does_not_converge_is_recorded_and_the_sweep_goes_o
             raise SystemExit  # stands for a job that runs: reaching it is the point
 
     with pytest.raises(SystemExit):
-        study._run_sweep([Job(True), Job(False)])
+        run_sweep(None, [Job(True), Job(False)])
     assert ran == [1]
     runs = Tracker(cfg).client.search_runs([Tracker(cfg).experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.params["merge.epsilon"] == "0.001"
     assert runs[0].data.tags["error"].startswith("entropic OT did not converge") and runs[0].data.tags["kind"] == "transport"
     assert runs[0].data.tags["outcome"] == "not_converged"
     with pytest.raises(MergescopeError, match="plain bad input"):  # any other error stops the sweep: it is not a result
-        study._run_sweep([type("Bad", (), {"run": lambda self: (_ for _ in ()).throw(MergescopeError("plain bad input")),
+        run_sweep(None, [type("Bad", (), {"run": lambda self: (_ for _ in ()).throw(MergescopeError("plain bad input")),
                                            "cfg": cfg, "overrides": ov})()])
 
 

@@ -11,30 +11,22 @@ from pathlib import Path
 from omegaconf import DictConfig
 from omegaconf.errors import InterpolationResolutionError
 
+from mergescope.arm import arm_tasks, option_groups, settings_groups
 from mergescope.config import CONF_DIR, check_finite, conf_options
 from mergescope.errors import MergescopeError, did_you_mean
 
-ARM_GROUPS = ("native", "checkpoints", "adaptation", "expansion", "shared")  # each arm's settings: conf/<arm>/default.yaml
-GROUPS = ("model", "pair", "metric", "merge", "adapt", "eval", "data", "task", "study", "tracking", *ARM_GROUPS)
+ARM_GROUPS = settings_groups()  # each arm's settings, declared in its arm.py: conf/<group>/default.yaml
+GROUPS = ("model", "pair", "metric", "merge", "eval", "data", "task", "study", "tracking", *option_groups(), *ARM_GROUPS)
 
-# task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on
-# use, so a bad command line fails before torch or MLflow are imported. An arm's handlers are in its job.py.
+# task name (conf/task/<name>.yaml) -> "module:function"; handlers take (cfg, overrides). Imported on use, so a bad
+# command line fails before torch or MLflow are imported. The arms' tasks are declared in their arm.py files
+# (mergescope.arm); these are the study's own.
 TASKS: dict[str, str] = {
     "study": "mergescope.study:run_study",
-    "measure": "mergescope.represent.job:run_measure",
-    "quality": "mergescope.represent.job:run_quality",
     "train": "mergescope.zoo.job:run_train",
-    "native": "mergescope.native.job:run_native",
-    "merge": "mergescope.native.job:run_merge",
-    "transport": "mergescope.transport.job:run_transport",
-    "typology": "mergescope.typology:run_typology",
     "analyze": "mergescope.analysis:run_analyze",
-    "agreement": "mergescope.shared_space.job:run_agreement",
-    "shared_space": "mergescope.shared_space.job:run_shared_space",
-    "routing": "mergescope.shared_space.job:run_routing",
     "precision_check": "mergescope.precision_check:run_precision_check",
-    "adapt": "mergescope.adapt.job:run_adapt",
-    "expansion": "mergescope.adapt.job:run_expansion",
+    **arm_tasks(),
 }
 
 
@@ -103,7 +95,7 @@ def expand_multirun_study(argv: list[str], conf_dir: Path = CONF_DIR) -> list[st
     return [*argv, *extra]
 
 
-FIXED_SECTIONS = ("paths", "represent", "control", "train", "native", "checkpoints", "report", "adaptation", "expansion", "shared")
+FIXED_SECTIONS = ("paths", "represent", "control", "train", "report", *ARM_GROUPS)
 """Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
 OPTIONAL_KEYS = ("native.transplant",)
 """Settings of a fixed section that its defaults leave out (absent = off, so that no earlier job's hash changes): added

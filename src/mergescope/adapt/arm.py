@@ -1,0 +1,81 @@
+"""The dimensional-adaptation arms: ``adapt`` (union by Expand, intersection by Truncate, for every ``[small, large]``
+of ``adaptation.pairs``) and ``expansion`` (the function check of Expand on ``expansion.models`` x ``targets``)."""
+
+from __future__ import annotations
+
+from mergescope.arm import Arm, Phase
+
+
+def adapt_jobs(plan) -> list:
+    """For every ``[small, large]`` of ``adaptation.pairs``: union (adapt=expand) and intersection (adapt=truncate)."""
+    from mergescope.errors import MergescopeError
+    from mergescope.jobs import composed, job, pair_override
+
+    out = []
+    if "adapt" not in plan.arms:
+        return out
+    ops = [str(o) for o in (plan.cfg.adaptation.get("operators") or ["expand", "truncate"])]
+    bad = [o for o in ops if o not in ("expand", "truncate")]
+    if bad:
+        raise MergescopeError(f"adaptation.operators: unknown operator {bad[0]!r}: choose from expand (union), truncate (intersection)")
+    for small, large in (plan.cfg.get("adaptation") or {}).get("pairs") or []:
+        a, b = (composed([*plan.base, f"model={m}"]).model for m in (small, large))
+        extra = (plan.cfg.adaptation.get("operator_overrides") or {})
+        out += [job("adapt", [*plan.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
+                for op in ops]
+    return out
+
+
+def adapt_models(plan) -> list:
+    """The adapt arm's models, trained (and scored) like the sweep's, whether or not the study runs the arm."""
+    from mergescope.jobs import composed
+
+    names = [n for pair in (plan.cfg.get("adaptation") or {}).get("pairs") or [] for n in pair]
+    return [composed([*plan.base, f"model={name}"]).model for name in names]
+
+
+def expansion_jobs(plan) -> list:
+    """Every model of ``expansion.models`` against every target of ``expansion.targets`` (task=expansion)."""
+    from mergescope.config import to_plain
+    from mergescope.jobs import hydra_value, job
+
+    if "expansion" not in plan.arms:
+        return []
+    ex = plan.cfg.expansion
+    return [job("expansion", [*plan.base, f"model={m}", f"expansion.target={hydra_value(to_plain(t))}"])
+            for m in ex.models for t in ex.targets]
+
+
+def expansion_models(plan) -> list:
+    """The expansion check's models, trained when missing."""
+    from mergescope.jobs import composed
+
+    if "expansion" not in plan.arms:
+        return []
+    return [composed([*plan.base, f"model={name}"]).model for name in (plan.cfg.get("expansion") or {}).get("models") or []]
+
+
+def _adapt_text(j, r) -> str:
+    from mergescope.runs import model_label
+
+    return (f"adapt {j.cfg.adapt.name} {model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}: "
+            f"best ratio {r.metrics.get('best_ratio', float('nan')):g}")
+
+
+def _expansion_text(j, r) -> str:
+    from mergescope.runs import model_label
+
+    return (f"expansion {j.cfg.expansion.target.mode} {model_label(j.cfg.model)}: "
+            f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}")
+
+
+ARMS = [
+    Arm("adapt", order=60, tasks={"adapt": "mergescope.adapt.job:run_adapt"}, settings=("adaptation",), groups=("adapt",),
+        needs=("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs")), models=adapt_models, models_order=10,
+        phases=(Phase("adapt", adapt_jobs, _adapt_text, workers=True),)),  # no cache between its jobs: side by side
+    Arm("expansion", order=70, tasks={"expansion": "mergescope.adapt.job:run_expansion"}, settings=("expansion",),
+        needs=("expansion.models or expansion.targets",
+               lambda c: (c.get("expansion") or {}).get("models") and (c.get("expansion") or {}).get("targets")),
+        models=expansion_models, models_order=20,
+        phases=(Phase("expansion", expansion_jobs, _expansion_text),)),
+]

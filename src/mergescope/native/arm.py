@@ -1,0 +1,126 @@
+"""The weight-space arms: ``native`` (the study's cross-model pairs that share a parameter space: merges, LMC
+barriers, weight diagnostics) and ``checkpoints`` (every pair of listed revisions of one model)."""
+
+from __future__ import annotations
+
+import itertools
+
+from mergescope.arm import Arm, Phase
+
+
+def _pair_text(j) -> str:
+    from mergescope.runs import model_label
+
+    return f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}"
+
+
+def native_only(plan) -> list:
+    """``native_pairs`` outside the study's sweep (a family of its own: ``pair=<name>``), kept on the plan; their
+    models join the study's (trained when missing, a fine-tune of a real model; scored like the sweep's)."""
+    from mergescope.errors import MergescopeError, did_you_mean
+    from mergescope.jobs import composed
+
+    plan.native_only = {}
+    out = []
+    for name in map(str, plan.cfg.get("native_pairs") or []):
+        if name in plan.pairs:
+            continue
+        try:
+            c = composed([*plan.base, f"pair={name}"])
+        except Exception:  # noqa: BLE001 - Hydra's missing-option errors: refused in one line below
+            raise MergescopeError(f"native_pairs names {name!r}, not a pair of this study nor two conf/model names a__b: "
+                                  f"{did_you_mean(name, list(plan.pairs))}") from None
+        plan.native_only[name] = [f"pair={name}"]
+        out += [c.pair.a, c.pair.b]
+    return out
+
+
+def native_pairs(plan) -> list:
+    """The study's pairs that share a parameter space (decided from each model's config.json); ``native_pairs``
+    (pair names ``a__b``) keeps only those."""
+    from mergescope.jobs import job
+    from mergescope.models import load_config, resolve
+    from mergescope.native.weights import routes
+
+    keep = None if plan.cfg.get("native_pairs") is None else set(map(str, plan.cfg.native_pairs))
+    out = []
+    for label, sel in {**plan.pairs, **plan.native_only}.items():
+        if keep is not None and label not in keep:
+            continue
+        j = job("native", [*plan.base, *sel])
+        if routes(load_config(resolve(j.cfg.pair.a)), load_config(resolve(j.cfg.pair.b)))["native"]["defined"]:
+            out.append(j)
+    return out
+
+
+def checkpoint_revisions(ck, name: str, model) -> list[str]:
+    """The revisions of one model in the checkpoint arm, in step order (``all``: every stepN revision it has)."""
+    from mergescope.models import resolve, step_revisions
+
+    spec = ck.revisions_of(name)
+    return step_revisions(resolve(model)) if spec == "all" else spec
+
+
+def checkpoint_pairs(plan) -> list:
+    """Every pair of the listed revisions of each listed model (``checkpoints.per_model`` overrides the shared
+    ``checkpoints.revisions`` per model; ``all`` = every stepN revision the model has)."""
+    from omegaconf import OmegaConf
+
+    from mergescope.jobs import composed, job, pair_override
+    from mergescope.native.settings import CheckpointSettings
+
+    out = []
+    if "checkpoints" not in plan.arms:
+        return out
+    ck = CheckpointSettings.from_cfg(plan.cfg)
+    for m in ck.models:
+        model = composed([*plan.base, f"model={m}"]).model
+        entry = OmegaConf.to_container(model)
+        for ra, rb in itertools.combinations(checkpoint_revisions(ck, m, model), 2):
+            a, b = OmegaConf.create({**entry, "revision": ra}), OmegaConf.create({**entry, "revision": rb})
+            out.append(job("native", [*plan.base, *pair_override(a, b), *ck.overrides]))
+    return out
+
+
+def evict_checkpoints(jobs: list) -> dict[str, int]:
+    """Delete the revisions these (FINISHED) checkpoint jobs read from the local hub cache; print what was freed."""
+    from mergescope.hub import evict_revisions
+    from mergescope.models import resolve
+    from mergescope.progress import status
+
+    ref = resolve(jobs[0].cfg.pair.a)
+    if ref.local:
+        return {}
+    revs = sorted({str(j.cfg.pair[s].revision) for j in jobs for s in ("a", "b")} | {str(jobs[0].cfg.native.base or "main")} - {"main", "None"})
+    freed = evict_revisions(ref.location, revs)
+    status.print(f"[bold]evicted[/] {len(freed)} revisions of {ref.location} from the hub cache: "
+                  f"{sum(freed.values()) / 2**30:.2f} GiB freed ({', '.join(sorted(freed)) or 'none cached'})")
+    return freed
+
+
+def run_checkpoints(plan, jobs: list) -> None:
+    """The checkpoint pairs, model by model; with ``checkpoints.evict_after`` each hub model's revisions are
+    deleted from the local hub cache once all its pairs are FINISHED (a zoo folder is never touched)."""
+    from mergescope.jobs import run_all, workers_of
+    from mergescope.native.settings import CheckpointSettings
+    from mergescope.runs import model_label
+
+    by_model: dict[str, list] = {}
+    for j in jobs:
+        by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
+    evict = CheckpointSettings.from_cfg(plan.cfg).evict_after
+    for group in by_model.values():
+        run_all(group, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
+                workers_of(plan.cfg), phase=f"checkpoints {model_label(group[0].cfg.pair.a)}")
+        if evict:
+            evict_checkpoints(group)
+
+
+ARMS = [
+    Arm("native", order=20, tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
+        settings=("native",), models=native_only, models_order=30,
+        phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),)),
+    Arm("checkpoints", order=30, settings=("checkpoints",),
+        needs=("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),
+        phases=(Phase("checkpoints", checkpoint_pairs, run=run_checkpoints),)),
+]

@@ -1,0 +1,45 @@
+"""The shared-space arm: per probe set (``shared.data_sets``), cross-model agreement on every pair at every depth and
+one GPA shared space over ``shared.models``; routing on the first probe set."""
+
+from __future__ import annotations
+
+from mergescope.arm import Arm, Phase
+
+
+def shared_jobs(plan) -> list:
+    from mergescope.jobs import job
+
+    s = plan.cfg.shared
+    if "shared_space" not in plan.arms:
+        return []
+    out = []
+    for k, data in enumerate(s.data_sets):
+        out += plan.pair_jobs("agreement", [f"data={data}"])
+        out += [job(t, [*plan.base, f"data={data}"]) for t in (["shared_space", "routing"] if k == 0 else ["shared_space"])]
+    return out
+
+
+def shared_models(plan) -> list:
+    """The shared space's models (study=real: the real model beside the English toy family, which its sweep does not
+    otherwise train)."""
+    from mergescope.jobs import composed
+
+    if "shared_space" not in plan.arms:
+        return []
+    return [composed([*plan.base, f"model={name}"]).model for name in plan.cfg.shared.models]
+
+
+def _text(j, r) -> str:
+    from mergescope.runs import model_label
+
+    what = f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}" if j.task == "agreement" else "all models"
+    return f"{j.task} {what} on {j.cfg.data.name}"
+
+
+ARMS = [Arm(
+    "shared_space", order=50, settings=("shared",), models=shared_models, models_order=40,
+    tasks={"agreement": "mergescope.shared_space.job:run_agreement",
+           "shared_space": "mergescope.shared_space.job:run_shared_space",
+           "routing": "mergescope.shared_space.job:run_routing"},
+    phases=(Phase("shared space", shared_jobs, _text, workers=True),),
+)]
