@@ -47,7 +47,9 @@ class Arm:
     row of the launch's wall-time table it adds to (its name by default); ``needs`` = (what to set, a predicate on
     the study's config) refuses the arm in one line when the study does not give its inputs; ``models(plan)`` returns
     the model entries the arm adds to the study's models (trained when missing and scored like the sweep's), in the
-    order ``models_order`` gives among the arms."""
+    order ``models_order`` gives among the arms. ``work`` counts a task's FLOPs and bytes for ``plan=true``
+    (``work[task](counter, cfg, work)``, :mod:`mergescope.costs`), ``peak_kind`` names the benchmark kind whose fitted
+    peak factor a task's peak memory takes."""
 
     name: str
     order: int
@@ -59,6 +61,8 @@ class Arm:
     models: Callable[[Any], list] | None = None
     models_order: int = 0
     lap: str | None = None
+    work: Mapping[str, Callable[[Any, Any, Any], None]] = field(default_factory=dict)
+    peak_kind: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def row(self) -> str:

@@ -199,11 +199,6 @@ class Counter:
         w.add_forward(s, tok, logits=False)
 
 
-def _native_nll(cfg: DictConfig) -> int | None:
-    n = cfg.get("native", {}).get("nll_sentences")
-    return int(n) if n else None
-
-
 def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
     s = c.shape(cfg.model, w)
     if s:
@@ -212,61 +207,6 @@ def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
         steps = zoo.get("steps") or t["steps"]
         w.add_forward(s, float(steps) * float(t["batch_size"]) * float(t["seq_len"]), logits=True, passes=3.0)
         w.held = [s]
-
-
-def _w_quality(c: Counter, cfg: DictConfig, w: Work) -> None:
-    s = c.shape(cfg.model, w)
-    if s:
-        w.add_load(s)
-        w.add_forward(s, c.tokens(cfg.data, cfg.model.lang, cfg.data.get("max_sentences"))[1], logits=True)
-        w.held = [s]
-
-
-def _w_measure(c: Counter, cfg: DictConfig, w: Work) -> None:
-    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
-    key = (str(cfg.represent.pooling), str(cfg.represent.layer))
-    c.extraction(cfg, cfg.pair.a, sa, w, key=key)
-    c.extraction(cfg, cfg.pair.b, sb, w, key=key)
-    w.held = [s for s in (sa, sb) if s][:1]  # one model at a time
-
-
-def _w_none(c: Counter, cfg: DictConfig, w: Work) -> None:
-    """Reads tables and cached results only."""
-
-
-def _w_native(c: Counter, cfg: DictConfig, w: Work) -> None:
-    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
-    if not (sa and sb):
-        return
-    n = _native_nll(cfg)
-    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
-    nat = cfg.native
-    merges = len(nat.get("merges") or []) * len(nat.get("mix") or [0.5]) * max(1, int(nat.get("merge_seeds") or 1))
-    merges *= 2 if nat.get("select_split") else 1  # each merge also on native.select_split (about as many tokens)
-    for s in (sa, sb, sa):  # host, donor, base streamed
-        w.add_load(s)
-    w.add_forward(sa, tok, logits=True, passes=float(nat.get("lmc_points") or 0) + merges + 2)
-    w.held = [sa]
-
-
-def _w_merge(c: Counter, cfg: DictConfig, w: Work) -> None:
-    entries = list(cfg.merge.get("models") or []) if cfg.get("merge") is not None and cfg.merge.get("models") else []
-    if entries:
-        from mergescope.native.multi import model_entry
-
-        entries = [model_entry(cfg, m, f"merge.models[{i}]") for i, m in enumerate(entries)]
-    else:
-        entries = [cfg.pair.a, cfg.pair.b]
-    shapes = [c.shape(e, w) for e in entries]
-    if not all(shapes):
-        return
-    for s in shapes:
-        w.add_load(s)
-    from mergescope.native.multi import is_multi
-
-    select = not is_multi(cfg) and (cfg.get("native") or {}).get("select_split")  # the pair form's val_nll
-    w.add_forward(shapes[0], c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1], logits=True, passes=2.0 if select else 1.0)
-    w.held = [shapes[0]]
 
 
 def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int) -> None:
@@ -285,78 +225,16 @@ def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig,
     w.flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
 
 
-def _w_transport(c: Counter, cfg: DictConfig, w: Work) -> None:
-    from mergescope.transport.job import sides
+def work_models() -> dict[str, Callable[[Counter, DictConfig, Work], None]]:
+    """Per task, its counts: training's here, every other task's declared by its arm (``Arm.work``); a task with none
+    is estimated from its runs in the store only."""
+    from mergescope.arm import arms
 
-    t_entry, d_entry = sides(cfg)
-    st, sd = c.shape(t_entry, w), c.shape(d_entry, w)
-    if not (st and sd):
-        return
-    m = cfg.merge
-    transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
-    _, tok = c.tokens(cfg.data, t_entry.lang, None)
-    alphas = len(m.get("alphas") or [])
-    seeds = int(m.get("control_seeds") or 1)
-    w.add_forward(st, tok, logits=True, passes=1 + alphas * (2 + seeds))  # baseline; OT, shrink-only and each control seed
-    ad = m.get("adapt") or {}
-    if ad.get("enabled"):
-        w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)
-        w.add_forward(st, tok, logits=True, passes=2)
-    w.held = [st]  # the donor is probed and freed before the target loads; fused from its files
-
-
-def _w_shared(c: Counter, cfg: DictConfig, w: Work) -> None:
-    from mergescope.shared_space.reprs import model_entries
-    from mergescope.shared_space.settings import SharedSettings
-
-    sh = cfg.shared
-    for e in model_entries(cfg, SharedSettings.from_cfg(cfg)):
-        s = c.shape(e, w)
-        for pooling in {str(sh.pooling), *[str(p) for p in sh.get("poolings") or []]}:
-            c.extraction(cfg, e, s, w, key=("shared", pooling))
-        if s:
-            w.held = [s]
-
-
-def _w_adapt(c: Counter, cfg: DictConfig, w: Work) -> None:
-    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
-    if not (sa and sb):
-        return
-    big = max(sa, sb, key=lambda s: s.params)
-    ad = cfg.adaptation
-    n = int(ad.get("nll_sentences") or 200)
-    for s in (sa, sb):
-        w.add_load(s)
-    langs = 2
-    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
-    union = str(cfg.get("adapt", {}).get("operator", "expand")) == "expand"
-    grid = len(ad.get("union_grid" if union else "intersection_grid") or [1])
-    ctl = sum(int(ad.get("noise_seeds") or 1) if k == "noise" else 1 for k in (ad.get("controls") or []))
-    compare = 0 if union else len(ad.get("compare") or [])
-    # val and test, every grid point, the ends, each control seed and comparison operator at the chosen ratio
-    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2 + ctl + compare))
-    w.held = [sa, sb]
-
-
-def _w_expansion(c: Counter, cfg: DictConfig, w: Work) -> None:
-    s = c.shape(cfg.model, w)
-    if s:
-        w.add_load(s)
-        tok = float(cfg.expansion.sentences) * c.k.probe_tokens_per_sentence
-        w.add_forward(s, tok, logits=True, passes=2 * 4.0 * 2)  # float64 (2x), the model and its wider and back copies
-        w.held = [s, s, s]
-
-
-WORK: dict[str, Callable[[Counter, DictConfig, Work], None]] = {
-    "train": _w_train, "quality": _w_quality, "measure": _w_measure, "typology": _w_none, "native": _w_native,
-    "merge": _w_merge, "transport": _w_transport, "shared_space": _w_shared, "agreement": _w_shared,
-    "routing": _w_shared, "adapt": _w_adapt, "expansion": _w_expansion,
-}
-"""Per task, its counts (a task with no entry here is estimated from its runs in the store only)."""
+    return {"train": _w_train, **{t: fn for a in arms() for t, fn in a.work.items()}}
 
 
 def count(counter: Counter, task: str, cfg: DictConfig) -> Work | None:
-    fn = WORK.get(task)
+    fn = work_models().get(task)
     if fn is None:
         return None
     w = Work(task)
@@ -441,13 +319,16 @@ def held_gib(w: Work) -> float:
     return sum(s.f32_bytes for s in w.held) / GiB
 
 
-PEAK_KIND = {"train": "quality", "measure": "quality", "shared_space": "quality", "agreement": "quality",
-             "routing": "quality", "expansion": "quality", "adapt": "quality"}
-"""The benchmark kind whose fitted peak factor a task's peak takes (one forward over the models it holds)."""
+def peak_kinds() -> dict[str, str]:
+    """The benchmark kind whose fitted peak factor a task's peak takes (one forward over the models it holds): training's
+    here, the others declared by their arms (``Arm.peak_kind``); a task with none takes its own kind's."""
+    from mergescope.arm import arms
+
+    return {"train": "quality", **{t: k for a in arms() for t, k in a.peak_kind.items()}}
 
 
 def cpu_peak_gib(w: Work, r: Rates) -> float:
-    kind = PEAK_KIND.get(w.kind, w.kind)
+    kind = peak_kinds().get(w.kind, w.kind)
     return r.peak_base_gib + held_gib(w) * r.peak_factor.get(kind, max(r.peak_factor.values()))
 
 

@@ -69,13 +69,47 @@ def _expansion_text(j, r) -> str:
             f"max |logit diff| {r.metrics.get('max_abs_logit_diff', float('nan')):.1e}")
 
 
+
+# ------------------------------------------------------------------ the counted cost of plan=true (mergescope.costs)
+
+
+def _w_adapt(c, cfg, w) -> None:
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    if not (sa and sb):
+        return
+    big = max(sa, sb, key=lambda s: s.params)
+    ad = cfg.adaptation
+    n = int(ad.get("nll_sentences") or 200)
+    for s in (sa, sb):
+        w.add_load(s)
+    langs = 2
+    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
+    union = str(cfg.get("adapt", {}).get("operator", "expand")) == "expand"
+    grid = len(ad.get("union_grid" if union else "intersection_grid") or [1])
+    ctl = sum(int(ad.get("noise_seeds") or 1) if k == "noise" else 1 for k in (ad.get("controls") or []))
+    compare = 0 if union else len(ad.get("compare") or [])
+    # val and test, every grid point, the ends, each control seed and comparison operator at the chosen ratio
+    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2 + ctl + compare))
+    w.held = [sa, sb]
+
+
+def _w_expansion(c, cfg, w) -> None:
+    s = c.shape(cfg.model, w)
+    if s:
+        w.add_load(s)
+        tok = float(cfg.expansion.sentences) * c.k.probe_tokens_per_sentence
+        w.add_forward(s, tok, logits=True, passes=2 * 4.0 * 2)  # float64 (2x), the model and its wider and back copies
+        w.held = [s, s, s]
+
+
 ARMS = [
     Arm("adapt", order=60, tasks={"adapt": "mergescope.adapt.job:run_adapt"}, settings=("adaptation",), groups=("adapt",),
         needs=("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs")), models=adapt_models, models_order=10,
+        work={"adapt": _w_adapt}, peak_kind={"adapt": "quality"},
         phases=(Phase("adapt", adapt_jobs, _adapt_text, workers=True),)),  # no cache between its jobs: side by side
     Arm("expansion", order=70, tasks={"expansion": "mergescope.adapt.job:run_expansion"}, settings=("expansion",),
         needs=("expansion.models or expansion.targets",
                lambda c: (c.get("expansion") or {}).get("models") and (c.get("expansion") or {}).get("targets")),
-        models=expansion_models, models_order=20,
+        models=expansion_models, models_order=20, work={"expansion": _w_expansion}, peak_kind={"expansion": "quality"},
         phases=(Phase("expansion", expansion_jobs, _expansion_text),)),
 ]

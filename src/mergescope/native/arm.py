@@ -116,9 +116,53 @@ def run_checkpoints(plan, jobs: list) -> None:
             evict_checkpoints(group)
 
 
+
+# ------------------------------------------------------------------ the counted cost of plan=true (mergescope.costs)
+
+
+def _native_nll(cfg) -> int | None:
+    n = cfg.get("native", {}).get("nll_sentences")
+    return int(n) if n else None
+
+
+def _w_native(c, cfg, w) -> None:
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    if not (sa and sb):
+        return
+    n = _native_nll(cfg)
+    _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
+    nat = cfg.native
+    merges = len(nat.get("merges") or []) * len(nat.get("mix") or [0.5]) * max(1, int(nat.get("merge_seeds") or 1))
+    merges *= 2 if nat.get("select_split") else 1  # each merge also on native.select_split (about as many tokens)
+    for s in (sa, sb, sa):  # host, donor, base streamed
+        w.add_load(s)
+    w.add_forward(sa, tok, logits=True, passes=float(nat.get("lmc_points") or 0) + merges + 2)
+    w.held = [sa]
+
+
+def _w_merge(c, cfg, w) -> None:
+    entries = list(cfg.merge.get("models") or []) if cfg.get("merge") is not None and cfg.merge.get("models") else []
+    if entries:
+        from mergescope.native.multi import model_entry
+
+        entries = [model_entry(cfg, m, f"merge.models[{i}]") for i, m in enumerate(entries)]
+    else:
+        entries = [cfg.pair.a, cfg.pair.b]
+    shapes = [c.shape(e, w) for e in entries]
+    if not all(shapes):
+        return
+    for s in shapes:
+        w.add_load(s)
+    from mergescope.native.multi import is_multi
+
+    select = not is_multi(cfg) and (cfg.get("native") or {}).get("select_split")  # the pair form's val_nll
+    w.add_forward(shapes[0], c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1], logits=True, passes=2.0 if select else 1.0)
+    w.held = [shapes[0]]
+
+
 ARMS = [
     Arm("native", order=20, tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
-        settings=("native",), models=native_only, models_order=30,
+        settings=("native",), models=native_only, models_order=30, work={"native": _w_native, "merge": _w_merge},
         phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),)),
     Arm("checkpoints", order=30, settings=("checkpoints",),
         needs=("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),

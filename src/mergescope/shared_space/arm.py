@@ -36,10 +36,29 @@ def _text(j, r) -> str:
     return f"{j.task} {what} on {j.cfg.data.name}"
 
 
+
+# ------------------------------------------------------------------ the counted cost of plan=true (mergescope.costs)
+
+
+def _w_shared(c, cfg, w) -> None:
+    from mergescope.shared_space.reprs import model_entries
+    from mergescope.shared_space.settings import SharedSettings
+
+    sh = cfg.shared
+    for e in model_entries(cfg, SharedSettings.from_cfg(cfg)):
+        s = c.shape(e, w)
+        for pooling in {str(sh.pooling), *[str(p) for p in sh.get("poolings") or []]}:
+            c.extraction(cfg, e, s, w, key=("shared", pooling))
+        if s:
+            w.held = [s]
+
+
 ARMS = [Arm(
     "shared_space", order=50, settings=("shared",), models=shared_models, models_order=40,
     tasks={"agreement": "mergescope.shared_space.job:run_agreement",
            "shared_space": "mergescope.shared_space.job:run_shared_space",
            "routing": "mergescope.shared_space.job:run_routing"},
+    work={"shared_space": _w_shared, "agreement": _w_shared, "routing": _w_shared},
+    peak_kind={"shared_space": "quality", "agreement": "quality", "routing": "quality"},
     phases=(Phase("shared space", shared_jobs, _text, workers=True),),
 )]

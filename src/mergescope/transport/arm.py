@@ -128,8 +128,34 @@ def run_sweep(plan, jobs: list) -> None:
             pb.update(bar_id, advance=1)
 
 
+
+# ------------------------------------------------------------------ the counted cost of plan=true (mergescope.costs)
+
+
+def _w_transport(c, cfg, w) -> None:
+    from mergescope.costs import transport_plans
+    from mergescope.transport.job import sides
+
+    t_entry, d_entry = sides(cfg)
+    st, sd = c.shape(t_entry, w), c.shape(d_entry, w)
+    if not (st and sd):
+        return
+    m = cfg.merge
+    transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
+    _, tok = c.tokens(cfg.data, t_entry.lang, None)
+    alphas = len(m.get("alphas") or [])
+    seeds = int(m.get("control_seeds") or 1)
+    w.add_forward(st, tok, logits=True, passes=1 + alphas * (2 + seeds))  # baseline; OT, shrink-only and each control seed
+    ad = m.get("adapt") or {}
+    if ad.get("enabled"):
+        w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)
+        w.add_forward(st, tok, logits=True, passes=2)
+    w.held = [st]  # the donor is probed and freed before the target loads; fused from its files
+
+
 ARMS = [
     Arm("transport", order=40, tasks={"transport": "mergescope.transport.job:run_transport"},
+        work={"transport": _w_transport},
         phases=(Phase("transport", transport_directions, transport_text, workers=True, together=_target),)),
     # one target's directions in one worker: its no-fusion baseline is made once
     Arm("transport_sweep", order=41, lap="transport", needs=("transport_sweep", lambda c: c.get("transport_sweep")),
