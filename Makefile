@@ -28,7 +28,7 @@ run: install
 # Two workers, a module per worker; the longest module (the micro-zoo study, ~6 min) first (tests/conftest.py), so it
 # never runs alone at the end. The SLURM tests are make test-cluster's (each starts daemons and waits on the controller: ~10 min).
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not cluster"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not cluster"
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not heavy"

@@ -71,6 +71,23 @@ def runs(root: Path) -> list[tuple[str, str, dict[str, float]]]:
     return [(st, h, by.get(rid, {})) for rid, st, h in rows]
 
 
+def _measure_sweep(tiny_models, seeds: int) -> list[str]:
+    """Two procrustes jobs (control seeds 0 and 1) on one tiny pair, one array task at a time."""
+    return ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
+            "metric=procrustes", "control.seed=0,1", f"control.seeds={seeds}", *SLURM, "hydra.launcher.array_parallelism=1"]
+
+
+def _launch_until_running(sweep: list[str], root: Path, lay: cluster.Layout) -> subprocess.Popen:
+    """The sweep submitted, returned once one of its runs is RUNNING (a job is inside its run)."""
+    proc = launch(sweep, root, lay, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(root)):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    return proc
+
+
 def test_the_cluster_runs_on_this_host_only(slurm):
     lay, info = slurm
     st = cluster.status(lay.root)
@@ -112,14 +129,8 @@ def test_a_cancelled_job_is_never_left_running_and_a_resubmission_runs_only_what
     job's run is marked KILLED before SIGKILL follows (never left RUNNING) and the submitting launch fails; the same
     sweep resubmitted runs only what is missing: one FINISHED run per cfg_hash."""
     lay, _ = slurm
-    sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
-             f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
-             "metric=procrustes", "control.seed=0,1", "control.seeds=400", *SLURM, "hydra.launcher.array_parallelism=1"]
-    proc = launch(sweep, tmp_path, lay, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(tmp_path)):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+    sweep = _measure_sweep(tiny_models, 400)
+    proc = _launch_until_running(sweep, tmp_path, lay)
     jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True,
                           env={**os.environ, **cluster.environment(lay)}).stdout.split()
     assert jobs, "no running array task to cancel"
@@ -151,11 +162,7 @@ def test_a_job_past_its_time_limit_fails_with_its_reason(slurm, tmp_path, tiny_m
     sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
              f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
              "metric=procrustes", "control.seeds=100000", *SLURM, "hydra.launcher.timeout_min=3"]
-    proc = launch(sweep, tmp_path, lay, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(tmp_path)):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+    proc = _launch_until_running(sweep, tmp_path, lay)
     jobs = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, env=env).stdout.split()
     assert jobs, "no running job to signal"
     subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=env, check=True)
@@ -371,14 +378,8 @@ def test_a_node_going_down_under_a_job_ends_with_one_finished_run_per_job(slurm,
     cfg_hash."""
     lay, _ = slurm
     env = {**os.environ, **cluster.environment(lay)}
-    sweep = ["task=measure", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
-             f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "data.max_sentences=120",
-             "metric=procrustes", "control.seed=0,1", "control.seeds=2000", *SLURM, "hydra.launcher.array_parallelism=1"]
-    proc = launch(sweep, tmp_path, lay, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and not any(st == "RUNNING" for st, _, _ in runs(tmp_path)):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+    sweep = _measure_sweep(tiny_models, 2000)
+    proc = _launch_until_running(sweep, tmp_path, lay)
     slurmd = cluster.daemon_pid(lay, "slurmd")
     os.kill(slurmd, signal.SIGKILL)
     states, deadline = [], time.time() + 120
