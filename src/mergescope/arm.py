@@ -4,9 +4,9 @@ An arm is a kind of measurement a study runs (``arms: [...]`` in a study file). 
 whose ``ARMS`` lists one or more :class:`Arm` declarations: the arm's name, its place in a study, its task handlers
 (task name -> ``"module:function"``, each with its ``conf/task/<name>.yaml``), its settings group
 (``conf/<group>/default.yaml``), the config groups it chooses options from (``adapt=expand``), what the study file
-must give it, the models it adds to the study's model list, and its phases (each a job list built from the study's
-:class:`~mergescope.study.Plan`, and how it runs). The study and the entry point iterate :func:`arms`; neither names
-an arm.
+must give it, the models it adds to the study's model list, its phases (each a job list built from the study's
+:class:`~mergescope.study.Plan`, and how it runs) and its counted cost for ``plan=true``. The study, the entry point
+and :mod:`mergescope.costs` iterate :func:`arms`; none of them names an arm.
 
 ``arm.py`` files are read by path, not imported as their packages' modules: the packages import torch, and the entry
 point reads the task table before anything heavy is imported (a bad command line fails in a fraction of a second).

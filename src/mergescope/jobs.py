@@ -187,6 +187,13 @@ def model_override(base: list[str], entry: DictConfig) -> list[str]:
     return ["model=custom", *(f"{'' if k in custom else '+'}model.{k}={hydra_value(v)}" for k, v in to_plain(entry).items())]
 
 
+def pair_text(j: StudyJob) -> str:
+    """A pair job's two models, for its line in a phase's output."""
+    from mergescope.runs import model_label
+
+    return f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}"
+
+
 def done_note(r: JobResult) -> str:
     return " (done before)" if r.skipped else ""
 

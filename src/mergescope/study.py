@@ -1,13 +1,10 @@
 """task=study: a study's jobs, listed explicitly and run in-process, then the analysis.
 
-The study overlay's ``hydra.sweeper.params`` is the representation sweep (pairs x metrics); each
-of its jobs is composed exactly as ``python launch.py -m`` would compose it. From it the study
-lists its other jobs by what they are about, never by filtering another job list:
-
-- models: every distinct model of the study's pairs (train when it is a missing zoo model, quality);
-- pairs: every distinct pair (typology; the native job when the pair shares a parameter space;
-  transport in both directions);
-- checkpoint pairs: all pairs of ``checkpoints.revisions`` of each of ``checkpoints.models``.
+The study overlay's ``hydra.sweeper.params`` is the sweep (pairs x metrics); each of its jobs is composed exactly as
+``python launch.py -m`` would compose it. From it the study takes its pairs and its models (trained when a zoo model is
+missing); every other job comes from the arms the study names (``arms: [...]``), each declared in its package's
+``arm.py`` (:mod:`mergescope.arm`: its phases, their job lists built from this plan, and the models it adds), run in
+the arms' order after training.
 
 Every job is composed from its own override list, and that list is what its run logs, so
 ``compose(logged overrides)`` gives back the job's config and ``cfg_hash``.
@@ -92,7 +89,6 @@ class Plan:
                 self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
         one = self.cfg.get("one_language")  # the second protocol: every side of the sweep on one language, tagged
         self.measures += [sweep_job(self.base + with_languages(self.cfg, c, one)) for c in combos] if one else []
-        self.native_only: dict[str, list[str]] = {}  # an arm's pairs outside the sweep (the native arm's)
         for arm in sorted((a for a in arms() if a.models is not None), key=lambda a: a.models_order):
             for e in arm.models(self):  # the arms' own models: trained when missing, scored like the sweep's
                 self.entries.setdefault(model_label(e), e)
@@ -103,6 +99,10 @@ class Plan:
     def model_jobs(self, task: str) -> list[StudyJob]:
         return [job(task, [*self.base, *model_override(self.base, e), *train_steps(task, e)]) for e in self.entries.values()]
 
+    def training_jobs(self) -> list[StudyJob]:
+        """The study's zoo models, to be trained when missing (a real model is never trained)."""
+        return [j for j in self.model_jobs("train") if j.cfg.model.get("zoo") is not None]
+
     def jobs(self, phase: str) -> list[StudyJob]:
         """One phase's jobs by its name, whether or not the study runs its arm (an arm's own checks still apply)."""
         return next(p for a in arms() for p in a.phases if p.name == phase).jobs(self)
@@ -112,7 +112,7 @@ class Plan:
         phases by the arm's ``order`` (none when the study does not run the arm). What ``plan=true`` lists and
         :func:`_run_jobs` runs (the same lists). Lazy: which pairs share a parameter space is read from the models'
         configs, which exist only once the zoo models are trained."""
-        out = [("training", "training", lambda: [j for j in self.model_jobs("train") if j.cfg.model.get("zoo") is not None])]
+        out = [("training", "training", self.training_jobs)]
         for arm in arms():
             on = arm.name in self.arms
             out += [(arm.row, p.name, (lambda p=p: p.jobs(self)) if on else list) for p in arm.phases]
@@ -322,8 +322,7 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
         reset_peak()
         WORKER_PEAKS.clear()
 
-    (_, _, trains_of), *_ = plan.phases()
-    trains = trains_of()
+    trains = plan.training_jobs()
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
     for j in todo:
         console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")

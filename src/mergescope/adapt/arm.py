@@ -56,9 +56,9 @@ def expansion_models(plan) -> list:
 
 
 def _adapt_text(j, r) -> str:
-    from mergescope.runs import model_label
+    from mergescope.jobs import pair_text
 
-    return (f"adapt {j.cfg.adapt.name} {model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}: "
+    return (f"adapt {j.cfg.adapt.name} {pair_text(j)}: "
             f"best ratio {r.metrics.get('best_ratio', float('nan')):g}")
 
 

@@ -8,20 +8,13 @@ import itertools
 from mergescope.arm import Arm, Phase
 
 
-def _pair_text(j) -> str:
-    from mergescope.runs import model_label
-
-    return f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}"
-
-
-def native_only(plan) -> list:
-    """``native_pairs`` outside the study's sweep (a family of its own: ``pair=<name>``), kept on the plan; their
-    models join the study's (trained when missing, a fine-tune of a real model; scored like the sweep's)."""
+def _outside_sweep(plan) -> dict[str, list]:
+    """``native_pairs`` outside the study's sweep (a family of its own): pair name -> its two model entries
+    (``pair=<name>``); a name that is neither a sweep pair nor two conf/model names is one line."""
     from mergescope.errors import MergescopeError, did_you_mean
     from mergescope.jobs import composed
 
-    plan.native_only = {}
-    out = []
+    out = {}
     for name in map(str, plan.cfg.get("native_pairs") or []):
         if name in plan.pairs:
             continue
@@ -30,9 +23,20 @@ def native_only(plan) -> list:
         except Exception:  # noqa: BLE001 - Hydra's missing-option errors: refused in one line below
             raise MergescopeError(f"native_pairs names {name!r}, not a pair of this study nor two conf/model names a__b: "
                                   f"{did_you_mean(name, list(plan.pairs))}") from None
-        plan.native_only[name] = [f"pair={name}"]
-        out += [c.pair.a, c.pair.b]
+        out[name] = [c.pair.a, c.pair.b]
     return out
+
+
+def native_only_models(plan) -> list:
+    """The models of ``native_pairs`` outside the sweep: trained when missing (a fine-tune of a real model), scored
+    like the sweep's."""
+    return [e for pair in _outside_sweep(plan).values() for e in pair]
+
+
+def _pair_text(j) -> str:  # jobs imports torch: on use only
+    from mergescope.jobs import pair_text
+
+    return pair_text(j)
 
 
 def native_pairs(plan) -> list:
@@ -44,7 +48,8 @@ def native_pairs(plan) -> list:
 
     keep = None if plan.cfg.get("native_pairs") is None else set(map(str, plan.cfg.native_pairs))
     out = []
-    for label, sel in {**plan.pairs, **plan.native_only}.items():
+    outside = {name: [f"pair={name}"] for name in _outside_sweep(plan)}
+    for label, sel in {**plan.pairs, **outside}.items():
         if keep is not None and label not in keep:
             continue
         j = job("native", [*plan.base, *sel])
@@ -101,7 +106,7 @@ def evict_checkpoints(jobs: list) -> dict[str, int]:
 def run_checkpoints(plan, jobs: list) -> None:
     """The checkpoint pairs, model by model; with ``checkpoints.evict_after`` each hub model's revisions are
     deleted from the local hub cache once all its pairs are FINISHED (a zoo folder is never touched)."""
-    from mergescope.jobs import run_all, workers_of
+    from mergescope.jobs import pair_text, run_all, workers_of
     from mergescope.native.settings import CheckpointSettings
     from mergescope.runs import model_label
 
@@ -110,7 +115,7 @@ def run_checkpoints(plan, jobs: list) -> None:
         by_model.setdefault(str(j.cfg.pair.a.name_or_path), []).append(j)
     evict = CheckpointSettings.from_cfg(plan.cfg).evict_after
     for group in by_model.values():
-        run_all(group, lambda j, r: f"checkpoint pair {_pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
+        run_all(group, lambda j, r: f"checkpoint pair {pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}",
                 workers_of(plan.cfg), phase=f"checkpoints {model_label(group[0].cfg.pair.a)}")
         if evict:
             evict_checkpoints(group)
@@ -162,7 +167,7 @@ def _w_merge(c, cfg, w) -> None:
 
 ARMS = [
     Arm("native", order=20, tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
-        settings=("native",), models=native_only, models_order=30, work={"native": _w_native, "merge": _w_merge},
+        settings=("native",), models=native_only_models, models_order=30, work={"native": _w_native, "merge": _w_merge},
         phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),)),
     Arm("checkpoints", order=30, settings=("checkpoints",),
         needs=("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),

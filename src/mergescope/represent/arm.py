@@ -6,10 +6,10 @@ from __future__ import annotations
 from mergescope.arm import Arm, Phase
 
 
-def _pair_text(j) -> str:
-    from mergescope.runs import model_label
+def _pair_text(j) -> str:  # jobs imports torch: on use only
+    from mergescope.jobs import pair_text
 
-    return f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}"
+    return pair_text(j)
 
 
 def _quality_text(j, r) -> str:

@@ -30,9 +30,9 @@ def shared_models(plan) -> list:
 
 
 def _text(j, r) -> str:
-    from mergescope.runs import model_label
+    from mergescope.jobs import pair_text
 
-    what = f"{model_label(j.cfg.pair.a)} x {model_label(j.cfg.pair.b)}" if j.task == "agreement" else "all models"
+    what = pair_text(j) if j.task == "agreement" else "all models"
     return f"{j.task} {what} on {j.cfg.data.name}"
 
 
