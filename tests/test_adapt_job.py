@@ -253,7 +253,7 @@ def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scal
 def _section(cfg):
     from types import SimpleNamespace
 
-    from mergescope.analysis.sections.adapt import adapt_section
+    from mergescope.adapt.report import adapt_section
     from mergescope.analysis.records import Rec
 
     recs = [Rec(r.info.run_id, r.info.start_time, dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))

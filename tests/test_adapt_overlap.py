@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mergescope.adapt.overlap import competence_overlap, task_profile
-from mergescope.analysis.sections.adapt import concentration, gap_rows
+from mergescope.adapt.report import concentration, gap_rows
 from mergescope.analysis.records import Rec
 from mergescope.errors import MergescopeError
 

@@ -72,7 +72,7 @@ def test_a_choice_at_the_edge_of_its_grid_is_said():
 
 
 def test_the_alpha_choice_marks_an_edge():
-    from mergescope.analysis.sections.transport import alpha_choice
+    from mergescope.transport.report import alpha_choice
 
     rs = [_rec(i, {"alpha": a, "select_nll_rest_target_lang": s, "select_nll_target_lang": s,
                    **claim("delta_target_lang", d, 0.01)})

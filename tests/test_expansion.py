@@ -80,7 +80,7 @@ def test_bad_targets_are_refused_before_any_run(llama, compose_cfg, target, mess
 
 
 def test_report_tables_and_finding():
-    from mergescope.analysis.sections.adapt import expansion_tables
+    from mergescope.adapt.report import expansion_tables
     from mergescope.analysis.records import Rec
 
     metrics = {"max_abs_logit_diff": 2.4e-13, "max_abs_logit_diff_as_run": 5.6e-5, "max_abs_logit_diff_eps_kept": 1.7e-2,

@@ -190,17 +190,20 @@ def _constants(path: Path, skip: tuple[str, ...] = ()) -> set[str]:
 
 
 def test_the_study_and_the_entry_point_name_no_arm():
-    """Issue 46: the study, its plan, the entry point and plan=true's counted costs iterate the arms' declarations
-    (mergescope.arm); no string in study.py, cli.py or costs.py is an arm's name, one of its phases, its tasks or its
-    config groups (costs.py's benchmark points keep their own kinds: quality, native, merge, transport)."""
+    """Issue 46: the study, its plan, the entry point, plan=true's counted costs and the analysis iterate the arms'
+    declarations (mergescope.arm); no string in study.py, cli.py, costs.py or analysis/ is an arm's name, one of its
+    phases, its tasks (the kinds of their runs) or its config groups (costs.py's benchmark points keep their own kinds:
+    quality, native, merge, transport)."""
     from mergescope.arm import arms
 
     names = {x for a in arms() for x in (a.name, a.row, *a.tasks, *a.settings, *a.groups, *(p.name for p in a.phases))}
     shared = {d.name for d in CONF_DIR.iterdir() if d.is_dir()} - {g for a in arms() for g in (*a.settings, *a.groups)}
     names -= shared  # a config group every route shares (merge: the operators; task=merge is the native arm's)
-    for module, skip in (("study.py", ()), ("cli.py", ()), ("costs.py", ("point_work", "peak_kinds"))):
-        named = sorted(_constants(SRC / module, skip) & names)  # costs: the benchmark's measured kinds are its own
-        assert not named, f"{module} names {named}"
+    above = [(SRC / "study.py", ()), (SRC / "cli.py", ()), (SRC / "costs.py", ("point_work", "peak_kinds")),
+             *((f, ()) for f in sorted((SRC / "analysis").rglob("*.py")))]
+    for path, skip in above:
+        named = sorted(_constants(path, skip) & names)  # costs: the benchmark's measured kinds are its own
+        assert not named, f"{path.relative_to(SRC)} names {named}"
 
 
 def test_every_arm_is_declared_once_with_its_task_and_settings_configs():

@@ -255,7 +255,7 @@ def _rec(run_id, ratio, tasks, **tags):
 
 
 def test_the_seesaw_is_read_at_the_ratio_chosen_on_dev_and_is_empty_without_one():
-    from mergescope.analysis.sections.adapt import chosen_point, per_ratio_rows, seesaw_rows
+    from mergescope.adapt.report import chosen_point, per_ratio_rows, seesaw_rows
     from mergescope.analysis.records import Rec
 
     key = ("s", "l", "union")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from mergescope.analysis.sections.shared_space import dim_rows, ssm_gap_rows
+from mergescope.shared_space.report import dim_rows, ssm_gap_rows
 from mergescope.errors import MergescopeError
 from mergescope.shared_space.depth import depth_layers, distinct_depths
 from mergescope.shared_space.evaluate import effective_dim, retrieval_eval
@@ -170,7 +170,7 @@ def test_the_depth_figure_plots_each_layer_once_and_marks_collapsed_depths():
     """A 2-layer model: depths .25 and .75 round onto the layers of .5 and 1 (distinct = 0). They were plotted as
     points beside the depths they repeat; now each layer is plotted once and a collapsed depth is a dotted line."""
     from mergescope.analysis.records import Rec
-    from mergescope.analysis.sections.shared_space import _depth_figure, pooling_text
+    from mergescope.shared_space.report import _depth_figure, pooling_text
 
     cols = ["depth", "distinct", "rsa", "nn_match", "rsa_null_q025", "rsa_null_q975", "nn_match_null_q025", "nn_match_null_q975"]
     rows = [(0.0, 1, 0.1), (0.25, 0, 0.5), (0.5, 1, 0.5), (0.75, 0, 0.9), (1.0, 1, 0.9)]

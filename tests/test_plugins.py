@@ -67,7 +67,7 @@ def _pairs(n_models=5, seed=0):
 
 def test_a_new_metric_reaches_the_report_and_the_correlation_table(plugin):
     from mergescope.analysis.sections.correlations import correlation_section
-    from mergescope.analysis.sections.representation import representation_table
+    from mergescope.represent.report import representation_table
     from mergescope.analysis.tables import cross_diagnostics, repr_metrics
 
     pairs = _pairs()
@@ -308,7 +308,7 @@ def test_a_new_merge_operator_runs_in_the_native_arm_with_no_other_edit(merge_pl
 
 def test_a_new_merge_operator_is_a_comparison_column_of_the_adapt_summary(merge_plugin):
     from mergescope.analysis.records import Rec
-    from mergescope.analysis.sections.adapt import compared_merges
+    from mergescope.adapt.report import compared_merges
 
     best = Rec("b", 0, {"ratio": "best"}, {"test_nll_ties": 3.0, f"test_nll_{MERGE}": 2.9, "test_nll_scaling": 3.1}, {})
     assert compared_merges([best, Rec("p", 0, {"ratio": "0.5"}, {"test_nll_slerp": 1.0}, {})]) == ["ties", MERGE]  # by name

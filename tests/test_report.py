@@ -504,7 +504,7 @@ window.addEventListener('load', () => {
 def test_merge_tables_show_the_lm_eval_columns_of_the_merged_models():
     """eval=lm_eval runs (kind=eval, merge_run = the merge run) appear as columns of the native merge table, with
     their run id; a merged model that was not evaluated shows '—' (not a copied or interpolated number)."""
-    from mergescope.analysis.sections.native_pair import native_pair_tables
+    from mergescope.native.report import native_pair_tables
     from mergescope.analysis.records import Rec
     from mergescope.analysis.tables import Section
 

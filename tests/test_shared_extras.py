@@ -93,7 +93,7 @@ def test_state_space_models_are_recognised_by_model_type():
 
 
 def test_ssm_gap_rows_average_each_group_by_depth():
-    from mergescope.analysis.sections.shared_space import ssm_gap_rows
+    from mergescope.shared_space.report import ssm_gap_rows
 
     ssm = [{"depth": 1.0, "rsa": 0.2, "nn_match_ratio_to_chance": 30, "change_corr": -0.1}]
     tr = [{"depth": 1.0, "rsa": 0.5, "nn_match_ratio_to_chance": 50, "change_corr": 0.4},

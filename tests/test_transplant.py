@@ -238,8 +238,8 @@ def test_native_pair_of_two_vocabularies_merged_with_its_embeddings_after_a_tran
     assert merge.metrics["nll"] == pytest.approx(m["lmc_midpoint_nll"], abs=1e-9)
     # the report says what was done and shows the cost beside the control's
     from mergescope.analysis.records import _rec
-    from mergescope.analysis.sections.models import _transplant_cell
-    from mergescope.analysis.sections.native_pair import native_pair_tables
+    from mergescope.native.report import transplant_cell
+    from mergescope.native.report import native_pair_tables
     from mergescope.analysis.tables import Section
 
     n, mg = _rec(native), _rec(every["merge"])
@@ -251,7 +251,7 @@ def test_native_pair_of_two_vocabularies_merged_with_its_embeddings_after_a_tran
     assert cost.rows[0][2] == f"{m['transplant_cost_bpb_a']:+.4f}" and cost.rows[0][3] == f"{m['transplant_control_cost_bpb_a']:+.4f}"
     merged = next(t for t in sec.tables if "merged models" in t.title)
     assert len(merged.rows) == 1 and merged.rows[0][0] == "linear"
-    cell = _transplant_cell(n)
+    cell = transplant_cell(None, {"native_transplant": n})
     assert f"neox_en {m['transplant_cost_bpb_a']:+.3f} bits/byte by omp vs {m['transplant_control_cost_bpb_a']:+.3f}" in cell
 
 

@@ -914,7 +914,7 @@ def test_epsilon_calibration_plan_statistics_on_known_costs():
 
 def test_epsilon_calibration_table_and_figure_from_runs():
     """The report's calibration rows: one direction per epsilon (its headline alpha), means and the fallback share."""
-    from mergescope.analysis.sections.calibration import by_setting, epsilon_of, epsilon_rows, figure_epsilon
+    from mergescope.transport.report_settings import by_setting, epsilon_of, epsilon_rows, figure_epsilon
     from mergescope.analysis.records import Rec
 
     def rec(i, d, eps, alpha, row_max, fb):
@@ -965,7 +965,7 @@ def test_probe_set_ntrex128_is_disjoint_from_the_evaluation_and_checked(tiny_mod
 def test_probe_count_section_compares_the_settings_direction_by_direction():
     from mergescope.analysis.context import Analysis
     from mergescope.analysis.records import Rec, Study
-    from mergescope.analysis.sections.calibration import epsilon_calibration, probe_count, probe_section
+    from mergescope.transport.report_settings import epsilon_calibration, probe_count, probe_section
 
     def rec(i, d, n, row_max, delta, ctl):
         return Rec(f"pc{i:06d}xxxx", i, {"kind": "transport", "direction": d, "alpha": "0.1", "headline_alpha": "0.1"},
@@ -976,7 +976,7 @@ def test_probe_count_section_compares_the_settings_direction_by_direction():
 
     runs = [rec(0, "a <- b", 512, 0.5, -0.01, -0.002), rec(1, "b <- a", 512, 0.3, 0.02, 0.001),
             rec(2, "a <- b", 1997, 0.4, -0.02, -0.003), rec(3, "b <- a", 1997, 0.2, 0.01, -0.001)]
-    an = Analysis(Study("x", "", runs), [], [], np.zeros((0, 0)), {}, {}, {}, [])
+    an = Analysis(Study("x", "", runs), [], [], {}, {}, {})
     sec = probe_section(an, runs, "7d")
     per, mean = sec.tables
     assert [r[:3] for r in per.rows] == [["ntrex128", "512", "a <- b"], ["ntrex128", "512", "b <- a"], ["ntrex128", "1997", "a <- b"],
@@ -991,7 +991,7 @@ def test_probe_count_section_compares_the_settings_direction_by_direction():
 def test_a_failed_run_carries_its_reason_and_the_calibration_counts_it(compose_cfg):
     """A job that fails (here: plans that do not converge) leaves a FAILED run with the reason as tag `error`; the
     epsilon-calibration table counts the converged directions per epsilon and names the failed runs."""
-    from mergescope.analysis.sections.calibration import failed_rows
+    from mergescope.transport.report_settings import failed_rows
     from mergescope.tracking import Tracker
 
     cfg, ov = compose_cfg(["task=transport"])

@@ -420,7 +420,7 @@ def test_report_tables_carry_both_controls_and_the_settings_table():
     from conftest import claim
 
     from mergescope.analysis.records import Rec
-    from mergescope.analysis.sections.transport import _fusion_table, ablation_table
+    from mergescope.transport.report import _fusion_table, ablation_table
     from mergescope.analysis.tables import Section
 
     def rec(i, d, v, alpha, delta, rand, shrink, select=None):

@@ -31,10 +31,12 @@ TASKS: dict[str, str] = {
 
 
 def handler(task: str) -> Callable:
-    """The function that runs ``task``; a did-you-mean error for an unknown task."""
-    if task not in TASKS:
-        raise MergescopeError(f"unknown task '{task}': {did_you_mean(task, TASKS)}")
-    module, name = TASKS[task].split(":")
+    """The function that runs ``task``; a did-you-mean error for an unknown task (the arms' tasks read from the
+    registry now: an arm of your own may have joined since this module was imported)."""
+    tasks = {**TASKS, **arm_tasks()}
+    if task not in tasks:
+        raise MergescopeError(f"unknown task '{task}': {did_you_mean(task, tasks)}")
+    module, name = tasks[task].split(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -206,15 +206,50 @@ def register_pairs(conf_dir: Path = CONF_DIR) -> int:
 register_pairs()
 
 
+def register_arm_confs() -> int:
+    """The YAML files of the arms of your own (``MERGESCOPE_ARM_PATH``: ``<package>/conf/<group>/<name>.yaml``) in
+    Hydra's config store, so that ``task=<its task>`` and ``<its group>=<option>`` compose like the package's own;
+    each of its tasks brings its settings groups at their defaults (``<group>/default.yaml``). Returns how many."""
+    from hydra.core.config_store import ConfigStore
+
+    from mergescope.arm import external_confs
+
+    store, n = ConfigStore.instance(), 0
+    for arm, conf in external_confs():
+        for f in sorted(conf.rglob("*.yaml")):
+            group = f.parent.relative_to(conf).as_posix()
+            node = OmegaConf.to_container(OmegaConf.load(f)) or {}
+            if group == "task" and arm.settings:
+                node = {"defaults": [*(node.pop("defaults", None) or ["_self_"]),
+                                     *({f"/{g}@_global_.{g}": "default"} for g in arm.settings)], **node}
+            store.store(group=None if group == "." else group, name=f.stem, node=node)
+            n += 1
+    conf_digest.cache_clear()
+    return n
+
+
+def cache_enabled(cfg: Any) -> bool:
+    """False when a job must redo its forward passes (``no_cache=true``, what ``reproduce --no-cache`` sets):
+    the representation and probe caches are then neither read nor written."""
+    return not bool(cfg.get("no_cache", False))
+
+
 @lru_cache(maxsize=1)
 def conf_digest() -> str:
-    """SHA-256 of every file under conf/ (names and bytes): a composed config is a function of these and the overrides."""
+    """SHA-256 of every file under conf/ and under the conf/ of each arm of your own (names and bytes): a composed
+    config is a function of these and the overrides."""
+    from mergescope.arm import external_confs
+
     h = hashlib.sha256()
-    for f in sorted(CONF_DIR.rglob("*")):
-        if f.is_file():
-            h.update(str(f.relative_to(CONF_DIR)).encode())
-            h.update(f.read_bytes())
+    for root in [CONF_DIR, *(conf for _, conf in external_confs())]:
+        for f in sorted(root.rglob("*")):
+            if f.is_file():
+                h.update(str(f.relative_to(CONF_DIR) if root == CONF_DIR else f).encode())
+                h.update(f.read_bytes())
     return h.hexdigest()
+
+
+register_arm_confs()
 
 
 def plain_copy(node: Any) -> DictConfig:

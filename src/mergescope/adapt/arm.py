@@ -3,7 +3,7 @@ of ``adaptation.pairs``) and ``expansion`` (the function check of Expand on ``ex
 
 from __future__ import annotations
 
-from mergescope.arm import Arm, Phase
+from mergescope.arm import Arm, Phase, Report
 
 
 def adapt_jobs(plan) -> list:
@@ -106,10 +106,14 @@ ARMS = [
     Arm("adapt", order=60, tasks={"adapt": "mergescope.adapt.job:run_adapt"}, settings=("adaptation",), groups=("adapt",),
         needs=("adaptation.pairs", lambda c: (c.get("adaptation") or {}).get("pairs")), models=adapt_models, models_order=10,
         work={"adapt": _w_adapt}, peak_kind={"adapt": "quality"},
-        phases=(Phase("adapt", adapt_jobs, _adapt_text, workers=True),)),  # no cache between its jobs: side by side
+        phases=(Phase("adapt", adapt_jobs, _adapt_text, workers=True),),  # no cache between its jobs: side by side
+        report=Report(sections={(70, 1): "mergescope.adapt.report:adapt_section"}, beside="mergescope.adapt.report:beside",
+                      coverage={"adapt": "mergescope.adapt.report:coverage_cell"}, summary={"adapt": "Dimensional adaptation"},
+                      kinds={"adapt": "dimensional adaptation (Expand/Truncate) merges"})),
     Arm("expansion", order=70, tasks={"expansion": "mergescope.adapt.job:run_expansion"}, settings=("expansion",),
         needs=("expansion.models or expansion.targets",
                lambda c: (c.get("expansion") or {}).get("models") and (c.get("expansion") or {}).get("targets")),
         models=expansion_models, models_order=20, work={"expansion": _w_expansion}, peak_kind={"expansion": "quality"},
-        phases=(Phase("expansion", expansion_jobs, _expansion_text),)),
+        phases=(Phase("expansion", expansion_jobs, _expansion_text),),
+        report=Report(kinds={"expansion": "Expand of one model into a wider shape: logits against the source's, Truncate(slots) back"})),
 ]

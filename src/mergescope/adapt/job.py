@@ -30,7 +30,7 @@ from mergescope.scoring.bpb import Scores
 from mergescope.config import to_plain
 from mergescope.evidence import compare, compare_strata, read_all_scores, sentence_csv, strata_mean
 from mergescope.merge import merge_state_dicts, resolve_preset
-from mergescope.native.merges import preset_config
+from mergescope.merge.presets import preset_config
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, pair_tags, run_once
 

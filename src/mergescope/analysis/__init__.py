@@ -22,10 +22,11 @@ Modules (each imports only those above it):
 - ``records``: reading MLflow (:class:`Rec`, :class:`Study`, :func:`load_study`, the logical-job dedupe); every
   MLflow read of the analysis goes through it (``Study.artifact_text``, ``Study.failed``);
 - ``tables``: :class:`RTable`, :class:`Section`, number formatting, the one CSV writer;
-- ``pairs``: the CKA matrix and one row of diagnostics per cross-model pair;
+- ``pairs``: one row of diagnostics per cross-model pair, each arm adding its columns;
 - ``context``: :class:`Analysis`, the one context the section builders read and add to;
 - ``report``: Markdown and HTML; ``figures``: draws the figures the sections registered, and the figure index;
-- ``sections``: one module per arm, and ``OUTLINE``, the one ordered list that numbers the sections;
+- ``sections``: the analysis' own sections and the outline that numbers them with every arm's (each arm's sections
+  live in its package, ``<arm>/report.py``, declared in its ``arm.py``: :class:`mergescope.arm.Report`);
 - ``build``: :func:`build_analysis`, the driver over the outline;
 - ``task``: :func:`run_analyze` (task=analyze) and :func:`main` (``python -m mergescope.analysis``).
 """
@@ -33,14 +34,14 @@ Modules (each imports only those above it):
 import importlib
 
 _WHERE = {"build_analysis": "build", "N_PERMUTATIONS": "context", "Analysis": "context", "make_figures": "figures",
-          "build_pair_rows": "pairs", "cka_matrix": "pairs", "Rec": "records", "Study": "records",
+          "build_pair_rows": "pairs", "Rec": "records", "Study": "records",
           "load_study": "records", "build_markdown": "report", "markdown_to_html": "report", "write_report": "report",
           "TYPOLOGY": "tables", "RTable": "tables", "Section": "tables", "f3": "tables", "main": "task",
           "run_analyze": "task"}
 _STATS = {"correlation_table", "power_statement"}
 
 __all__ = ["run_analyze", "main", "build_analysis", "load_study", "Rec", "Study", "Analysis", "RTable", "Section",
-           "cka_matrix", "build_pair_rows", "make_figures", "build_markdown", "markdown_to_html", "write_report",
+           "build_pair_rows", "make_figures", "build_markdown", "markdown_to_html", "write_report",
            "correlation_table", "power_statement", "f3", "TYPOLOGY", "N_PERMUTATIONS"]
 
 

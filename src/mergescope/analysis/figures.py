@@ -11,14 +11,15 @@ from mergescope.analysis.context import Analysis
 from mergescope.analysis.report import slug
 from mergescope.plotting import pyplot
 
-__all__ = ["make_figures", "close_figures", "FIGURES"]
+__all__ = ["make_figures", "close_figures", "expected_figures"]
 
-# the figures every full study draws, by name: the index says which were not drawn (and why)
-FIGURES = (("cka_matched_vs_shuffled", "matched vs shuffled CKA"),
-           ("correlations_checkpoint", "correlation heatmap, checkpoint arm"),
-           ("correlations_cross_model", "correlation heatmap, cross-model arm"),
-           ("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance"),
-           ("transport_deltas", "transport fusion deltas with the control"))
+
+def expected_figures() -> tuple[tuple[str, str], ...]:
+    """The figures every full study draws, by name (each arm's, then the cross-model correlations'): the index says
+    which were not drawn (and why)."""
+    from mergescope.arm import arms
+
+    return (*(f for a in arms() for f in a.report.figures), ("correlations_cross_model", "correlation heatmap, cross-model arm"))
 
 
 def make_figures(an: Analysis) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def make_figures(an: Analysis) -> dict[str, Any]:
         for name, cap in s.figures:
             if name in figs:
                 index.text.append(f"- {cap}: [{s.title}](#{slug(s.title)}) (`figures/{name}.png`)")
-    for name, cap in FIGURES:
+    for name, cap in expected_figures():
         if name not in figs:
             index.missing.append(f"figure '{cap}': not drawn (its section was not measured; see above)")
     an.figures = figs

@@ -85,20 +85,19 @@ def transport_headline(runs: list[Rec]) -> Rec | None:
 
 
 def logical_key(r: Rec) -> tuple | None:
-    """The job a run belongs to (one per pair and metric, per model, ...); None: one per cfg_hash."""
-    t = r.tags
-    k = r.kind
-    if k == "measure":  # a native pair with and without a vocabulary transplant: two jobs; each protocol's languages
-        return (k, t.get("pair"), t.get("metric"), t.get("transplant"), t.get("lang_a"), t.get("lang_b"), t.get("protocol"))
-    if k in ("quality", "train"):
-        return (k, t.get("model"))
-    if k == "typology":
-        return (k, frozenset((t.get("lang_a"), t.get("lang_b"))))
-    if k == "transport":  # one per direction, alpha and setting (transport_variant: absent on runs before it)
-        return (k, t.get("direction") or (t.get("target"), t.get("donor")), t.get("alpha"), t.get("transport_variant"))
-    if k == "transport_adapt":  # one per direction and adaptation (mergescope's, the released SFT per freeze and alpha)
-        return (k, t.get("direction") or (t.get("target"), t.get("donor")), t.get("adapt_mode"), t.get("transport_variant"))
-    return None  # merge and others: one per cfg_hash
+    """The job a run belongs to (one per model, per pair and metric, per direction and alpha, ...), as the arm that logs
+    its kind declares (:attr:`mergescope.arm.Report.logical_keys`); a zoo model's training: one per model; None: one per
+    cfg_hash."""
+    if r.kind == "train":
+        return (r.kind, r.tags.get("model"))
+    fn = _logical_keys().get(r.kind)
+    return None if fn is None else fn(r)
+
+
+def _logical_keys() -> dict[str, Any]:
+    from mergescope.arm import arms, target
+
+    return {kind: target(spec) for a in arms() for kind, spec in a.report.logical_keys.items()}
 
 
 @dataclass
@@ -111,33 +110,15 @@ class Study:
     experiment: str
     uri: str
     records: list[Rec]
-    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # native run id -> LMC curve (t, nll)
     others: list[Rec] = field(default_factory=list)
     source: str = "the latest FINISHED run per cfg_hash and per job (no study job list was logged)"
 
     def kind(self, *kinds: str) -> list[Rec]:
         return [r for r in self.records if r.kind in kinds]
 
-    @property
-    def measures(self) -> list[Rec]:
-        """The representation runs of the study's own protocol (each side on its model's language); the one-language
-        protocol's runs (``one_language``, tag protocol=one_language) are :attr:`one_language` and never join these."""
-        return [r for r in self.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") != "one_language"]
-
-    @property
-    def one_language(self) -> list[Rec]:
-        """The one-language protocol's representation runs (every side on one language: the study's ``one_language``)."""
-        return [r for r in self.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") == "one_language"]
-
-    @property
-    def adapt(self) -> list[Rec]:
-        """Fused-then-adapted runs (kind=transport_adapt); the no-fusion baselines (stage=baseline) are their references."""
-        return [r for r in self.kind("transport_adapt")
-                if r.tags.get("stage") != "baseline" and r.tags.get("donor") not in (None, "none")]
-
-    @property
-    def native(self) -> list[Rec]:
-        return [r for r in self.kind("measure") if r.tags.get("metric") == "native"]
+    def metric_history(self, run_id: str, key: str) -> dict[int, float]:
+        """One metric's logged values of one of the study's runs, by step ({} when it logged none)."""
+        return {m.step: m.value for m in client_for(self.uri).get_metric_history(run_id, key)}
 
     def artifact_text(self, run_id: str, path: str) -> str | None:
         """A text artifact of one of the study's runs; None when the run has no such file (a section says so)."""
@@ -200,17 +181,6 @@ def _rec(r) -> Rec:
     return Rec(r.info.run_id, int(r.info.start_time or 0), dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
 
 
-def _lmc_curves(client, recs: list[Rec]) -> dict[str, list[tuple[float, float]]]:
-    """The interpolation curve (metric steps lmc_t / lmc_nll) of every cross-model native run."""
-    curves = {}
-    for r in recs:
-        if r.kind == "measure" and r.tags.get("metric") == "native" and not is_checkpoint_pair(r):
-            ts = {m.step: m.value for m in client.get_metric_history(r.run_id, "lmc_t")}
-            nll = {m.step: m.value for m in client.get_metric_history(r.run_id, "lmc_nll")}
-            curves[r.run_id] = [(ts[k], nll[k]) for k in sorted(nll) if k in ts]
-    return curves
-
-
 STUDY_JOBS = "inputs/study_jobs.csv"  # the analysis run's artifact: every run of the study's jobs
 
 
@@ -249,4 +219,4 @@ def load_study(cfg: DictConfig, job_runs: list[str] | None = None) -> Study:
     if not out:
         raise MergescopeError(f"experiment '{experiment}' has no FINISHED runs to analyse; run the study first "
                               f"(python launch.py study={experiment})")
-    return Study(experiment, uri, out, _lmc_curves(client, out), others, source)
+    return Study(experiment, uri, out, others, source)

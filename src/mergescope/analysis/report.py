@@ -66,17 +66,19 @@ def _header(an: Analysis, run_id: str | None, tracking_uri: str | None) -> list[
             "first 8 characters; the run index at the end gives the full ids (also the artifact `inputs/runs.csv`).", ""]
 
 
-ARM_LABELS = (("cka", "Representation"), ("checkpoint", "Checkpoint merging"), ("native_pair", "Native cross-model pair"),
-              ("transport", "Transport fusion"), ("adapt", "Dimensional adaptation"), ("shared_space", "Shared space"),
-              ("corr_checkpoint", "Diagnostics, checkpoint arm"), ("corr_cross", "Diagnostics, cross-model arm"))
+SUMMARY = {"corr_cross": "Diagnostics, cross-model arm"}  # the analysis' own; each arm labels its own (Report.summary)
 
 
 def summary_lines(an: Analysis) -> list[str]:
-    """The summary: one line per arm, its finding with its control and a run id (or why it was not measured)."""
+    """The summary: one line per arm, its finding with its control and a run id (or why it was not measured), in the
+    order of the sections."""
+    from mergescope.arm import arms
+
+    labels = {**{k: v for a in arms() for k, v in a.report.summary.items()}, **SUMMARY}
     out, absent = [], []
-    for key, label in ARM_LABELS:
-        s = next((s for s in an.sections if s.key == key), None)
-        if s is None:
+    for s in an.sections:
+        label = labels.get(s.key)
+        if label is None:
             continue
         head = f"**{label}** ({s.number})" if s.number else f"**{label}**"
         if s.finding:

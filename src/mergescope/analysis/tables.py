@@ -17,12 +17,8 @@ from rich.table import Table
 
 
 __all__ = ["RTable", "Section", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
-           "cross_diagnostics", "CHECKPOINT_DIAGNOSTICS", "PAIR_DIAGNOSTICS", "TYPOLOGY", "NATIVE_PAIR"]
+           "cross_diagnostics", "runs_cell", "TYPOLOGY"]
 
-CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
-                          "cka", "lmc_barrier", "merge_gain"]
-PAIR_DIAGNOSTICS = ["nll_mean", "typology_syntactic", "typology_genetic", "typology_featural", "transport_delta",
-                    "transport_ot_minus_rand"]
 
 
 def repr_metrics(pairs: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
@@ -38,11 +34,18 @@ def repr_metrics(pairs: list[dict[str, Any]] | None = None) -> list[tuple[str, s
 
 
 def cross_diagnostics(pairs: list[dict[str, Any]] | None = None) -> list[str]:
-    """The cross-model correlation table's columns: every representation metric's headline, then the pair's others."""
-    return [k for _, k in repr_metrics(pairs)] + PAIR_DIAGNOSTICS
+    """The cross-model correlation table's columns: every representation metric's headline, then the pair rows' other
+    diagnostics each arm declares (:attr:`mergescope.arm.Report.pair_diagnostics`), in the arms' order."""
+    from mergescope.arm import arms
+
+    return [k for _, k in repr_metrics(pairs)] + [d for a in arms() for d in a.report.pair_diagnostics]
+
+
+def runs_cell(p: dict[str, Any], sources: tuple[tuple[str, str], ...]) -> str:
+    """The run ids a row's cells come from, labelled (``label id``), in one compact cell."""
+    return ", ".join(f"{lab} {short(p['src'][k])}" for lab, k in sources if p["src"].get(k))
 
 TYPOLOGY = ["typology_syntactic", "typology_genetic", "typology_featural"]
-NATIVE_PAIR = ["weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "lmc_barrier", "merge_gain"]
 
 
 def csv_text(header: list[Any], rows: Iterable[Iterable[Any]]) -> str:
@@ -77,7 +80,7 @@ class RTable:
 
 @dataclass
 class Section:
-    """One report section: its heading (numbered by :data:`mergescope.analysis.sections.OUTLINE`), its finding in one
+    """One report section: its heading (numbered by :func:`mergescope.analysis.sections.outline`), its finding in one
     sentence, text, tables, figures and "not measured (why)" lines."""
 
     key: str

@@ -107,21 +107,18 @@ def _log_analysis(job: Job, an: Analysis, study: Study, out_dir: Path, md_path: 
 
 
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # what `make ui` serves
-KIND_MEANINGS = {
+KIND_MEANINGS = {  # the study's own kinds; each arm declares its own (mergescope.arm.Report.kinds)
     "train": "training of one zoo model (its checkpoints are revisions)",
-    "quality": "one model's mean per-token NLL on its own side of the data",
-    "measure": "one representation metric on one pair with its shuffled control (metric=native: the native weight-space job)",
-    "typology": "URIEL distances between a pair's languages",
-    "merge": "one merged model's NLL (native route)",
-    "transport": "transport fusion, one direction (target <- donor) at one alpha, with its random-plan control",
-    "transport_adapt": "post-fusion adaptation of a transport direction, and its no-fusion baseline (stage=baseline)",
-    "adapt": "dimensional adaptation (Expand/Truncate) merges",
-    "expansion": "Expand of one model into a wider shape: logits against the source's, Truncate(slots) back",
-    "agreement": "probe-level agreement (RSA, nearest neighbours) with permutation nulls, per depth",
-    "shared_space": "GPA shared space and pairwise maps, per depth and fold",
-    "routing": "routing by the shared space",
+    "eval": "lm-evaluation-harness on one merged model (tag merge_run: the merge it scored)",
     "analysis": "the study report: tables, figures, this description",
 }
+
+
+def kind_meanings() -> dict[str, str]:
+    """Every run kind's meaning: each arm's, then the study's own."""
+    from mergescope.arm import arms
+
+    return {**{k: v for a in arms() for k, v in a.report.kinds.items()}, **KIND_MEANINGS}
 
 
 def headline_columns(study: Study) -> list[str]:
@@ -136,9 +133,10 @@ def headline_columns(study: Study) -> list[str]:
 def experiment_description(study: Study, md_path: Path, run_id: str, run_link: str = "") -> str:
     """The experiment's description for the MLflow UI: the study, what each kind tag holds, where the report is."""
     kinds = sorted({r.kind for r in study.records} | {"analysis"})
+    meanings = kind_meanings()
     lines = [f"**mergescope study `{study.experiment}`**: {len(study.records)} runs of the study's jobs, chosen from {study.source}.",
              "", "Runs by `kind` tag:", ""]
-    lines += [f"- `{k}`: {KIND_MEANINGS.get(k, 'see the README')}" for k in kinds]
+    lines += [f"- `{k}`: {meanings.get(k, 'see the README')}" for k in kinds]
     lines += ["", f"Report: `{md_path}` (and `report.html` beside it, where every run id links to its run), written by "
               f"analysis run [`{run_id}`]({run_link or run_id}), whose artifacts hold the same report, its tables and figures."]
     return "\n".join(lines)
@@ -202,7 +200,7 @@ def run_analyze(cfg: DictConfig, overrides: list[str] | None = None, job_runs: l
     print(f"runs:   {ui[0].rstrip('/')}/#/experiments/{ui[1]}/runs?{view}&{UI_MODE} (the launch's jobs, each one's headline metric as a column)")
     print(f"report: {md_path}")  # the report's path last
     print(f"        {html_path}")
-    return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.cka_matrix,
+    return {"run_id": job.run_id, "report_md": md_path, "report_html": html_path, "cka_matrix": an.memo.get("cka_matrix"),
             "models": an.models, "pairs": int(an.metrics.get("pairs_cka", 0)),
             "pairs_above": int(an.metrics.get("pairs_cka_above_shuffled", 0)), "analysis": an}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from mergescope.arm import Arm, Phase
+from mergescope.arm import Arm, Phase, Report
 
 
 def _outside_sweep(plan) -> dict[str, list]:
@@ -165,11 +165,20 @@ def _w_merge(c, cfg, w) -> None:
     w.held = [shapes[0]]
 
 
+_R, _C = "mergescope.native.report", "mergescope.native.report_checkpoint"
+
 ARMS = [
-    Arm("native", order=20, tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
+    Arm("native", order=20, uses=("represent",), tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
         settings=("native",), models=native_only_models, models_order=30, work={"native": _w_native, "merge": _w_merge},
-        phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),)),
+        phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),),
+        report=Report(sections={(60, 0): f"{_R}:native_pair"}, pair_rows=f"{_R}:pair_rows", pair_tables=f"{_R}:pair_tables",
+                      coverage={"native": f"{_R}:native_cell", "transplant": f"{_R}:transplant_cell"},
+                      summary={"native_pair": "Native cross-model pair"}, kinds={"merge": "one merged model's NLL (native route)"})),
     Arm("checkpoints", order=30, settings=("checkpoints",),
         needs=("checkpoints.models", lambda c: (c.get("checkpoints") or {}).get("models")),
-        phases=(Phase("checkpoints", checkpoint_pairs, run=run_checkpoints),)),
+        phases=(Phase("checkpoints", checkpoint_pairs, run=run_checkpoints),),
+        report=Report(sections={(50, 0): f"{_C}:checkpoint_arm", (80, 1): f"{_C}:correlations_checkpoint"},
+                      figures=(("correlations_checkpoint", "correlation heatmap, checkpoint arm"),
+                               ("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance")),
+                      summary={"checkpoint": "Checkpoint merging", "corr_checkpoint": "Diagnostics, checkpoint arm"})),
 ]

@@ -8,9 +8,10 @@ from dataclasses import asdict
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from mergescope.config import conf_options, load_conf, plain_copy, to_plain
-from mergescope.errors import MergescopeError, did_you_mean
+from mergescope.config import plain_copy, to_plain
+from mergescope.errors import MergescopeError
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
+from mergescope.merge.presets import TRANSPORT_HINT, preset_config  # noqa: F401 (re-exported)
 from mergescope.scoring.bpb import Scores
 from mergescope.evidence import gain_over_best, sentence_csv
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
@@ -24,17 +25,6 @@ MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "n
 EVIDENCE = 1
 """In every merge's and native run's identity: 1 = per-sentence scores kept, merge_gain with its paired interval and the
 first token apart (runs recorded before have none, so they run again)."""
-TRANSPORT_HINT = ("transport is not an elementwise operator: it is directional and fits plans on activations; "
-                  "run it with task=transport (the study runs it for every pair)")
-
-
-def preset_config(name: str) -> DictConfig:
-    if name in ("transport", "transport_released"):
-        raise MergescopeError(f"native.merges cannot list transport: {TRANSPORT_HINT}")
-    if name not in conf_options("merge"):
-        raise MergescopeError(f"unknown merge '{name}': {did_you_mean(name, conf_options('merge'))}")
-    return load_conf("merge", name)
-
 
 def with_mix(merge_cfg: DictConfig, mix: float) -> DictConfig:
     """Set the weight of model b: ``t`` for interpolating operators, ``weights`` = [1-w, w] otherwise; nothing for an

@@ -323,7 +323,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
                                 keys=[k for k in MULTI_KEYS if k != "merge"] + (STATS_KEYS if entry.meta.get("needs_stats") else []),
                                 reads=reads, extra=extra), body, overrides)
     if _lm_eval(cfg):
-        from mergescope.native.save import run_native_lm_eval
+        from mergescope.scoring.eval_run import run_lm_eval
 
         def merged():  # the merged model in the host: from the run just done, else merged again
             stack = held.get("stack") or Stack(cfg, spec, refs, base_ref)
@@ -331,7 +331,7 @@ def run_merge_n(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
             stack.merge_into_host(entry, kwargs, cfg.device)
             return stack.host, stack.tok
 
-        run_native_lm_eval(cfg, merged, langs, res, overrides, reads,
+        run_lm_eval(cfg, merged, langs, res, overrides, reads,
                            {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
     return res
 

@@ -1,18 +1,17 @@
 """A native merge's merged model: ``save=true`` writes it (safetensors, config, tokenizer, a model card) under
-``paths.merged/<run id>/``; ``eval=lm_eval`` scores it in memory with lm-evaluation-harness (the adapt arm's
-offline FLORES tasks, :mod:`mergescope.scoring.lmeval`), one kind=eval run tagged ``merge_run``."""
+``paths.merged/<run id>/``; ``eval=lm_eval`` scores it in memory with lm-evaluation-harness (:func:`mergescope.scoring.eval_run.run_lm_eval`),
+one kind=eval run tagged ``merge_run``."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig
 
-from mergescope.config import to_plain
-from mergescope.runs import JobResult, JobSpec, run_once
+from mergescope.runs import JobResult
+from mergescope.scoring.eval_run import run_lm_eval
 
 
 def card(operator: str, preset: str, kwargs: dict[str, Any], models: Sequence[str], base: str | None, run_id: str,
@@ -37,35 +36,6 @@ def save_merged(cfg: DictConfig, model, tokenizer, run_id: str, entry, kwargs: d
 
     return save_model(cfg, model, tokenizer, run_id,
                       card(entry.name, str(cfg.merge.name), kwargs, models, base, run_id, source, layout))
-
-
-def run_native_lm_eval(cfg: DictConfig, merged: Callable[[], tuple[Any, Any]], langs: list[str], merge: JobResult,
-                       overrides, reads, tags: dict[str, Any], restore: Callable[[], None] | None = None) -> JobResult:
-    """lm-eval on a merged model (``merged()`` puts it in a host and returns (model, tokenizer), called only when the
-    eval runs): one kind=eval run (route=native unless ``tags`` says transport) tagged ``merge_run``; its identity is
-    the merge run's."""
-    from mergescope.scoring.lmeval import check_lm_eval, evaluate, flat_metrics, local_tasks
-
-    check_lm_eval()
-    folder = Path(str(cfg.paths.cache)) / "lm_eval_tasks"
-    tasks = [str(t) for t in cfg.eval.tasks] if cfg.eval.get("tasks") else \
-        local_tasks(str(cfg.data.root), str(cfg.eval.split), langs, folder)
-
-    def body(job) -> dict[str, float]:
-        model, tok = merged()
-        try:
-            res = evaluate(model, tok, tasks, None if cfg.eval.get("tasks") else folder, cfg.eval.batch_size, cfg.eval.get("limit"))
-        finally:
-            if restore is not None:
-                restore()
-        job.log_text(json.dumps(res.get("results", {}), indent=1, default=str), "results.json")
-        return flat_metrics(res.get("results", {}))
-
-    t = {"kind": "eval", "route": "native", "merge_run": merge.run_id, "seed": cfg.seed, **tags}
-    extra = {"merge": merge.cfg_hash, "tasks": tasks, "langs": langs, "data": to_plain(cfg.data)}
-    subject = f" {tags['direction']} a={tags['alpha']:g}" if "direction" in tags else ""  # a transport alpha's fused model
-    spec = JobSpec(f"eval lm_eval {tags.get('merge', 'merge')}{subject}", t, task="native_eval", keys=["eval"], reads=reads, extra=extra)
-    return run_once(cfg, spec, body, overrides)
 
 
 def _merge_pair_into_host(cfg: DictConfig, pair, entry, kwargs: dict) -> None:
@@ -113,19 +83,6 @@ def pair_lm_eval(cfg: DictConfig, loaded, entry, kwargs: dict, merge: JobResult,
         _merge_pair_into_host(cfg, pair, entry, kwargs)
         return pair.host, pair.tok
 
-    return run_native_lm_eval(cfg, merged, langs, merge, overrides, refs,
+    return run_lm_eval(cfg, merged, langs, merge, overrides, refs,
                               {"merge": str(cfg.merge.name), "operator": entry.name, **pair_tags(cfg)},
                               restore=lambda: held["pair"].restore())  # a native job's pair serves its next merges
-
-
-def save_transport(cfg: DictConfig, model, tokenizer, run_id: str, direction: str, alpha: float) -> str:
-    """transport's fused target at ``alpha`` (the target's architecture and tokenizer, its fused tensors)."""
-    from mergescope.scoring.save import save_model
-
-    text = "\n".join(["---", "library_name: transformers", "tags: [merge, mergescope, transport]", "---", "",
-                      "# Fused with mergescope's transport operator", "",
-                      f"- direction (target <- donor): {direction}", f"- alpha: {alpha:g}",
-                      "- method: Cui et al., Transport and Merge (arXiv 2602.05495): the donor's neurons transported onto the "
-                      "target's by optimal-transport plans fitted on activations, mixed at alpha",
-                      f"- MLflow run id: `{run_id}`", ""])
-    return save_model(cfg, model, tokenizer, run_id, text)

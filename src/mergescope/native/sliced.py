@@ -282,13 +282,13 @@ def run_sliced(cfg: DictConfig, spec: Spec, overrides: list[str] | None = None) 
     res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} slices {' + '.join(names)}", tags, task="merge_sliced", keys=KEYS,
                                 reads=refs, extra=extra), body, overrides)
     if cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval":
-        from mergescope.native.save import run_native_lm_eval
+        from mergescope.scoring.eval_run import run_lm_eval
 
         def merged():  # built again (the run's model was dropped after scoring)
             net = build(entry, plan, _states(cfg, spec, refs), out_config, dtype, cfg.device)
             return net.to(resolve_device(cfg.device)), models.load_tokenizer(refs[plan[0].inputs[0].model])
 
-        run_native_lm_eval(cfg, merged, langs, res, overrides, refs,
+        run_lm_eval(cfg, merged, langs, res, overrides, refs,
                            {"merge": str(cfg.merge.name), "operator": entry.name, "models": ",".join(names), "pair": "+".join(names)})
     return res
 

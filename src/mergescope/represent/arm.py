@@ -3,7 +3,7 @@ study's sweep) and typology per pair."""
 
 from __future__ import annotations
 
-from mergescope.arm import Arm, Phase
+from mergescope.arm import Arm, Phase, Report
 
 
 def _pair_text(j) -> str:  # jobs imports torch: on use only
@@ -42,6 +42,8 @@ def _w_none(c, cfg, w) -> None:
     """Reads tables and cached results only."""
 
 
+_R = "mergescope.represent.report"
+
 ARMS = [Arm(
     "representation", order=10,
     tasks={"measure": "mergescope.represent.job:run_measure", "quality": "mergescope.represent.job:run_quality",
@@ -50,4 +52,13 @@ ARMS = [Arm(
     phases=(Phase("quality", lambda plan: plan.model_jobs("quality"), _quality_text),
             Phase("measure", lambda plan: plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}"),
             Phase("typology", lambda plan: plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")),
+    report=Report(sections={(30, 0): f"{_R}:cka_section", (30, 1): f"{_R}:one_language_section", (40, 1): f"{_R}:per_model_quality"},
+                  pair_rows=f"{_R}:pair_rows", pair_tables=f"{_R}:pair_tables", beside=f"{_R}:beside",
+                  pair_diagnostics=("nll_mean", "typology_syntactic", "typology_genetic", "typology_featural"),
+                  figures=(("cka_matched_vs_shuffled", "matched vs shuffled CKA"),), summary={"cka": "Representation"}, model_kinds=("quality",),
+                  kinds={"quality": "one model's mean per-token NLL on its own side of the data",
+                         "measure": "one representation metric on one pair with its shuffled control (metric=native: the "
+                                    "native weight-space job)",
+                         "typology": "URIEL distances between a pair's languages"},
+                  logical_keys={"measure": f"{_R}:measure_key", "quality": f"{_R}:model_key", "typology": f"{_R}:typology_key"}),
 )]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from mergescope.config import cache_enabled  # noqa: F401 (re-exported)
 from mergescope.integrity import discard, load_array, load_json, save_array, save_json
 
 CACHE_VERSION = 3  # 3: a leading BOS is left out of the pooling (forward.pooling_mask); 2: checksummed entries
@@ -30,12 +31,6 @@ class ReprKey:
     def digest(self) -> str:
         blob = json.dumps({**self.__dict__, "v": CACHE_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def cache_enabled(cfg: Any) -> bool:
-    """False when a job must redo its forward passes (``no_cache=true``, what ``reproduce --no-cache`` sets):
-    the representation and probe caches are then neither read nor written."""
-    return not bool(cfg.get("no_cache", False))
 
 
 def representation_problem(X: np.ndarray) -> str | None:

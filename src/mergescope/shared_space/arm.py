@@ -3,7 +3,7 @@ one GPA shared space over ``shared.models``; routing on the first probe set."""
 
 from __future__ import annotations
 
-from mergescope.arm import Arm, Phase
+from mergescope.arm import Arm, Phase, Report
 
 
 def shared_jobs(plan) -> list:
@@ -54,11 +54,16 @@ def _w_shared(c, cfg, w) -> None:
 
 
 ARMS = [Arm(
-    "shared_space", order=50, settings=("shared",), models=shared_models, models_order=40,
+    "shared_space", order=50, uses=("represent",), settings=("shared",), models=shared_models, models_order=40,
     tasks={"agreement": "mergescope.shared_space.job:run_agreement",
            "shared_space": "mergescope.shared_space.job:run_shared_space",
            "routing": "mergescope.shared_space.job:run_routing"},
     work={"shared_space": _w_shared, "agreement": _w_shared, "routing": _w_shared},
     peak_kind={"shared_space": "quality", "agreement": "quality", "routing": "quality"},
     phases=(Phase("shared space", shared_jobs, _text, workers=True),),
+    report=Report(sections={(70, 2): "mergescope.shared_space.report:shared_space_section"},
+                  beside="mergescope.shared_space.report:beside", summary={"shared_space": "Shared space"},
+                  kinds={"agreement": "probe-level agreement (RSA, nearest neighbours) with permutation nulls, per depth",
+                         "shared_space": "GPA shared space and pairwise maps, per depth and fold",
+                         "routing": "routing by the shared space"}),
 )]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mergescope.arm import Arm, Phase
+from mergescope.arm import Arm, Phase, Report
 
 
 def named_directions(plan) -> dict:
@@ -153,10 +153,20 @@ def _w_transport(c, cfg, w) -> None:
     w.held = [st]  # the donor is probed and freed before the target loads; fused from its files
 
 
+_R, _S = "mergescope.transport.report", "mergescope.transport.report_settings"
+
 ARMS = [
     Arm("transport", order=40, tasks={"transport": "mergescope.transport.job:run_transport"},
         work={"transport": _w_transport},
-        phases=(Phase("transport", transport_directions, transport_text, workers=True, together=_target),)),
+        phases=(Phase("transport", transport_directions, transport_text, workers=True, together=_target),),
+        report=Report(sections={(70, 0): f"{_R}:transport", (70, 3): f"{_S}:epsilon_calibration", (70, 4): f"{_S}:probe_count"},
+                      pair_rows=f"{_R}:pair_rows", pair_tables=f"{_R}:pair_tables", coverage={"transport": f"{_R}:coverage_cell"},
+                      beside=f"{_R}:beside", pair_diagnostics=("transport_delta", "transport_ot_minus_rand"),
+                      figures=(("transport_deltas", "transport fusion deltas with the control"),), summary={"transport": "Transport fusion"},
+                      kinds={"transport": "transport fusion, one direction (target <- donor) at one alpha, with its random-plan control",
+                             "transport_adapt": "post-fusion adaptation of a transport direction, and its no-fusion baseline "
+                                                "(stage=baseline)"},
+                      logical_keys={"transport": f"{_R}:transport_key", "transport_adapt": f"{_R}:transport_adapt_key"})),
     # one target's directions in one worker: its no-fusion baseline is made once
     Arm("transport_sweep", order=41, lap="transport", needs=("transport_sweep", lambda c: c.get("transport_sweep")),
         phases=(Phase("transport settings", transport_sweep, run=run_sweep),)),

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import data as data_mod
 from mergescope import models
+from mergescope.config import cache_enabled
 from mergescope.scoring.bpb import Scores, score_sentences
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.errors import MergescopeError
@@ -41,7 +42,6 @@ from mergescope.evidence import compare, read_scores, sentence_csv
 from mergescope import precision
 from mergescope.integrity import load_torch, save_torch
 from mergescope.progress import console
-from mergescope.represent.cache import cache_enabled
 from mergescope.runs import JobResult, JobSpec, finished, model_label, model_parts, pair_label, run_once, would_run
 from mergescope.tracking import Job, Tracker
 from mergescope.transport import finetune as finetune_mod
@@ -357,7 +357,7 @@ def _lm_evals(d: _Direction, results: dict[float, JobResult], fit) -> None:
     """``eval=lm_eval``: each alpha's fused target scored by lm-evaluation-harness in memory on both languages, one
     kind=eval run (route=transport) tagged ``merge_run`` = that alpha's transport run; its identity is that run's. The
     plans are fitted only when an eval has to run (a reused transport run and its eval fit nothing)."""
-    from mergescope.native.save import run_native_lm_eval
+    from mergescope.scoring.eval_run import run_lm_eval
 
     refs = [models.resolve(d.target), models.resolve(d.donor)]
     langs = list(dict.fromkeys([str(d.target.lang), str(d.donor.lang)]))
@@ -369,7 +369,7 @@ def _lm_evals(d: _Direction, results: dict[float, JobResult], fit) -> None:
 
         tags = {k: v for k, v in d.tags("eval", alpha=a).items() if k not in ("kind", "seed")}
         tags["route"] = "transport"
-        run_native_lm_eval(_alpha_cfg(d.cfg, a), merged, langs, r, d.overrides, refs, tags,
+        run_lm_eval(_alpha_cfg(d.cfg, a), merged, langs, r, d.overrides, refs, tags,
                            restore=lambda: fit().host.set(fit().fusion.original))
 
 
@@ -547,7 +547,7 @@ def _alpha_run(d: _Direction, f: _Fitted, a: float, h: str) -> JobResult:
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
         values.update(_more_controls(d, f, a, sc))
         if d.cfg.get("save"):  # the fused target (not the control) under paths.merged/<run id>/
-            from mergescope.native.save import save_transport
+            from mergescope.transport.save import save_transport
 
             host.set(f.fusion.weights(a, control=False))
             job.log_params({"saved_to": save_transport(d.cfg, host.model, host.tok, job.run_id, d.label, a)})

@@ -1,14 +1,17 @@
-"""The report's sections: one module per arm, and :data:`OUTLINE`, the one ordered list that numbers them.
+"""The report's outline: the analysis' own sections and every arm's (:attr:`mergescope.arm.Report.sections`), each at
+its order key ``(section, subsection)``, numbered from those keys.
 
-Each entry of the outline is one spec section and its subsections: the first builder is the section itself
-(``None``: the section has subsections only), the rest its subsections, lettered in order (``4a``; ``8a``, ``8b``).
-A builder takes the :class:`~mergescope.analysis.context.Analysis` and its number and returns a section, a list
-of them (all under that number), or None (its runs do not exist in this study, e.g. no epsilon sweep). Adding a
-section is one function in one module and one entry here; every heading takes its number from this list.
+Sections are numbered by the rank of their first key among every key declared (the analysis' own: 10 the config
+check, 20 coverage, 40 the pair matrix, 40.2 the precision check, 80.2 the cross-model correlations, 90 beside the seed
+reports, 100 the figure index); subsection 0 is the section itself, the others are lettered in order (``4a``; ``8a``,
+``8b``), and a section may have subsections only. A builder takes the
+:class:`~mergescope.analysis.context.Analysis` and its number and returns a section, a list of them (all under that
+number), or None (its runs do not exist in this study, e.g. no epsilon sweep). Adding a section is one function and
+one order key in its arm's ``arm.py``; no list here names an arm.
 
-Modules: ``models`` (config check, coverage, per-model quality), ``representation`` (CKA matrix, pair matrix),
-``checkpoint``, ``native_pair``, ``transport``, ``adapt``, ``shared_space``, ``calibration`` (transport settings
-swept across runs), ``correlations``, ``other_settings`` (the experiment's runs outside the study's jobs).
+Modules: ``models`` (config check, coverage, precision), ``matrix`` (the pair matrix, each arm's tables),
+``correlations`` (the correlation tables; the cross-model pairs'), ``beside`` (the seed reports' numbers beside each
+arm's), ``other_settings`` (the experiment's runs outside the study's jobs).
 """
 
 from __future__ import annotations
@@ -17,20 +20,14 @@ from collections.abc import Callable, Iterator
 from string import ascii_lowercase
 
 from mergescope.analysis.context import Analysis
-from mergescope.analysis.sections.adapt import adapt_section
 from mergescope.analysis.sections.beside import beside_the_seed
-from mergescope.analysis.sections.calibration import epsilon_calibration, probe_count
-from mergescope.analysis.sections.checkpoint import checkpoint_arm
-from mergescope.analysis.sections.correlations import correlations_checkpoint, correlations_cross
-from mergescope.analysis.sections.models import config_check, coverage, per_model_quality, precision_section
-from mergescope.analysis.sections.native_pair import native_pair
+from mergescope.analysis.sections.correlations import correlations_cross
+from mergescope.analysis.sections.matrix import pair_matrix
+from mergescope.analysis.sections.models import config_check, coverage, precision_section
 from mergescope.analysis.sections.other_settings import other_settings
-from mergescope.analysis.sections.representation import cka_section, one_language_section, pair_matrix
-from mergescope.analysis.sections.shared_space import shared_space_section
-from mergescope.analysis.sections.transport import transport
 from mergescope.analysis.tables import Section
 
-__all__ = ["OUTLINE", "numbered", "build_sections", "figure_index", "other_settings"]
+__all__ = ["CORE", "outline", "numbered", "build_sections", "figure_index", "other_settings"]
 
 Builder = Callable[[Analysis, str], "Section | list[Section] | None"]
 
@@ -40,26 +37,34 @@ def figure_index(an: Analysis, number: str) -> Section:
     return Section("figures", f"{number}. Figures")
 
 
-OUTLINE: tuple[tuple[Builder | None, ...], ...] = (
-    (config_check,),
-    (coverage,),
-    (cka_section, one_language_section),
-    (pair_matrix, per_model_quality, precision_section),
-    (checkpoint_arm,),
-    (native_pair,),
-    (transport, adapt_section, shared_space_section, epsilon_calibration, probe_count),
-    (None, correlations_checkpoint, correlations_cross),
-    (beside_the_seed,),
-    (figure_index,),
-)
+CORE: dict[tuple[int, int], Builder] = {(10, 0): config_check, (20, 0): coverage, (40, 0): pair_matrix,
+                                        (40, 2): precision_section, (80, 2): correlations_cross, (90, 0): beside_the_seed,
+                                        (100, 0): figure_index}
+
+
+def outline() -> list[tuple[tuple[int, int], Builder]]:
+    """Every section builder, the analysis' own and each arm's, by order key; two at one key are an error."""
+    from mergescope.arm import arms, target
+
+    keyed: dict[tuple[int, int], Builder] = dict(CORE)
+    for a in arms():
+        for key, spec in a.report.sections.items():
+            if tuple(key) in keyed:
+                raise RuntimeError(f"arm {a.name!r} declares report section {spec} at {key}, where another section sits")
+            keyed[tuple(key)] = target(spec)
+    return sorted(keyed.items())
 
 
 def numbered() -> Iterator[tuple[str, Builder]]:
     """(number, builder) for every builder of the outline, in order: ``"1"``, ``"2"``, ..., ``"4a"``, ..., ``"8b"``."""
-    for i, part in enumerate(OUTLINE, 1):
-        for j, make in enumerate(part):
-            if make is not None:
-                yield (str(i) if j == 0 else f"{i}{ascii_lowercase[j - 1]}"), make
+    majors: dict[int, int] = {}
+    letters: dict[int, int] = {}
+    for (major, minor), make in outline():
+        number = str(majors.setdefault(major, len(majors) + 1))
+        if minor:
+            letters[major] = letters.get(major, 0) + 1
+            number += ascii_lowercase[letters[major] - 1]
+        yield number, make
 
 
 def build_sections(an: Analysis) -> list[Section]:

@@ -1,5 +1,6 @@
-"""The diagnostic x diagnostic Spearman tables (spec section 8): 8a the checkpoint arm, 8b the cross-model arm,
-each with its power statement (:func:`mergescope.stats.power_statement`) and what survives BH."""
+"""The diagnostic x diagnostic Spearman tables (spec section 8): one per arm that declares its rows (the checkpoint
+arm's in :mod:`mergescope.native.report_checkpoint`) and the cross-model pairs' here, each with its power statement
+(:func:`mergescope.stats.power_statement`) and what survives BH."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from mergescope.analysis.records import base_name
 from mergescope.analysis.context import N_PERMUTATIONS, Analysis
-from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, cross_diagnostics, csv_text, f3
+from mergescope.analysis.tables import RTable, Section, cross_diagnostics, csv_text, f3
 from mergescope.plotting import pyplot
 from mergescope.stats import correlation_table, mantel_table, power_statement
 
-__all__ = ["correlation_section", "correlations_checkpoint", "correlations_cross", "figure_correlation", "N_PERMUTATIONS"]
+__all__ = ["correlation_section", "correlations_cross", "figure_correlation", "tabled", "COLUMNS", "MANTEL_COLUMNS", "N_PERMUTATIONS"]
 
 COLUMNS = ["a", "b", "n", "rho", "p_perm", "q_bh"]
 
@@ -85,10 +85,12 @@ def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], lis
 
 def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_rows: int, n_permutations: int,
                         intro: str, models: tuple[list[str], list[str]] | None = None,
-                        strata: dict[str, str] | None = None) -> tuple[Section, Any, dict[str, Any]]:
+                        strata: dict[str, str] | None = None, unit: str = "model",
+                        null: str = "model-level null (model labels permuted)") -> tuple[Section, Any, dict[str, Any]]:
     """One correlation section: (the section, the correlation table or None when too small, the power statement).
     With ``models`` (each row's two models) the table also gets the model-level null (:func:`add_mantel`; ``strata``:
-    permuted within each group, the checkpoints of one run)."""
+    permuted within each group, the checkpoints of one run); ``unit`` names what the rows share and ``null`` that
+    null, in the table's note."""
     sec = Section(key, title)
     usable, dropped = _usable(frame, n_rows)
     if n_rows < 4 or len(usable) < 2:
@@ -121,21 +123,20 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
                              [[r["a"], r["b"], str(r["n"]), f3(r["rho"]), f3(r["p_perm"], 4), f3(r["q_bh"], 4),
                                *(f3(r[c], 4) for c in cols[len(COLUMNS):])] for r in rows],
                              note="p_perm: two-sided permutation p (row shuffles: treats the rows as independent"
-                                  + (", which pairs sharing a " + ("checkpoint" if strata is not None else "model") +
-                                     " are not" if models is not None else "") + "); q_bh: Benjamini-Hochberg across the table"
-                                  + ((f"; p_mantel / q_mantel: the {'checkpoint-level null (checkpoint labels permuted within each training run)' if strata is not None else 'model-level null (model labels permuted)'}"
-                                      " and its BH, the null that respects the shared "
-                                      + ("checkpoints" if strata is not None else "models")) if models is not None else "")
+                                  + (f", which pairs sharing a {unit} are not" if models is not None else "")
+                                  + "); q_bh: Benjamini-Hochberg across the table"
+                                  + (f"; p_mantel / q_mantel: the {null} and its BH, the null that respects the shared {unit}s"
+                                     if models is not None else "")
                                   + " (power: in the text above)"))
     return sec, table, power
 
 
-def _tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: str, figure: tuple[str, str, str], csv_path: str,
-            models: tuple[list[str], list[str]] | None = None, strata: dict[str, str] | None = None) -> Section:
+def tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: str, figure: tuple[str, str, str], csv_path: str,
+            models: tuple[list[str], list[str]] | None = None, strata: dict[str, str] | None = None, **note: str) -> Section:
     """One arm's correlation section from its frame, with its heatmap (``figure`` = name, caption, heatmap title) and
     CSV table; the table joins the analysis."""
     sec, table, power = correlation_section(key, title, an.frames[arm], n_rows, an.n_permutations, intro, models=models,
-                                            strata=strata)
+                                            strata=strata, **note)
     if table is not None:
         sec.add_figure(figure[0], figure[1], lambda: figure_correlation(table, figure[2]))
         cols = COLUMNS + (MANTEL_COLUMNS if models is not None else [])
@@ -145,77 +146,17 @@ def _tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: st
     return sec
 
 
-def checkpoint_labels(rows) -> tuple[tuple[list[str], list[str]], dict[str, str]]:
-    """Each checkpoint pair's two checkpoints (``model_a`` / ``model_b`` tags, ``name@revision``) and each checkpoint's
-    training run (its name): the checkpoint-level null permutes checkpoint labels within a run."""
-    a, b = [str(r.tags.get("model_a", "")) for r in rows], [str(r.tags.get("model_b", "")) for r in rows]
-    return (a, b), {m: base_name(m) for m in a + b}
-
-
-def correlations_checkpoint(an: Analysis, number: str) -> list[Section]:
-    """One row per checkpoint pair (native weight merging), then the same per family when there are several. Pairs
-    share checkpoints, so beside the row-shuffle null each table has the checkpoint-level (Mantel) null, the labels
-    permuted within each training run."""
-    an.frames["checkpoint"] = {c: np.array([r.m(c) for r in an.checkpoint], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
-    models, strata = checkpoint_labels(an.checkpoint)
-    sec = _tabled(an, "checkpoint", "corr_checkpoint", f"{number}. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
-                  len(an.checkpoint), "One row per checkpoint pair (native weight merging).",
-                  ("correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "checkpoint arm"),
-                  "tables/checkpoint_correlations.csv", models=models, strata=strata)
-    return [sec, *family_sections(an, number)]
-
-
 def correlations_cross(an: Analysis, number: str) -> Section:
     """One row per cross-model pair, with the model-level (Mantel) null beside the pair-level one."""
     an.frames["cross"] = {c: np.array([p["values"].get(c, np.nan) for p in an.pairs], dtype=np.float64)
                           for c in cross_diagnostics(an.pairs)}
     n_pairs = len(an.pairs)
-    return _tabled(an, "cross", "corr_cross", f"{number}. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
+    return tabled(an, "cross", "corr_cross", f"{number}. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
                    "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
                    "the two directions at the headline alpha (merge.headline_alpha).",
                    ("correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
                     f"cross-model arm (n={n_pairs})"),
                    "tables/cross_model_correlations.csv", models=([str(p["a"]) for p in an.pairs], [str(p["b"]) for p in an.pairs]))
-
-
-def family_sections(an: Analysis, number: str) -> list[Section]:
-    """8a per checkpoint family (one training run each), when the study has more than one, and whether the
-    pooled table's significant cells replicate in every family (same sign, BH q < 0.05 within the family)."""
-    families = list(dict.fromkeys(base_name(r.tags.get("model_a", "")) for r in an.checkpoint))
-    if len(families) < 2:
-        return []
-    out, tables = [], {}
-    for fam in families:
-        rows = [r for r in an.checkpoint if base_name(r.tags.get("model_a", "")) == fam]
-        frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
-        models, strata = checkpoint_labels(rows)
-        sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"{number}. Checkpoint arm, family {fam}", frame, len(rows),
-                                            an.n_permutations, f"One row per checkpoint pair of {fam} only.",
-                                            models=models, strata=strata)
-        if table is not None:
-            tables[fam] = table
-            cols = COLUMNS + MANTEL_COLUMNS
-            an.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(cols, table[cols].itertuples(index=False, name=None))
-        out.append(sec)
-    out[0].text.insert(0, replication_text(an.correlations.get("checkpoint"), tables, families))
-    return out
-
-
-def replication_text(pooled, tables: dict[str, Any], families: list[str]) -> str:
-    """Which of the pooled table's BH-significant cells replicate in every family (same sign, q < 0.05 there), on the
-    checkpoint-level null (q_mantel) when the tables have it, else on the row-shuffle one (q_bh)."""
-    if pooled is None or len(tables) < len(families):
-        return "Replication across families: not tested (a family has too few checkpoint pairs for its own table)."
-    qc = "q_mantel" if "q_mantel" in pooled and all("q_mantel" in t for t in tables.values()) else "q_bh"
-    sig = pooled[pooled[qc] < 0.05]
-    ok = []
-    for a, c, rho in zip(sig["a"], sig["b"], sig["rho"]):
-        cells = [t[(t["a"] == a) & (t["b"] == c)] for t in tables.values()]
-        if all(len(x) and x[qc].iloc[0] < 0.05 and np.sign(x["rho"].iloc[0]) == np.sign(rho) for x in cells):
-            ok.append(f"{a} x {c}")
-    return (f"Replication across families ({', '.join(families)}; {qc}, the "
-            f"{'checkpoint-level' if qc == 'q_mantel' else 'row-shuffle'} null): {len(ok)} of the {len(sig)} pooled cells with {qc}<0.05 "
-            f"have the same sign and q<0.05 in every family" + (f" ({', '.join(ok[:6])}{', ...' if len(ok) > 6 else ''})." if ok else "."))
 
 
 def figure_correlation(table, title: str):

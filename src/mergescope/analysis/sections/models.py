@@ -1,21 +1,28 @@
-"""Sections on the study's models and pairs as configured: the config check (1), route coverage (2) and each
-model's own quality (4a)."""
+"""Sections on the study's models and pairs as configured: the config check (1), route coverage (2) and the precision
+check of the real-model forwards (4b)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mergescope.analysis.context import Analysis
-from mergescope.analysis.records import is_checkpoint_pair
-from mergescope.analysis.tables import RTable, Section, f3, short
+from mergescope.analysis.tables import RTable, Section, short
+from mergescope.routes import ROUTES, routes
 
-__all__ = ["config_check", "coverage", "per_model_quality", "TRUE_KEYS", "ZOO_DECLARED", "ROUTES"]
+__all__ = ["config_check", "coverage", "precision_section", "TRUE_KEYS", "ZOO_DECLARED"]
 
 TRUE_KEYS = ["model_type", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings", "n_params"]
 # zoo config key -> true-config key (what each zoo model was declared to be)
 ZOO_DECLARED = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
                 "num_key_value_heads": "kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
-ROUTES = ("native", "transport", "adapt", "transplant")
+COVERAGE_TEXT = ("Routes: native = elementwise operators on aligned tensors (shared parameter space); transport = "
+                    "OT fusion (Cui et al.), directional and rectangular; adapt = Expand/Truncate then weighted "
+                    "averaging (same architecture family; Truncate slices the larger model into the smaller shape, Expand zero-pads or "
+                    "repeats the smaller). Native and transport pad and truncate nothing (plans are rectangular). "
+                    "transplant = the native route on every tensor after a vocabulary transplant (native.transplant: new "
+                    "tokens' rows by orthogonal matching pursuit over the shared tokens, as mergekit's tokensurgeon; its "
+                    "cost in bits per byte on each transplanted model's own language, beside a control's: the subword or "
+                    "mean rule).")
 
 
 def _config_check(tc: dict[str, Any], declared: dict[str, Any]) -> str:
@@ -50,10 +57,9 @@ def config_check(an: Analysis, number: str) -> Section:
 
 
 def _pair_routes(an: Analysis, p: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """The pair's routes: from its native run's logged ``routes``, else computed on the logged true configs."""
-    from mergescope.native.weights import routes
-
-    n = p["native"]
+    """The pair's routes: from the routes its run logged (``routes_run``, an arm's run of the pair), else decided on
+    the logged true configs."""
+    n = p.get("routes_run")
     ta, ra = an.true_cfg.get(p["a"], ({}, None))
     tb, rb = an.true_cfg.get(p["b"], ({}, None))
     if n is not None and n.group("routes"):
@@ -65,85 +71,42 @@ def _pair_routes(an: Analysis, p: dict[str, Any]) -> tuple[dict[str, Any] | None
             if not (ta and tb):
                 return None, ""
             rt = {**routes(ta, tb), **rt}
-        return rt, f"native run {short(n.run_id)}"
+        return rt, f"{p.get('routes_label', 'run')} {short(n.run_id)}"
     if ta and tb:
-        return routes(ta, tb), f"weights.routes on true configs of runs {short(ra)}, {short(rb)}"
+        return routes(ta, tb), f"routes on true configs of runs {short(ra)}, {short(rb)}"
     return None, ""
 
 
-def _route_cell(an: Analysis, p: dict[str, Any], route: str, r: dict[str, Any]) -> str:
+def _cells() -> dict[str, Any]:
+    """Route -> the function of the arm that says what it measured on that route: the coverage table's columns, the
+    routes :func:`mergescope.routes.routes` decides first (in its order), then any other an arm declares (its function
+    then writes the whole cell)."""
+    from mergescope.arm import arms, target
+
+    declared = {route: spec for a in arms() for route, spec in a.report.coverage.items()}
+    order = [r for r in ROUTES if r in declared] + [r for r in declared if r not in ROUTES]
+    return {route: target(declared[route]) for route in order}
+
+
+def _route_cell(an: Analysis, p: dict[str, Any], r: dict[str, Any], cell) -> str:
     if not r["defined"]:
         return f"no: {str(r['blocked_by']).rstrip('.')}."
-    if route == "native":
-        done = "measured" if p["native"] is not None else "not measured (no native run)"
-    elif route == "transport":
-        k = sum(1 for t in an.study.kind("transport") if {t.tags.get("target"), t.tags.get("donor")} == {p["a"], p["b"]})
-        done = f"measured ({k} runs)" if k else "not measured (no transport runs)"
-    elif route == "transplant":
-        done = _transplant_cell(p.get("native_transplant"))
-    else:
-        k = sum(1 for t in an.study.kind("adapt") if {t.tags.get("small"), t.tags.get("large")} == {p["a"], p["b"]})
-        done = f"measured ({k} runs)" if k else "not measured (no adapt runs for this pair; study=adapt runs the scale family)"
-    return f"yes ({r.get('scope') or 'all tensors'}); {done}"
-
-
-def _transplant_cell(n) -> str:
-    """The vocabulary-transplant route of a pair: its cost per transplanted side, the route's method against its control
-    (bits per byte on the side's own language), from the pair's native run with ``native.transplant``."""
-    if n is None:
-        return "not measured (no native run with native.transplant: the native route excluded the embeddings)"
-    tp = n.group("transplant")
-    sides = [s for s in ("a", "b") if f"transplant_cost_bpb_{s}" in n.metrics]
-    costs = "; ".join(f"{n.tags.get('model_' + s, s)} {n.m(f'transplant_cost_bpb_{s}'):+.3f} bits/byte by {tp.get('method', '?')} vs "
-                      f"{n.m(f'transplant_control_cost_bpb_{s}'):+.3f} by the control" for s in sides)
-    return f"measured ({tp.get('target', '')}; {costs or 'nothing transplanted'}; run {short(n.run_id)})"
+    return f"yes ({r.get('scope') or 'all tensors'}); {cell(an, p)}"
 
 
 def coverage(an: Analysis, number: str) -> Section:
-    """2. Which routes (native, transport, adapt) are defined for each pair, and what blocks the rest."""
+    """2. Which routes (native, transport, adapt, transplant) are defined for each pair, and what blocks the rest: one
+    column per route an arm declares (:attr:`mergescope.arm.Report.coverage`)."""
     sec = Section("coverage", f"{number}. Coverage: which routes are defined for each pair, and what blocks the rest")
-    rows = []
-    listed = {p["pair"] for p in an.pairs}
-    native_only = [{"pair": n.tags["pair"], "a": n.tags.get("model_a"), "b": n.tags.get("model_b"), "native": n,
-                    "native_transplant": None} for n in an.study.native
-                   if not is_checkpoint_pair(n) and n.tags.get("pair") not in listed and not n.tags.get("transplant")]
-    for p in [*an.pairs, *{q["pair"]: q for q in native_only}.values()]:  # then the native arm's own pairs (native_pairs)
+    cells, rows = _cells(), []
+    for p in [*an.pairs, *an.other_pairs]:  # then the pairs an arm measured outside the study's (native_pairs)
         rt, source = _pair_routes(an, p)
-        cells = ["not measured (no true config logged)" if rt is None else _route_cell(an, p, route, rt[route]) for route in ROUTES]
-        rows.append([p["pair"], *cells, source])
-    sec.text.append("Routes: native = elementwise operators on aligned tensors (shared parameter space); transport = "
-                    "OT fusion (Cui et al.), directional and rectangular; adapt = Expand/Truncate then weighted "
-                    "averaging (same architecture family; Truncate slices the larger model into the smaller shape, Expand zero-pads or "
-                    "repeats the smaller). Native and transport pad and truncate nothing (plans are rectangular). "
-                    "transplant = the native route on every tensor after a vocabulary transplant (native.transplant: new "
-                    "tokens' rows by orthogonal matching pursuit over the shared tokens, as mergekit's tokensurgeon; its "
-                    "cost in bits per byte on each transplanted model's own language, beside a control's: the subword or "
-                    "mean rule).")
-    sec.tables.append(RTable("Coverage", ["pair", "native", "transport", "adapt", "transplant", "source"], rows))
+        rows.append([p["pair"], *[cell(an, p) if route not in ROUTES else "not measured (no true config logged)" if rt is None
+                                  else _route_cell(an, p, rt[route], cell) for route, cell in cells.items()], source])
+    sec.text.append(COVERAGE_TEXT)
+    sec.tables.append(RTable("Coverage", ["pair", *cells, "source"], rows))
     if not an.pairs:
         sec.missing.append("coverage: not measured (no cross-model pairs in the experiment)")
-    an.console_tables.append(sec.tables[0])
-    return sec
-
-
-def per_model_quality(an: Analysis, number: str) -> Section:
-    """4a. Each model's NLL on its own FLORES side, and the zoo's held-out and unigram NLL."""
-    sec = Section("quality", f"{number}. Per-model quality (mean per-token NLL on the model's own FLORES side)")
-    rows = []
-    for m in an.models:
-        q, t = an.quality.get(m), an.train.get(m)
-        rows.append([m, q.tags.get("lang", "") if q else "", f3(q.m("nll")) if q else "—", short(q.run_id) if q else "",
-                     f3(t.m("heldout_nll")) if t else "—", f3(t.m("unigram_nll")) if t else "—", short(t.run_id) if t else "",
-                     f3(q.m("nll_rest")) if q else "—", f3(q.m("first_token_nll"), 2) if q else "—"])
-        if q is None:
-            sec.missing.append(f"{m}: FLORES NLL not measured (no kind=quality run)")
-    sec.tables.append(RTable("Per-model quality (nats/token)", ["model", "lang", "FLORES nll", "run", "held-out nll (train text)",
-                                                                "unigram nll", "train run", "nll without the first token",
-                                                                "first token (nats)"], rows,
-                             note="FLORES nll: every token of each sentence, the first one predicted from the start token alone; "
-                                  "without the first token: the rest (what comparisons are read on by default); first token: "
-                                  "its mean cost per sentence. Held-out and unigram NLL exist only for zoo models trained here "
-                                  "(kind=train)."))
     an.console_tables.append(sec.tables[0])
     return sec
 

@@ -1,14 +1,21 @@
-"""Section 6: the natively weight-mergeable cross-model pairs (coverage, weight diagnostics, interpolation, merges,
-lm-eval beside them)."""
+"""The native arm in the report: its columns of the pair rows and its table of the pair matrix (weight space), what it
+says in the coverage table (the native and transplant routes), and its section: the natively weight-mergeable
+cross-model pairs (weight diagnostics, interpolation, merges, lm-eval beside them)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
+from mergescope.analysis.pairs import new_row, put
 from mergescope.analysis.records import Rec, is_checkpoint_pair
 from mergescope.analysis.tables import RTable, Section, f3, short
 
-__all__ = ["native_pair", "eval_columns", "native_pair_tables", "nll_langs_of", "NATIVE_QUANTITIES"]
+__all__ = ["native_pair", "eval_columns", "native_pair_tables", "nll_langs_of", "NATIVE_QUANTITIES", "NATIVE_PAIR",
+           "pair_rows", "pair_tables", "native_cell", "transplant_cell"]
+
+NATIVE_PAIR = ["weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "lmc_barrier", "merge_gain"]
 
 NATIVE_QUANTITIES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
                      "norm_ratio_matrices", "nll_a", "lmc_midpoint_nll", "nll_t1", "lmc_barrier", "chosen_merged_nll", "merge_gain")
@@ -25,6 +32,72 @@ def eval_columns(merge_runs: list[Rec], evals: list[Rec]) -> tuple[list[str], di
         e = by_merge.get(r.run_id)
         cells[r.run_id] = [f3(e.m(k), 4) if e is not None else "—" for k in names] + [short(e.run_id) if e else "—"]
     return names, cells
+
+
+def native_runs(study) -> list[Rec]:
+    """The native arm's runs (kind=measure, metric=native): its cross-model pairs' and the checkpoint pairs'."""
+    return [r for r in study.kind("measure") if r.tags.get("metric") == "native"]
+
+
+def pair_rows(an: Analysis, rows: dict[str, dict[str, Any]], others: dict[str, dict[str, Any]]) -> None:
+    """Each pair's native run (without a vocabulary transplant: embeddings excluded where the vocabularies differ;
+    else one with) and its weight diagnostics (``native_*``), its run with a transplant apart; the native arm's own
+    pairs outside the rows (``native_pairs``) for the coverage table."""
+    cross = [r for r in native_runs(an.study) if not is_checkpoint_pair(r)]
+    native = {r.tags.get("pair"): r for r in sorted(cross, key=lambda r: r.tags.get("transplant") is None)}
+    transplanted = {r.tags.get("pair"): r for r in cross if r.tags.get("transplant")}
+    for p in rows.values():
+        p["native"] = p["routes_run"] = native.get(p["pair"])
+        p["routes_label"] = "native run"
+        p["native_transplant"] = transplanted.get(p["pair"])
+        for k in NATIVE_PAIR:
+            put(p, f"native_{k}", p["native"], k)
+    for n in cross:
+        if not n.tags.get("transplant"):
+            others[n.tags["pair"]] = new_row(n.tags["pair"], n.tags.get("model_a"), n.tags.get("model_b"),
+                                             native=n, routes_run=n, routes_label="native run",
+                                             native_transplant=None)
+
+
+def _weight_table(pairs: list[dict[str, Any]]) -> RTable:
+    rows = [[p["pair"], *[f3(p["values"].get(f"native_{k}")) for k in ("weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")],
+             short(p["src"].get("native_weight_cosine"))] for p in pairs if p["src"].get("native_weight_cosine")]
+    return RTable("Weight space per pair (the pairs with a native route)", ["pair", "weight_cosine", "relative_l2",
+                                                                            "norm_ratio", "lmc_barrier", "native run"], rows,
+                  note="only pairs that share a parameter space (the coverage table): elsewhere the quantity does not exist")
+
+
+
+def pair_tables(an: Analysis, sec: Section) -> None:
+    """The weight-space table of the pair matrix (the pairs with a native route), or why it is empty."""
+    pairs = an.pairs
+    if any(p["src"].get("native_weight_cosine") for p in pairs):
+        sec.tables.append(_weight_table(pairs))
+    if pairs and not any(p.get("native") for p in pairs):
+        sec.missing.append("weight-space columns: not measured (no cross-model pair shares a parameter space, or no native run)")
+    elif pairs:
+        sec.text.append("Weight-space columns are blank where the pair has no shared parameter space (see the coverage table): "
+                        "the quantity does not exist there.")
+
+
+def native_cell(an: Analysis, p: dict[str, Any]) -> str:
+    return "measured" if p.get("native") is not None else "not measured (no native run)"
+
+
+def transplant_cell(an: Analysis, p: dict[str, Any]) -> str:
+    return _transplant_cell(p.get("native_transplant"))
+
+
+def _transplant_cell(n) -> str:
+    """The vocabulary-transplant route of a pair: its cost per transplanted side, the route's method against its control
+    (bits per byte on the side's own language), from the pair's native run with ``native.transplant``."""
+    if n is None:
+        return "not measured (no native run with native.transplant: the native route excluded the embeddings)"
+    tp = n.group("transplant")
+    sides = [s for s in ("a", "b") if f"transplant_cost_bpb_{s}" in n.metrics]
+    costs = "; ".join(f"{n.tags.get('model_' + s, s)} {n.m(f'transplant_cost_bpb_{s}'):+.3f} bits/byte by {tp.get('method', '?')} vs "
+                      f"{n.m(f'transplant_control_cost_bpb_{s}'):+.3f} by the control" for s in sides)
+    return f"measured ({tp.get('target', '')}; {costs or 'nothing transplanted'}; run {short(n.run_id)})"
 
 
 def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tuple[float, float]],
@@ -153,14 +226,20 @@ def _by_language(n: Rec, merges: list[Rec]) -> RTable | None:
                        "merged - better expert > 0: the merge is worse there than the better of the two experts.")
 
 
+def lmc_curve(study, run_id: str) -> list[tuple[float, float]]:
+    """A native run's interpolation curve (metric steps ``lmc_t`` / ``lmc_nll``)."""
+    ts, nll = study.metric_history(run_id, "lmc_t"), study.metric_history(run_id, "lmc_nll")
+    return [(ts[k], nll[k]) for k in sorted(nll) if k in ts]
+
+
 def native_pair(an: Analysis, number: str) -> Section:
     """6. The natively weight-mergeable cross-model pairs: coverage, weight diagnostics, interpolation, merges."""
     sec = Section("native_pair", f"{number}. Natively weight-mergeable cross-model pairs")
-    cross_native = [r for r in an.study.native if not is_checkpoint_pair(r)]
+    cross_native = [r for r in native_runs(an.study) if not is_checkpoint_pair(r)]
     if not cross_native:
         sec.missing.append("native pair: not measured (no cross-model pair shares a parameter space, or its native run is missing)")
     for n in cross_native:
-        native_pair_tables(sec, n, an.study.kind("merge"), an.study.curves.get(n.run_id) or [], an.study.kind("eval"))
+        native_pair_tables(sec, n, an.study.kind("merge"), lmc_curve(an.study, n.run_id), an.study.kind("eval"))
     if cross_native:
         n = cross_native[0]
         chosen = chosen_text(n)

@@ -1,23 +1,118 @@
-"""Sections on representations across models: the last-layer CKA matrix with its shuffled control (3) and the
-cross-model diagnostic matrix (4)."""
+"""The representation arm in the report: the pair rows it creates (its metrics with their controls, each side's NLL,
+the typology), the last-layer CKA matrix with its shuffled control, the one-language protocol, its tables of the
+cross-model diagnostic matrix, each model's quality and its rows beside the seed reports."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from mergescope.analysis.context import Analysis
-from mergescope.analysis.tables import TYPOLOGY, RTable, Section, csv_text, f3, median, repr_metrics, short
+from mergescope.analysis.pairs import new_row, put
+from mergescope.analysis.records import Rec, Study, is_checkpoint_pair
+from mergescope.analysis.tables import TYPOLOGY, RTable, Section, csv_text, f3, median, repr_metrics, runs_cell, short
 from mergescope.plotting import pyplot
 
-__all__ = ["cka_section", "one_language_section", "pair_matrix", "figure_cka", "representation_table"]
+__all__ = ["cka_section", "one_language_section", "pair_rows", "pair_tables", "figure_cka", "representation_table", "cka_matrix", "measure_rows"]
+
+
+def measures(study: Study) -> list[Rec]:
+    """The representation runs of the study's own protocol (each side on its model's language); the one-language
+    protocol's runs (tag protocol=one_language) are :func:`one_language` and never join these; the native arm's
+    runs (kind=measure, metric=native) are its own."""
+    return [r for r in study.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") != "one_language"]
+
+
+def one_language(study: Study) -> list[Rec]:
+    """The one-language protocol's representation runs (every side on one language: the study's ``one_language``)."""
+    return [r for r in study.kind("measure") if r.tags.get("metric") != "native" and r.tags.get("protocol") == "one_language"]
+
+
+def measure_key(r: Rec) -> tuple:
+    """One job per pair and metric (a native pair with and without a vocabulary transplant: two; each protocol's
+    languages apart)."""
+    t = r.tags
+    return (r.kind, t.get("pair"), t.get("metric"), t.get("transplant"), t.get("lang_a"), t.get("lang_b"), t.get("protocol"))
+
+
+def model_key(r: Rec) -> tuple:
+    return (r.kind, r.tags.get("model"))
+
+
+def typology_key(r: Rec) -> tuple:
+    return (r.kind, frozenset((r.tags.get("lang_a"), r.tags.get("lang_b"))))
+
+
+def cka_matrix(measures: list[Rec], models: list[str]) -> tuple[np.ndarray, dict[tuple[int, int], str]]:
+    """Lower triangle matched CKA, upper triangle the shuffled control, diagonal NaN (spec section 3);
+    and the run id behind each cell."""
+    idx = {m: i for i, m in enumerate(models)}
+    M = np.full((len(models), len(models)), np.nan)
+    ids: dict[tuple[int, int], str] = {}
+    for r in measures:
+        if r.tags.get("metric") != "cka" or r.tags.get("model_a") not in idx or r.tags.get("model_b") not in idx:
+            continue
+        i, j = idx[r.tags["model_a"]], idx[r.tags["model_b"]]
+        lo, hi = max(i, j), min(i, j)
+        M[lo, hi], M[hi, lo] = r.m("cka"), r.m("cka_shuffled")
+        ids[(lo, hi)] = ids[(hi, lo)] = r.run_id
+    return M, ids
+
+
+
+def _typology_for(study: Study, la: str, lb: str) -> Rec | None:
+    key = frozenset((la, lb))
+    return next((r for r in reversed(study.kind("typology")) if frozenset((r.tags.get("lang_a"), r.tags.get("lang_b"))) == key), None)
+
+
+
+def measure_rows(measures: list[Rec]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The pairs (and models) in study order, with every representation metric the measure runs logged."""
+    pairs: dict[str, dict[str, Any]] = {}
+    models: list[str] = []
+    for r in measures:
+        p = pairs.get(r.tags["pair"]) or pairs.setdefault(r.tags["pair"], new_row(
+            r.tags["pair"], r.tags["model_a"], r.tags["model_b"], r.tags.get("lang_a"), r.tags.get("lang_b")))
+        for m in (r.tags["model_a"], r.tags["model_b"]):
+            if m not in models:
+                models.append(m)
+        p["recs"][r.tags["metric"]] = r
+        for k, v in r.metrics.items():
+            if k.startswith(("n_sentences", "dim_")):
+                continue
+            p["values"][k] = float(v)
+            p["src"][k] = r.run_id
+    return models, pairs
+
+
+
+def pair_rows(an: Analysis, rows: dict[str, dict[str, Any]], others: dict[str, dict[str, Any]]) -> None:
+    """The cross-model pair rows from the study's measure runs (checkpoint pairs apart), with every representation
+    metric, each side's NLL on its own language (quality runs) and the pair's typology; the CKA matrix of section 3."""
+    study = an.study
+    runs = [r for r in measures(study) if not is_checkpoint_pair(r)]
+    models, pairs = measure_rows(runs)
+    rows.update(pairs)
+    an.memo["cka_matrix"] = cka_matrix(runs, models)[0]
+    quality = {r.tags.get("model"): r for r in study.kind("quality")}
+    for p in pairs.values():
+        for side in ("a", "b"):
+            put(p, f"nll_{side}", quality.get(p[side]), "nll")
+        p["values"]["nll_mean"] = (p["values"]["nll_a"] + p["values"]["nll_b"]) / 2
+        p["typology"] = _typology_for(study, p["lang_a"], p["lang_b"])
+        for k in TYPOLOGY:
+            put(p, k, p["typology"], k)
 
 
 def cka_section(an: Analysis, number: str) -> Section:
     """3. The last-layer CKA matrix: lower triangle matched, upper triangle the shuffled control."""
     sec = Section("cka", f"{number}. Last-layer CKA: matched (lower triangle) vs shuffled control (upper triangle)")
-    M, models = an.cka_matrix, an.models
+    models = an.models
+    M = an.memo.get("cka_matrix")
+    if M is None or M.shape != (len(models), len(models)):  # the rows come from another arm: no CKA run behind them
+        M = np.full((len(models), len(models)), np.nan)
     rows = [[m, *["—" if np.isnan(M[i, j]) else (f"*{M[i, j]:.3f}*" if j > i else f"{M[i, j]:.3f}") for j in range(len(models))]]
             for i, m in enumerate(models)]
     cka_recs = [p["recs"]["cka"] for p in an.pairs if "cka" in p["recs"]]
@@ -38,7 +133,7 @@ def cka_section(an: Analysis, number: str) -> Section:
                                  note="Runs: " + "; ".join(f"{r.tags['pair']} {short(r.run_id)}" for r in cka_recs)))
         sec.tables.append(calibrated_table(cka_recs, "cka"))
         sec.add_figure("cka_matched_vs_shuffled", "matched vs shuffled last-layer CKA",
-                       lambda: figure_cka(an.cka_matrix, an.models, an.pairs))
+                       lambda: figure_cka(M, an.models, an.pairs))
     else:
         sec.missing.append("CKA matrix: not measured (no kind=measure metric=cka runs on cross-model pairs)")
     plain_rows = [[m, *["" if np.isnan(M[i, j]) else f"{M[i, j]:.3f}" for j in range(len(models))]] for i, m in enumerate(models)]
@@ -85,9 +180,7 @@ def one_language_section(an: Analysis, number: str) -> Section | None:
     """3a. The one-language protocol (a study's ``one_language``: every pair with both sides on one language, as the
     shared-space paper reads its models) beside the study's own protocol (each model on its own language side). None
     when the study has no such runs."""
-    from mergescope.analysis.pairs import measure_rows
-
-    runs = an.study.one_language
+    runs = one_language(an.study)
     if not runs:
         return None
     _, rows = measure_rows(runs)
@@ -133,81 +226,51 @@ def representation_table(pairs: list[dict[str, Any]]) -> RTable:
                   note="runs: one per metric, in the order of the metric columns")
 
 
-def _runs_cell(p: dict[str, Any], sources: tuple[tuple[str, str], ...]) -> str:
-    """The run ids a row's cells come from, labelled (``label id``), in one compact cell."""
-    return ", ".join(f"{lab} {short(p['src'][k])}" for lab, k in sources if p["src"].get(k))
-
-
 _QUALITY_SOURCES = (("nll_a", "nll_a"), ("nll_b", "nll_b"), ("typology", "typology_syntactic"))
-_TRANSPORT_SOURCES = (("a<-b", "transport_delta_a"), ("b<-a", "transport_delta_b"), ("adapt a<-b", "adapt_effect_a"),
-                      ("adapt b<-a", "adapt_effect_b"))
 
 
 def _quality_table(pairs: list[dict[str, Any]]) -> RTable:
-    rows = [[p["pair"], f3(p["values"]["nll_a"]), f3(p["values"]["nll_b"]), *[f3(p["values"][k]) for k in TYPOLOGY],
-             _runs_cell(p, _QUALITY_SOURCES)] for p in pairs]
+    rows = [[p["pair"], f3(p["values"].get("nll_a")), f3(p["values"].get("nll_b")), *[f3(p["values"].get(k)) for k in TYPOLOGY],
+             runs_cell(p, _QUALITY_SOURCES)] for p in pairs]
     return RTable("Quality and typology per pair", ["pair", "nll_a", "nll_b", "typ_syntactic", "typ_genetic",
                                                      "typ_featural", "runs"], rows,
                   note="nll_* = mean per-token NLL of each model on its own FLORES side (quality runs). "
                        "typ_* = URIEL cosine distances (lang2vec: syntax_knn / fam / syntax+phonology+inventory knn).")
 
 
-def _weight_table(pairs: list[dict[str, Any]]) -> RTable:
-    rows = [[p["pair"], *[f3(p["values"][f"native_{k}"]) for k in ("weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")],
-             short(p["src"].get("native_weight_cosine"))] for p in pairs if p["src"].get("native_weight_cosine")]
-    return RTable("Weight space per pair (the pairs with a native route)", ["pair", "weight_cosine", "relative_l2",
-                                                                            "norm_ratio", "lmc_barrier", "native run"], rows,
-                  note="only pairs that share a parameter space (the coverage table): elsewhere the quantity does not exist")
-
-
-def _transport_table(pairs: list[dict[str, Any]]) -> RTable:
-    rows = [[p["pair"], *[f3(p["values"][f"{k}_{side}"], 4) for k in ("transport_delta", "transport_ot_minus_rand", "adapt_effect")
-                          for side in "ab"], _runs_cell(p, _TRANSPORT_SOURCES)] for p in pairs]
-    return RTable("Transport and post-fusion adaptation per pair", [
-        "pair", "delta a<-b", "delta b<-a", "ot_minus_rand a<-b", "ot_minus_rand b<-a", "adapt_effect a<-b",
-        "adapt_effect b<-a", "runs"], rows,
-        note="delta = fused minus unfused NLL on the target's language at the headline alpha, merge.headline_alpha "
-             "(negative = helped); ot_minus_rand < 0 = the OT plan beat its shuffled-plan control; adapt_effect = "
-             "fused-then-adapted minus adapted baseline.")
-
-
-def _pair_matrix_missing(an: Analysis, sec: Section) -> None:
+def pair_tables(an: Analysis, sec: Section) -> None:
+    """The representation arm's tables of the pair matrix: every metric matched / shuffled, then NLL and typology."""
     pairs = an.pairs
-    if pairs and not any(p["typology"] for p in pairs):
+    metric_cols = [k for _, k in repr_metrics(pairs)]
+    rep = representation_table(pairs)
+    sec.tables += [rep, _quality_table(pairs)]  # narrow tables, not one of 17 columns
+    if pairs and not any(p.get("typology") for p in pairs):
         sec.missing.append("typology: not measured (no kind=typology runs; python launch.py task=typology pair=<pair>)")
-    if pairs and not any(p["native"] for p in pairs):
-        sec.missing.append("weight-space columns: not measured (no cross-model pair shares a parameter space, or no native run)")
-    elif pairs:
-        sec.text.append("Weight-space columns are blank where the pair has no shared parameter space (see the coverage table): "
-                        "the quantity does not exist there.")
-    if pairs and not an.study.kind("transport"):
-        sec.missing.append("transport columns: not measured (no kind=transport runs in this experiment)")
-    if pairs and not an.study.adapt:
-        sec.missing.append("post-fusion adaptation columns: not measured (no kind=transport_adapt runs in this experiment)")
-    if not pairs:
-        sec.missing.append("pair matrix: not measured (no cross-model measure runs)")
-
-
-def pair_matrix(an: Analysis, number: str) -> Section:
-    """4. The cross-model diagnostic matrix: representation metrics with controls, NLL, typology, weights, transport."""
-    sec = Section("pairs", f"{number}. The cross-model diagnostic matrix")
-    metric_cols = [k for _, k in repr_metrics(an.pairs)]
-    rep = representation_table(an.pairs)
-    sec.tables += [rep, _quality_table(an.pairs)]  # three narrow tables, not one of 17 columns
-    if any(p["src"].get("native_weight_cosine") for p in an.pairs):
-        sec.tables.append(_weight_table(an.pairs))
-    sec.tables.append(_transport_table(an.pairs))
-    _pair_matrix_missing(an, sec)
     k = 1 + len(metric_cols)
     an.console_tables.append(RTable("Matched / shuffled, every metric", ["pair", *metric_cols], [r[:k] for r in rep.rows]))
     an.csv["tables/pairs_matched_shuffled.csv"] = csv_text(["pair", *metric_cols], [[r[0], *r[1:k]] for r in rep.rows])
-    keys = sorted({k for p in an.pairs for k in p["values"]})
-    an.csv["tables/pair_matrix.csv"] = csv_text(
-        ["pair", "model_a", "model_b", *keys, *[f"run_id.{k}" for k in keys]],
-        [[p["pair"], p["a"], p["b"], *[p["values"].get(k, "") for k in keys], *[p["src"].get(k) or "" for k in keys]] for p in an.pairs])
+
+
+def per_model_quality(an: Analysis, number: str) -> Section:
+    """4a. Each model's NLL on its own FLORES side, and the zoo's held-out and unigram NLL."""
+    sec = Section("quality", f"{number}. Per-model quality (mean per-token NLL on the model's own FLORES side)")
+    rows = []
+    for m in an.models:
+        q, t = an.quality.get(m), an.train.get(m)
+        rows.append([m, q.tags.get("lang", "") if q else "", f3(q.m("nll")) if q else "—", short(q.run_id) if q else "",
+                     f3(t.m("heldout_nll")) if t else "—", f3(t.m("unigram_nll")) if t else "—", short(t.run_id) if t else "",
+                     f3(q.m("nll_rest")) if q else "—", f3(q.m("first_token_nll"), 2) if q else "—"])
+        if q is None:
+            sec.missing.append(f"{m}: FLORES NLL not measured (no kind=quality run)")
+    sec.tables.append(RTable("Per-model quality (nats/token)", ["model", "lang", "FLORES nll", "run", "held-out nll (train text)",
+                                                                "unigram nll", "train run", "nll without the first token",
+                                                                "first token (nats)"], rows,
+                             note="FLORES nll: every token of each sentence, the first one predicted from the start token alone; "
+                                  "without the first token: the rest (what comparisons are read on by default); first token: "
+                                  "its mean cost per sentence. Held-out and unigram NLL exist only for zoo models trained here "
+                                  "(kind=train)."))
+    an.console_tables.append(sec.tables[0])
     return sec
-
-
 
 
 def _cka_heatmap(fig, ax, M: np.ndarray, models: list[str]) -> None:
@@ -246,3 +309,56 @@ def figure_cka(M: np.ndarray, models: list[str], pairs: list[dict[str, Any]]):
     fig.tight_layout()
     return fig
 
+
+SEED_CKA = ("0.488-0.800 (median 0.587), 10 pairs of ~1B models, each on its own language, 1012 sentences",
+            "crossarch-1b-diagnostics-report.txt, finding 1")
+SEED_SHUFFLED = ("0.024-0.069", "crossarch-1b-diagnostics-report.txt, finding 1")
+SEED_RETRIEVAL = ("up to 0.949 (chance 0.0020)", "crossarch-1b-diagnostics-report.txt, finding 1")
+
+
+def _beside_cka(recs: list[Rec]) -> str:
+    if not recs:
+        return "not measured (no CKA runs)"
+    mm = [r.m("cka") for r in recs]
+    n = sorted({int(r.m("n_sentences")) for r in recs if math.isfinite(r.m("n_sentences"))})
+    cc = [r.m("cka_calibrated") for r in recs if math.isfinite(r.m("cka_calibrated"))]
+    cal = (f"; calibrated {min(cc):.3f}-{max(cc):.3f} (median {median(cc):.3f}), above its permutation null for "
+           f"{sum(1 for c in cc if c > 0)}/{len(recs)}" if cc else "; not calibrated")
+    hw = [(r.m("cka_ci_high") - r.m("cka_ci_low")) / 2 for r in recs
+          if math.isfinite(r.m("cka_ci_high")) and math.isfinite(r.m("cka_ci_low"))]
+    half = f"; 95% jackknife half-width {min(hw):.3f}-{max(hw):.3f}" if hw else ""
+    return (f"matched {min(mm):.3f}-{max(mm):.3f} (median {median(mm):.3f}) raw, {len(recs)} pairs"
+            + (f", n = {'/'.join(map(str, n))}" if n else "") + half + cal)
+
+
+def _beside_shuffled(recs: list[Rec]) -> str:
+    ss = [r.m("cka_shuffled") for r in recs]
+    if not ss:
+        return "not measured"
+    seeds = sorted({int(r.m("control_seeds")) for r in recs if math.isfinite(r.m("control_seeds"))})
+    sd = [r.m("cka_shuffled_sd") for r in recs if math.isfinite(r.m("cka_shuffled_sd"))]
+    over = (f" (mean over {'/'.join(map(str, seeds))} seeds" + (f"; sd over seeds up to {max(sd):.3f})" if sd and max(seeds) > 1 else ")")
+            if seeds else "")
+    return f"{min(ss):.3f}-{max(ss):.3f}{over}"
+
+
+def _beside_retrieval(recs: list[Rec]) -> str:
+    have = [r for r in recs if math.isfinite(r.m("retrieval_p1"))]
+    if not have:
+        return "not measured (no retrieval runs)"
+    top = max(have, key=lambda r: r.m("retrieval_p1"))
+    return f"up to {top.m('retrieval_p1'):.3f} (chance {top.m('retrieval_chance'):.4f}; {top.tags.get('pair')})"
+
+
+def beside(an: Analysis) -> list[list[str]]:
+    """The representation arm's rows beside the seed reports: matched CKA (each model on its own language, and every
+    model on one language when the study ran that protocol), the shuffled control and retrieval."""
+    own = [p["recs"]["cka"] for p in an.pairs if "cka" in p["recs"]]
+    one = [r for r in one_language(an.study) if r.tags.get("metric") == "cka"]
+    rows = [["matched last-layer CKA, each model on its own language", _beside_cka(own), *SEED_CKA]]
+    if one:
+        rows.append(["matched last-layer CKA, every model on one language", _beside_cka(one), "(the shared-space paper's protocol; "
+                     "no CKA figure in its summary)", "five-architectures-shared-space-summary.txt"])
+    return rows + [["shuffled-control CKA", _beside_shuffled(own), *SEED_SHUFFLED],
+                   ["retrieval P@1 after a fitted linear map", _beside_retrieval([p["recs"]["retrieval"] for p in an.pairs
+                                                                                  if "retrieval" in p["recs"]]), *SEED_RETRIEVAL]]

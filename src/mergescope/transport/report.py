@@ -3,19 +3,93 @@ control, then post-fusion fine-tuning."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, direction, transport_headline
-from mergescope.analysis.tables import RTable, Section, f3, median, short
+from mergescope.analysis.pairs import put
+from mergescope.analysis.tables import RTable, Section, f3, median, runs_cell, short
 from mergescope.plotting import pyplot
 
-__all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "CLAIM_RULE"]
+__all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "CLAIM_RULE", "pair_rows", "pair_tables",
+           "coverage_cell"]
 
 CLAIM_RULE = ("a direction counts only where the paired 95% interval of its difference (bootstrap over FLORES articles, "
               "mergescope.intervals) lies below 0; an interval covering 0, fewer than 8 articles, a difference under 5e-5 "
               "(float noise) or a run recorded without an interval counts for neither side")
+
+
+def adapt_runs(study) -> list[Rec]:
+    """Fused-then-adapted runs (kind=transport_adapt); the no-fusion baselines (stage=baseline) are their references."""
+    return [r for r in study.kind("transport_adapt") if r.tags.get("stage") != "baseline" and r.tags.get("donor") not in (None, "none")]
+
+
+def transport_key(r: Rec) -> tuple:
+    """One job per direction, alpha and setting (transport_variant: absent on runs before it)."""
+    t = r.tags
+    return (r.kind, t.get("direction") or (t.get("target"), t.get("donor")), t.get("alpha"), t.get("transport_variant"))
+
+
+def transport_adapt_key(r: Rec) -> tuple:
+    """One job per direction and adaptation (mergescope's, the released SFT per freeze and alpha)."""
+    t = r.tags
+    return (r.kind, t.get("direction") or (t.get("target"), t.get("donor")), t.get("adapt_mode"), t.get("transport_variant"))
+
+
+def pair_rows(an: Analysis, rows: dict[str, dict[str, Any]], others: dict[str, dict[str, Any]]) -> None:
+    """Both directions' transport deltas of each pair at the headline alpha, and the post-fusion adaptation effect."""
+    transport, adapt = an.study.kind("transport"), adapt_runs(an.study)
+    for p in rows.values():
+        _add_transport(p, transport, adapt)
+
+
+def _add_transport(p: dict[str, Any], transport: list[Rec], adapt: list[Rec]) -> None:
+    """Both directions' transport deltas at the headline alpha (``merge.headline_alpha``), and the post-fusion adaptation effect."""
+    v = p["values"]
+    deltas, ctrls = [], []
+    for side, other in (("a", "b"), ("b", "a")):
+        runs = [r for r in transport if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]]
+        head = transport_headline(runs)
+        put(p, f"transport_delta_{side}", head, "delta_target_lang")
+        put(p, f"transport_ot_minus_rand_{side}", head, "ot_minus_rand_target_lang")
+        deltas.append(v[f"transport_delta_{side}"])
+        ctrls.append(v[f"transport_ot_minus_rand_{side}"])
+        ad = next((r for r in reversed(adapt) if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]), None)
+        put(p, f"adapt_effect_{side}", ad, "fusion_effect_after_adapt")
+    v["transport_delta"] = float(np.mean(deltas)) if all(np.isfinite(deltas)) else float("nan")
+    v["transport_ot_minus_rand"] = float(np.mean(ctrls)) if all(np.isfinite(ctrls)) else float("nan")
+
+
+_TRANSPORT_SOURCES = (("a<-b", "transport_delta_a"), ("b<-a", "transport_delta_b"), ("adapt a<-b", "adapt_effect_a"),
+                      ("adapt b<-a", "adapt_effect_b"))
+
+
+def _transport_table(pairs: list[dict[str, Any]]) -> RTable:
+    rows = [[p["pair"], *[f3(p["values"].get(f"{k}_{side}"), 4) for k in ("transport_delta", "transport_ot_minus_rand", "adapt_effect")
+                          for side in "ab"], runs_cell(p, _TRANSPORT_SOURCES)] for p in pairs]
+    return RTable("Transport and post-fusion adaptation per pair", [
+        "pair", "delta a<-b", "delta b<-a", "ot_minus_rand a<-b", "ot_minus_rand b<-a", "adapt_effect a<-b",
+        "adapt_effect b<-a", "runs"], rows,
+        note="delta = fused minus unfused NLL on the target's language at the headline alpha, merge.headline_alpha "
+             "(negative = helped); ot_minus_rand < 0 = the OT plan beat its shuffled-plan control; adapt_effect = "
+             "fused-then-adapted minus adapted baseline.")
+
+
+def pair_tables(an: Analysis, sec: Section) -> None:
+    """The transport table of the pair matrix, or why its columns are empty."""
+    sec.tables.append(_transport_table(an.pairs))
+    if an.pairs and not an.study.kind("transport"):
+        sec.missing.append("transport columns: not measured (no kind=transport runs in this experiment)")
+    if an.pairs and not adapt_runs(an.study):
+        sec.missing.append("post-fusion adaptation columns: not measured (no kind=transport_adapt runs in this experiment)")
+
+
+def coverage_cell(an: Analysis, p: dict[str, Any]) -> str:
+    k = sum(1 for t in an.study.kind("transport") if {t.tags.get("target"), t.tags.get("donor")} == {p["a"], p["b"]})
+    return f"measured ({k} runs)" if k else "not measured (no transport runs)"
 
 
 def _counts(rs: list[Rec]) -> tuple[int, int]:
@@ -289,13 +363,13 @@ def _adapt_table(sec: Section, runs: list[Rec]) -> None:
 def transport(an: Analysis, number: str) -> Section:
     """7. Transport fusion for every direction and alpha (with the shuffled-plan control), then adaptation."""
     sec = Section("transport", f"{number}. Transport-based cross-architecture merging")
-    runs, adapt_runs = an.study.kind("transport"), an.study.adapt
+    runs, adapted = an.study.kind("transport"), adapt_runs(an.study)
     if runs:
         _fusion_table(an, sec, runs)
     else:
         sec.missing.append("transport fusion: not measured (no kind=transport runs in this experiment)")
-    if adapt_runs:
-        _adapt_table(sec, adapt_runs)
+    if adapted:
+        _adapt_table(sec, adapted)
     else:
         sec.missing.append("post-fusion adaptation: not measured (no kind=transport_adapt runs in this experiment)")
     return sec
@@ -340,3 +414,21 @@ def figure_transport(transport: list[Rec]):
     fig.tight_layout()
     return fig
 
+
+SEED_TRANSPORT = ("helps 2/20 directions, OT beats its shuffled plan 12/20 (median delta +0.0021)",
+                  "crossarch-1b-diagnostics-report.txt, finding 3")
+
+
+def _beside_text(an: Analysis) -> str:
+    n = int(an.metrics.get("transport_directions", 0))
+    if not n:
+        return "not measured (no transport runs)"
+    return (f"helps {int(an.metrics['transport_helped'])}/{n} directions, OT beats its shuffled plan "
+            f"{int(an.metrics['transport_beats_control'])}/{n}, its shrink-only control {int(an.metrics.get('transport_beats_shrink', 0))}/{n}"
+            " (each counted only where its paired 95% interval over FLORES articles excludes 0, the first token apart; "
+            "no post-fusion adaptation unless the transport section shows one)")
+
+
+def beside(an: Analysis) -> list[list[str]]:
+    """Transport's row beside the seed reports: the directions it helped and where OT beat its controls."""
+    return [["transport fusion at the headline alpha", _beside_text(an), *SEED_TRANSPORT]]

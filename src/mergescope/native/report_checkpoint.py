@@ -1,20 +1,38 @@
-"""Section 5: checkpoint merging (pairs of checkpoints of one training run) by trajectory distance."""
+"""The checkpoint arm in the report: checkpoint merging (pairs of checkpoints of one training run) by trajectory
+distance, and its diagnostic x diagnostic correlations (pooled, then per family)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
 from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
-from mergescope.analysis.records import Rec, base_name
-from mergescope.analysis.tables import CHECKPOINT_DIAGNOSTICS, RTable, Section, f3, median, short
+from mergescope.analysis.records import Rec, base_name, is_checkpoint_pair
+from mergescope.native.report import native_runs
+from mergescope.analysis.sections.correlations import COLUMNS, MANTEL_COLUMNS, correlation_section, tabled
+from mergescope.analysis.tables import RTable, Section, csv_text, f3, median, short
 from mergescope.plotting import pyplot
 
-__all__ = ["checkpoint_arm", "figure_checkpoint", "BINS"]
+__all__ = ["checkpoint_arm", "checkpoint_runs", "correlations_checkpoint", "figure_checkpoint", "BINS", "CHECKPOINT_DIAGNOSTICS"]
+
+CHECKPOINT_NULL = {"unit": "checkpoint", "null": "checkpoint-level null (checkpoint labels permuted within each training run)"}
+CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
+                          "cka", "lmc_barrier", "merge_gain"]
 
 BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
         ("0.5 to 1.5 decades", lambda x: 0.5 < x <= 1.5),
         ("beyond 1.5 decades (log10 ratio > 1.5)", lambda x: x > 1.5)]
+
+
+def checkpoint_runs(an: Analysis) -> list[Rec]:
+    """The checkpoint-pair native runs, by training run then trajectory distance (read once per analysis)."""
+    if "checkpoint" not in an.memo:
+        ck = [r for r in native_runs(an.study) if is_checkpoint_pair(r)]
+        ck.sort(key=lambda r: (base_name(r.tags.get("model_a", "")), r.m("log10_step_ratio")))
+        an.memo["checkpoint"] = ck
+    return an.memo["checkpoint"]
 
 
 def _bin_row(run_label: str, name: str, rs: list[Rec]) -> list[str]:
@@ -44,7 +62,7 @@ def _bin_rows(ck: list[Rec]) -> list[list[str]]:
 def checkpoint_arm(an: Analysis, number: str) -> Section:
     """5. Checkpoint merging by trajectory distance (per run and pooled) and per checkpoint pair."""
     sec = Section("checkpoint", f"{number}. Checkpoint merging: the native weight-space arm")
-    ck = an.checkpoint
+    ck = checkpoint_runs(an)
     if not ck:
         sec.missing.append("checkpoint arm: not measured (no kind=measure metric=native runs with arm=checkpoint; "
                            "set checkpoints.models and checkpoints.revisions in the study)")
@@ -102,3 +120,63 @@ def figure_checkpoint(ck: list[Rec]):
     fig.tight_layout()
     return fig
 
+
+
+def checkpoint_labels(rows) -> tuple[tuple[list[str], list[str]], dict[str, str]]:
+    """Each checkpoint pair's two checkpoints (``model_a`` / ``model_b`` tags, ``name@revision``) and each checkpoint's
+    training run (its name): the checkpoint-level null permutes checkpoint labels within a run."""
+    a, b = [str(r.tags.get("model_a", "")) for r in rows], [str(r.tags.get("model_b", "")) for r in rows]
+    return (a, b), {m: base_name(m) for m in a + b}
+
+
+def correlations_checkpoint(an: Analysis, number: str) -> list[Section]:
+    """One row per checkpoint pair (native weight merging), then the same per family when there are several. Pairs
+    share checkpoints, so beside the row-shuffle null each table has the checkpoint-level (Mantel) null, the labels
+    permuted within each training run."""
+    an.frames["checkpoint"] = {c: np.array([r.m(c) for r in checkpoint_runs(an)], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+    models, strata = checkpoint_labels(checkpoint_runs(an))
+    sec = tabled(an, "checkpoint", "corr_checkpoint", f"{number}. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
+                  len(checkpoint_runs(an)), "One row per checkpoint pair (native weight merging).",
+                  ("correlations_checkpoint", "diagnostic correlation heatmap, checkpoint arm", "checkpoint arm"),
+                  "tables/checkpoint_correlations.csv", models=models, strata=strata, **CHECKPOINT_NULL)
+    return [sec, *family_sections(an, number)]
+
+
+def family_sections(an: Analysis, number: str) -> list[Section]:
+    """8a per checkpoint family (one training run each), when the study has more than one, and whether the
+    pooled table's significant cells replicate in every family (same sign, BH q < 0.05 within the family)."""
+    families = list(dict.fromkeys(base_name(r.tags.get("model_a", "")) for r in checkpoint_runs(an)))
+    if len(families) < 2:
+        return []
+    out, tables = [], {}
+    for fam in families:
+        rows = [r for r in checkpoint_runs(an) if base_name(r.tags.get("model_a", "")) == fam]
+        frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+        models, strata = checkpoint_labels(rows)
+        sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"{number}. Checkpoint arm, family {fam}", frame, len(rows),
+                                            an.n_permutations, f"One row per checkpoint pair of {fam} only.",
+                                            models=models, strata=strata, **CHECKPOINT_NULL)
+        if table is not None:
+            tables[fam] = table
+            cols = COLUMNS + MANTEL_COLUMNS
+            an.csv[f"tables/checkpoint_correlations_{fam}.csv"] = csv_text(cols, table[cols].itertuples(index=False, name=None))
+        out.append(sec)
+    out[0].text.insert(0, replication_text(an.correlations.get("checkpoint"), tables, families))
+    return out
+
+
+def replication_text(pooled, tables: dict[str, Any], families: list[str]) -> str:
+    """Which of the pooled table's BH-significant cells replicate in every family (same sign, q < 0.05 there), on the
+    checkpoint-level null (q_mantel) when the tables have it, else on the row-shuffle one (q_bh)."""
+    if pooled is None or len(tables) < len(families):
+        return "Replication across families: not tested (a family has too few checkpoint pairs for its own table)."
+    qc = "q_mantel" if "q_mantel" in pooled and all("q_mantel" in t for t in tables.values()) else "q_bh"
+    sig = pooled[pooled[qc] < 0.05]
+    ok = []
+    for a, c, rho in zip(sig["a"], sig["b"], sig["rho"]):
+        cells = [t[(t["a"] == a) & (t["b"] == c)] for t in tables.values()]
+        if all(len(x) and x[qc].iloc[0] < 0.05 and np.sign(x["rho"].iloc[0]) == np.sign(rho) for x in cells):
+            ok.append(f"{a} x {c}")
+    return (f"Replication across families ({', '.join(families)}; {qc}, the "
+            f"{'checkpoint-level' if qc == 'q_mantel' else 'row-shuffle'} null): {len(ok)} of the {len(sig)} pooled cells with {qc}<0.05 "
+            f"have the same sign and q<0.05 in every family" + (f" ({', '.join(ok[:6])}{', ...' if len(ok) > 6 else ''})." if ok else "."))

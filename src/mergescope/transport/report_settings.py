@@ -16,7 +16,7 @@ import numpy as np
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.context import Analysis
 from mergescope.analysis import claims
-from mergescope.analysis.sections.transport import CLAIM_RULE
+from mergescope.transport.report import CLAIM_RULE
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.plotting import pyplot
 

@@ -374,3 +374,18 @@ def shared_space_section(an: Analysis, number: str) -> Section:
             sec.tables.append(content)
     sec.tables += [_routing_table(r) for r in ro]
     return sec
+
+
+SEED_GPA = ("GPA 0.91-0.93 vs pairwise maps 0.82-0.85 (pools of 32, final layer)", "five-architectures-shared-space-summary.txt")
+
+
+def _beside_text(an: Analysis) -> str:
+    sp = [r for r in an.study.kind("shared_space") if math.isfinite(r.m("gpa_p1_32"))]
+    if not sp:
+        return "not measured (no shared_space runs)"
+    return "; ".join(f"GPA {r.m('gpa_p1_32'):.3f} vs pairwise {r.m('pairwise_p1_32'):.3f} on {r.tags.get('data')}" for r in sp)
+
+
+def beside(an: Analysis) -> list[list[str]]:
+    """The shared space's row beside the seed reports: held-out retrieval through GPA against pairwise maps."""
+    return [["shared space: held-out retrieval, GPA vs pairwise", _beside_text(an), *SEED_GPA]]

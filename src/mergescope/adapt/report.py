@@ -342,3 +342,28 @@ def adapt_section(an: Analysis, number: str) -> Section:
         sec.add_figure("adapt_ratio_curves", "test NLL and attention entropy at each measured ratio (points only: no line "
                        "across unmeasured ratios; x noise control, s scaling control)", lambda: _figure(groups))
     return sec
+
+
+SEED_ADAPT = ("intersection at a small ratio helps (Qwen2.5-3B 0.5459 -> 0.5716 on benchmarks); near-balanced mixing "
+              "collapses", "dimensional-adaptation-merging-paper.txt, sections 5-6")
+
+
+def _beside_text(an: Analysis) -> str:
+    best = [r for r in an.study.kind("adapt") if r.tags.get("ratio") == "best"]
+    if not best:
+        return "not measured (no adapt runs)"
+    return "; ".join(f"{r.tags.get('protocol', r.tags.get('operator', '?'))} {r.tags.get('small')} ~ {r.tags.get('large')}: ratio "
+                     f"{r.m('best_ratio'):g} chosen on dev, {claims.cell(r, 'gain_vs_small')} nats/token on test over the small "
+                     f"model ({claims.verdict(r, 'gain_vs_small')})"
+                     for r in best)
+
+
+def beside(an: Analysis) -> list[list[str]]:
+    """Dimensional adaptation's row beside the seed reports: the chosen ratio's gain over the small model, per pair."""
+    return [["dimensional adaptation", _beside_text(an), *SEED_ADAPT]]
+
+
+def coverage_cell(an: Analysis, p: dict) -> str:
+    """What the adapt arm measured on a pair (the coverage table's adapt column)."""
+    k = sum(1 for t in an.study.kind("adapt") if {t.tags.get("small"), t.tags.get("large")} == {p["a"], p["b"]})
+    return f"measured ({k} runs)" if k else "not measured (no adapt runs for this pair; study=adapt runs the scale family)"
