@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from mergescope.errors import MergescopeError
 from mergescope.tracking import client_for, read_artifact_text, store_uri
 
-__all__ = ["Rec", "Study", "load_study", "logged_study_jobs", "STUDY_JOBS", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_headline"]
+__all__ = ["Rec", "Study", "load_study", "finished_runs", "logged_study_jobs", "STUDY_JOBS", "logical_key", "base_name", "is_checkpoint_pair", "direction", "transport_headline"]
 
 
 @dataclass
@@ -167,7 +167,8 @@ def latest_per_job(recs: list[Rec]) -> list[Rec]:
     return out
 
 
-def _finished_runs(client, uri: str, experiment: str) -> list[Rec]:
+def finished_runs(client, uri: str, experiment: str) -> list[Rec]:
+    """Every FINISHED run of the experiment but the analysis runs, newest first."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise MergescopeError(f"no MLflow experiment '{experiment}' in {uri}; run the study first "
@@ -203,7 +204,7 @@ def load_study(cfg: DictConfig, job_runs: list[str] | None = None) -> Study:
     uri, _ = store_uri(cfg)
     experiment = str(cfg.tracking.experiment)
     client = client_for(uri)
-    finished = _finished_runs(client, uri, experiment)
+    finished = finished_runs(client, uri, experiment)
     source = "the study's job list (every run its jobs produced or reused)"
     if job_runs is None and finished:
         logged = logged_study_jobs(client, client.get_experiment_by_name(experiment).experiment_id)

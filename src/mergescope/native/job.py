@@ -33,10 +33,12 @@ from mergescope.runs import JobResult, JobSpec, model_label, pair_label, pair_ta
 NATIVE_KEYS = ["pair", "data", "native", "represent.max_length"]
 
 
-__all__ = ["run_native", "run_merge", "checkpoint_cka", "hash_extra"]
+__all__ = ["run_native", "run_merge", "checkpoint_cka", "hash_extra", "weight_values"]
 
 
-def _weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
+def weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
+    """The pair's data-free diagnostics (weights over the shared tensors, task vectors against the base, the step
+    ratio of two checkpoints): what the native run logs and what the forecast reads for a pair before any merge."""
     cov = loaded.coverage
     values = {"n_shared_tensors": float(len(cov.shared)), "shared_params": float(cov.shared_params),
               "n_excluded_tensors": float(len(cov.excluded))}
@@ -141,7 +143,7 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         job.log_params({"coverage": cov.summary(), "routes": rt, "definitions": describe(),
                         "model_a.true": loaded.true_a, "model_b.true": loaded.true_b,
                         "excluded_reasons": dict(cov.excluded[:50])})
-        values.update(_weight_values(cfg, loaded))
+        values.update(weight_values(cfg, loaded))
         if loaded.sd_base is None:
             job.log_params({"task_vectors": f"not measured: {no_base_reason(cfg)}"})
         else:

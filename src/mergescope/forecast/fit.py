@@ -1,0 +1,231 @@
+"""The forecast's statistics, in float64 numpy: a sparse linear model (lasso on standardised features, its penalty
+chosen by an inner leave-one-group-out split of the training rows only), a single-best-feature baseline, held-out
+validation by leaving one group out (a family of merges, or an operator), Spearman and AUROC with intervals from a
+bootstrap over clusters (the pairs: a pair's merges share its features), a shuffled-target control and a calibration
+table.
+
+Nothing here reads MLflow or torch: :mod:`mergescope.forecast.table` builds the rows, :mod:`mergescope.forecast.job`
+logs what these functions return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.stats import rankdata
+
+__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "best_feature",
+           "calibration", "Validation", "validate", "LAMBDAS"]
+
+LAMBDAS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # penalties on standardised features and a centred target
+
+
+def _standardise(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    mu = X.mean(axis=0)
+    sd = X.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)  # a constant column stays 0 after centring: its weight is 0
+    return (X - mu) / sd, mu, sd
+
+
+@dataclass
+class Lasso:
+    """A fitted model: ``y ~ intercept + sum(coef * (x - mu) / sd)``."""
+
+    coef: np.ndarray
+    intercept: float
+    mu: np.ndarray
+    sd: np.ndarray
+    lam: float
+    features: list[str] = field(default_factory=list)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.intercept + ((np.asarray(X, dtype=np.float64) - self.mu) / self.sd) @ self.coef
+
+    def contributions(self, x: np.ndarray) -> dict[str, float]:
+        """Each feature's share of one prediction (coefficient x standardised value), largest magnitude first."""
+        c = self.coef * (np.asarray(x, dtype=np.float64) - self.mu) / self.sd
+        order = np.argsort(-np.abs(c))
+        return {self.features[i]: float(c[i]) for i in order if self.coef[i] != 0}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"features": self.features, "coef": self.coef.tolist(), "intercept": self.intercept,
+                "mu": self.mu.tolist(), "sd": self.sd.tolist(), "lambda": self.lam}
+
+
+def fit_lasso(X: np.ndarray, y: np.ndarray, lam: float, features: list[str] | None = None, iters: int = 2000,
+              tol: float = 1e-10) -> Lasso:
+    """Coordinate descent on ``(1 / 2n) |y - Z w|^2 + lam |w|_1`` (Z: the standardised features, y centred)."""
+    X = np.asarray(X, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    Z, mu, sd = _standardise(X)
+    n, p = Z.shape
+    yc = y - y.mean()
+    w = np.zeros(p)
+    norms = (Z ** 2).sum(axis=0) / n
+    r = yc.copy()
+    for _ in range(iters):
+        biggest = 0.0
+        for j in range(p):
+            if norms[j] == 0:
+                continue
+            old = w[j]
+            rho = Z[:, j] @ r / n + norms[j] * old
+            new = np.sign(rho) * max(abs(rho) - lam, 0.0) / norms[j]
+            if new != old:
+                r -= Z[:, j] * (new - old)
+                w[j] = new
+                biggest = max(biggest, abs(new - old))
+        if biggest < tol:
+            break
+    return Lasso(w, float(y.mean()), mu, sd, float(lam), list(features or [f"x{i}" for i in range(p)]))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rho (average ranks for ties); NaN when either side is constant or fewer than 3 rows."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if len(a) < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    return float(np.corrcoef(rankdata(a), rankdata(b))[0, 1])
+
+
+def auroc(score: np.ndarray, label: np.ndarray) -> float:
+    """The probability that a random positive scores above a random negative (ties count half); NaN without both."""
+    score, label = np.asarray(score, dtype=np.float64), np.asarray(label, dtype=bool)
+    pos, neg = label.sum(), (~label).sum()
+    if pos == 0 or neg == 0:
+        return float("nan")
+    ranks = rankdata(score)
+    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def cluster_bootstrap(stat, clusters: np.ndarray, arrays: tuple[np.ndarray, ...], n_boot: int = 2000,
+                      seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile interval of ``stat(*arrays)`` over ``n_boot`` resamples of whole clusters (with
+    replacement); resamples where the statistic is undefined are dropped."""
+    rng = np.random.default_rng(seed)
+    ids, inv = np.unique(clusters, return_inverse=True)
+    members = [np.flatnonzero(inv == k) for k in range(len(ids))]
+    out = []
+    for _ in range(n_boot):
+        pick = np.concatenate([members[k] for k in rng.integers(0, len(ids), len(ids))])
+        v = stat(*(a[pick] for a in arrays))
+        if np.isfinite(v):
+            out.append(v)
+    if len(out) < n_boot // 2:
+        return float("nan"), float("nan")
+    return float(np.percentile(out, 2.5)), float(np.percentile(out, 97.5))
+
+
+def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMBDAS) -> float:
+    """The penalty with the lowest leave-one-group-out squared error on these (training) rows only; with a single
+    group, the 5-fold split of the rows."""
+    uniq = np.unique(groups)
+    folds = [groups == g for g in uniq] if len(uniq) > 1 else [np.arange(len(y)) % 5 == k for k in range(5)]
+    best, best_err = lambdas[0], np.inf
+    for lam in lambdas:
+        err = 0.0
+        for test in folds:
+            if test.all() or not test.any():
+                continue
+            m = fit_lasso(X[~test], y[~test], lam)
+            err += float(((m.predict(X[test]) - y[test]) ** 2).sum())
+        if err < best_err - 1e-15:
+            best, best_err = lam, err
+    return float(best)
+
+
+def best_feature(X: np.ndarray, y: np.ndarray, features: list[str]) -> tuple[int, float]:
+    """The single feature with the largest |Spearman| against ``y`` on these rows, and its sign."""
+    rhos = [spearman(X[:, j], y) for j in range(X.shape[1])]
+    j = int(np.nanargmax(np.abs(np.nan_to_num(rhos, nan=0.0))))
+    return j, float(np.sign(rhos[j]) or 1.0)
+
+
+def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.ndarray, features: list[str],
+                    lambdas=LAMBDAS) -> dict[str, np.ndarray]:
+    """Held-out predictions of every row: for each group, the lasso (penalty chosen on the other groups by their own
+    ``inner`` groups) and the single best feature (chosen on the other groups) fitted without it."""
+    pred = np.full(len(y), np.nan)
+    base = np.full(len(y), np.nan)
+    for g in np.unique(groups):
+        test = groups == g
+        train = ~test
+        if train.sum() < 3:
+            continue
+        lam = choose_lambda(X[train], y[train], inner[train], lambdas)
+        pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
+        j, s = best_feature(X[train], y[train], features)
+        base[test] = s * X[test, j]
+    return {"lasso": pred, "single": base}
+
+
+def calibration(pred: np.ndarray, y: np.ndarray, bins: int = 5) -> list[dict[str, float]]:
+    """Predicted against measured by quantile bins of the prediction: mean of each, and the rows in the bin."""
+    ok = np.isfinite(pred) & np.isfinite(y)
+    pred, y = pred[ok], y[ok]
+    if len(pred) < bins:
+        return []
+    edges = np.quantile(pred, np.linspace(0, 1, bins + 1))
+    which = np.clip(np.searchsorted(edges, pred, side="right") - 1, 0, bins - 1)
+    return [{"bin": float(b), "n": float((which == b).sum()), "predicted": float(pred[which == b].mean()),
+             "measured": float(y[which == b].mean())} for b in range(bins) if (which == b).any()]
+
+
+@dataclass
+class Validation:
+    """One held-out validation (one way of leaving groups out): scores with their intervals."""
+
+    scheme: str
+    n: int
+    spearman: float
+    spearman_ci: tuple[float, float]
+    auroc: float
+    auroc_ci: tuple[float, float]
+    single_spearman: float
+    single_ci: tuple[float, float]
+    shuffled_mean: float
+    shuffled_range: tuple[float, float]
+    by_operator: dict[str, tuple[float, float, float, int]]
+    calibration: list[dict[str, float]]
+    predictions: np.ndarray
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "predictions"}
+        return d
+
+
+def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, groups: np.ndarray, inner: np.ndarray,
+             clusters: np.ndarray, operators: np.ndarray, features: list[str], n_boot: int = 2000, n_shuffles: int = 20,
+             seed: int = 0, lambdas=LAMBDAS) -> Validation:
+    """Leave each of ``groups`` out in turn; pooled held-out Spearman (and per operator), AUROC of the prediction for
+    ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval; the shuffled-target control
+    (the targets permuted over the training rows, ``n_shuffles`` times: its held-out Spearman must sit near 0)."""
+    held = leave_group_out(X, y, groups, inner, features, lambdas)
+    pred = held["lasso"]
+    ok = np.isfinite(pred)
+    rho = spearman(pred[ok], y[ok])
+    ci = cluster_bootstrap(spearman, clusters[ok], (pred[ok], y[ok]), n_boot, seed)
+    auc = auroc(pred[ok], beats[ok])
+    auc_ci = cluster_bootstrap(auroc, clusters[ok], (pred[ok], beats[ok]), n_boot, seed)
+    single = held["single"]
+    sok = np.isfinite(single)
+    s_rho = spearman(single[sok], y[sok])
+    s_ci = cluster_bootstrap(spearman, clusters[sok], (single[sok], y[sok]), n_boot, seed)
+    rng = np.random.default_rng(seed + 1)
+    shuffled = []
+    for _ in range(n_shuffles):
+        yp = y[rng.permutation(len(y))]
+        p = leave_group_out(X, yp, groups, inner, features, lambdas)["lasso"]
+        k = np.isfinite(p)
+        shuffled.append(spearman(p[k], y[k]))
+    sh = np.array([v for v in shuffled if np.isfinite(v)] or [np.nan])
+    by_op = {}
+    for op in sorted(set(operators.tolist())):
+        m = ok & (operators == op)
+        by_op[str(op)] = (spearman(pred[m], y[m]), *cluster_bootstrap(spearman, clusters[m], (pred[m], y[m]), n_boot, seed),
+                          int(m.sum()))
+    return Validation(scheme, int(ok.sum()), rho, ci, auc, auc_ci, s_rho, s_ci, float(np.nanmean(sh)),
+                      (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by_op,
+                      calibration(pred, y), pred)

@@ -1,0 +1,172 @@
+"""``task=forecast``: fit and validate the merge forecast on the experiment's merge benchmark, and (``forecast.pair``)
+forecast a pair before any merge of it runs.
+
+One kind=forecast run: held-out validation leaving one family out (every merge of one training run unseen) and
+leaving one operator out (the operator unseen), each with the pooled Spearman of predicted against measured gain,
+per operator, the AUROC for "beats both experts", the single-best-feature baseline and the shuffled-target control,
+each with a 95% interval from a bootstrap over pairs; the calibration; the final model (fitted on every row) and its
+coefficients. Its identity is the settings and the runs it reads (a new merge in the store is a new fit). A pair's
+forecast: its data-free diagnostics computed from its weights (the native arm's :func:`~mergescope.native.job.
+weight_values`), the model's prediction per operator with a 90% interval from the held-out residuals (split
+conformal: their 5th and 95th percentiles), and the diagnostics that carry it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from mergescope.errors import MergescopeError
+from mergescope.forecast.fit import choose_lambda, fit_lasso, validate
+from mergescope.forecast.settings import ForecastSettings
+from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
+
+__all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
+
+ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
+          "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
+
+
+def load_benchmark(cfg: DictConfig, fs: ForecastSettings) -> Benchmark:
+    """The experiment's benchmark; one line naming the fix when it holds too few merges."""
+    from mergescope.analysis.records import finished_runs
+    from mergescope.tracking import Tracker
+
+    tracker = Tracker(cfg)
+    experiment = str(cfg.tracking.experiment)
+    if tracker.client.get_experiment_by_name(experiment) is None:
+        raise MergescopeError(f"no MLflow experiment '{experiment}': build the merge benchmark first (python launch.py study=forecast)")
+    bench = benchmark(finished_runs(tracker.client, str(cfg.tracking.uri), experiment), fs.features)
+    if len(bench) < fs.min_merges or len(set(bench.family)) < 3:
+        raise MergescopeError(f"the merge benchmark of experiment '{experiment}' holds {len(bench)} merges of "
+                              f"{len(set(bench.family))} families ({fs.min_merges} merges and 3 families needed): build it "
+                              "first (python launch.py study=forecast) or point tracking.experiment at one that holds it")
+    return bench
+
+
+def _design(bench: Benchmark, operators: bool) -> tuple[np.ndarray, list[str]]:
+    """The features, and (``operators``) one indicator column per operator but the first (the pooled model)."""
+    if not operators:
+        return bench.X, list(bench.features)
+    ops = sorted(set(bench.operator.tolist()))
+    dummies = np.stack([(bench.operator == o).astype(np.float64) for o in ops[1:]], axis=1) if len(ops) > 1 else np.zeros((len(bench), 0))
+    return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
+
+
+def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
+    X, names = _design(bench, operators=True)
+    lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
+                    names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+    looo = validate("leave one operator out", bench.X, bench.y, bench.beats, bench.operator, bench.family, bench.pair,
+                    bench.operator, list(bench.features), fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+    lam = choose_lambda(X, bench.y, bench.family, fs.lambdas)
+    final = fit_lasso(X, bench.y, lam, names)
+    return {"lofo": lofo, "looo": looo, "final": final, "names": names}
+
+
+def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
+    out = {"n_merges": float(len(bench)), "n_pairs": float(len(set(bench.pair))), "n_families": float(len(set(bench.family))),
+           "n_operators": float(len(set(bench.operator))), "n_dropped": float(bench.dropped),
+           "beats_rate": float(bench.beats.mean()), "final_lambda": v["final"].lam,
+           "final_nonzero": float((v["final"].coef != 0).sum())}
+    for key in ("lofo", "looo"):
+        val = v[key]
+        out.update({f"{key}_spearman": val.spearman, f"{key}_spearman_lo": val.spearman_ci[0], f"{key}_spearman_hi": val.spearman_ci[1],
+                    f"{key}_auroc": val.auroc, f"{key}_auroc_lo": val.auroc_ci[0], f"{key}_auroc_hi": val.auroc_ci[1],
+                    f"{key}_single_spearman": val.single_spearman, f"{key}_shuffled_spearman": val.shuffled_mean,
+                    f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1]})
+        for op, (rho, lo, hi, n) in val.by_operator.items():
+            out.update({f"{key}_spearman.{op}": rho, f"{key}_spearman_lo.{op}": lo, f"{key}_spearman_hi.{op}": hi})
+    return {k: float(x) for k, x in out.items() if x is not None}
+
+
+def _predictions_csv(bench: Benchmark, v: dict[str, Any]) -> str:
+    from mergescope.analysis.tables import csv_text
+
+    rows = [[bench.run_ids[i], bench.pair[i], bench.family[i], bench.operator[i], f"{bench.y[i]:.6g}", f"{bench.lo[i]:.6g}",
+             f"{bench.hi[i]:.6g}", int(bench.beats[i]), f"{v['lofo'].predictions[i]:.6g}", f"{v['looo'].predictions[i]:.6g}"]
+            for i in range(len(bench))]
+    return csv_text(["merge_run", "pair", "family", "operator", TARGET, "lo", "hi", "beats", "predicted_lofo", "predicted_looo"], rows)
+
+
+def pair_features(cfg: DictConfig, overrides: list[str], pair: str, features: tuple[str, ...]) -> tuple[str, dict[str, float]]:
+    """A pair's data-free diagnostics from its weights (no merge, no data): (its label, feature -> value)."""
+    from omegaconf import OmegaConf
+
+    from mergescope.jobs import composed, job, pair_override
+    from mergescope.native.job import weight_values
+    from mergescope.native.pair import Loaded
+
+    sides = []
+    for side in pair.split("__"):
+        name, _, rev = side.partition("@")
+        entry = OmegaConf.to_container(composed([*overrides, f"model={name}"]).model)
+        sides.append(OmegaConf.create({**entry, "revision": rev}))
+    j = job("native", [*overrides, *pair_override(*sides), "native.merges=[]"])
+    values = weight_values(j.cfg, Loaded(j.cfg, need_base=True))
+    missing = [f for f in features if f not in values]
+    if missing:
+        raise MergescopeError(f"forecast.pair={pair}: {', '.join(missing)} cannot be computed for this pair (two checkpoints "
+                              "of one training run with step revisions and a base revision, native.base, are needed)")
+    return pair, {f: float(values[f]) for f in features}
+
+
+def _forecast_pair(cfg: DictConfig, overrides: list[str], fs: ForecastSettings, bench: Benchmark,
+                   v: dict[str, Any]) -> dict[str, Any]:
+    """The pair's forecast per operator, with the 90% interval of the held-out residuals and the carrying features."""
+    label, feats = pair_features(cfg, overrides, str(fs.pair), fs.features)
+    resid = bench.y - v["lofo"].predictions
+    resid = resid[np.isfinite(resid)]
+    q_lo, q_hi = np.percentile(resid, [5, 95])
+    final, names = v["final"], v["names"]
+    out = {}
+    for op in sorted(set(bench.operator.tolist())):
+        x = np.array([feats[f] for f in fs.features] + [1.0 if n == f"operator={op}" else 0.0 for n in names[len(fs.features):]])
+        pred = float(final.predict(x[None, :])[0])
+        out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
+                   "carried_by": dict(list(final.contributions(x).items())[:3])}
+    measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
+    return {"pair": label, "features": feats, "forecast": out, "in_benchmark": bool(measured), "measured": measured}
+
+
+def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
+    """Fit and validate on the experiment's merge benchmark (one kind=forecast run); with ``forecast.pair``, forecast it."""
+    from mergescope.progress import status
+    from mergescope.runs import JobSpec, run_once
+
+    fs = ForecastSettings.from_cfg(cfg)
+    bench = load_benchmark(cfg, fs)  # too few merges: one line, no run
+    holder: dict[str, Any] = {}
+
+    def body(job) -> dict[str, float]:
+        v = _validations(bench, fs)
+        holder["v"] = v
+        job.log_params({"features": list(fs.features), "excluded": EXCLUDED, "target": TARGET, "anchor": ANCHOR})
+        job.log_text(json.dumps({"lofo": v["lofo"].as_dict(), "looo": v["looo"].as_dict(), "final": v["final"].as_dict(),
+                                 "excluded": EXCLUDED, "anchor": ANCHOR}, indent=1, default=float), "forecast/validation.json")
+        job.log_text(_predictions_csv(bench, v), "forecast/predictions.csv")
+        return _metrics(v, bench)
+
+    spec = JobSpec(f"forecast on {len(bench)} merges", {"kind": "forecast", "route": "native"}, task="forecast",
+                   keys=["forecast.features", "forecast.lambdas", "forecast.n_boot", "forecast.n_shuffles", "forecast.seed"],
+                   extra={"benchmark": bench.digest()})
+    result = run_once(cfg, spec, body, overrides)
+    m = result.metrics
+    status.print(f"forecast on {int(m.get('n_merges', len(bench)))} merges of {int(m.get('n_families', 0))} families: held-out "
+                 f"Spearman {m.get('lofo_spearman', float('nan')):+.3f} [{m.get('lofo_spearman_lo', float('nan')):+.3f}, "
+                 f"{m.get('lofo_spearman_hi', float('nan')):+.3f}] leaving one family out (shuffled control "
+                 f"{m.get('lofo_shuffled_spearman', float('nan')):+.3f}); {m.get('looo_spearman', float('nan')):+.3f} leaving one "
+                 f"operator out (run {result.run_id[:8]})", soft_wrap=True)
+    if fs.pair is not None:
+        v = holder.get("v") or _validations(bench, fs)  # a reused fit: refitted here (seconds), same numbers
+        f = _forecast_pair(cfg, list(overrides or []), fs, bench, v)
+        for op, row in f["forecast"].items():
+            carried = ", ".join(f"{k} {c:+.4f}" for k, c in row["carried_by"].items()) or "the intercept alone"
+            seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""
+            status.print(f"  {f['pair']} {op}: forecast gain over the better expert {row['predicted']:+.4f} nats/token, 90% "
+                         f"interval [{row['lo']:+.4f}, {row['hi']:+.4f}] (carried by {carried}){seen}", soft_wrap=True)
+        holder["pair"] = f
+    return result

@@ -1,0 +1,96 @@
+"""The merge benchmark as rows: every FINISHED native merge of a checkpoint pair in the experiment (kind=merge,
+route=native), its outcome, and the pre-merge diagnostics of its pair (the pair's native run, kind=measure
+metric=native), with the family (the training run), the pair (a cluster: its merges share its diagnostics) and the
+operator of each row.
+
+Only diagnostics that are computed without the outcome's data enter (:data:`FEATURES`: the weights and task vectors,
+data-free); those measured on the sentences a merge is scored on are left out, each with its reason
+(:data:`EXCLUDED`)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["FEATURES", "EXCLUDED", "Benchmark", "benchmark", "TARGET"]
+
+FEATURES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
+            "tv_cosine", "ties_sign_agreement", "log10_step_ratio")
+EXCLUDED = {
+    "lmc_barrier": "the linear merge at t = 0.5 on the very sentences the outcome is scored on (an outcome, not a forecast)",
+    "cka": "measured on the evaluation split the merges are scored on (not disjoint from the outcome's data)",
+    "nll_a / nll_t1": "the endpoints' NLL on the outcome's sentences: the outcome is their difference from the merge",
+}
+TARGET = "merge_gain_rest"  # the better endpoint's NLL minus the merge's (nats/token, the first token apart): > 0 helps
+
+
+@dataclass
+class Benchmark:
+    """The rows: features ``X`` (one column per name in ``features``), the outcome ``y`` with its 95% interval
+    (``lo``, ``hi``), ``beats`` (the interval above 0: the merge beats both experts), the gain over the endpoints'
+    mean (``avg_gain``), and per row its family, pair, operator and merge run id."""
+
+    features: list[str]
+    X: np.ndarray
+    y: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    avg_gain: np.ndarray
+    family: np.ndarray
+    pair: np.ndarray
+    operator: np.ndarray
+    run_ids: list[str]
+    native_ids: list[str]
+    dropped: int
+
+    @property
+    def beats(self) -> np.ndarray:
+        return self.lo > 0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def digest(self) -> str:
+        """What the fit's numbers depend on: the merge and native runs it reads (their ids)."""
+        return hashlib.sha256("\n".join(sorted(self.run_ids) + sorted(set(self.native_ids))).encode()).hexdigest()[:24]
+
+
+def _finite(*vals: float) -> bool:
+    return all(v is not None and math.isfinite(v) for v in vals)
+
+
+def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
+    """The benchmark's rows from the experiment's FINISHED runs (:class:`mergescope.analysis.records.Rec`, newest
+    first): the latest run per cfg_hash; merges whose pair has no native run, or a diagnostic missing, are dropped
+    (counted)."""
+    seen, merges, natives = set(), [], {}
+    for r in recs:
+        h = r.tags.get("cfg_hash")
+        if h in seen:
+            continue
+        seen.add(h)
+        a, b = str(r.tags.get("model_a", "")), str(r.tags.get("model_b", "?"))
+        if a.split("@")[0] != b.split("@")[0]:
+            continue  # checkpoint pairs only: two revisions of one training run
+        if r.kind == "merge" and r.tags.get("route") == "native":
+            merges.append(r)
+        elif r.kind == "measure" and r.tags.get("metric") == "native" and not r.tags.get("transplant"):
+            natives.setdefault(r.tags.get("pair"), r)
+    rows, dropped = [], 0
+    for m in merges:
+        n = natives.get(m.tags.get("pair"))
+        x = [n.m(f) for f in features] if n is not None else []
+        y, lo, hi = m.m(TARGET), m.m(f"{TARGET}_lo"), m.m(f"{TARGET}_hi")
+        if n is None or not _finite(*x, y, lo, hi):
+            dropped += 1
+            continue
+        avg = (m.m("nll_a") + m.m("nll_t1")) / 2 - m.m("nll")
+        rows.append((x, y, lo, hi, avg, str(m.tags["model_a"]).split("@")[0], m.tags["pair"], m.tags.get("merge"), m.run_id, n.run_id))
+    rows.sort(key=lambda r: (r[5], r[6], str(r[7])))
+    col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
+    X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
+    return Benchmark(list(features), X, col(1), col(2), col(3), col(4), col(5, object), col(6, object), col(7, object),
+                     [r[8] for r in rows], [r[9] for r in rows], dropped)

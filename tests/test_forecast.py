@@ -1,0 +1,133 @@
+"""Issue 48: the merge forecast. The lasso against an independent solver (scikit-learn where installed, and the
+closed-form least squares at penalty 0), a planted predictor recovered held out while a shuffled target gives ~0,
+AUROC against its pairwise definition, the benchmark's rows from runs (checkpoint pairs only, the latest per
+cfg_hash, diagnostics from the pair's native run), and a store with too few merges refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergescope.errors import MergescopeError
+from mergescope.forecast.fit import auroc, calibration, choose_lambda, cluster_bootstrap, fit_lasso, spearman, validate
+
+
+def test_lasso_matches_least_squares_at_zero_penalty_and_an_independent_solver():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(80, 4)) * [1.0, 3.0, 0.5, 2.0] + [0.0, 1.0, -2.0, 5.0]
+    y = X @ [0.5, -0.2, 0.0, 0.1] + rng.normal(scale=0.1, size=80)
+    m = fit_lasso(X, y, 0.0, iters=20000, tol=1e-14)
+    A = np.hstack([np.ones((80, 1)), X])
+    ols = np.linalg.lstsq(A, y, rcond=None)[0]
+    assert np.allclose(m.predict(X), A @ ols, atol=1e-9)
+    sk = pytest.importorskip("sklearn.linear_model")
+    Z = (X - X.mean(0)) / X.std(0)
+    for lam in (0.01, 0.05, 0.2):
+        ref = sk.Lasso(alpha=lam, fit_intercept=True, tol=1e-12, max_iter=100000).fit(Z, y)
+        got = fit_lasso(X, y, lam, iters=20000, tol=1e-14)
+        assert np.allclose(got.coef, ref.coef_, atol=1e-7) and got.intercept == pytest.approx(ref.intercept_, abs=1e-9)
+    big = fit_lasso(X, y, 10.0)
+    assert not big.coef.any() and big.predict(X[:3]) == pytest.approx([y.mean()] * 3)  # everything shrunk away
+
+
+def test_auroc_spearman_and_calibration_against_their_definitions():
+    rng = np.random.default_rng(1)
+    s, lab = rng.normal(size=40), rng.random(40) < 0.4
+    s[:5] = s[5]  # ties count half
+    pairs = [(1.0 if a > b else 0.5 if a == b else 0.0) for a in s[lab] for b in s[~lab]]
+    assert auroc(s, lab) == pytest.approx(np.mean(pairs), abs=1e-12)
+    from scipy.stats import spearmanr
+
+    y = s + rng.normal(size=40)
+    assert spearman(s, y) == pytest.approx(spearmanr(s, y).statistic, abs=1e-12)
+    assert np.isnan(spearman(np.ones(5), y[:5])) and np.isnan(auroc(s, np.zeros(40, bool)))
+    cal = calibration(s, y, bins=4)
+    assert sum(c["n"] for c in cal) == 40 and [c["predicted"] for c in cal] == sorted(c["predicted"] for c in cal)
+
+
+def test_cluster_bootstrap_resamples_whole_clusters():
+    x = np.repeat(np.arange(10.0), 3)  # 10 clusters of 3 identical rows
+    lo, hi = cluster_bootstrap(lambda a: float(a.mean()), x.astype(int), (x,), n_boot=500, seed=0)
+    se = np.arange(10.0).std() / np.sqrt(10)  # the mean of 10 cluster means, not of 30 rows
+    assert 4.5 - 2.6 * se < lo < 4.5 - 1.3 * se and 4.5 + 1.3 * se < hi < 4.5 + 2.6 * se
+
+
+def _planted(n_fam=5, pairs=10, ops=("linear", "ties", "dare"), seed=0, signal=1.0):
+    """Merges whose gain is a planted function of one of four features (+ an operator offset), noise elsewhere."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for f in range(n_fam):
+        for p in range(pairs):
+            x = rng.normal(size=4) + f * 0.3  # families shift the features
+            for k, op in enumerate(ops):
+                y = signal * 0.02 * x[1] - 0.01 * k + rng.normal(scale=0.004)
+                rows.append((x, y, f"fam{f}", f"fam{f}:{p}", op))
+    X = np.array([r[0] for r in rows])
+    y = np.array([r[1] for r in rows])
+    fam, pair, op = (np.array([r[i] for r in rows], dtype=object) for i in (2, 3, 4))
+    return X, y, fam, pair, op
+
+
+def test_a_planted_predictor_is_recovered_held_out_and_a_shuffled_target_is_not():
+    X, y, fam, pair, op = _planted()
+    names = ["a", "planted", "c", "d"]
+    ops = np.stack([(op == o).astype(float) for o in ("ties", "dare")], axis=1)
+    v = validate("leave one family out", np.hstack([X, ops]), y, y > 0, fam, fam, pair, op, [*names, "op=ties", "op=dare"],
+                 n_boot=300, n_shuffles=10, seed=0)
+    assert v.spearman > 0.85 and v.spearman_ci[0] > 0.7 and v.n == len(y)
+    assert abs(v.shuffled_mean) < 0.15 and v.shuffled_range[0] < 0.25  # the control sits near 0
+    assert all(rho > 0.85 for rho, *_ in v.by_operator.values())
+    assert v.single_spearman > 0.4  # the single best feature (chosen on the training families) is the planted one
+    lam = choose_lambda(np.hstack([X, ops]), y, fam)
+    final = fit_lasso(np.hstack([X, ops]), y, lam, [*names, "op=ties", "op=dare"])
+    top = max(range(4), key=lambda j: abs(final.coef[j]))
+    assert names[top] == "planted" and final.coef[1] > 0
+    # no signal: held-out Spearman indistinguishable from 0
+    X0, y0, fam0, pair0, op0 = _planted(signal=0.0, seed=3)
+    v0 = validate("leave one operator out", X0, y0, y0 > 0, op0, fam0, pair0, op0, names, n_boot=300, n_shuffles=5, seed=0)
+    assert v0.spearman_ci[0] < 0.1
+
+
+class _Rec:
+    def __init__(self, run_id, kind, tags, metrics):
+        self.run_id, self.kind, self.tags, self.metrics = run_id, kind, {"kind": kind, **tags}, metrics
+
+    def m(self, k):
+        return float(self.metrics.get(k, float("nan")))
+
+
+def test_the_benchmark_rows_come_from_checkpoint_merges_and_their_pairs_native_runs():
+    from mergescope.forecast.table import FEATURES, benchmark
+
+    feats = {f: 0.1 * i for i, f in enumerate(FEATURES)}
+    pair = {"model_a": "fam@step16", "model_b": "fam@step64", "pair": "fam@step16__fam@step64"}
+    out = {"merge_gain_rest": 0.01, "merge_gain_rest_lo": 0.002, "merge_gain_rest_hi": 0.02, "nll_a": 3.0, "nll_t1": 3.2, "nll": 3.05}
+    recs = [
+        _Rec("m2", "merge", {**pair, "route": "native", "merge": "ties", "cfg_hash": "h2"}, {**out, "merge_gain_rest": -0.03}),
+        _Rec("m1", "merge", {**pair, "route": "native", "merge": "ties", "cfg_hash": "h2"}, out),  # older run of one job
+        _Rec("m3", "merge", {**pair, "route": "native", "merge": "linear", "cfg_hash": "h3"}, out),
+        _Rec("n1", "measure", {**pair, "metric": "native", "cfg_hash": "h1"}, feats),
+        _Rec("x1", "merge", {"model_a": "a", "model_b": "b", "pair": "a__b", "route": "native", "merge": "ties", "cfg_hash": "h4"}, out),
+        _Rec("m4", "merge", {"model_a": "g@step1", "model_b": "g@step2", "pair": "g@step1__g@step2", "route": "native",
+                             "merge": "ties", "cfg_hash": "h5"}, out),  # no native run of its pair: dropped
+    ]
+    b = benchmark(recs)
+    assert b.run_ids == ["m3", "m2"] and b.dropped == 1 and list(b.operator) == ["linear", "ties"]
+    assert b.y.tolist() == [0.01, -0.03] and b.beats.tolist() == [True, True] and list(b.family) == ["fam", "fam"]
+    assert b.X[0].tolist() == [feats[f] for f in FEATURES] and b.avg_gain[0] == pytest.approx(0.05)
+    assert b.digest() != benchmark(recs[1:]).digest()
+
+
+def test_forecast_refuses_an_unknown_feature_and_a_store_without_a_benchmark(compose_cfg):
+    from mergescope.forecast.job import run_forecast
+    from mergescope.forecast.settings import ForecastSettings
+
+    cfg, _ = compose_cfg(["task=forecast", "forecast.features=[weight_cosine,lmc_barrier]"])
+    with pytest.raises(MergescopeError, match="lmc_barrier not allowed.*the linear merge at t = 0.5"):
+        ForecastSettings.from_cfg(cfg)
+    cfg, ov = compose_cfg(["task=forecast", "tracking.experiment=empty"])
+    with pytest.raises(MergescopeError, match="build the merge benchmark first"):
+        run_forecast(cfg, ov)
+    cfg, _ = compose_cfg(["task=forecast", "forecast.pair=zoo-neox-en__zoo-neox-en@step64"])
+    with pytest.raises(MergescopeError, match="<model>@<revision>__<model>@<revision>"):
+        ForecastSettings.from_cfg(cfg)
