@@ -132,9 +132,9 @@ def test_logical_dedupe_keeps_latest_per_job(compose_cfg):
         ids.append(job.run_id)
     st = analysis.load_study(cfg)
     assert [r.run_id for r in st.records] == [ids[1]]
-    from mergescope.represent.report import cka_matrix
+    from mergescope.represent.report import cka_matrix, measures
 
-    M, cell_ids = cka_matrix(st.measures, ["m1", "m2"])
+    M, cell_ids = cka_matrix(measures(st), ["m1", "m2"])
     assert M[1, 0] == 0.4 and M[0, 1] == 0.01 and cell_ids[(1, 0)] == ids[1]
 
 
@@ -147,7 +147,7 @@ def test_one_language_protocol_has_its_own_table_and_native_only_pairs_a_coverag
     from mergescope.analysis.context import Analysis
     from mergescope.analysis.records import Rec, Study
     from mergescope.analysis.sections.models import coverage
-    from mergescope.represent.report import one_language_section
+    from mergescope.represent.report import measures, one_language, one_language_section
 
     def measure(i, la, lb, cka, shuffled, protocol=None):
         tags = {"kind": "measure", "pair": "m1__m2", "model_a": "m1", "model_b": "m2", "metric": "cka", "lang_a": la, "lang_b": lb}
@@ -160,7 +160,7 @@ def test_one_language_protocol_has_its_own_table_and_native_only_pairs_a_coverag
                                "arm": "cross"}, {}, {**routes, "routes.native.scope": "all tensors"})
     study = Study("x", "sqlite://", [measure(1, "por_Latn", "zho_Hans", 0.5, 0.1), measure(2, "eng_Latn", "eng_Latn", 0.8, 0.2, "one_language"),
                                      native])
-    assert [r.run_id for r in study.measures] == ["0" * 31 + "1"] and [r.run_id for r in study.one_language] == ["0" * 31 + "2"]
+    assert [r.run_id for r in measures(study)] == ["0" * 31 + "1"] and [r.run_id for r in one_language(study)] == ["0" * 31 + "2"]
     an = Analysis.of(study)
     pairs = an.pairs
     assert len(pairs) == 1 and pairs[0]["values"]["cka"] == 0.5 and pairs[0]["lang_a"] == "por_Latn"
