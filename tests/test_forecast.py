@@ -131,3 +131,83 @@ def test_forecast_refuses_an_unknown_feature_and_a_store_without_a_benchmark(com
     cfg, _ = compose_cfg(["task=forecast", "forecast.pair=zoo-neox-en__zoo-neox-en@step64"])
     with pytest.raises(MergescopeError, match="<model>@<revision>__<model>@<revision>"):
         ForecastSettings.from_cfg(cfg)
+
+
+def _fabricated_store(cfg, n_fam=4, pairs=4, ops=("linear", "ties", "dare_linear"), seed=0):
+    """A store holding a merge benchmark: per family, checkpoint pairs with a native run (diagnostics) and one merge
+    run per operator whose gain is planted on relative_l2."""
+    from mergescope.forecast.table import FEATURES
+    from mergescope.tracking import Tracker
+
+    rng = np.random.default_rng(seed)
+    tracker = Tracker(cfg)
+    for f in range(n_fam):
+        for p in range(pairs):
+            a, b = f"fam{f}@step{p + 1}", f"fam{f}@step{10 * (p + 2)}"
+            tags = {"model_a": a, "model_b": b, "pair": f"{a}__{b}"}
+            x = {k: float(v) for k, v in zip(FEATURES, rng.normal(size=len(FEATURES)))}
+            with tracker.start(cfg, f"native {a}", {"kind": "measure", "metric": "native", "cfg_hash": f"n{f}{p}", **tags}) as job:
+                job.log_metrics(x)
+            for k, op in enumerate(ops):
+                g = 0.02 * x["relative_l2"] - 0.005 * k + rng.normal(scale=0.003)
+                with tracker.start(cfg, f"merge {op}", {"kind": "merge", "route": "native", "merge": op, "cfg_hash": f"m{f}{p}{k}", **tags}) as job:
+                    job.log_metrics({"merge_gain_rest": g, "merge_gain_rest_lo": g - 0.004, "merge_gain_rest_hi": g + 0.004,
+                                     "nll_a": 3.0, "nll_t1": 3.1, "nll": 3.05 - g})
+
+
+def test_task_forecast_fits_on_the_store_once_and_again_when_a_merge_joins(compose_cfg, capsys):
+    from mergescope.forecast.job import run_forecast
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=forecast", "tracking.experiment=bench", "forecast.n_boot=200", "forecast.n_shuffles=4",
+                           "forecast.min_merges=20"])
+    _fabricated_store(cfg)
+    r = run_forecast(cfg, ov)
+    assert not r.skipped and r.metrics["n_merges"] == 48 and r.metrics["n_families"] == 4
+    assert r.metrics["lofo_spearman"] > 0.8 and r.metrics["lofo_spearman_lo"] > 0.5 and abs(r.metrics["lofo_shuffled_spearman"]) < 0.3
+    assert "held-out Spearman" in capsys.readouterr().err
+    again = run_forecast(cfg, ov)
+    assert again.skipped and again.run_id == r.run_id  # the same merges and settings: the same fit
+    _fabricated_store(cfg, n_fam=5, seed=0)  # a fifth family joins (the first four's runs again, the same cfg_hash)
+    third = run_forecast(cfg, ov)
+    assert not third.skipped and third.metrics["n_families"] == 5
+    client = Tracker(cfg).client
+    exp = client.get_experiment_by_name("bench")
+    fits = client.search_runs([exp.experiment_id], "tags.kind = 'forecast'")
+    assert len(fits) == 2 and all(f.info.status == "FINISHED" for f in fits)
+
+
+def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, capsys):
+    import json
+    from types import SimpleNamespace
+
+    import mergescope.forecast.job as fj
+    from mergescope.forecast.report import section
+    from mergescope.forecast.table import FEATURES
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=forecast", "tracking.experiment=bench2", "forecast.n_boot=200", "forecast.n_shuffles=4",
+                           "forecast.min_merges=20", "forecast.pair=fam9@step1__fam9@step100"])
+    _fabricated_store(cfg)
+    feats = {f: 0.0 for f in FEATURES}
+    feats["relative_l2"] = 2.0  # the planted feature, two sd up: a large forecast gain
+    monkeypatch.setattr(fj, "pair_features", lambda c, o, pair, features: (pair, {f: feats[f] for f in features}))
+    r = fj.run_forecast(cfg, ov)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "fam9@step1__fam9@step100" in line]
+    assert len(lines) == 3 and "relative_l2" in lines[0] and "90% interval" in lines[0]
+    linear = next(line for line in lines if " linear:" in line)
+    value = float(linear.split("expert ")[1].split(" nats")[0])
+    assert 0.02 < value < 0.08  # 0.02 x the feature's raw value, the operator's offset 0
+    # the report section from the run's artifacts
+    client = Tracker(cfg).client
+    texts = {p: client.download_artifacts(r.run_id, p) for p in ("forecast/validation.json", "forecast/predictions.csv")}
+    rec = SimpleNamespace(run_id=r.run_id, m=lambda k: float(r.metrics.get(k, float("nan"))))
+    study = SimpleNamespace(kind=lambda k: [rec] if k == "forecast" else [],
+                            artifact_text=lambda rid, path: open(texts[path]).read())
+    an = SimpleNamespace(study=study, csv={})
+    sec = section(an, "8c")
+    assert sec.title.startswith("8c. What predicts a merge") and "Held out by family" in sec.finding
+    assert [row[0] for row in sec.tables[0].rows][:2] == ["leave one family out", "leave one operator out"]
+    assert sec.tables[0].rows[-1][0].startswith("anchor") and len(sec.tables[-1].rows) == 16  # one row per pair
+    assert json.loads(open(texts["forecast/validation.json"]).read())["final"]["features"][:len(FEATURES)] == list(FEATURES)

@@ -69,7 +69,7 @@ def test_every_arm_gives_the_same_nll_and_bits_per_byte(tok, tmp_path, compose_c
     from mergescope.represent.job import run_quality
     from mergescope.shared_space.job import score_all
     from mergescope.shared_space.routing import pooled
-    from mergescope.transport.job import _Host
+    from mergescope.transport.direction import Host as _Host
 
     n = 12
     folder = tmp_path / "tiny"

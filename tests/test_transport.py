@@ -799,7 +799,7 @@ def test_baseline_hash_is_one_per_target_and_covers_its_adaptation_text(tiny_mod
 
 @pytest.mark.parametrize("extra", [[], ["save=true"], ["merge.alphas=[0.2,0.05]", "merge.headline_alpha=0.2"]])
 def test_the_alpha_hashes_are_those_of_each_alphas_own_config(tiny_models, compose_cfg, extra):
-    """The per-alpha run hashes from one plain copy equal _hash of each alpha's full config (what earlier runs were
+    """The per-alpha run hashes from one plain copy equal job_hash of each alpha's full config (what earlier runs were
     stored under: a changed hash would rerun every transport run)."""
     from mergescope.transport import job as tj
 
@@ -807,7 +807,7 @@ def test_the_alpha_hashes_are_those_of_each_alphas_own_config(tiny_models, compo
     reads = list(tj.sides(job))
     saving = {"save": True} if job.get("save") else {}
     got = tj._alpha_hashes(job, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
-    want = {a: tj._hash("transport", tj._alpha_cfg(job, a), tj.TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha,
+    want = {a: tj.job_hash("transport", tj._alpha_cfg(job, a), tj.TRANSPORT_KEYS, reads, headline_alpha=s.headline_alpha,
                         **saving) for a in s.alphas}
     assert got == want and len(set(got.values())) == len(s.alphas)
 
@@ -1099,7 +1099,7 @@ def test_the_donor_is_streamed_and_never_in_memory_with_the_target(tiny_models, 
         return real_fuse(target, donor_sd, *a, **k)
 
     monkeypatch.setattr(fus, "fuse", spy)
-    d = tj._Direction(cfg, tj.check(cfg)[1], ov, *tj.sides(cfg), tj.texts(cfg, tj.check(cfg)[1], "por_Latn", "eng_Latn"))
+    d = tj.Direction(cfg, tj.check(cfg)[1], ov, *tj.sides(cfg), tj.texts(cfg, tj.check(cfg)[1], "por_Latn", "eng_Latn"))
     fitted = tj._fit(d)
     assert seen["streamed"] and loads == [str(tiny_models["neox_en"]), str(tiny_models["llama_pt"])]
     a, b = fitted.fusion, seen["from_dict"]

@@ -26,7 +26,7 @@ _R = "mergescope.forecast.report"
 ARMS = [Arm(
     "forecast", order=95, uses=("native",), tasks={"forecast": "mergescope.forecast.job:run_forecast"}, settings=("forecast",),
     work={"forecast": _w_none}, phases=(Phase("forecast", _jobs, _text),),
-    report=Report(sections={(85, 0): f"{_R}:section"}, summary={"forecast": "What predicts a merge"},
+    report=Report(sections={(80, 3): f"{_R}:section"}, summary={"forecast": "What predicts a merge"},
                   kinds={"forecast": "the merge forecast fitted and validated on the experiment's merges (held out by "
                                      "family and by operator), with its shuffled-target control"},
                   figures=(("forecast_calibration", "forecast calibration: predicted vs measured gain"),)),

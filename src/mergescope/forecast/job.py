@@ -20,7 +20,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
-from mergescope.forecast.fit import choose_lambda, fit_lasso, validate
+from mergescope.forecast.fit import Lasso, choose_lambda, fit_lasso, validate
 from mergescope.forecast.settings import ForecastSettings
 from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
 
@@ -62,9 +62,11 @@ def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
                     names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
     looo = validate("leave one operator out", bench.X, bench.y, bench.beats, bench.operator, bench.family, bench.pair,
                     bench.operator, list(bench.features), fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+    avg = validate("leave one family out, gain over the endpoints' mean", X, bench.avg_gain, bench.avg_gain > 0, bench.family,
+                   bench.family, bench.pair, bench.operator, names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
     lam = choose_lambda(X, bench.y, bench.family, fs.lambdas)
     final = fit_lasso(X, bench.y, lam, names)
-    return {"lofo": lofo, "looo": looo, "final": final, "names": names}
+    return {"lofo": lofo, "looo": looo, "avg": avg, "final": final, "names": names}
 
 
 def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
@@ -72,11 +74,11 @@ def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
            "n_operators": float(len(set(bench.operator))), "n_dropped": float(bench.dropped),
            "beats_rate": float(bench.beats.mean()), "final_lambda": v["final"].lam,
            "final_nonzero": float((v["final"].coef != 0).sum())}
-    for key in ("lofo", "looo"):
+    for key in ("lofo", "looo", "avg"):
         val = v[key]
         out.update({f"{key}_spearman": val.spearman, f"{key}_spearman_lo": val.spearman_ci[0], f"{key}_spearman_hi": val.spearman_ci[1],
                     f"{key}_auroc": val.auroc, f"{key}_auroc_lo": val.auroc_ci[0], f"{key}_auroc_hi": val.auroc_ci[1],
-                    f"{key}_single_spearman": val.single_spearman, f"{key}_shuffled_spearman": val.shuffled_mean,
+                    f"{key}_single_spearman": val.single_spearman, f"{key}_n_positive": float(val.n_positive), f"{key}_shuffled_spearman": val.shuffled_mean,
                     f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1]})
         for op, (rho, lo, hi, n) in val.by_operator.items():
             out.update({f"{key}_spearman.{op}": rho, f"{key}_spearman_lo.{op}": lo, f"{key}_spearman_hi.{op}": hi})
@@ -114,14 +116,25 @@ def pair_features(cfg: DictConfig, overrides: list[str], pair: str, features: tu
     return pair, {f: float(values[f]) for f in features}
 
 
-def _forecast_pair(cfg: DictConfig, overrides: list[str], fs: ForecastSettings, bench: Benchmark,
-                   v: dict[str, Any]) -> dict[str, Any]:
+def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[Lasso, np.ndarray]:
+    """A finished fit's final model and its held-out residuals (leave one family out), from its artifacts."""
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    client = Tracker(cfg).client
+    fin = json.loads(read_artifact_text(client, run_id, "forecast/validation.json"))["final"]
+    model = Lasso(np.array(fin["coef"]), float(fin["intercept"]), np.array(fin["mu"]), np.array(fin["sd"]), float(fin["lambda"]),
+                  list(fin["features"]))
+    rows = [line.split(",") for line in read_artifact_text(client, run_id, "forecast/predictions.csv").splitlines()[1:] if line]
+    return model, np.array([float(r[4]) - float(r[8]) for r in rows])
+
+
+def _forecast_pair(cfg: DictConfig, overrides: list[str], fs: ForecastSettings, bench: Benchmark, final: Lasso,
+                   resid: np.ndarray) -> dict[str, Any]:
     """The pair's forecast per operator, with the 90% interval of the held-out residuals and the carrying features."""
     label, feats = pair_features(cfg, overrides, str(fs.pair), fs.features)
-    resid = bench.y - v["lofo"].predictions
     resid = resid[np.isfinite(resid)]
     q_lo, q_hi = np.percentile(resid, [5, 95])
-    final, names = v["final"], v["names"]
+    names = final.features
     out = {}
     for op in sorted(set(bench.operator.tolist())):
         x = np.array([feats[f] for f in fs.features] + [1.0 if n == f"operator={op}" else 0.0 for n in names[len(fs.features):]])
@@ -145,7 +158,8 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         v = _validations(bench, fs)
         holder["v"] = v
         job.log_params({"features": list(fs.features), "excluded": EXCLUDED, "target": TARGET, "anchor": ANCHOR})
-        job.log_text(json.dumps({"lofo": v["lofo"].as_dict(), "looo": v["looo"].as_dict(), "final": v["final"].as_dict(),
+        job.log_text(json.dumps({"lofo": v["lofo"].as_dict(), "looo": v["looo"].as_dict(), "avg": v["avg"].as_dict(),
+                                 "final": v["final"].as_dict(),
                                  "excluded": EXCLUDED, "anchor": ANCHOR}, indent=1, default=float), "forecast/validation.json")
         job.log_text(_predictions_csv(bench, v), "forecast/predictions.csv")
         return _metrics(v, bench)
@@ -161,8 +175,11 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
                  f"{m.get('lofo_shuffled_spearman', float('nan')):+.3f}); {m.get('looo_spearman', float('nan')):+.3f} leaving one "
                  f"operator out (run {result.run_id[:8]})", soft_wrap=True)
     if fs.pair is not None:
-        v = holder.get("v") or _validations(bench, fs)  # a reused fit: refitted here (seconds), same numbers
-        f = _forecast_pair(cfg, list(overrides or []), fs, bench, v)
+        if "v" in holder:
+            final, resid = holder["v"]["final"], bench.y - holder["v"]["lofo"].predictions
+        else:  # a reused fit: its final model and held-out residuals as it logged them
+            final, resid = _logged_fit(cfg, result.run_id)
+        f = _forecast_pair(cfg, list(overrides or []), fs, bench, final, resid)
         for op, row in f["forecast"].items():
             carried = ", ".join(f"{k} {c:+.4f}" for k, c in row["carried_by"].items()) or "the intercept alone"
             seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""

@@ -137,7 +137,8 @@ def cka_section(an: Analysis, number: str) -> Section:
     else:
         sec.missing.append("CKA matrix: not measured (no kind=measure metric=cka runs on cross-model pairs)")
     plain_rows = [[m, *["" if np.isnan(M[i, j]) else f"{M[i, j]:.3f}" for j in range(len(models))]] for i, m in enumerate(models)]
-    an.console_tables.append(RTable("Last-layer CKA: lower = matched, upper = shuffled control", ["", *models], plain_rows))
+    if models:  # no pairs: no matrix to print
+        an.console_tables.append(RTable("Last-layer CKA: lower = matched, upper = shuffled control", ["", *models], plain_rows))
     an.csv["tables/cka_matrix.csv"] = csv_text(["", *models], [[m, *["" if np.isnan(v) else f"{v:.6f}" for v in M[i]]]
                                                              for i, m in enumerate(models)])
     return sec

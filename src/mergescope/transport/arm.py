@@ -134,7 +134,7 @@ def run_sweep(plan, jobs: list) -> None:
 
 def _w_transport(c, cfg, w) -> None:
     from mergescope.costs import transport_plans
-    from mergescope.transport.job import sides
+    from mergescope.transport.identity import sides
 
     t_entry, d_entry = sides(cfg)
     st, sd = c.shape(t_entry, w), c.shape(d_entry, w)
