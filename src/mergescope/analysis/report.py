@@ -112,7 +112,7 @@ def _section_markdown(an: Analysis, s) -> list[str]:
     lines = [f"## {s.title}", ""]
     if s.finding:
         lines += [f"**Finding.** {s.finding}", ""]
-    for p in s.text:
+    for p in (t for t in s.text if t != s.finding):  # the finding is said once, above
         lines += [p, ""]
     for t in s.tables:
         lines += table_markdown(t)

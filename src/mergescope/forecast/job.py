@@ -26,6 +26,7 @@ from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
 
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
 
+EVIDENCE = 2  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read)
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 
@@ -166,7 +167,7 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
 
     spec = JobSpec(f"forecast on {len(bench)} merges", {"kind": "forecast", "route": "native"}, task="forecast",
                    keys=["forecast.features", "forecast.lambdas", "forecast.n_boot", "forecast.n_shuffles", "forecast.seed"],
-                   extra={"benchmark": bench.digest()})
+                   extra={"benchmark": bench.digest(), "evidence": EVIDENCE})
     result = run_once(cfg, spec, body, overrides)
     m = result.metrics
     status.print(f"forecast on {int(m.get('n_merges', len(bench)))} merges of {int(m.get('n_families', 0))} families: held-out "
