@@ -155,6 +155,18 @@ def test_no_arm_imports_another_arm_it_does_not_declare_and_nothing_above_import
                 bad.append(f"{'/'.join(rel)} imports {m}")  # above the arms: the registry only
     assert not bad, bad
     assert uses["shared_space"] == {"represent"} and uses["native"] == {"represent"} and not uses["adapt"] | uses["transport"]
+    assert uses["forecast"] == {"native"}
+
+
+def test_an_arm_runs_after_the_arms_it_uses(tmp_path, monkeypatch):
+    """Phases run in a declared dependency order: an arm of lower order than one it uses is refused at the scan."""
+    from mergescope.arm import EXTRA_ENV, arms
+
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "arm.py").write_text("from mergescope.arm import Arm\nARMS = [Arm('early', order=5, uses=('represent',))]\n")
+    monkeypatch.setenv(EXTRA_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="arm 'early' \\(order 5\\) uses representation, which run no earlier"):
+        arms()
 
 
 @pytest.mark.parametrize("arm_folder", ["adapt", "transport", "shared_space"])

@@ -154,6 +154,11 @@ def arms() -> tuple[Arm, ...]:
         dup = next((n for n in names if names.count(n) > 1), None) or next((t for t in tasks if tasks.count(t) > 1), None)
         if dup is not None:
             raise RuntimeError(f"two arms declare {dup!r} (arm.py files: {', '.join(map(str, files))})")
+        for a in found:  # a phase runs after the arms whose packages it reads (their results exist by then)
+            late = [b.name for b in found if _FOLDER[b.name].name in a.uses and b.order >= a.order]
+            if late:
+                raise RuntimeError(f"arm {a.name!r} (order {a.order}) uses {', '.join(late)}, which run no earlier: give "
+                                   f"{a.name!r} a larger order")
         _LOADED[key] = tuple(sorted(found, key=lambda a: (a.order, a.name)))
     return _LOADED[key]
 
