@@ -131,6 +131,9 @@ def test_forecast_refuses_an_unknown_feature_and_a_store_without_a_benchmark(com
     cfg, _ = compose_cfg(["task=forecast", "forecast.pair=zoo-neox-en__zoo-neox-en@step64"])
     with pytest.raises(MergescopeError, match="<model>@<revision>__<model>@<revision>"):
         ForecastSettings.from_cfg(cfg)
+    cfg, _ = compose_cfg(["task=forecast", "forecast.pair=zoo-neox-em@step1__zoo-neox-en@step64"])
+    with pytest.raises(MergescopeError, match="unknown model 'zoo-neox-em'.*zoo-neox-en"):
+        ForecastSettings.from_cfg(cfg)
 
 
 def _fabricated_store(cfg, n_fam=4, pairs=4, ops=("linear", "ties", "dare_linear"), seed=0):
@@ -187,14 +190,14 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
     from mergescope.tracking import Tracker
 
     cfg, ov = compose_cfg(["task=forecast", "tracking.experiment=bench2", "forecast.n_boot=200", "forecast.n_shuffles=4",
-                           "forecast.min_merges=20", "forecast.pair=fam9@step1__fam9@step100"])
+                           "forecast.min_merges=20", "forecast.pair=zoo-neox-en@step1__zoo-neox-en@step100"])
     _fabricated_store(cfg)
     feats = {f: 0.0 for f in FEATURES}
     feats["relative_l2"] = 2.0  # the planted feature, two sd up: a large forecast gain
     monkeypatch.setattr(fj, "pair_features", lambda c, o, pair, features: (pair, {f: feats[f] for f in features}))
     r = fj.run_forecast(cfg, ov)
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "fam9@step1__fam9@step100" in line]
+    lines = [line for line in err.splitlines() if "zoo-neox-en@step1__zoo-neox-en@step100" in line]
     assert len(lines) == 3 and "relative_l2" in lines[0] and "90% interval" in lines[0]
     linear = next(line for line in lines if " linear:" in line)
     value = float(linear.split("expert ")[1].split(" nats")[0])

@@ -129,10 +129,9 @@ def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[Lasso, np.ndarray]:
     return model, np.array([float(r[4]) - float(r[8]) for r in rows])
 
 
-def _forecast_pair(cfg: DictConfig, overrides: list[str], fs: ForecastSettings, bench: Benchmark, final: Lasso,
+def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, bench: Benchmark, final: Lasso,
                    resid: np.ndarray) -> dict[str, Any]:
     """The pair's forecast per operator, with the 90% interval of the held-out residuals and the carrying features."""
-    label, feats = pair_features(cfg, overrides, str(fs.pair), fs.features)
     resid = resid[np.isfinite(resid)]
     q_lo, q_hi = np.percentile(resid, [5, 95])
     names = final.features
@@ -153,6 +152,8 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
 
     fs = ForecastSettings.from_cfg(cfg)
     bench = load_benchmark(cfg, fs)  # too few merges: one line, no run
+    # the pair's diagnostics before any fit: a revision it lacks is one line, and nothing has run
+    pair = pair_features(cfg, list(overrides or []), str(fs.pair), fs.features) if fs.pair is not None else None
     holder: dict[str, Any] = {}
 
     def body(job) -> dict[str, float]:
@@ -180,7 +181,7 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
             final, resid = holder["v"]["final"], bench.y - holder["v"]["lofo"].predictions
         else:  # a reused fit: its final model and held-out residuals as it logged them
             final, resid = _logged_fit(cfg, result.run_id)
-        f = _forecast_pair(cfg, list(overrides or []), fs, bench, final, resid)
+        f = _forecast_pair(*pair, fs, bench, final, resid)
         for op, row in f["forecast"].items():
             carried = ", ".join(f"{k} {c:+.4f}" for k, c in row["carried_by"].items()) or "the intercept alone"
             seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""

@@ -49,3 +49,12 @@ class ForecastSettings(ArmSettings):
         if self.pair is not None and ("__" not in self.pair or self.pair.count("@") != 2):
             raise MergescopeError(f"forecast.pair={self.pair!r}: give two checkpoints as <model>@<revision>__<model>@<revision> "
                                   "(e.g. zoo-neox-en@step32__zoo-neox-en@step300)")
+        if self.pair is not None:
+            from mergescope.config import conf_options
+            from mergescope.errors import did_you_mean
+
+            known = conf_options("model")
+            for side in self.pair.split("__"):
+                name = side.split("@", 1)[0]
+                if name not in known:
+                    raise MergescopeError(f"forecast.pair: unknown model {name!r} (a conf/model entry): {did_you_mean(name, known)}")
