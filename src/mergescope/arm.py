@@ -131,15 +131,16 @@ def _files() -> list[Path]:
     return [f for r in [PACKAGE, *extra_roots()] for f in sorted(r.glob("*/arm.py"))]
 
 
-_LOADED: dict[tuple[str, ...], tuple[Arm, ...]] = {}
+_LOADED: dict[str, tuple[Arm, ...]] = {}  # MERGESCOPE_ARM_PATH -> its arms
 _FOLDER: dict[str, Path] = {}  # arm name -> its package folder
 
 
 def arms() -> tuple[Arm, ...]:
-    """The declared arms, by ``order`` (then name); two arms of one name, or two declaring one task, are an error."""
-    files = _files()
-    key = tuple(map(str, files))
+    """The declared arms, by ``order`` (then name); two arms of one name, or two declaring one task, are an error. Read
+    once per value of ``MERGESCOPE_ARM_PATH`` (the report asks for them once per run it reads)."""
+    key = os.environ.get(EXTRA_ENV, "")
     if key not in _LOADED:
+        files = _files()
         found: list[Arm] = []
         for f in files:
             spec = importlib.util.spec_from_file_location(f"mergescope_arms.{f.parent.name}", f)

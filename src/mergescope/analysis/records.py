@@ -94,10 +94,16 @@ def logical_key(r: Rec) -> tuple | None:
     return None if fn is None else fn(r)
 
 
+_KEYS: dict[int, dict[str, Any]] = {}  # id of the arms' tuple -> run kind -> its logical-key function
+
+
 def _logical_keys() -> dict[str, Any]:
     from mergescope.arm import arms, target
 
-    return {kind: target(spec) for a in arms() for kind, spec in a.report.logical_keys.items()}
+    declared = arms()
+    if id(declared) not in _KEYS:
+        _KEYS[id(declared)] = {kind: target(spec) for a in declared for kind, spec in a.report.logical_keys.items()}
+    return _KEYS[id(declared)]
 
 
 @dataclass
