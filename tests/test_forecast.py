@@ -214,3 +214,7 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
     assert [row[0] for row in sec.tables[0].rows][:2] == ["leave one family out", "leave one operator out"]
     assert sec.tables[0].rows[-1][0].startswith("anchor") and len(sec.tables[-1].rows) == 16  # one row per pair
     assert json.loads(open(texts["forecast/validation.json"]).read())["final"]["features"][:len(FEATURES)] == list(FEATURES)
+    from mergescope.forecast.report import _auroc  # too few merges of one outcome: no AUROC read
+
+    assert _auroc({"n_positive": 3, "n": 300, "auroc": 0.9, "auroc_ci": (0.8, 0.95)}).startswith("not read: 3 of 300")
+    assert _auroc({"n_positive": 30, "n": 300, "auroc": 0.9, "auroc_ci": (0.8, 0.95)}) == "+0.900 [+0.800, +0.950]"

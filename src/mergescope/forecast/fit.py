@@ -144,7 +144,7 @@ def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMB
     return float(best)
 
 
-def best_feature(X: np.ndarray, y: np.ndarray, features: list[str]) -> tuple[int, float]:
+def best_feature(X: np.ndarray, y: np.ndarray) -> tuple[int, float]:
     """The single feature with the largest |Spearman| against ``y`` on these rows, and its sign."""
     rhos = [spearman(X[:, j], y) for j in range(X.shape[1])]
     j = int(np.nanargmax(np.abs(np.nan_to_num(rhos, nan=0.0))))
@@ -164,7 +164,7 @@ def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.
             continue
         lam = choose_lambda(X[train], y[train], inner[train], lambdas)
         pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
-        j, s = best_feature(X[train], y[train], features)
+        j, s = best_feature(X[train], y[train])
         base[test] = s * X[test, j]
     return {"lasso": pred, "single": base}
 
@@ -201,8 +201,7 @@ class Validation:
     n_positive: int = 0  # rows with the binary outcome (AUROC needs enough of both kinds: MIN_CLASS)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "predictions"}
-        return d
+        return {k: v for k, v in self.__dict__.items() if k != "predictions"}
 
 
 def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, groups: np.ndarray, inner: np.ndarray,
@@ -210,7 +209,8 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
              seed: int = 0, lambdas=LAMBDAS) -> Validation:
     """Leave each of ``groups`` out in turn; pooled held-out Spearman (and per operator), AUROC of the prediction for
     ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval; the shuffled-target control
-    (the targets permuted over the training rows, ``n_shuffles`` times: its held-out Spearman must sit near 0)."""
+    (the targets permuted over every row, ``n_shuffles`` times, the same leave-group-out fits made on them, their
+    held-out predictions scored against the true targets: must sit near 0)."""
     held = leave_group_out(X, y, groups, inner, features, lambdas)
     pred = held["lasso"]
     ok = np.isfinite(pred)

@@ -13,6 +13,8 @@ conformal: their 5th and 95th percentiles), and the diagnostics that carry it.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from typing import Any
 
@@ -48,17 +50,15 @@ def load_benchmark(cfg: DictConfig, fs: ForecastSettings) -> Benchmark:
     return bench
 
 
-def _design(bench: Benchmark, operators: bool) -> tuple[np.ndarray, list[str]]:
-    """The features, and (``operators``) one indicator column per operator but the first (the pooled model)."""
-    if not operators:
-        return bench.X, list(bench.features)
+def _design(bench: Benchmark) -> tuple[np.ndarray, list[str]]:
+    """The pooled model's columns: the features, and one indicator per operator but the first."""
     ops = sorted(set(bench.operator.tolist()))
     dummies = np.stack([(bench.operator == o).astype(np.float64) for o in ops[1:]], axis=1) if len(ops) > 1 else np.zeros((len(bench), 0))
     return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
 
 
 def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
-    X, names = _design(bench, operators=True)
+    X, names = _design(bench)
     lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
                     names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
     looo = validate("leave one operator out", bench.X, bench.y, bench.beats, bench.operator, bench.family, bench.pair,
@@ -83,7 +83,7 @@ def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
                     f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1]})
         for op, (rho, lo, hi, n) in val.by_operator.items():
             out.update({f"{key}_spearman.{op}": rho, f"{key}_spearman_lo.{op}": lo, f"{key}_spearman_hi.{op}": hi})
-    return {k: float(x) for k, x in out.items() if x is not None}
+    return {k: float(x) for k, x in out.items()}
 
 
 def _predictions_csv(bench: Benchmark, v: dict[str, Any]) -> str:
@@ -125,8 +125,8 @@ def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[Lasso, np.ndarray]:
     fin = json.loads(read_artifact_text(client, run_id, "forecast/validation.json"))["final"]
     model = Lasso(np.array(fin["coef"]), float(fin["intercept"]), np.array(fin["mu"]), np.array(fin["sd"]), float(fin["lambda"]),
                   list(fin["features"]))
-    rows = [line.split(",") for line in read_artifact_text(client, run_id, "forecast/predictions.csv").splitlines()[1:] if line]
-    return model, np.array([float(r[4]) - float(r[8]) for r in rows])
+    rows = csv.DictReader(io.StringIO(read_artifact_text(client, run_id, "forecast/predictions.csv")))
+    return model, np.array([float(r[TARGET]) - float(r["predicted_lofo"]) for r in rows])
 
 
 def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, bench: Benchmark, final: Lasso,
@@ -142,7 +142,7 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
                    "carried_by": dict(list(final.contributions(x).items())[:3])}
     measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
-    return {"pair": label, "features": feats, "forecast": out, "in_benchmark": bool(measured), "measured": measured}
+    return {"pair": label, "forecast": out, "measured": measured}
 
 
 def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
@@ -187,5 +187,4 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
             seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""
             status.print(f"  {f['pair']} {op}: forecast gain over the better expert {row['predicted']:+.4f} nats/token, 90% "
                          f"interval [{row['lo']:+.4f}, {row['hi']:+.4f}] (carried by {carried}){seen}", soft_wrap=True)
-        holder["pair"] = f
     return result

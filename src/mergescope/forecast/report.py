@@ -4,12 +4,15 @@ forecast of each pair's merges beside what they measured."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.forecast.fit import MIN_CLASS
+from mergescope.forecast.table import TARGET
 from mergescope.plotting import pyplot
 
 __all__ = ["section"]
@@ -103,14 +106,13 @@ def section(an: Analysis, number: str) -> Section | None:
         sec.add_figure("forecast_calibration", "forecast calibration: predicted vs measured gain", lambda: _calibration_figure(cal))
     pred = an.study.artifact_text(r.run_id, "forecast/predictions.csv")
     if pred:
-        rows = [line.split(",") for line in pred.splitlines()[1:] if line]
         by_pair: dict[str, list] = {}
-        for row in rows:
-            by_pair.setdefault(row[1], []).append(row)
+        for row in csv.DictReader(io.StringIO(pred)):
+            by_pair.setdefault(row["pair"], []).append(row)
         sec.tables.append(RTable("Each pair: its held-out forecast (leave one family out) beside what its merges measured, mean over operators",
                                  ["pair", "merges", "forecast", "measured", "beat both experts"],
-                                 [[p, str(len(rs)), f"{sum(float(x[8]) for x in rs) / len(rs):+.4f}",
-                                   f"{sum(float(x[4]) for x in rs) / len(rs):+.4f}", f"{sum(int(x[7]) for x in rs)}/{len(rs)}"]
+                                 [[p, str(len(rs)), f"{sum(float(x['predicted_lofo']) for x in rs) / len(rs):+.4f}",
+                                   f"{sum(float(x[TARGET]) for x in rs) / len(rs):+.4f}", f"{sum(int(x['beats']) for x in rs)}/{len(rs)}"]
                                   for p, rs in by_pair.items()]))
         an.csv["tables/forecast_predictions.csv"] = pred
     return sec

@@ -69,7 +69,7 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
     seen, merges, natives = set(), [], {}
     for r in recs:
         h = r.tags.get("cfg_hash")
-        if h in seen:
+        if h is not None and h in seen:
             continue
         seen.add(h)
         a, b = str(r.tags.get("model_a", "")), str(r.tags.get("model_b", "?"))

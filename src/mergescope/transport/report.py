@@ -1,4 +1,6 @@
-"""Section 7: transport-based cross-architecture fusion for every direction and alpha, with its shuffled-plan
+"""The transport arm in the report: its columns of the pair rows (both directions' deltas at the headline alpha, the
+post-fusion adaptation effect) and its table of the pair matrix, its coverage cell, its row beside the seed reports,
+and section 7: transport-based cross-architecture fusion for every direction and alpha, with its shuffled-plan
 control, then post-fusion fine-tuning."""
 
 from __future__ import annotations
