@@ -296,6 +296,51 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
     assert "tv_cosine" not in r2.metrics and "nll_base_por_Latn" not in r2.metrics
 
 
+def test_outcome_both_scores_a_merge_on_both_experts_languages(tiny_models, compose_cfg):
+    """native.outcome=both (two experts of different languages: does the merge serve both?): the LMC ends and every
+    merge are scored on the host's first N sentences followed by model b's language's first N, each pooled over tokens
+    (checked against one plain forward per sentence); a parallel article's sentences in the two languages are one
+    document of the paired interval; the runs carry outcome=both and the base (the fine-tune family); another value is
+    one line."""
+    import csv
+    import io
+
+    from mergescope import data as data_mod
+    from mergescope.native.job import run_native
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    root = tiny_models["neox_en"]
+    base = f"{{name:base,name_or_path:'{root}',lang:eng_Latn,dtype:float32}}"
+    pair = ["task=native", "pair=custom", f"pair.a.name_or_path={root / 'step1'}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={root / 'step2'}", "pair.b.lang=por_Latn", "native.merges=[linear]",
+            "native.lmc_points=3", f"native.nll_sentences={N}", f"native.base={base}"]
+    cfg, ov = compose_cfg([*pair, "+native.outcome=both"])
+    r = run_native(cfg, ov)
+    from transformers import AutoModelForCausalLM
+
+    sds = {k: AutoModelForCausalLM.from_pretrained(p).state_dict() for k, p in (("a", root / "step1"), ("b", root / "step2"))}
+    both = list(data_mod.load_side(cfg.data, "eng_Latn").sentences[:N]) + list(data_mod.load_side(cfg.data, "por_Latn").sentences[:N])
+    assert r.metrics["n_sentences"] == 2 * N
+    assert r.metrics["nll_a"] == pytest.approx(outside_nll(sds["a"], root / "step1", both), rel=1e-5)
+    assert r.metrics["nll_t1"] == pytest.approx(outside_nll(sds["b"], root / "step1", both), rel=1e-5)
+    (merge,) = [x for x in runs(Path(cfg.paths.root)) if x.data.tags["kind"] == "merge"]
+    mid = {k: (sds["a"][k] + sds["b"][k]) / 2 for k in sds["a"]}
+    assert merge.data.metrics["nll"] == pytest.approx(outside_nll(mid, root / "step1", both), rel=1e-5)
+    assert merge.data.tags["outcome"] == "both" and merge.data.tags["base"] == "base"
+    assert r.metrics and runs(Path(cfg.paths.root))[0].data.tags.get("outcome") == "both"
+    rows = list(csv.DictReader(io.StringIO(read_artifact_text(Tracker(cfg).client, merge.info.run_id, "scores/sentences.csv"))))
+    docs = [x["document"] for x in rows if x["arm"] == "a"]
+    assert len(docs) == 2 * N and docs[:N] == docs[N:] and len(set(docs)) < N  # the same articles, in both languages
+    # the host's language alone is another job (another number)
+    cfg2, ov2 = compose_cfg(pair)
+    r2 = run_native(cfg2, ov2)
+    assert r2.run_id != r.run_id and r2.metrics["n_sentences"] == N
+    assert r2.metrics["nll_a"] == pytest.approx(outside_nll(sds["a"], root / "step1", both[:N]), rel=1e-5)
+    cfg3, ov3 = compose_cfg([*pair, "+native.outcome=all"])
+    with pytest.raises(MergescopeError, match=r"native.outcome='all': one of host, both"):
+        run_native(cfg3, ov3)
+
+
 def test_merge_gain_carries_its_paired_interval_recomputed_from_the_sentences(tiny_models, compose_cfg):
     """Every merge run keeps its endpoints' and the merge's per-sentence scores; merge_gain (better endpoint minus
     merge) in both scopes and its interval by FLORES article equal what the logged sentences give; the native run

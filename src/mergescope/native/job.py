@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.merge import resolve_preset
-from mergescope.native.merges import EVIDENCE, merge_configs, preset_config, run_merge
+from mergescope.native.merges import EVIDENCE, merge_configs, outcome_tags, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
@@ -161,7 +161,7 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         return values
 
     tags = {"kind": "measure", "metric": "native", "route": "native", **pair_tags(cfg), "seed": cfg.seed,
-            "arm": "checkpoint" if same_run(cfg) else "cross-model", "transplant": transplant_tag(cfg)}
+            "arm": "checkpoint" if same_run(cfg) else "cross-model", "transplant": transplant_tag(cfg), **outcome_tags(cfg)}
     data_aware = any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") for n in ns.merges)
     return run_once(cfg, JobSpec(f"native {pair_text(cfg)}", tags, task="native",
                                  keys=NATIVE_KEYS + (STATS_KEYS if data_aware else []), reads=refs, extra=hash_extra(cfg),

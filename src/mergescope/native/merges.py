@@ -15,7 +15,8 @@ from mergescope.merge.presets import TRANSPORT_HINT, preset_config  # noqa: F401
 from mergescope.scoring.bpb import Scores
 from mergescope.evidence import gain_over_best, sentence_csv
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
-                                    nll_documents, nll_langs, nll_sentences, no_base_reason, select_sentences)
+                                    nll_documents, nll_langs, nll_sentences, no_base_reason, outcome_langs, same_run,
+                                    select_sentences)
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS, check_stats, pair_stats
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
@@ -25,6 +26,21 @@ MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "n
 EVIDENCE = 1
 """In every merge's and native run's identity: 1 = per-sentence scores kept, merge_gain with its paired interval and the
 first token apart (runs recorded before have none, so they run again)."""
+
+def outcome_part(cfg: DictConfig) -> dict[str, str]:
+    """``native.outcome`` in a merge's identity when it is not the host's language alone (unset: earlier hashes kept)."""
+    return {"outcome": "both"} if len(outcome_langs(cfg)) > 1 else {}
+
+
+def outcome_tags(cfg: DictConfig) -> dict[str, str]:
+    """The run tags of a merge's or native run's outcome: ``outcome`` (both) and ``base`` (a pretrained base given as a
+    model entry: the family of a fine-tune pair)."""
+    from mergescope.runs import model_label
+
+    be = base_entry(cfg)
+    fam = {"base": model_label(be)} if be is not None and not same_run(cfg) else {}
+    return {**({"outcome": "both"} if len(outcome_langs(cfg)) > 1 else {}), **fam}
+
 
 def with_mix(merge_cfg: DictConfig, mix: float) -> DictConfig:
     """Set the weight of model b: ``t`` for interpolating operators, ``weights`` = [1-w, w] otherwise; nothing for an
@@ -177,8 +193,9 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     ts = NativeSettings.from_cfg(cfg).transplant_settings()
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None,
-            "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}"}
+            "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}", **outcome_tags(cfg)}
     extra = {"evidence": EVIDENCE, **({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
+             **outcome_part(cfg),
              **({"transplant": asdict(ts)} if ts is not None else {}),
              **({"gram": GRAM_RULE} if entry.meta.get("needs_stats") == "gram" else {})}
     res = run_once(cfg, JobSpec(f"merge {cfg.merge.name} {pair_text(cfg)}", tags, task="merge", keys=merge_keys(entry),

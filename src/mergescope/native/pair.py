@@ -95,7 +95,7 @@ def check_pair(cfg: DictConfig) -> tuple[models.ModelRef, ...]:
             f"the native route is undefined for {pair_label(cfg)}: {native['blocked_by']}; "
             "weight-space operators need a shared parameter space (use the transport or adapt route)"
         )
-    for lang in [str(cfg.pair.a.lang), *nll_langs(cfg)]:  # every language it scores on is in the data
+    for lang in [*outcome_langs(cfg), *nll_langs(cfg)]:  # every language it scores on is in the data
         data_mod.load_side(cfg.data, lang)
     if (ts := NativeSettings.from_cfg(cfg).transplant_settings()) is not None:  # the target vocabulary can be built
         from mergescope.native.transplant import pair_targets
@@ -170,13 +170,27 @@ class Loaded:
             sd[n].copy_(((1 - t) * a + t * b).to(sd[n].device, sd[n].dtype))
 
 
+def outcome_langs(cfg: DictConfig) -> list[str]:
+    """The languages a merge is scored on, in order: the host's, and model b's too under ``native.outcome=both`` when it
+    differs (each contributes its first ``native.nll_sentences`` sentences)."""
+    a, b = str(cfg.pair.a.lang), str(cfg.pair.b.lang)
+    return [a, b] if NativeSettings.from_cfg(cfg).outcome == "both" and b != a else [a]
+
+
+def _outcome_sentences(data_cfg, cfg: DictConfig) -> tuple[str, ...]:
+    ns = NativeSettings.from_cfg(cfg)
+    return tuple(s for lang in outcome_langs(cfg) for s in ns.sentences(data_mod.load_side(data_cfg, lang).sentences))
+
+
 def nll_sentences(cfg: DictConfig) -> tuple[str, ...]:
-    side = data_mod.load_side(cfg.data, str(cfg.pair.a.lang))
-    return NativeSettings.from_cfg(cfg).sentences(side.sentences)
+    """What the LMC curve and every merge are scored on: the host's first ``native.nll_sentences`` sentences (and, under
+    ``native.outcome=both``, model b's language's after them)."""
+    return _outcome_sentences(cfg.data, cfg)
 
 
 def select_sentences(cfg: DictConfig) -> tuple[str, ...] | None:
-    """The host language's first ``native.nll_sentences`` sentences of ``native.select_split``: what the native run
+    """The host language's first ``native.nll_sentences`` sentences of ``native.select_split`` (and model b's under
+    ``native.outcome=both``, as :func:`nll_sentences`): what the native run
     chooses the operator behind its ``merge_gain`` on, never the reported sentences. None when the split is unset or
     shares lines with ``data.split`` (nothing is chosen then; the native job refuses that case before any run)."""
     ns = NativeSettings.from_cfg(cfg)
@@ -184,7 +198,7 @@ def select_sentences(cfg: DictConfig) -> tuple[str, ...] | None:
         return None
     c = plain_copy(cfg.data)
     c.split = ns.select_split
-    return ns.sentences(data_mod.load_side(c, str(cfg.pair.a.lang)).sentences)
+    return _outcome_sentences(c, cfg)
 
 
 def nll_langs(cfg: DictConfig) -> list[str]:
@@ -237,8 +251,19 @@ def host_nll(cfg: DictConfig, loaded: Loaded, sentences, label: str) -> float:
 
 
 def nll_documents(cfg: DictConfig) -> tuple[list[str] | None, str]:
-    """The documents (FLORES articles) of :func:`nll_sentences`, what a merge's paired interval resamples."""
-    return documents(cfg.data, str(cfg.pair.a.lang), len(nll_sentences(cfg)))
+    """The documents (FLORES articles) of :func:`nll_sentences`, what a merge's paired interval resamples. Under
+    ``native.outcome=both`` a parallel article's sentences in the two languages are one document (resampled together:
+    they say the same thing)."""
+    ns = NativeSettings.from_cfg(cfg)
+    out: list[str] = []
+    what = "sentence"
+    for lang in outcome_langs(cfg):
+        n = len(ns.sentences(data_mod.load_side(cfg.data, lang).sentences))
+        ids, what = documents(cfg.data, lang, n)
+        if ids is None:
+            return None, "sentence"
+        out += ids
+    return out, what
 
 
 def lmc_grid(n: int) -> np.ndarray:

@@ -16,6 +16,10 @@ from mergescope.settings import ArmSettings
 __all__ = ["NativeSettings", "CheckpointSettings", "TransplantSettings"]
 
 TRANSPLANT_TOKENIZERS = ("a", "b", "union")
+OUTCOMES = ("host", "both")
+"""``native.outcome``: ``host`` = the LMC curve and every merge scored on the host's language (model a's); ``both`` = on
+the first ``nll_sentences`` of the host's language followed by as many of model b's (two experts of different languages:
+does the merge serve both?). Absent: host, and every earlier identity unchanged."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class NativeSettings(ArmSettings):
     lmc_points: int = 11
     nll_sentences: int | None = None  # null = every sentence
     nll_langs: tuple[str, ...] = ()   # languages every merged model is also scored on, beside the host's
+    outcome: str = "host"             # what a merge is scored on: the host's language (host), or both sides' (both)
     merges: tuple[str, ...] = ()
     mix: tuple[float, ...] = (0.5,)
     density: float = 0.2
@@ -91,6 +96,9 @@ class NativeSettings(ArmSettings):
             raise MergescopeError(f"native.density must be in (0, 1] (the TIES trim of the sign-agreement diagnostic), got {self.density}")
         if self.merge_seeds < 1:
             raise MergescopeError(f"native.merge_seeds must be at least 1, got {self.merge_seeds}")
+        if self.outcome not in OUTCOMES:
+            raise MergescopeError(f"native.outcome={self.outcome!r}: one of {', '.join(OUTCOMES)} (host: a merge is scored on "
+                                  "the host's language; both: on the host's and model b's, two experts' union)")
 
     def select_overlap(self, cfg: DictConfig) -> str | None:
         """Why ``select_split`` may share sentences with the scored ``data.split`` (None: it shares none, or is unset)."""
