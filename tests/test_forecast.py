@@ -116,6 +116,67 @@ def test_the_benchmark_rows_come_from_checkpoint_merges_and_their_pairs_native_r
     assert b.y.tolist() == [0.01, -0.03] and b.beats.tolist() == [True, True] and list(b.family) == ["fam", "fam"]
     assert b.X[0].tolist() == [feats[f] for f in FEATURES] and b.avg_gain[0] == pytest.approx(0.05)
     assert b.digest() != benchmark(recs[1:]).digest()
+    assert list(b.route) == ["checkpoint", "checkpoint"]
+    # a fine-tune pair (two experts of one base: the base tag) is a row of the base's family, route fine-tune; two
+    # separately trained models (x1, no base) are still no row
+    ft = {"model_a": "ex-ita@step25", "model_b": "ex-por", "pair": "ex-ita@step25__ex-por", "base": "multi", "outcome": "both"}
+    recs += [_Rec("f1", "merge", {**ft, "route": "native", "merge": "ties", "cfg_hash": "h6"}, out),
+             _Rec("f0", "measure", {**ft, "metric": "native", "cfg_hash": "h7"}, feats)]
+    b2 = benchmark(recs)
+    assert b2.run_ids == ["m3", "m2", "f1"] and list(b2.family) == ["fam", "fam", "multi"] and b2.dropped == 1
+    assert list(b2.route) == ["checkpoint", "checkpoint", "fine-tune"] and b2.native_ids[-1] == "f0"
+
+
+def test_held_out_scores_are_also_read_within_each_route():
+    """With two routes the pooled held-out predictions are read within each: a route whose gains the features rank
+    keeps its Spearman; one where they are noise sits near 0 (the pooled number alone would hide it)."""
+    X, y, fam, pair, op = _planted(n_fam=6, pairs=12)
+    route = np.where(np.isin(fam, ["fam0", "fam1", "fam2"]), "checkpoint", "fine-tune").astype(object)
+    noise = np.random.default_rng(5).normal(scale=0.03, size=len(y))
+    y2 = np.where(route == "fine-tune", noise, y)
+    v = validate("leave one family out", X, y2, y2 > 0, fam, fam, pair, op, ["a", "planted", "c", "d"], n_boot=200,
+                 n_shuffles=3, seed=0, routes=route)
+    assert set(v.by_route) == {"checkpoint", "fine-tune"}
+    assert v.by_route["checkpoint"][0] > 0.6 and abs(v.by_route["fine-tune"][0]) < 0.2
+    assert v.by_route["checkpoint"][3] + v.by_route["fine-tune"][3] == v.n
+    assert validate("x", X, y, y > 0, fam, fam, pair, op, ["a", "b", "c", "d"], n_boot=50, n_shuffles=1).by_route == {}
+
+
+def test_fine_tunes_train_after_their_base_and_the_families_make_their_pairs(compose_cfg):
+    """study=forecast: a fine-tune whose zoo.init_from is another training job's folder waits for it (a second wave);
+    every two experts of a family at every two revisions are one native job with the family's base as native.base
+    and the family's overrides; an unknown key or model in forecast.families is one line."""
+    from mergescope.forecast.arm import family_pairs
+    from mergescope.forecast.settings import ForecastSettings
+    from mergescope.jobs import job
+    from mergescope.study import training_waves
+
+    base, _ = compose_cfg([])
+    jobs = [job("train", ["model=zoo-multi-llama-ita"]), job("train", ["model=zoo-multi-llama"]),
+            job("train", ["model=zoo-neox-en"]), job("train", ["model=zoo-multi-llama-por"])]
+    waves = training_waves(jobs)
+    assert [[j.cfg.model.name for j in w] for w in waves] == [["zoo-multi-llama", "zoo-neox-en"],
+                                                              ["zoo-multi-llama-ita", "zoo-multi-llama-por"]]
+    assert [[j.cfg.model.name for j in w] for w in training_waves(jobs[:1])] == [["zoo-multi-llama-ita"]]  # base trained
+    from types import SimpleNamespace
+
+    fam = {"base": "zoo-multi-neox", "experts": ["zoo-multi-neox-ita", "zoo-multi-neox-por", "zoo-multi-neox-pol"],
+           "revisions": ["step25", "main"]}
+    cfg, _ = compose_cfg([f"+forecast.families=[{{base:{fam['base']},experts:[{','.join(fam['experts'])}],revisions:[step25,main]}}]",
+                          "forecast.family_overrides=['+native.outcome=both']"])
+    plan = SimpleNamespace(cfg=cfg, arms=["forecast"], base=[f"+forecast.families=[{{base:{fam['base']},experts:[{','.join(fam['experts'])}],"
+                                                               "revisions:[step25,main]}]", "forecast.family_overrides=['+native.outcome=both']"])
+    pairs = family_pairs(plan)
+    assert len(pairs) == 3 * 4  # 3 expert pairs x 2 x 2 revisions
+    j = pairs[0].cfg
+    assert (j.pair.a.name, j.pair.a.revision, j.pair.b.name, j.pair.b.revision) == ("zoo-multi-neox-ita", "step25", "zoo-multi-neox-por", "step25")
+    assert j.native.base.name == "zoo-multi-neox" and j.native.outcome == "both" and j.task.name == "native"
+    assert {(p.cfg.pair.a.revision, p.cfg.pair.b.revision) for p in pairs} == {("step25", "step25"), ("step25", None),
+                                                                               (None, "step25"), (None, None)}
+    for bad, msg in (({**fam, "langs": []}, "unknown key 'langs'"), ({**fam, "base": "zoo-nope"}, "unknown model 'zoo-nope'"),
+                     ({**fam, "experts": fam["experts"][:1]}, "two or more different experts")):
+        with pytest.raises(MergescopeError, match=msg):
+            ForecastSettings.from_node({"families": [bad]})
 
 
 def test_forecast_refuses_an_unknown_feature_and_a_store_without_a_benchmark(compose_cfg):
@@ -194,7 +255,7 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
     _fabricated_store(cfg)
     feats = {f: 0.0 for f in FEATURES}
     feats["relative_l2"] = 2.0  # the planted feature, two sd up: a large forecast gain
-    monkeypatch.setattr(fj, "pair_features", lambda c, o, pair, features: (pair, {f: feats[f] for f in features}))
+    monkeypatch.setattr(fj, "pair_features", lambda c, o, pair, fs: (pair, {f: feats[f] for f in fs.features}))
     r = fj.run_forecast(cfg, ov)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "zoo-neox-en@step1__zoo-neox-en@step100" in line]

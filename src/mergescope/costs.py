@@ -125,7 +125,8 @@ def shape_of(entry: Any) -> tuple[Shape | None, str]:
         base = Path(str(init_from)) / "config.json"
         if base.is_file():
             return _shape_from_json(base.read_text(), name), "base config.json"
-        return None, f"{name}: its base {init_from} is not on disk (install or train it first: make real for a real base)"
+        if not (entry.get("zoo") or {}).get("hidden_size"):  # else its own zoo: architecture (the base's, checked on training)
+            return None, f"{name}: its base {init_from} is not on disk (install or train it first: make real for a real base)"
     if entry.get("zoo") is not None:
         from mergescope.zoo.build import zoo_config
 

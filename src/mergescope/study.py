@@ -119,6 +119,26 @@ class Plan:
         return out
 
 
+def training_waves(jobs: list[StudyJob]) -> list[list[StudyJob]]:
+    """The training jobs in waves: a model whose ``zoo.init_from`` is another job's folder waits for that job's wave
+    (a fine-tune of a zoo base continues from the trained base); each wave runs on the study's workers."""
+    from pathlib import Path
+
+    def where(p) -> str:
+        return str(Path(str(p)).expanduser().resolve())
+
+    pending, waves = list(jobs), []
+    while pending:
+        folders = {where(j.cfg.model.name_or_path) for j in pending}
+        wave = [j for j in pending if not ((j.cfg.model.get("zoo") or {}).get("init_from") and
+                                           where(j.cfg.model.zoo.init_from) in folders)]
+        if not wave:
+            raise MergescopeError("the zoo models' init_from form a cycle: " + ", ".join(model_label(j.cfg.model) for j in pending))
+        waves.append(wave)
+        pending = [j for j in pending if j not in wave]
+    return waves
+
+
 def train_steps(task: str, entry: DictConfig) -> list[str]:
     """A zoo model that trains for its own number of steps (``train_steps``: the slow Mamba reference path)."""
     return [f"train.steps={int(entry.train_steps)}"] if task == "train" and entry.get("train_steps") else []
@@ -326,7 +346,8 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     todo = [j for j in trains if not is_trained(j.cfg.model.name_or_path)]
     for j in todo:
         console.print(f"[bold]training zoo model[/] {model_label(j.cfg.model)}")
-    run_all(todo, lambda j, r: f"trained {model_label(j.cfg.model)}", workers_of(plan.cfg), phase="training")
+    for wave in training_waves(todo):  # a fine-tune of a zoo model trains after its base
+        run_all(wave, lambda j, r: f"trained {model_label(j.cfg.model)}", workers_of(plan.cfg), phase="training")
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
     lap("training")

@@ -1,8 +1,58 @@
-"""The forecast arm: after the checkpoint arm's merges, one job fits and validates the merge forecast on them."""
+"""The forecast arm: the fine-tune families' merges (every two experts of a family, with its base as the task vectors'
+origin), then one job that fits and validates the merge forecast on every native merge of the experiment."""
 
 from __future__ import annotations
 
 from mergescope.arm import Arm, Phase, Report
+
+
+def _family_entries(plan) -> list[tuple]:
+    """Each fine-tune family: (its base entry, its experts' entries), composed from conf/model."""
+    from mergescope.forecast.settings import ForecastSettings
+    from mergescope.jobs import composed
+
+    out = []
+    for fam in ForecastSettings.from_cfg(plan.cfg).family_list():
+        entry = lambda name: composed([*plan.base, f"model={name}"]).model  # noqa: E731
+        out.append((entry(fam.base), [entry(e) for e in fam.experts], fam.revisions))
+    return out
+
+
+def family_models(plan) -> list:
+    """The fine-tune families' models (bases, then experts): trained when missing, a base before its experts."""
+    if "forecast" not in plan.arms:
+        return []
+    return [e for base, experts, _ in _family_entries(plan) for e in (base, *experts)]
+
+
+def family_pairs(plan) -> list:
+    """Every two experts of a family, at every pair of its revisions: a native job with the family's base as the task
+    vectors' origin (``native.base``) and ``forecast.family_overrides`` (e.g. ``native.outcome=both``)."""
+    import itertools
+
+    from omegaconf import OmegaConf
+
+    from mergescope.forecast.settings import ForecastSettings
+    from mergescope.jobs import hydra_value, job, pair_override
+
+    if "forecast" not in plan.arms:
+        return []
+    extra = list(ForecastSettings.from_cfg(plan.cfg).family_overrides)
+    out = []
+    for base, experts, revisions in _family_entries(plan):
+        b = f"++native.base={hydra_value(OmegaConf.to_container(base, resolve=False))}"
+        for ea, eb in itertools.combinations(experts, 2):
+            for ra, rb in itertools.product(revisions, repeat=2):
+                a = OmegaConf.create({**OmegaConf.to_container(ea, resolve=False), "revision": None if ra == "main" else ra})
+                bb = OmegaConf.create({**OmegaConf.to_container(eb, resolve=False), "revision": None if rb == "main" else rb})
+                out.append(job("native", [*plan.base, *pair_override(a, bb), b, *extra]))
+    return out
+
+
+def _pair_text(j, r) -> str:
+    from mergescope.jobs import pair_text
+
+    return f"fine-tune pair {pair_text(j)}: barrier={r.metrics.get('lmc_barrier', float('nan')):.3f}"
 
 
 def _jobs(plan) -> list:
@@ -25,7 +75,8 @@ _R = "mergescope.forecast.report"
 
 ARMS = [Arm(
     "forecast", order=95, uses=("native",), tasks={"forecast": "mergescope.forecast.job:run_forecast"}, settings=("forecast",),
-    work={"forecast": _w_none}, phases=(Phase("forecast", _jobs, _text),),
+    work={"forecast": _w_none}, models=family_models, models_order=40,
+    phases=(Phase("forecast merges", family_pairs, _pair_text, workers=True), Phase("forecast", _jobs, _text)),
     report=Report(sections={(80, 3): f"{_R}:section"}, summary={"forecast": "What predicts a merge"},
                   kinds={"forecast": "the merge forecast fitted and validated on the experiment's merges (held out by "
                                      "family and by operator), with its shuffled-target control"},

@@ -199,6 +199,7 @@ class Validation:
     calibration: list[dict[str, float]]
     predictions: np.ndarray
     n_positive: int = 0  # rows with the binary outcome (AUROC needs enough of both kinds: MIN_CLASS)
+    by_route: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # (only with two routes or more)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "predictions"}
@@ -206,9 +207,10 @@ class Validation:
 
 def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, groups: np.ndarray, inner: np.ndarray,
              clusters: np.ndarray, operators: np.ndarray, features: list[str], n_boot: int = 2000, n_shuffles: int = 20,
-             seed: int = 0, lambdas=LAMBDAS) -> Validation:
+             seed: int = 0, lambdas=LAMBDAS, routes: np.ndarray | None = None) -> Validation:
     """Leave each of ``groups`` out in turn; pooled held-out Spearman (and per operator), AUROC of the prediction for
-    ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval; the shuffled-target control
+    ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval (and per route, ``routes``, when
+    the rows hold two or more); the shuffled-target control
     (the targets permuted over every row, ``n_shuffles`` times, the same leave-group-out fits made on them, their
     held-out predictions scored against the true targets: must sit near 0)."""
     held = leave_group_out(X, y, groups, inner, features, lambdas)
@@ -230,11 +232,15 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
         k = np.isfinite(p)
         shuffled.append(spearman(p[k], y[k]))
     sh = np.array([v for v in shuffled if np.isfinite(v)] or [np.nan])
-    by_op = {}
-    for op in sorted(set(operators.tolist())):
-        m = ok & (operators == op)
-        by_op[str(op)] = (spearman(pred[m], y[m]), *cluster_bootstrap(spearman, clusters[m], (pred[m], y[m]), n_boot, seed),
-                          int(m.sum()))
+    def by(labels: np.ndarray) -> dict[str, tuple[float, float, float, int]]:
+        out = {}
+        for g in sorted(set(labels.tolist())):
+            m = ok & (labels == g)
+            out[str(g)] = (spearman(pred[m], y[m]), *cluster_bootstrap(spearman, clusters[m], (pred[m], y[m]), n_boot, seed),
+                           int(m.sum()))
+        return out
+
     return Validation(scheme, int(ok.sum()), rho, ci, auc, auc_ci, s_rho, s_ci, float(np.nanmean(sh)),
-                      (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by_op,
-                      calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()))
+                      (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by(operators),
+                      calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()),
+                      by(routes) if routes is not None and len(set(routes.tolist())) > 1 else {})

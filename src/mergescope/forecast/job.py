@@ -28,7 +28,8 @@ from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
 
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
 
-EVIDENCE = 2  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read)
+EVIDENCE = 3  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
+#              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 
@@ -60,11 +61,11 @@ def _design(bench: Benchmark) -> tuple[np.ndarray, list[str]]:
 def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
     X, names = _design(bench)
     lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
-                    names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+                    names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
     looo = validate("leave one operator out", bench.X, bench.y, bench.beats, bench.operator, bench.family, bench.pair,
-                    bench.operator, list(bench.features), fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+                    bench.operator, list(bench.features), fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
     avg = validate("leave one family out, gain over the endpoints' mean", X, bench.avg_gain, bench.avg_gain > 0, bench.family,
-                   bench.family, bench.pair, bench.operator, names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas)
+                   bench.family, bench.pair, bench.operator, names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
     lam = choose_lambda(X, bench.y, bench.family, fs.lambdas)
     final = fit_lasso(X, bench.y, lam, names)
     return {"lofo": lofo, "looo": looo, "avg": avg, "final": final, "names": names}
@@ -83,38 +84,56 @@ def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
                     f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1]})
         for op, (rho, lo, hi, n) in val.by_operator.items():
             out.update({f"{key}_spearman.{op}": rho, f"{key}_spearman_lo.{op}": lo, f"{key}_spearman_hi.{op}": hi})
+        for route, (rho, lo, hi, n) in val.by_route.items():
+            out.update({f"{key}_spearman.route_{route}": rho, f"{key}_spearman_lo.route_{route}": lo,
+                        f"{key}_spearman_hi.route_{route}": hi})
     return {k: float(x) for k, x in out.items()}
 
 
 def _predictions_csv(bench: Benchmark, v: dict[str, Any]) -> str:
     from mergescope.analysis.tables import csv_text
 
-    rows = [[bench.run_ids[i], bench.pair[i], bench.family[i], bench.operator[i], f"{bench.y[i]:.6g}", f"{bench.lo[i]:.6g}",
-             f"{bench.hi[i]:.6g}", int(bench.beats[i]), f"{v['lofo'].predictions[i]:.6g}", f"{v['looo'].predictions[i]:.6g}"]
+    route = bench.route if bench.route is not None else np.full(len(bench), "checkpoint", dtype=object)
+    rows = [[bench.run_ids[i], bench.pair[i], bench.family[i], route[i], bench.operator[i], f"{bench.y[i]:.6g}", f"{bench.lo[i]:.6g}",
+             f"{bench.hi[i]:.6g}", int(bench.beats[i]), f"{bench.avg_gain[i]:.6g}", f"{v['lofo'].predictions[i]:.6g}",
+             f"{v['looo'].predictions[i]:.6g}"]
             for i in range(len(bench))]
-    return csv_text(["merge_run", "pair", "family", "operator", TARGET, "lo", "hi", "beats", "predicted_lofo", "predicted_looo"], rows)
+    return csv_text(["merge_run", "pair", "family", "route", "operator", TARGET, "lo", "hi", "beats", "avg_gain", "predicted_lofo",
+                     "predicted_looo"], rows)
 
 
-def pair_features(cfg: DictConfig, overrides: list[str], pair: str, features: tuple[str, ...]) -> tuple[str, dict[str, float]]:
-    """A pair's data-free diagnostics from its weights (no merge, no data): (its label, feature -> value)."""
+def pair_features(cfg: DictConfig, overrides: list[str], pair: str, fs: ForecastSettings) -> tuple[str, dict[str, float]]:
+    """A pair's data-free diagnostics from its weights (no merge, no data): (its label, feature -> value). Two
+    checkpoints of one run take ``native.base`` (a revision); two experts of one ``forecast.families`` entry take that
+    family's base."""
     from omegaconf import OmegaConf
 
-    from mergescope.jobs import composed, job, pair_override
+    from mergescope.jobs import composed, hydra_value, job, pair_override
     from mergescope.native.job import weight_values
     from mergescope.native.pair import Loaded
 
-    sides = []
+    sides, names = [], []
     for side in pair.split("__"):
         name, _, rev = side.partition("@")
-        entry = OmegaConf.to_container(composed([*overrides, f"model={name}"]).model)
-        sides.append(OmegaConf.create({**entry, "revision": rev}))
-    j = job("native", [*overrides, *pair_override(*sides), "native.merges=[]"])
+        entry = OmegaConf.to_container(composed([*overrides, f"model={name}"]).model, resolve=False)
+        sides.append(OmegaConf.create({**entry, "revision": None if rev == "main" else rev}))
+        names.append(name)
+    base: list[str] = []
+    if names[0] != names[1]:  # two experts: the base of the family that holds both
+        fam = next((f for f in fs.family_list() if set(names) <= set(f.experts)), None)
+        if fam is None:
+            raise MergescopeError(f"forecast.pair={pair}: two different models must be two experts of one forecast.families "
+                                  "entry (their base is the task vectors' origin); or give two checkpoints of one model")
+        be = OmegaConf.to_container(composed([*overrides, f"model={fam.base}"]).model, resolve=False)
+        base = [f"++native.base={hydra_value(be)}"]
+    j = job("native", [*overrides, *pair_override(*sides), *base, "native.merges=[]"])
     values = weight_values(j.cfg, Loaded(j.cfg, need_base=True))
-    missing = [f for f in features if f not in values]
+    missing = [f for f in fs.features if f not in values]
     if missing:
-        raise MergescopeError(f"forecast.pair={pair}: {', '.join(missing)} cannot be computed for this pair (two checkpoints "
-                              "of one training run with step revisions and a base revision, native.base, are needed)")
-    return pair, {f: float(values[f]) for f in features}
+        raise MergescopeError(f"forecast.pair={pair}: {', '.join(missing)} cannot be computed for this pair (step revisions "
+                              "on both sides, and a base: native.base for two checkpoints, a family's base for two experts)")
+    label = "__".join(n if s.get("revision") is None else f"{n}@{s.revision}" for n, s in zip(names, sides))
+    return label, {f: float(values[f]) for f in fs.features}
 
 
 def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[Lasso, np.ndarray]:
@@ -153,7 +172,7 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
     fs = ForecastSettings.from_cfg(cfg)
     bench = load_benchmark(cfg, fs)  # too few merges: one line, no run
     # the pair's diagnostics before any fit: a revision it lacks is one line, and nothing has run
-    pair = pair_features(cfg, list(overrides or []), str(fs.pair), fs.features) if fs.pair is not None else None
+    pair = pair_features(cfg, list(overrides or []), str(fs.pair), fs) if fs.pair is not None else None
     holder: dict[str, Any] = {}
 
     def body(job) -> dict[str, float]:

@@ -63,9 +63,23 @@ def section(an: Analysis, number: str) -> Section | None:
         return sec
     v = json.loads(text)
     lofo, looo = v["lofo"], v["looo"]
+    pred = an.study.artifact_text(r.run_id, "forecast/predictions.csv")
+    rows = list(csv.DictReader(io.StringIO(pred))) if pred else []
+    routes = {}
+    for row in rows:
+        k = row.get("route", "checkpoint")
+        routes.setdefault(k, [set(), set(), 0])
+        routes[k][0].add(row["pair"])
+        routes[k][1].add(row["family"])
+        routes[k][2] += 1
+    what = {"checkpoint": ("checkpoint pairs", "training runs"),
+            "fine-tune": ("fine-tune pairs (two language experts of one base, scored on both languages)", "bases")}
+    parts = [f"{n} merges of {len(p)} {what.get(k, (k, 'families'))[0]} in {len(f)} {what.get(k, (k, 'families'))[1]}"
+             for k, (p, f, n) in sorted(routes.items())]
     sec.text.append(f"A lasso on standardised data-free diagnostics of the pair (its penalty chosen on the training "
-                    f"families only), fitted on {r.m('n_merges'):.0f} native merges of {r.m('n_pairs'):.0f} checkpoint pairs "
-                    f"in {r.m('n_families'):.0f} training runs (families); the target is each merge's gain over the better "
+                    f"families only), fitted on {r.m('n_merges'):.0f} native merges"
+                    + (f" ({'; '.join(parts)})" if parts else "") + f", {r.m('n_families'):.0f} families in all (a family: "
+                    "one training run, or one fine-tune base); the target is each merge's gain over the better "
                     "expert (nats/token, the first token apart); beats = its paired 95% interval lies above 0 "
                     f"({r.m('beats_rate'):.0%} of the merges).")
     sec.finding = (f"Held out by family, predicted and measured gains rank together with Spearman "
@@ -92,6 +106,12 @@ def section(an: Analysis, number: str) -> Section | None:
                                _ci(*looo["by_operator"][op][:3]) if op in looo["by_operator"] else "—"] for op in ops],
                              note="goal: 0.55 or more for every operator (above the anchor's 0.26-0.50); an interval "
                                   "reaching below it says the data does not get there"))
+    if lofo.get("by_route"):
+        sec.tables.append(RTable("Held-out Spearman per route (the pooled predictions, read within each route)",
+                                 ["route", "merges", "leave one family out", "leave one operator out"],
+                                 [[k, str(lofo["by_route"][k][3]), _ci(*lofo["by_route"][k][:3]),
+                                   _ci(*looo["by_route"][k][:3]) if k in looo.get("by_route", {}) else "—"] for k in sorted(lofo["by_route"])],
+                                 note="within a route the ranking must hold without the gap between routes' typical gains"))
     fin = v["final"]
     coef = sorted(zip(fin["features"], fin["coef"]), key=lambda t: -abs(t[1]))
     sec.tables.append(RTable("The final model (every merge; standardised coefficients)", ["feature", "coefficient"],
@@ -104,10 +124,9 @@ def section(an: Analysis, number: str) -> Section | None:
                                  ["bin", "merges", "predicted", "measured"],
                                  [[f"{c['bin']:.0f}", f"{c['n']:.0f}", f3(c["predicted"], 4), f3(c["measured"], 4)] for c in cal]))
         sec.add_figure("forecast_calibration", "forecast calibration: predicted vs measured gain", lambda: _calibration_figure(cal))
-    pred = an.study.artifact_text(r.run_id, "forecast/predictions.csv")
     if pred:
         by_pair: dict[str, list] = {}
-        for row in csv.DictReader(io.StringIO(pred)):
+        for row in rows:
             by_pair.setdefault(row["pair"], []).append(row)
         sec.tables.append(RTable("Each pair: its held-out forecast (leave one family out) beside what its merges measured, mean over operators",
                                  ["pair", "merges", "forecast", "measured", "beat both experts"],

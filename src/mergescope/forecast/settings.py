@@ -11,7 +11,34 @@ from mergescope.errors import MergescopeError
 from mergescope.forecast.table import EXCLUDED, FEATURES
 from mergescope.settings import ArmSettings
 
-__all__ = ["ForecastSettings"]
+__all__ = ["ForecastSettings", "FamilySettings"]
+
+
+@dataclass(frozen=True)
+class FamilySettings(ArmSettings):
+    """One fine-tune family of the benchmark (an entry of ``forecast.families``): ``base`` (a conf/model name: the
+    pretrained model every expert continues from, the task vectors' origin), ``experts`` (conf/model names, two or more:
+    every two of them are a pair) and ``revisions`` (each expert's checkpoints to pair: every revision of one with every
+    revision of the other)."""
+
+    section: ClassVar[str] = "forecast.families[]"
+
+    base: str = ""
+    experts: tuple[str, ...] = ()
+    revisions: tuple[str, ...] = ("main",)
+
+    def check(self, cfg: DictConfig | None) -> None:
+        from mergescope.config import conf_options
+        from mergescope.errors import did_you_mean
+
+        if len(self.experts) < 2 or len(set(self.experts)) != len(self.experts):
+            raise MergescopeError(f"forecast.families: a family needs two or more different experts, got {list(self.experts)}")
+        if not self.revisions:
+            raise MergescopeError("forecast.families: revisions is empty (name the experts' checkpoints to pair, e.g. [main])")
+        known = conf_options("model")
+        for name in (self.base, *self.experts):
+            if name not in known:
+                raise MergescopeError(f"forecast.families: unknown model {name!r} (a conf/model entry): {did_you_mean(name, known)}")
 
 
 @dataclass(frozen=True)
@@ -21,7 +48,8 @@ class ForecastSettings(ArmSettings):
     leave-one-family-out split of the training rows; ``n_boot``: bootstrap resamples of pairs for every interval;
     ``n_shuffles``: refits on permuted targets (the control); ``min_merges``: fewer merges in the store is refused;
     ``pair``: ``a@rev__b@rev`` (two checkpoints of one zoo model, or of any local model with step revisions) to forecast
-    before any merge of it runs (null: fit and validate only)."""
+    before any merge of it runs (null: fit and validate only); ``families``: the benchmark's fine-tune families
+    (:class:`FamilySettings`), their pairs' native jobs run with ``family_overrides`` added."""
 
     section: ClassVar[str] = "forecast"
 
@@ -32,6 +60,17 @@ class ForecastSettings(ArmSettings):
     min_merges: int = 30
     seed: int = 0
     pair: str | None = None
+    families: tuple[dict, ...] = ()
+    family_overrides: tuple[str, ...] = ()
+
+    def family_list(self) -> list[FamilySettings]:
+        """``families``, each read and checked."""
+        known = {"base", "experts", "revisions"}
+        for f in self.families:
+            if not isinstance(f, dict) or (bad := sorted(set(f) - known)):
+                raise MergescopeError(f"forecast.families: {f!r} is not a family (keys: base, experts, revisions)"
+                                      if not isinstance(f, dict) else f"forecast.families: unknown key {bad[0]!r} (base, experts, revisions)")
+        return [FamilySettings.from_node(f) for f in self.families]
 
     def check(self, cfg: DictConfig | None) -> None:
         bad = [f for f in self.features if f not in FEATURES]
@@ -49,6 +88,7 @@ class ForecastSettings(ArmSettings):
         if self.pair is not None and ("__" not in self.pair or self.pair.count("@") != 2):
             raise MergescopeError(f"forecast.pair={self.pair!r}: give two checkpoints as <model>@<revision>__<model>@<revision> "
                                   "(e.g. zoo-neox-en@step32__zoo-neox-en@step300)")
+        self.family_list()  # each family checked
         if self.pair is not None:
             from mergescope.config import conf_options
             from mergescope.errors import did_you_mean

@@ -1,7 +1,8 @@
-"""The merge benchmark as rows: every FINISHED native merge of a checkpoint pair in the experiment (kind=merge,
-route=native), its outcome, and the pre-merge diagnostics of its pair (the pair's native run, kind=measure
-metric=native), with the family (the training run), the pair (a cluster: its merges share its diagnostics) and the
-operator of each row.
+"""The merge benchmark as rows: every FINISHED native merge in the experiment (kind=merge, route=native) of a pair with
+a common origin -- a checkpoint pair (two revisions of one training run) or a fine-tune pair (two experts continued from
+one base, ``native.base`` a model entry) --, its outcome, and the pre-merge diagnostics of its pair (the pair's native
+run, kind=measure metric=native), with the family (the training run; a fine-tune pair's base), the route, the pair (a
+cluster: its merges share its diagnostics) and the operator of each row.
 
 Only diagnostics that are computed without the outcome's data enter (:data:`FEATURES`: the weights and task vectors,
 data-free); those measured on the sentences a merge is scored on are left out, each with its reason
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FEATURES", "EXCLUDED", "Benchmark", "benchmark", "TARGET"]
+__all__ = ["FEATURES", "EXCLUDED", "Benchmark", "benchmark", "TARGET", "route_of", "family_of"]
 
 FEATURES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
             "tv_cosine", "ties_sign_agreement", "log10_step_ratio")
@@ -45,6 +46,7 @@ class Benchmark:
     run_ids: list[str]
     native_ids: list[str]
     dropped: int
+    route: np.ndarray | None = None  # per row: checkpoint (two revisions of one run) or fine-tune (two experts of one base)
 
     @property
     def beats(self) -> np.ndarray:
@@ -56,6 +58,20 @@ class Benchmark:
     def digest(self) -> str:
         """What the fit's numbers depend on: the merge and native runs it reads (their ids)."""
         return hashlib.sha256("\n".join(sorted(self.run_ids) + sorted(set(self.native_ids))).encode()).hexdigest()[:24]
+
+
+def route_of(r) -> str | None:
+    """A run's kind of pair: ``checkpoint`` (two revisions of one training run), ``fine-tune`` (two models continued
+    from one base, the ``base`` tag: native.base a model entry), or None (no common origin: not in the benchmark)."""
+    a, b = str(r.tags.get("model_a", "")), str(r.tags.get("model_b", "?"))
+    if a.split("@")[0] == b.split("@")[0]:
+        return "checkpoint"
+    return "fine-tune" if r.tags.get("base") else None
+
+
+def family_of(r) -> str:
+    """What a held-out family is: a checkpoint pair's training run, a fine-tune pair's base."""
+    return str(r.tags["base"]) if route_of(r) == "fine-tune" else str(r.tags["model_a"]).split("@")[0]
 
 
 def _finite(*vals: float) -> bool:
@@ -72,9 +88,8 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
         if h is not None and h in seen:
             continue
         seen.add(h)
-        a, b = str(r.tags.get("model_a", "")), str(r.tags.get("model_b", "?"))
-        if a.split("@")[0] != b.split("@")[0]:
-            continue  # checkpoint pairs only: two revisions of one training run
+        if route_of(r) is None:
+            continue  # a pair with no common origin (two separately trained models): no task vector, no row
         if r.kind == "merge" and r.tags.get("route") == "native":
             merges.append(r)
         elif r.kind == "measure" and r.tags.get("metric") == "native" and not r.tags.get("transplant"):
@@ -88,9 +103,9 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
             dropped += 1
             continue
         avg = (m.m("nll_a") + m.m("nll_t1")) / 2 - m.m("nll")
-        rows.append((x, y, lo, hi, avg, str(m.tags["model_a"]).split("@")[0], m.tags["pair"], m.tags.get("merge"), m.run_id, n.run_id))
+        rows.append((x, y, lo, hi, avg, family_of(m), m.tags["pair"], m.tags.get("merge"), m.run_id, n.run_id, route_of(m)))
     rows.sort(key=lambda r: (r[5], r[6], str(r[7])))
     col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
     X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
     return Benchmark(list(features), X, col(1), col(2), col(3), col(4), col(5, object), col(6, object), col(7, object),
-                     [r[8] for r in rows], [r[9] for r in rows], dropped)
+                     [r[8] for r in rows], [r[9] for r in rows], dropped, col(10, object))

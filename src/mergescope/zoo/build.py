@@ -49,8 +49,8 @@ def zoo_config(arch: dict, vocab_size: int, eos_token_id: int = 0):
     arch = dict(unresolved_plain(arch))
     family = arch.pop("family", None)
     arch.pop("vocab_size", None)
-    for key in ("train_langs", "tokenizer", "steps"):  # text, tokenizer and steps: not architecture
-        arch.pop(key, None)
+    for key in ("train_langs", "tokenizer", "steps", "init_from", "checkpoints", "train"):  # text, tokenizer, steps and a
+        arch.pop(key, None)                                                                  # fine-tune's schedule: not architecture
     config_class = config_class_of(family)
     heads, hidden = arch.get("num_attention_heads"), arch.get("hidden_size")
     if heads and hidden and hidden % heads:
