@@ -97,7 +97,8 @@ class _Rec:
 
 
 def test_the_benchmark_rows_come_from_checkpoint_merges_and_their_pairs_native_runs():
-    from mergescope.forecast.table import FEATURES, benchmark
+    from mergescope.forecast.table import DATA_FREE as FEATURES
+    from mergescope.forecast.table import PREMERGE, benchmark
 
     feats = {f: 0.1 * i for i, f in enumerate(FEATURES)}
     pair = {"model_a": "fam@step16", "model_b": "fam@step64", "pair": "fam@step16__fam@step64"}
@@ -111,20 +112,27 @@ def test_the_benchmark_rows_come_from_checkpoint_merges_and_their_pairs_native_r
         _Rec("m4", "merge", {"model_a": "g@step1", "model_b": "g@step2", "pair": "g@step1__g@step2", "route": "native",
                              "merge": "ties", "cfg_hash": "h5"}, out),  # no native run of its pair: dropped
     ]
-    b = benchmark(recs)
+    b = benchmark(recs, FEATURES)
     assert b.run_ids == ["m3", "m2"] and b.dropped == 1 and list(b.operator) == ["linear", "ties"]
     assert b.y.tolist() == [0.01, -0.03] and b.beats.tolist() == [True, True] and list(b.family) == ["fam", "fam"]
     assert b.X[0].tolist() == [feats[f] for f in FEATURES] and b.avg_gain[0] == pytest.approx(0.05)
-    assert b.digest() != benchmark(recs[1:]).digest()
+    assert b.digest() != benchmark(recs[1:], FEATURES).digest()
     assert list(b.route) == ["checkpoint", "checkpoint"]
     # a fine-tune pair (two experts of one base: the base tag) is a row of the base's family, route fine-tune; two
     # separately trained models (x1, no base) are still no row
     ft = {"model_a": "ex-ita@step25", "model_b": "ex-por", "pair": "ex-ita@step25__ex-por", "base": "multi", "outcome": "both"}
     recs += [_Rec("f1", "merge", {**ft, "route": "native", "merge": "ties", "cfg_hash": "h6"}, out),
              _Rec("f0", "measure", {**ft, "metric": "native", "cfg_hash": "h7"}, feats)]
-    b2 = benchmark(recs)
+    b2 = benchmark(recs, FEATURES)
     assert b2.run_ids == ["m3", "m2", "f1"] and list(b2.family) == ["fam", "fam", "multi"] and b2.dropped == 1
     assert list(b2.route) == ["checkpoint", "checkpoint", "fine-tune"] and b2.native_ids[-1] == "f0"
+    # the dev-split diagnostics come from the pair's premerge run on the same outcome; a pair without one is dropped
+    dev = {f: 1.0 + i for i, f in enumerate(PREMERGE)}
+    recs += [_Rec("p1", "measure", {**ft, "metric": "premerge", "cfg_hash": "h8"}, dev),
+             _Rec("p0", "measure", {**ft, "outcome": None, "metric": "premerge", "cfg_hash": "h9"}, {f: -9.0 for f in PREMERGE})]
+    b3 = benchmark(recs, FEATURES + PREMERGE)
+    assert b3.run_ids == ["f1"] and b3.dropped == 3 and b3.native_ids == ["f0+p1"]
+    assert b3.X[0].tolist() == [feats[f] for f in FEATURES] + [dev[f] for f in PREMERGE]
 
 
 def test_held_out_scores_are_also_read_within_each_route():
@@ -200,7 +208,7 @@ def test_forecast_refuses_an_unknown_feature_and_a_store_without_a_benchmark(com
 def _fabricated_store(cfg, n_fam=4, pairs=4, ops=("linear", "ties", "dare_linear"), seed=0):
     """A store holding a merge benchmark: per family, checkpoint pairs with a native run (diagnostics) and one merge
     run per operator whose gain is planted on relative_l2."""
-    from mergescope.forecast.table import FEATURES
+    from mergescope.forecast.table import FEATURES, PREMERGE
     from mergescope.tracking import Tracker
 
     rng = np.random.default_rng(seed)
@@ -211,7 +219,9 @@ def _fabricated_store(cfg, n_fam=4, pairs=4, ops=("linear", "ties", "dare_linear
             tags = {"model_a": a, "model_b": b, "pair": f"{a}__{b}"}
             x = {k: float(v) for k, v in zip(FEATURES, rng.normal(size=len(FEATURES)))}
             with tracker.start(cfg, f"native {a}", {"kind": "measure", "metric": "native", "cfg_hash": f"n{f}{p}", **tags}) as job:
-                job.log_metrics(x)
+                job.log_metrics({k: v for k, v in x.items() if k not in PREMERGE})
+            with tracker.start(cfg, f"premerge {a}", {"kind": "measure", "metric": "premerge", "cfg_hash": f"p{f}{p}", **tags}) as job:
+                job.log_metrics({k: v for k, v in x.items() if k in PREMERGE})
             for k, op in enumerate(ops):
                 g = 0.02 * x["relative_l2"] - 0.005 * k + rng.normal(scale=0.003)
                 with tracker.start(cfg, f"merge {op}", {"kind": "merge", "route": "native", "merge": op, "cfg_hash": f"m{f}{p}{k}", **tags}) as job:
@@ -279,3 +289,48 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
 
     assert _auroc({"n_positive": 3, "n": 300, "auroc": 0.9, "auroc_ci": (0.8, 0.95)}).startswith("not read: 3 of 300")
     assert _auroc({"n_positive": 30, "n": 300, "auroc": 0.9, "auroc_ci": (0.8, 0.95)}) == "+0.900 [+0.800, +0.950]"
+
+
+def test_premerge_diagnostics_match_a_plain_per_sentence_computation(tiny_models, compose_cfg):
+    """task=premerge on FLORES dev: the NLL gap (the first token apart), the mean-pooled activation cosine and the
+    gradients' cosine and relative L2 equal one plain forward (and backward) per sentence in float64; the run never
+    reads data.split, and a premerge split equal to it is refused with no run."""
+    import torch
+    from conftest import FLORES
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergescope.forecast.premerge import run_premerge
+    from mergescope.scoring.bpb import start_id
+
+    if not FLORES.is_dir():
+        pytest.skip("FLORES data not found")
+    root = tiny_models["neox_en"]
+    n = 12
+    pair = ["task=premerge", "pair=custom", f"pair.a.name_or_path={root / 'step1'}", "pair.a.lang=eng_Latn",
+            f"pair.b.name_or_path={root / 'step2'}", "pair.b.lang=eng_Latn", f"forecast.premerge_sentences={n}"]
+    cfg, ov = compose_cfg(pair)
+    m = run_premerge(cfg, ov).metrics
+    sents = (FLORES / "dev" / "eng_Latn.dev").read_text(encoding="utf-8").splitlines()[:n]
+    tok = AutoTokenizer.from_pretrained(root / "step1")
+    out = {}
+    for side in ("step1", "step2"):
+        model = AutoModelForCausalLM.from_pretrained(root / side, dtype=torch.float64).eval()
+        total, count, pooled, loss = 0.0, 0, [], 0.0
+        for s in sents:
+            ids = torch.tensor([[start_id(tok), *tok(s, add_special_tokens=False)["input_ids"]]])
+            o = model(input_ids=ids, output_hidden_states=True)
+            lp = torch.log_softmax(o.logits[0, :-1, :len(tok)], -1).gather(1, ids[0, 1:, None])[1:]  # the first token apart
+            loss = loss - lp.sum()
+            count += lp.shape[0]
+            pooled.append(o.hidden_states[-1][0, 1:].mean(0).detach())
+        (loss / count).backward()
+        out[side] = (float(loss.detach()) / count, torch.stack(pooled), torch.cat([p.grad.flatten() for p in model.parameters()]))
+    (na, pa, ga), (nb, pb, gb) = out["step1"], out["step2"]
+    assert m["dev_nll_gap"] == pytest.approx(abs(na - nb), abs=2e-5)
+    assert m["dev_act_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(pa, pb).mean()), abs=1e-5)
+    assert m["dev_grad_cosine"] == pytest.approx(float(ga @ gb / (ga.norm() * gb.norm())), abs=1e-4)
+    assert m["dev_grad_relative_l2"] == pytest.approx(float((ga - gb).norm() / ((ga.norm() + gb.norm()) / 2)), abs=1e-4)
+    assert m["n_premerge_sentences"] == n
+    bad, bov = compose_cfg([*pair, "forecast.premerge_split=devtest"])
+    with pytest.raises(MergescopeError, match="forecast.premerge_split=devtest and data.split=devtest"):
+        run_premerge(bad, bov)

@@ -99,9 +99,10 @@ def expand_multirun_study(argv: list[str], conf_dir: Path = CONF_DIR) -> list[st
 
 FIXED_SECTIONS = ("paths", "represent", "control", "train", "report", *ARM_GROUPS)
 """Top-level sections of ``conf/config.yaml`` whose settings are fixed: ``+section.new_key=`` is a typo, not a setting."""
-OPTIONAL_KEYS = ("native.transplant",)
+OPTIONAL_KEYS = ("native.transplant", "native.outcome", "native.nll_langs")
 """Settings of a fixed section that its defaults leave out (absent = off, so that no earlier job's hash changes): added
-with ``+`` (``+native.transplant=union``, ``+native.transplant.k=32``); the arm's settings check their values."""
+with ``+`` (``+native.transplant=union``, ``+native.transplant.k=32``, ``+native.outcome=both``, ``+native.nll_langs=[..]``);
+the arm's settings check their values."""
 
 
 def check_added_keys(argv: list[str], conf_dir: Path = CONF_DIR) -> None:

@@ -49,6 +49,45 @@ def family_pairs(plan) -> list:
     return out
 
 
+def premerge_pairs(plan) -> list:
+    """The pre-merge diagnostics (task=premerge, on FLORES dev) of every pair the benchmark holds: the checkpoint arm's
+    pairs and the fine-tune families'."""
+    from mergescope.jobs import job
+    from mergescope.native.arm import checkpoint_pairs
+
+    if "forecast" not in plan.arms:
+        return []
+    return [job("premerge", j.overrides) for j in [*checkpoint_pairs(plan), *family_pairs(plan)]]
+
+
+def _premerge_text(j, r) -> str:
+    from mergescope.jobs import pair_text
+
+    m = r.metrics
+    return (f"premerge {pair_text(j)}: dev NLL gap {m.get('dev_nll_gap', float('nan')):.3f}, gradient cosine "
+            f"{m.get('dev_grad_cosine', float('nan')):+.3f}")
+
+
+def _w_premerge(c, cfg, w) -> None:
+    """Both models loaded; each reads the pair's dev sentences once and its own language's once more with a backward
+    pass (about three forwards)."""
+    from mergescope.config import plain_copy
+
+    sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
+    if not (sa and sb):
+        return
+    f = cfg.get("forecast") or {}
+    n = int(f.get("premerge_sentences") or 64)
+    data = plain_copy(cfg.data)
+    data.split = str(f.get("premerge_split") or "dev")
+    both = (cfg.get("native") or {}).get("outcome") == "both" and str(cfg.pair.b.lang) != str(cfg.pair.a.lang)
+    union = c.tokens(data, cfg.pair.a.lang, n)[1] + (c.tokens(data, cfg.pair.b.lang, n)[1] if both else 0.0)
+    for s, lang in ((sa, cfg.pair.a.lang), (sb, cfg.pair.b.lang)):
+        w.add_load(s)
+        w.add_forward(s, union + 3 * c.tokens(data, lang, n)[1], logits=True, passes=1.0)
+    w.held = [sa, sb]
+
+
 def _pair_text(j, r) -> str:
     from mergescope.jobs import pair_text
 
@@ -74,9 +113,11 @@ def _w_none(c, cfg, w) -> None:
 _R = "mergescope.forecast.report"
 
 ARMS = [Arm(
-    "forecast", order=95, uses=("native",), tasks={"forecast": "mergescope.forecast.job:run_forecast"}, settings=("forecast",),
-    work={"forecast": _w_none}, models=family_models, models_order=40,
-    phases=(Phase("forecast merges", family_pairs, _pair_text, workers=True), Phase("forecast", _jobs, _text)),
+    "forecast", order=95, uses=("native",), settings=("forecast",),
+    tasks={"forecast": "mergescope.forecast.job:run_forecast", "premerge": "mergescope.forecast.premerge:run_premerge"},
+    work={"forecast": _w_none, "premerge": _w_premerge}, models=family_models, models_order=40,
+    phases=(Phase("forecast merges", family_pairs, _pair_text, workers=True),
+            Phase("forecast premerge", premerge_pairs, _premerge_text, workers=True), Phase("forecast", _jobs, _text)),
     report=Report(sections={(80, 3): f"{_R}:section"}, summary={"forecast": "What predicts a merge"},
                   kinds={"forecast": "the merge forecast fitted and validated on the experiment's merges (held out by "
                                      "family and by operator), with its shuffled-target control"},

@@ -46,8 +46,10 @@ def load_benchmark(cfg: DictConfig, fs: ForecastSettings) -> Benchmark:
     bench = benchmark(finished_runs(tracker.client, str(cfg.tracking.uri), experiment), fs.features)
     if len(bench) < fs.min_merges or len(set(bench.family)) < 3:
         raise MergescopeError(f"the merge benchmark of experiment '{experiment}' holds {len(bench)} merges of "
-                              f"{len(set(bench.family))} families ({fs.min_merges} merges and 3 families needed): build it "
-                              "first (python launch.py study=forecast) or point tracking.experiment at one that holds it")
+                              f"{len(set(bench.family))} families ({fs.min_merges} merges and 3 families needed"
+                              + (f"; {bench.dropped} merges dropped for a missing diagnostic: their pairs' native or premerge "
+                                 "runs" if bench.dropped else "") + "): build it first (python launch.py study=forecast) or "
+                              "point tracking.experiment at one that holds it")
     return bench
 
 

@@ -62,6 +62,8 @@ class ForecastSettings(ArmSettings):
     pair: str | None = None
     families: tuple[dict, ...] = ()
     family_overrides: tuple[str, ...] = ()
+    premerge_split: str = "dev"
+    premerge_sentences: int = 64
 
     def family_list(self) -> list[FamilySettings]:
         """``families``, each read and checked."""
@@ -82,7 +84,7 @@ class ForecastSettings(ArmSettings):
             raise MergescopeError("forecast.features is empty: name at least one of " + ", ".join(FEATURES))
         if any(x < 0 for x in self.lambdas) or not self.lambdas:
             raise MergescopeError(f"forecast.lambdas must be non-negative penalties, got {list(self.lambdas)}")
-        for k in ("n_boot", "n_shuffles", "min_merges"):
+        for k in ("n_boot", "n_shuffles", "min_merges", "premerge_sentences"):
             if getattr(self, k) < 1:
                 raise MergescopeError(f"forecast.{k} must be at least 1, got {getattr(self, k)}")
         if self.pair is not None and ("__" not in self.pair or self.pair.count("@") != 2):

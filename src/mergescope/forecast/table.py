@@ -5,8 +5,8 @@ run, kind=measure metric=native), with the family (the training run; a fine-tune
 cluster: its merges share its diagnostics) and the operator of each row.
 
 Only diagnostics that are computed without the outcome's data enter (:data:`FEATURES`: the weights and task vectors,
-data-free); those measured on the sentences a merge is scored on are left out, each with its reason
-(:data:`EXCLUDED`)."""
+data-free, and the data-aware ones measured on FLORES dev, disjoint from the devtest sentences the merges are scored
+on); those measured on the outcome's own sentences are left out, each with its reason (:data:`EXCLUDED`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FEATURES", "EXCLUDED", "Benchmark", "benchmark", "TARGET", "route_of", "family_of"]
+__all__ = ["FEATURES", "DATA_FREE", "PREMERGE", "EXCLUDED", "Benchmark", "benchmark", "TARGET", "route_of", "family_of"]
 
-FEATURES = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
-            "tv_cosine", "ties_sign_agreement", "log10_step_ratio")
+DATA_FREE = ("weight_cosine", "relative_l2", "norm_ratio", "weight_cosine_matrices", "relative_l2_matrices",
+             "tv_cosine", "ties_sign_agreement", "log10_step_ratio")
+"""From the pair's weights alone (its native run)."""
+PREMERGE = ("dev_nll_gap", "dev_act_cosine", "dev_grad_cosine", "dev_grad_relative_l2")
+"""Data-aware, on FLORES dev (the pair's premerge run: :mod:`mergescope.forecast.premerge`), disjoint from the
+devtest sentences every merge is scored on."""
+FEATURES = DATA_FREE + PREMERGE
 EXCLUDED = {
     "lmc_barrier": "the linear merge at t = 0.5 on the very sentences the outcome is scored on (an outcome, not a forecast)",
     "cka": "measured on the evaluation split the merges are scored on (not disjoint from the outcome's data)",
@@ -80,9 +85,9 @@ def _finite(*vals: float) -> bool:
 
 def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
     """The benchmark's rows from the experiment's FINISHED runs (:class:`mergescope.analysis.records.Rec`, newest
-    first): the latest run per cfg_hash; merges whose pair has no native run, or a diagnostic missing, are dropped
-    (counted)."""
-    seen, merges, natives = set(), [], {}
+    first): the latest run per cfg_hash; merges whose pair has no native run (or, for a :data:`PREMERGE` feature, no
+    premerge run on the same outcome), or a diagnostic missing, are dropped (counted)."""
+    seen, merges, natives, pre = set(), [], {}, {}
     for r in recs:
         h = r.tags.get("cfg_hash")
         if h is not None and h in seen:
@@ -94,16 +99,21 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
             merges.append(r)
         elif r.kind == "measure" and r.tags.get("metric") == "native" and not r.tags.get("transplant"):
             natives.setdefault(r.tags.get("pair"), r)
+        elif r.kind == "measure" and r.tags.get("metric") == "premerge":
+            pre.setdefault((r.tags.get("pair"), r.tags.get("outcome")), r)
     rows, dropped = [], 0
     for m in merges:
         n = natives.get(m.tags.get("pair"))
-        x = [n.m(f) for f in features] if n is not None else []
+        p = pre.get((m.tags.get("pair"), m.tags.get("outcome")))  # measured on the languages this merge is scored on
+        x = [(p if f in PREMERGE else n).m(f) for f in features] if n is not None and (p is not None or not
+                                                                                      set(features) & set(PREMERGE)) else []
         y, lo, hi = m.m(TARGET), m.m(f"{TARGET}_lo"), m.m(f"{TARGET}_hi")
-        if n is None or not _finite(*x, y, lo, hi):
+        if not x or not _finite(*x, y, lo, hi):
             dropped += 1
             continue
         avg = (m.m("nll_a") + m.m("nll_t1")) / 2 - m.m("nll")
-        rows.append((x, y, lo, hi, avg, family_of(m), m.tags["pair"], m.tags.get("merge"), m.run_id, n.run_id, route_of(m)))
+        ids = n.run_id if p is None else f"{n.run_id}+{p.run_id}"
+        rows.append((x, y, lo, hi, avg, family_of(m), m.tags["pair"], m.tags.get("merge"), m.run_id, ids, route_of(m)))
     rows.sort(key=lambda r: (r[5], r[6], str(r[7])))
     col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
     X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
