@@ -148,6 +148,15 @@ def test_held_out_scores_are_also_read_within_each_route():
     assert v.by_route["checkpoint"][0] > 0.6 and abs(v.by_route["fine-tune"][0]) < 0.2
     assert v.by_route["checkpoint"][3] + v.by_route["fine-tune"][3] == v.n
     assert validate("x", X, y, y > 0, fam, fam, pair, op, ["a", "b", "c", "d"], n_boot=50, n_shuffles=1).by_route == {}
+    # a diagnostic whose sign flips between routes (distance hurts along a trajectory, helps between two experts):
+    # one pooled model cannot rank both routes; one model per route (by_route) does, each fitted on its own rows
+    y3 = np.where(route == "fine-tune", -y, y)
+    pooled = validate("p", X, y3, y3 > 0, fam, fam, pair, op, ["a", "planted", "c", "d"], n_boot=100, n_shuffles=2, routes=route)
+    split = validate("s", X, y3, y3 > 0, fam, fam, pair, op, ["a", "planted", "c", "d"], n_boot=100, n_shuffles=2, routes=route,
+                     by_route=True)
+    assert min(split.by_route[r][0] for r in split.by_route) > 0.8
+    assert min(pooled.by_route[r][0] for r in pooled.by_route) < 0.5
+    assert set(split.by_route_operator) == {f"{r}|{o}" for r in ("checkpoint", "fine-tune") for o in ("linear", "ties", "dare")}
 
 
 def test_fine_tunes_train_after_their_base_and_the_families_make_their_pairs(compose_cfg):
@@ -269,6 +278,8 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
     r = fj.run_forecast(cfg, ov)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "zoo-neox-en@step1__zoo-neox-en@step100" in line]
+    assert lines[0].endswith("a checkpoint pair")  # one route in the store: the one pooled model
+    lines = lines[1:]
     assert len(lines) == 3 and "relative_l2" in lines[0] and "90% interval" in lines[0]
     linear = next(line for line in lines if " linear:" in line)
     value = float(linear.split("expert ")[1].split(" nats")[0])
@@ -284,7 +295,7 @@ def test_the_pair_forecast_and_the_report_section(compose_cfg, monkeypatch, caps
     assert sec.title.startswith("8c. What predicts a merge") and "Held out by family" in sec.finding
     assert [row[0] for row in sec.tables[0].rows][:2] == ["leave one family out", "leave one operator out"]
     assert sec.tables[0].rows[-1][0].startswith("anchor") and len(sec.tables[-1].rows) == 16  # one row per pair
-    assert json.loads(open(texts["forecast/validation.json"]).read())["final"]["features"][:len(FEATURES)] == list(FEATURES)
+    assert json.loads(open(texts["forecast/validation.json"]).read())["finals"]["all"]["features"][:len(FEATURES)] == list(FEATURES)
     from mergescope.forecast.report import _auroc  # too few merges of one outcome: no AUROC read
 
     assert _auroc({"n_positive": 3, "n": 300, "auroc": 0.9, "auroc_ci": (0.8, 0.95)}).startswith("not read: 3 of 300")

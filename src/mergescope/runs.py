@@ -75,6 +75,11 @@ def only_if_done() -> Iterator[None]:
         _ONLY_IF_DONE.pop()
 
 
+def checking() -> bool:
+    """Inside :func:`only_if_done`: a job only says whether it is done (a plan, a study's done pass): it prints nothing."""
+    return bool(_ONLY_IF_DONE)
+
+
 def would_run() -> None:
     """Called where a job is about to do its work: raises :class:`WouldRun` inside :func:`only_if_done`."""
     if _ONLY_IF_DONE:

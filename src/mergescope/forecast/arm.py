@@ -7,14 +7,14 @@ from mergescope.arm import Arm, Phase, Report
 
 
 def _family_entries(plan) -> list[tuple]:
-    """Each fine-tune family: (its base entry, its experts' entries), composed from conf/model."""
+    """Each fine-tune family: (its base entry, its experts' entries, its revisions, its own overrides)."""
     from mergescope.forecast.settings import ForecastSettings
     from mergescope.jobs import composed
 
     out = []
     for fam in ForecastSettings.from_cfg(plan.cfg).family_list():
         entry = lambda name: composed([*plan.base, f"model={name}"]).model  # noqa: E731
-        out.append((entry(fam.base), [entry(e) for e in fam.experts], fam.revisions))
+        out.append((entry(fam.base), [entry(e) for e in fam.experts], fam.revisions, fam.overrides))
     return out
 
 
@@ -22,7 +22,7 @@ def family_models(plan) -> list:
     """The fine-tune families' models (bases, then experts): trained when missing, a base before its experts."""
     if "forecast" not in plan.arms:
         return []
-    return [e for base, experts, _ in _family_entries(plan) for e in (base, *experts)]
+    return [e for base, experts, *_ in _family_entries(plan) for e in (base, *experts)]
 
 
 def family_pairs(plan) -> list:
@@ -39,13 +39,13 @@ def family_pairs(plan) -> list:
         return []
     extra = list(ForecastSettings.from_cfg(plan.cfg).family_overrides)
     out = []
-    for base, experts, revisions in _family_entries(plan):
+    for base, experts, revisions, own in _family_entries(plan):
         b = f"++native.base={hydra_value(OmegaConf.to_container(base, resolve=False))}"
         for ea, eb in itertools.combinations(experts, 2):
             for ra, rb in itertools.product(revisions, repeat=2):
                 a = OmegaConf.create({**OmegaConf.to_container(ea, resolve=False), "revision": None if ra == "main" else ra})
                 bb = OmegaConf.create({**OmegaConf.to_container(eb, resolve=False), "revision": None if rb == "main" else rb})
-                out.append(job("native", [*plan.base, *pair_override(a, bb), b, *extra]))
+                out.append(job("native", [*plan.base, *pair_override(a, bb), b, *extra, *own]))
     return out
 
 

@@ -152,20 +152,24 @@ def best_feature(X: np.ndarray, y: np.ndarray) -> tuple[int, float]:
 
 
 def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.ndarray, features: list[str],
-                    lambdas=LAMBDAS) -> dict[str, np.ndarray]:
+                    lambdas=LAMBDAS, strata: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Held-out predictions of every row: for each group, the lasso (penalty chosen on the other groups by their own
-    ``inner`` groups) and the single best feature (chosen on the other groups) fitted without it."""
+    ``inner`` groups) and the single best feature (chosen on the other groups) fitted without it. With ``strata`` (a
+    route per row) each held-out row is predicted by a model of its own stratum's training rows only (a row whose
+    stratum has fewer than 3 training rows stays NaN)."""
     pred = np.full(len(y), np.nan)
     base = np.full(len(y), np.nan)
+    levels = np.zeros(len(y), dtype=int) if strata is None else np.unique(strata, return_inverse=True)[1]
     for g in np.unique(groups):
-        test = groups == g
-        train = ~test
-        if train.sum() < 3:
-            continue
-        lam = choose_lambda(X[train], y[train], inner[train], lambdas)
-        pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
-        j, s = best_feature(X[train], y[train])
-        base[test] = s * X[test, j]
+        for s_ in np.unique(levels[groups == g]):
+            test = (groups == g) & (levels == s_)
+            train = (groups != g) & (levels == s_)
+            if train.sum() < 3:
+                continue
+            lam = choose_lambda(X[train], y[train], inner[train], lambdas)
+            pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
+            j, s = best_feature(X[train], y[train])
+            base[test] = s * X[test, j]
     return {"lasso": pred, "single": base}
 
 
@@ -200,6 +204,7 @@ class Validation:
     predictions: np.ndarray
     n_positive: int = 0  # rows with the binary outcome (AUROC needs enough of both kinds: MIN_CLASS)
     by_route: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # (only with two routes or more)
+    by_route_operator: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # "route|operator"
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "predictions"}
@@ -207,13 +212,14 @@ class Validation:
 
 def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, groups: np.ndarray, inner: np.ndarray,
              clusters: np.ndarray, operators: np.ndarray, features: list[str], n_boot: int = 2000, n_shuffles: int = 20,
-             seed: int = 0, lambdas=LAMBDAS, routes: np.ndarray | None = None) -> Validation:
+             seed: int = 0, lambdas=LAMBDAS, routes: np.ndarray | None = None, by_route: bool = False) -> Validation:
     """Leave each of ``groups`` out in turn; pooled held-out Spearman (and per operator), AUROC of the prediction for
     ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval (and per route, ``routes``, when
-    the rows hold two or more); the shuffled-target control
+    the rows hold two or more; ``by_route``: each route predicted by models of its own rows); the shuffled-target control
     (the targets permuted over every row, ``n_shuffles`` times, the same leave-group-out fits made on them, their
     held-out predictions scored against the true targets: must sit near 0)."""
-    held = leave_group_out(X, y, groups, inner, features, lambdas)
+    strata = routes if by_route and routes is not None else None
+    held = leave_group_out(X, y, groups, inner, features, lambdas, strata)
     pred = held["lasso"]
     ok = np.isfinite(pred)
     rho = spearman(pred[ok], y[ok])
@@ -228,7 +234,7 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     shuffled = []
     for _ in range(n_shuffles):
         yp = y[rng.permutation(len(y))]
-        p = leave_group_out(X, yp, groups, inner, features, lambdas)["lasso"]
+        p = leave_group_out(X, yp, groups, inner, features, lambdas, strata)["lasso"]
         k = np.isfinite(p)
         shuffled.append(spearman(p[k], y[k]))
     sh = np.array([v for v in shuffled if np.isfinite(v)] or [np.nan])
@@ -243,4 +249,5 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     return Validation(scheme, int(ok.sum()), rho, ci, auc, auc_ci, s_rho, s_ci, float(np.nanmean(sh)),
                       (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by(operators),
                       calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()),
-                      by(routes) if routes is not None and len(set(routes.tolist())) > 1 else {})
+                      *((by(routes), by(np.array([f"{r}|{o}" for r, o in zip(routes, operators)], dtype=object)))
+                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})))

@@ -28,8 +28,9 @@ from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
 
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
 
-EVIDENCE = 3  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
-#              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged
+EVIDENCE = 4  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
+#              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
+#              4 = the final models per route (finals) in validation.json
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 
@@ -60,24 +61,49 @@ def _design(bench: Benchmark) -> tuple[np.ndarray, list[str]]:
     return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
 
 
+def _routes(bench: Benchmark, fs: ForecastSettings | None) -> np.ndarray:
+    """Each row's route; one model per route when ``forecast.by_route`` and the benchmark holds two or more."""
+    return bench.route if bench.route is not None else np.full(len(bench), "checkpoint", dtype=object)
+
+
+def per_route(bench: Benchmark, fs: ForecastSettings) -> bool:
+    return fs.by_route and len(set(_routes(bench, fs).tolist())) > 1
+
+
 def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
     X, names = _design(bench)
+    routes, split = _routes(bench, fs), per_route(bench, fs)
+    common = dict(n_boot=fs.n_boot, n_shuffles=fs.n_shuffles, seed=fs.seed, lambdas=fs.lambdas, routes=routes, by_route=split)
     lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
-                    names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
+                    names, **common)
     looo = validate("leave one operator out", bench.X, bench.y, bench.beats, bench.operator, bench.family, bench.pair,
-                    bench.operator, list(bench.features), fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
+                    bench.operator, list(bench.features), **common)
     avg = validate("leave one family out, gain over the endpoints' mean", X, bench.avg_gain, bench.avg_gain > 0, bench.family,
-                   bench.family, bench.pair, bench.operator, names, fs.n_boot, fs.n_shuffles, fs.seed, fs.lambdas, bench.route)
-    lam = choose_lambda(X, bench.y, bench.family, fs.lambdas)
-    final = fit_lasso(X, bench.y, lam, names)
-    return {"lofo": lofo, "looo": looo, "avg": avg, "final": final, "names": names}
+                   bench.family, bench.pair, bench.operator, names, **common)
+    finals = {}
+    for route in sorted(set(routes.tolist())) if split else ["all"]:
+        rows = routes == route if split else np.ones(len(bench), dtype=bool)
+        lam = choose_lambda(X[rows], bench.y[rows], bench.family[rows], fs.lambdas)
+        finals[route] = fit_lasso(X[rows], bench.y[rows], lam, names)
+    return {"lofo": lofo, "looo": looo, "avg": avg, "finals": finals, "names": names}
+
+
+def final_for(finals: dict[str, Lasso], route: str) -> Lasso:
+    """The final model that forecasts a pair of this route (the one pooled model when the fit is not split)."""
+    if "all" in finals:
+        return finals["all"]
+    if route not in finals:
+        raise MergescopeError(f"the forecast was fitted on {', '.join(finals)} pairs only; a {route} pair has no model "
+                              "(add such merges to the benchmark)")
+    return finals[route]
 
 
 def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
     out = {"n_merges": float(len(bench)), "n_pairs": float(len(set(bench.pair))), "n_families": float(len(set(bench.family))),
            "n_operators": float(len(set(bench.operator))), "n_dropped": float(bench.dropped),
-           "beats_rate": float(bench.beats.mean()), "final_lambda": v["final"].lam,
-           "final_nonzero": float((v["final"].coef != 0).sum())}
+           "beats_rate": float(bench.beats.mean()), "n_routes": float(len(set(_routes(bench, None).tolist()))),
+           **{f"final_lambda{'' if r == 'all' else '.' + r}": m.lam for r, m in v["finals"].items()},
+           **{f"final_nonzero{'' if r == 'all' else '.' + r}": float((m.coef != 0).sum()) for r, m in v["finals"].items()}}
     for key in ("lofo", "looo", "avg"):
         val = v[key]
         out.update({f"{key}_spearman": val.spearman, f"{key}_spearman_lo": val.spearman_ci[0], f"{key}_spearman_hi": val.spearman_ci[1],
@@ -138,16 +164,23 @@ def pair_features(cfg: DictConfig, overrides: list[str], pair: str, fs: Forecast
     return label, {f: float(values[f]) for f in fs.features}
 
 
-def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[Lasso, np.ndarray]:
-    """A finished fit's final model and its held-out residuals (leave one family out), from its artifacts."""
+def _logged_fit(cfg: DictConfig, run_id: str) -> tuple[dict[str, Lasso], np.ndarray, np.ndarray]:
+    """A finished fit's final models (per route, or ``all``), its held-out residuals (leave one family out) and each
+    residual's route, from its artifacts."""
     from mergescope.tracking import Tracker, read_artifact_text
 
     client = Tracker(cfg).client
-    fin = json.loads(read_artifact_text(client, run_id, "forecast/validation.json"))["final"]
-    model = Lasso(np.array(fin["coef"]), float(fin["intercept"]), np.array(fin["mu"]), np.array(fin["sd"]), float(fin["lambda"]),
-                  list(fin["features"]))
-    rows = csv.DictReader(io.StringIO(read_artifact_text(client, run_id, "forecast/predictions.csv")))
-    return model, np.array([float(r[TARGET]) - float(r["predicted_lofo"]) for r in rows])
+    finals = json.loads(read_artifact_text(client, run_id, "forecast/validation.json"))["finals"]
+    models = {r: Lasso(np.array(f["coef"]), float(f["intercept"]), np.array(f["mu"]), np.array(f["sd"]), float(f["lambda"]),
+                       list(f["features"])) for r, f in finals.items()}
+    rows = list(csv.DictReader(io.StringIO(read_artifact_text(client, run_id, "forecast/predictions.csv"))))
+    return models, np.array([float(r[TARGET]) - float(r["predicted_lofo"]) for r in rows]), np.array([r["route"] for r in rows], dtype=object)
+
+
+def pair_route(label: str) -> str:
+    """A forecast pair's route from its label: two revisions of one model, or two experts of a family."""
+    a, b = (side.split("@")[0] for side in label.split("__"))
+    return "checkpoint" if a == b else "fine-tune"
 
 
 def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, bench: Benchmark, final: Lasso,
@@ -169,7 +202,7 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
 def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
     """Fit and validate on the experiment's merge benchmark (one kind=forecast run); with ``forecast.pair``, forecast it."""
     from mergescope.progress import status
-    from mergescope.runs import JobSpec, run_once
+    from mergescope.runs import JobSpec, checking, run_once
 
     fs = ForecastSettings.from_cfg(cfg)
     bench = load_benchmark(cfg, fs)  # too few merges: one line, no run
@@ -182,15 +215,18 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         holder["v"] = v
         job.log_params({"features": list(fs.features), "excluded": EXCLUDED, "target": TARGET, "anchor": ANCHOR})
         job.log_text(json.dumps({"lofo": v["lofo"].as_dict(), "looo": v["looo"].as_dict(), "avg": v["avg"].as_dict(),
-                                 "final": v["final"].as_dict(),
+                                 "finals": {r: m.as_dict() for r, m in v["finals"].items()},
                                  "excluded": EXCLUDED, "anchor": ANCHOR}, indent=1, default=float), "forecast/validation.json")
         job.log_text(_predictions_csv(bench, v), "forecast/predictions.csv")
         return _metrics(v, bench)
 
     spec = JobSpec(f"forecast on {len(bench)} merges", {"kind": "forecast", "route": "native"}, task="forecast",
-                   keys=["forecast.features", "forecast.lambdas", "forecast.n_boot", "forecast.n_shuffles", "forecast.seed"],
+                   keys=["forecast.features", "forecast.lambdas", "forecast.n_boot", "forecast.n_shuffles", "forecast.seed",
+                         *(["forecast.by_route"] if per_route(bench, fs) else [])],  # one route: by_route changes nothing
                    extra={"benchmark": bench.digest(), "evidence": EVIDENCE})
     result = run_once(cfg, spec, body, overrides)
+    if checking():  # a plan or a study's done pass: the phase's own line says it
+        return result
     m = result.metrics
     status.print(f"forecast on {int(m.get('n_merges', len(bench)))} merges of {int(m.get('n_families', 0))} families: held-out "
                  f"Spearman {m.get('lofo_spearman', float('nan')):+.3f} [{m.get('lofo_spearman_lo', float('nan')):+.3f}, "
@@ -199,10 +235,13 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
                  f"operator out (run {result.run_id[:8]})", soft_wrap=True)
     if fs.pair is not None:
         if "v" in holder:
-            final, resid = holder["v"]["final"], bench.y - holder["v"]["lofo"].predictions
-        else:  # a reused fit: its final model and held-out residuals as it logged them
-            final, resid = _logged_fit(cfg, result.run_id)
-        f = _forecast_pair(*pair, fs, bench, final, resid)
+            finals, resid, routes = holder["v"]["finals"], bench.y - holder["v"]["lofo"].predictions, _routes(bench, fs)
+        else:  # a reused fit: its final models and held-out residuals as it logged them
+            finals, resid, routes = _logged_fit(cfg, result.run_id)
+        route = pair_route(pair[0])
+        final = final_for(finals, route)
+        f = _forecast_pair(*pair, fs, bench, final, resid if "all" in finals else resid[routes == route])
+        status.print(f"  {f['pair']}: a {route} pair" + ("" if "all" in finals else f", forecast by the {route} model"), soft_wrap=True)
         for op, row in f["forecast"].items():
             carried = ", ".join(f"{k} {c:+.4f}" for k, c in row["carried_by"].items()) or "the intercept alone"
             seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""

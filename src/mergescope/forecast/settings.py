@@ -18,14 +18,15 @@ __all__ = ["ForecastSettings", "FamilySettings"]
 class FamilySettings(ArmSettings):
     """One fine-tune family of the benchmark (an entry of ``forecast.families``): ``base`` (a conf/model name: the
     pretrained model every expert continues from, the task vectors' origin), ``experts`` (conf/model names, two or more:
-    every two of them are a pair) and ``revisions`` (each expert's checkpoints to pair: every revision of one with every
-    revision of the other)."""
+    every two of them are a pair), ``revisions`` (each expert's checkpoints to pair: every revision of one with every
+    revision of the other) and ``overrides`` (added to this family's native jobs after ``forecast.family_overrides``)."""
 
     section: ClassVar[str] = "forecast.families[]"
 
     base: str = ""
     experts: tuple[str, ...] = ()
     revisions: tuple[str, ...] = ("main",)
+    overrides: tuple[str, ...] = ()   # this family's own, after forecast.family_overrides (a real model's fewer sentences)
 
     def check(self, cfg: DictConfig | None) -> None:
         from mergescope.config import conf_options
@@ -64,14 +65,15 @@ class ForecastSettings(ArmSettings):
     family_overrides: tuple[str, ...] = ()
     premerge_split: str = "dev"
     premerge_sentences: int = 64
+    by_route: bool = True
 
     def family_list(self) -> list[FamilySettings]:
         """``families``, each read and checked."""
-        known = {"base", "experts", "revisions"}
+        known = {"base", "experts", "revisions", "overrides"}
         for f in self.families:
             if not isinstance(f, dict) or (bad := sorted(set(f) - known)):
-                raise MergescopeError(f"forecast.families: {f!r} is not a family (keys: base, experts, revisions)"
-                                      if not isinstance(f, dict) else f"forecast.families: unknown key {bad[0]!r} (base, experts, revisions)")
+                raise MergescopeError(f"forecast.families: {f!r} is not a family (keys: base, experts, revisions, overrides)"
+                                      if not isinstance(f, dict) else f"forecast.families: unknown key {bad[0]!r} (base, experts, revisions, overrides)")
         return [FamilySettings.from_node(f) for f in self.families]
 
     def check(self, cfg: DictConfig | None) -> None:
