@@ -157,6 +157,9 @@ def test_held_out_scores_are_also_read_within_each_route():
     assert min(split.by_route[r][0] for r in split.by_route) > 0.8
     assert min(pooled.by_route[r][0] for r in pooled.by_route) < 0.5
     assert set(split.by_route_operator) == {f"{r}|{o}" for r in ("checkpoint", "fine-tune") for o in ("linear", "ties", "dare")}
+    # its control shuffles within each route: near 0 inside each, while the routes' typical gains are kept
+    assert set(split.shuffled_by_route) == {"checkpoint", "fine-tune"}
+    assert all(abs(m) < 0.3 for m, _, _ in split.shuffled_by_route.values()) and pooled.shuffled_by_route == {}
 
 
 def test_fine_tunes_train_after_their_base_and_the_families_make_their_pairs(compose_cfg):

@@ -205,6 +205,7 @@ class Validation:
     n_positive: int = 0  # rows with the binary outcome (AUROC needs enough of both kinds: MIN_CLASS)
     by_route: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # (only with two routes or more)
     by_route_operator: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # "route|operator"
+    shuffled_by_route: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # (mean, 2.5%, 97.5%) per route
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "predictions"}
@@ -216,8 +217,10 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     """Leave each of ``groups`` out in turn; pooled held-out Spearman (and per operator), AUROC of the prediction for
     ``beats``, the single-best-feature baseline, each with a cluster-bootstrap interval (and per route, ``routes``, when
     the rows hold two or more; ``by_route``: each route predicted by models of its own rows); the shuffled-target control
-    (the targets permuted over every row, ``n_shuffles`` times, the same leave-group-out fits made on them, their
-    held-out predictions scored against the true targets: must sit near 0)."""
+    (the targets permuted over every row -- within each route under ``by_route``, so that the routes' typical gains are
+    kept and the control says how much of the pooled score they alone give --, ``n_shuffles`` times, the same
+    leave-group-out fits made on them, their held-out predictions scored against the true targets: must sit near 0
+    within a route)."""
     strata = routes if by_route and routes is not None else None
     held = leave_group_out(X, y, groups, inner, features, lambdas, strata)
     pred = held["lasso"]
@@ -231,13 +234,26 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     s_rho = spearman(single[sok], y[sok])
     s_ci = cluster_bootstrap(spearman, clusters[sok], (single[sok], y[sok]), n_boot, seed)
     rng = np.random.default_rng(seed + 1)
-    shuffled = []
+    shuffled, within = [], {}
     for _ in range(n_shuffles):
-        yp = y[rng.permutation(len(y))]
+        if strata is None:
+            yp = y[rng.permutation(len(y))]
+        else:  # within each route: its typical gain kept, what ranks merges inside it destroyed
+            yp = y.copy()
+            for r in np.unique(strata):
+                idx = np.flatnonzero(strata == r)
+                yp[idx] = y[idx[rng.permutation(len(idx))]]
         p = leave_group_out(X, yp, groups, inner, features, lambdas, strata)["lasso"]
         k = np.isfinite(p)
         shuffled.append(spearman(p[k], y[k]))
+        if strata is not None:
+            for r in np.unique(strata):
+                m = k & (strata == r)
+                within.setdefault(str(r), []).append(spearman(p[m], y[m]))
     sh = np.array([v for v in shuffled if np.isfinite(v)] or [np.nan])
+    shuffled_by_route = {r: (float(np.nanmean(v)), float(np.nanpercentile(v, 2.5)), float(np.nanpercentile(v, 97.5)))
+                         for r, v in within.items() if np.isfinite(v).any()}
+
     def by(labels: np.ndarray) -> dict[str, tuple[float, float, float, int]]:
         out = {}
         for g in sorted(set(labels.tolist())):
@@ -250,4 +266,4 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
                       (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by(operators),
                       calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()),
                       *((by(routes), by(np.array([f"{r}|{o}" for r, o in zip(routes, operators)], dtype=object)))
-                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})))
+                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})), shuffled_by_route)
