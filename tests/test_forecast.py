@@ -126,6 +126,8 @@ def test_the_benchmark_rows_come_from_checkpoint_merges_and_their_pairs_native_r
     b2 = benchmark(recs, FEATURES)
     assert b2.run_ids == ["m3", "m2", "f1"] and list(b2.family) == ["fam", "fam", "multi"] and b2.dropped == 1
     assert list(b2.route) == ["checkpoint", "checkpoint", "fine-tune"] and b2.native_ids[-1] == "f0"
+    rest = b2.without_families(["multi"])
+    assert rest.run_ids == ["m3", "m2"] and list(rest.route) == ["checkpoint"] * 2 and rest.X.shape == (2, len(FEATURES))
     # the dev-split diagnostics come from the pair's premerge run on the same outcome; a pair without one is dropped
     dev = {f: 1.0 + i for i, f in enumerate(PREMERGE)}
     recs += [_Rec("p1", "measure", {**ft, "metric": "premerge", "cfg_hash": "h8"}, dev),
@@ -348,3 +350,19 @@ def test_premerge_diagnostics_match_a_plain_per_sentence_computation(tiny_models
     bad, bov = compose_cfg([*pair, "forecast.premerge_split=devtest"])
     with pytest.raises(MergescopeError, match="forecast.premerge_split=devtest and data.split=devtest"):
         run_premerge(bad, bov)
+
+
+def test_the_forecast_studies_compose_their_families(compose_cfg):
+    """study=forecast holds the two toy fine-tune families (scored on both languages); study=forecast_real adds the
+    SmolLM2 family with its own smaller settings, in the same experiment."""
+    from mergescope.forecast.settings import ForecastSettings
+
+    toy, _ = compose_cfg(["study=forecast"])
+    fams = ForecastSettings.from_cfg(toy).family_list()
+    assert [f.base for f in fams] == ["zoo-multi-llama", "zoo-multi-neox"] and all(len(f.experts) == 4 for f in fams)
+    assert "+native.outcome=both" in ForecastSettings.from_cfg(toy).family_overrides
+    real, _ = compose_cfg(["study=forecast_real"])
+    fams = ForecastSettings.from_cfg(real).family_list()
+    assert [f.base for f in fams] == ["zoo-multi-llama", "zoo-multi-neox", "smollm2-135m"]
+    assert fams[2].revisions == ("step16", "step48") and "native.nll_sentences=48" in fams[2].overrides
+    assert real.tracking.experiment == toy.tracking.experiment == "forecast"

@@ -45,6 +45,12 @@ def load_benchmark(cfg: DictConfig, fs: ForecastSettings) -> Benchmark:
     if tracker.client.get_experiment_by_name(experiment) is None:
         raise MergescopeError(f"no MLflow experiment '{experiment}': build the merge benchmark first (python launch.py study=forecast)")
     bench = benchmark(finished_runs(tracker.client, str(cfg.tracking.uri), experiment), fs.features)
+    if fs.exclude_families:
+        unknown = sorted(set(fs.exclude_families) - set(bench.family.astype(str).tolist()))
+        if unknown:
+            raise MergescopeError(f"forecast.exclude_families names {', '.join(unknown)}, not a family of experiment "
+                                  f"'{experiment}' ({', '.join(sorted(set(bench.family.astype(str).tolist())))})")
+        bench = bench.without_families(fs.exclude_families)
     if len(bench) < fs.min_merges or len(set(bench.family)) < 3:
         raise MergescopeError(f"the merge benchmark of experiment '{experiment}' holds {len(bench)} merges of "
                               f"{len(set(bench.family))} families ({fs.min_merges} merges and 3 families needed"

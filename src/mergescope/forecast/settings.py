@@ -66,6 +66,7 @@ class ForecastSettings(ArmSettings):
     premerge_split: str = "dev"
     premerge_sentences: int = 64
     by_route: bool = True
+    exclude_families: tuple[str, ...] = ()
 
     def family_list(self) -> list[FamilySettings]:
         """``families``, each read and checked."""

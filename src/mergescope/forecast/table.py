@@ -60,6 +60,15 @@ class Benchmark:
     def __len__(self) -> int:
         return len(self.y)
 
+    def without_families(self, names) -> Benchmark:
+        """These rows but those of the named families (a fit on the rest: e.g. the toy families alone)."""
+        keep = ~np.isin(self.family.astype(str), [str(n) for n in names])
+        idx = np.flatnonzero(keep)
+        pick = lambda a: None if a is None else a[keep]  # noqa: E731
+        return Benchmark(self.features, self.X[keep], self.y[keep], self.lo[keep], self.hi[keep], self.avg_gain[keep],
+                         self.family[keep], self.pair[keep], self.operator[keep], [self.run_ids[i] for i in idx],
+                         [self.native_ids[i] for i in idx], self.dropped, pick(self.route))
+
     def digest(self) -> str:
         """What the fit's numbers depend on: the merge and native runs it reads (their ids)."""
         return hashlib.sha256("\n".join(sorted(self.run_ids) + sorted(set(self.native_ids))).encode()).hexdigest()[:24]
