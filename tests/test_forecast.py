@@ -75,6 +75,12 @@ def test_a_planted_predictor_is_recovered_held_out_and_a_shuffled_target_is_not(
     v = validate("leave one family out", np.hstack([X, ops]), y, y > 0, fam, fam, pair, op, [*names, "op=ties", "op=dare"],
                  n_boot=300, n_shuffles=10, seed=0)
     assert v.spearman > 0.85 and v.spearman_ci[0] > 0.7 and v.n == len(y)
+    assert set(v.by_group) == {f"fam{f}" for f in range(5)}  # each family alone: its inside ranking and its level
+    from scipy.stats import spearmanr
+
+    f0 = fam == "fam0"
+    assert v.by_group["fam0"][0] == pytest.approx(spearmanr(v.predictions[f0], y[f0]).statistic, abs=1e-12)
+    assert v.by_group["fam0"][3] == f0.sum() and v.by_group["fam0"][5] == pytest.approx(y[f0].mean())
     assert abs(v.shuffled_mean) < 0.15 and v.shuffled_range[0] < 0.25  # the control sits near 0
     assert all(rho > 0.85 for rho, *_ in v.by_operator.values())
     assert v.single_spearman > 0.4  # the single best feature (chosen on the training families) is the planted one

@@ -206,6 +206,9 @@ class Validation:
     by_route: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # (only with two routes or more)
     by_route_operator: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # "route|operator"
     shuffled_by_route: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # (mean, 2.5%, 97.5%) per route
+    by_group: dict[str, tuple[float, float, float, int, float, float]] = field(default_factory=dict)
+    """Each held-out group alone: (Spearman within it, 95% interval over its pairs, rows, mean prediction, mean
+    measured): the ranking inside a group the model never saw, apart from whether its level was foreseen."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "predictions"}
@@ -262,8 +265,11 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
                            int(m.sum()))
         return out
 
+    by_group = {str(g): (*by(np.where(groups == g, "in", "out").astype(object)).get("in", (np.nan, np.nan, np.nan, 0)),
+                         float(np.nanmean(pred[groups == g])) if ok[groups == g].any() else np.nan, float(np.mean(y[groups == g])))
+                for g in sorted(set(groups.tolist()))}
     return Validation(scheme, int(ok.sum()), rho, ci, auc, auc_ci, s_rho, s_ci, float(np.nanmean(sh)),
                       (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by(operators),
                       calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()),
                       *((by(routes), by(np.array([f"{r}|{o}" for r, o in zip(routes, operators)], dtype=object)))
-                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})), shuffled_by_route)
+                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})), shuffled_by_route, by_group)

@@ -134,6 +134,18 @@ def section(an: Analysis, number: str) -> Section | None:
                                       "a route with one family left in training (fine-tune: two bases) is predicted from one. "
                                       "Leaving an operator out keeps the pair's other operators' merges in training (the same "
                                       "features, known outcomes): an easier test than a new family"))
+    fams = lofo.get("by_group") or {}
+    if fams:
+        ranked = {f: t for f, t in fams.items() if math.isfinite(t[0])}
+        flat = [f for f, t in fams.items() if not math.isfinite(t[0])]
+        sec.text.append("Inside each held-out family: Spearman " + ", ".join(f"{f} {t[0]:+.2f}" for f, t in ranked.items())
+                        + (f"; a constant forecast (no ranking) for {', '.join(flat)}" if flat else "") + ".")
+        sec.tables.append(RTable("Each family held out: the ranking inside it, and its level", [
+            "family", "merges", "Spearman inside the family", "mean forecast", "mean measured"],
+            [[f, str(t[3]), _ci(*t[:3]) if math.isfinite(t[0]) else "— (a constant forecast: intercept only)",
+              f"{t[4]:+.4f}", f"{t[5]:+.4f}"] for f, t in fams.items()],
+            note="a family's merges predicted by models fitted without it (leave one family out); inside one family the "
+                 "ranking is read apart from whether its typical gain was foreseen (the pooled Spearman mixes both)"))
     finals = v.get("finals") or {"all": v["final"]}
     for route, fin in finals.items():
         coef = sorted(zip(fin["features"], fin["coef"]), key=lambda t: -abs(t[1]))
