@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from mergescope.errors import MergescopeError
 from mergescope.forecast.fit import Lasso, choose_lambda, fit_lasso, validate
 from mergescope.forecast.settings import ForecastSettings
-from mergescope.forecast.table import EXCLUDED, TARGET, Benchmark, benchmark
+from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, benchmark
 
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
 
@@ -137,9 +137,10 @@ def _predictions_csv(bench: Benchmark, v: dict[str, Any]) -> str:
 
 
 def pair_features(cfg: DictConfig, overrides: list[str], pair: str, fs: ForecastSettings) -> tuple[str, dict[str, float]]:
-    """A pair's data-free diagnostics from its weights (no merge, no data): (its label, feature -> value). Two
-    checkpoints of one run take ``native.base`` (a revision); two experts of one ``forecast.families`` entry take that
-    family's base."""
+    """A pair's diagnostics before any merge: from its weights, and (:data:`PREMERGE` features) on FLORES dev, never on
+    the devtest sentences merges are scored on: (its label, feature -> value). Two checkpoints of one run take
+    ``native.base`` (a revision); two experts of one ``forecast.families`` entry take that family's base and are read on
+    both their languages (as the benchmark's fine-tune pairs)."""
     from omegaconf import OmegaConf
 
     from mergescope.jobs import composed, hydra_value, job, pair_override
@@ -153,15 +154,25 @@ def pair_features(cfg: DictConfig, overrides: list[str], pair: str, fs: Forecast
         sides.append(OmegaConf.create({**entry, "revision": None if rev == "main" else rev}))
         names.append(name)
     base: list[str] = []
-    if names[0] != names[1]:  # two experts: the base of the family that holds both
+    if names[0] != names[1]:  # two experts: the base of the family that holds both, else the one both continue from
         fam = next((f for f in fs.family_list() if set(names) <= set(f.experts)), None)
-        if fam is None:
-            raise MergescopeError(f"forecast.pair={pair}: two different models must be two experts of one forecast.families "
-                                  "entry (their base is the task vectors' origin); or give two checkpoints of one model")
-        be = OmegaConf.to_container(composed([*overrides, f"model={fam.base}"]).model, resolve=False)
+        origin = {str(OmegaConf.select(composed([*overrides, f"model={n}"]), "model.zoo.init_from", default=None)) for n in names}
+        base_name = fam.base if fam is not None else next(iter(origin)).rstrip("/").rsplit("/", 1)[-1] if len(origin) == 1 else None
+        from mergescope.config import conf_options
+
+        if base_name is None or base_name == "None" or base_name not in conf_options("model"):
+            raise MergescopeError(f"forecast.pair={pair}: two different models must be two fine-tunes of one base (the same "
+                                  "zoo.init_from, a conf/model entry) or two experts of one forecast.families entry: their "
+                                  "base is the task vectors' origin; or give two checkpoints of one model")
+        be = OmegaConf.to_container(composed([*overrides, f"model={base_name}"]).model, resolve=False)
         base = [f"++native.base={hydra_value(be)}"]
-    j = job("native", [*overrides, *pair_override(*sides), *base, "native.merges=[]"])
+    j = job("native", [*overrides, *pair_override(*sides), *base, "native.merges=[]",
+                       *(["+native.outcome=both"] if names[0] != names[1] else [])])  # experts: both languages, as benchmarked
     values = weight_values(j.cfg, Loaded(j.cfg, need_base=True))
+    if set(fs.features) & set(PREMERGE):  # the dev-split diagnostics, computed now (FLORES dev: no merge, no devtest line)
+        from mergescope.forecast.premerge import premerge_values
+
+        values.update(premerge_values(j.cfg))
     missing = [f for f in fs.features if f not in values]
     if missing:
         raise MergescopeError(f"forecast.pair={pair}: {', '.join(missing)} cannot be computed for this pair (step revisions "
