@@ -337,7 +337,7 @@ def test_premerge_diagnostics_match_a_plain_per_sentence_computation(tiny_models
     out = {}
     for side in ("step1", "step2"):
         model = AutoModelForCausalLM.from_pretrained(root / side, dtype=torch.float64).eval()
-        total, count, pooled, loss = 0.0, 0, [], 0.0
+        count, pooled, loss = 0, [], 0.0
         for s in sents:
             ids = torch.tensor([[start_id(tok), *tok(s, add_special_tokens=False)["input_ids"]]])
             o = model(input_ids=ids, output_hidden_states=True)

@@ -51,20 +51,8 @@ def _calibration_figure(cal: list[dict]):
     return fig
 
 
-def section(an: Analysis, number: str) -> Section | None:
-    runs = an.study.kind("forecast")
-    if not runs:
-        return None
-    r = runs[-1]
-    sec = Section("forecast", f"{number}. What predicts a merge: the forecast on merges it has not seen")
-    text = an.study.artifact_text(r.run_id, "forecast/validation.json")
-    if text is None:
-        sec.missing.append(f"forecast: run {short(r.run_id)} has no validation.json")
-        return sec
-    v = json.loads(text)
-    lofo, looo = v["lofo"], v["looo"]
-    pred = an.study.artifact_text(r.run_id, "forecast/predictions.csv")
-    rows = list(csv.DictReader(io.StringIO(pred))) if pred else []
+def _intro(sec: Section, r, rows: list[dict], split: bool) -> None:
+    """What the fit read: merges, pairs and families per route."""
     routes = {}
     for row in rows:
         k = row.get("route", "checkpoint")
@@ -76,12 +64,17 @@ def section(an: Analysis, number: str) -> Section | None:
             "fine-tune": ("fine-tune pairs (two language experts of one base, scored on both languages)", "bases")}
     parts = [f"{n} merges of {len(p)} {what.get(k, (k, 'families'))[0]} in {len(f)} {what.get(k, (k, 'families'))[1]}"
              for k, (p, f, n) in sorted(routes.items())]
-    sec.text.append(f"A lasso on standardised data-free diagnostics of the pair (its penalty chosen on the training "
-                    f"families only), fitted on {r.m('n_merges'):.0f} native merges"
+    sec.text.append("A lasso on the pair's standardised pre-merge diagnostics (from its weights, and on FLORES dev), "
+                    + ("one per route, " if split else "") + "its penalty chosen on the training families only, fitted on "
+                    f"{r.m('n_merges'):.0f} native merges"
                     + (f" ({'; '.join(parts)})" if parts else "") + f", {r.m('n_families'):.0f} families in all (a family: "
                     "one training run, or one fine-tune base); the target is each merge's gain over the better "
                     "expert (nats/token, the first token apart); beats = its paired 95% interval lies above 0 "
                     f"({r.m('beats_rate'):.0%} of the merges).")
+
+
+def _finding(sec: Section, r, lofo: dict, looo: dict) -> None:
+    """The finding: within each route when there are several (the pooled number beside its control)."""
     routes = lofo.get("by_route") or {}
     if routes:
         inside = "; ".join(f"{k} {_ci(*routes[k][:3])} (shuffled within it {lofo['shuffled_by_route'][k][0]:+.3f})"
@@ -94,15 +87,10 @@ def section(an: Analysis, number: str) -> Section | None:
         sec.finding = (f"Held out by family, predicted and measured gains rank together with Spearman "
                        f"{_ci(lofo['spearman'], *lofo['spearman_ci'])} (shuffled-target control {lofo['shuffled_mean']:+.3f}); "
                        f"with the operator unseen {_ci(looo['spearman'], *looo['spearman_ci'])} (run {short(r.run_id)}).")
-    sec.text.append(sec.finding)
-    sec.tables.append(RTable("Held-out scores (95% intervals: bootstrap over pairs)", [
-        "validation", "merges", "Spearman", "AUROC (beats)", "single best feature", "shuffled-target control"],
-        [_scores(lofo, "leave one family out"), _scores(looo, "leave one operator out"),
-         *([_scores(v["avg"], "leave one family out, gain over the endpoints' mean (AUROC: gain > 0)")] if "avg" in v else []),
-         ["anchor (Zhou et al., ViT-B)", "190 task pairs", "0.26-0.50 pooled by method", "—", "about -0.44 (gradient L2)", "—"]],
-        note="Spearman of held-out predictions against measured gains, pooled over the held-out groups; the single best "
-             "feature is chosen on the training groups by |Spearman|; the control refits on permuted targets "
-             f"({lofo.get('n', 0)} rows, mean and 95% range over the refits). {v['anchor']}."))
+
+
+def _operators(sec: Section, lofo: dict, looo: dict) -> None:
+    """Per operator (the goal), within each route and per operator within it."""
     ops = sorted(set(lofo["by_operator"]) | set(looo["by_operator"]))
     # the goal is read within each route when there are several: pooled over routes, the gap between their typical
     # gains alone would rank the merges
@@ -134,6 +122,10 @@ def section(an: Analysis, number: str) -> Section | None:
                                       "a route with one family left in training (fine-tune: two bases) is predicted from one. "
                                       "Leaving an operator out keeps the pair's other operators' merges in training (the same "
                                       "features, known outcomes): an easier test than a new family"))
+
+
+def _families_and_models(sec: Section, v: dict, lofo: dict) -> None:
+    """Each held-out family alone, and the final model(s)."""
     fams = lofo.get("by_group") or {}
     if fams:
         ranked = {f: t for f, t in fams.items() if math.isfinite(t[0])}
@@ -154,6 +146,35 @@ def section(an: Analysis, number: str) -> Section | None:
                                  [[n, f"{c:+.4f}"] for n, c in coef if c != 0] or [["(none: the intercept alone)", "—"]],
                                  note=f"lambda {fin['lambda']:g}; intercept {fin['intercept']:+.4f}; left out: "
                                       + "; ".join(f"{k} ({w})" for k, w in v["excluded"].items())))
+
+
+def section(an: Analysis, number: str) -> Section | None:
+    runs = an.study.kind("forecast")
+    if not runs:
+        return None
+    r = runs[-1]
+    sec = Section("forecast", f"{number}. What predicts a merge: the forecast on merges it has not seen")
+    text = an.study.artifact_text(r.run_id, "forecast/validation.json")
+    if text is None:
+        sec.missing.append(f"forecast: run {short(r.run_id)} has no validation.json")
+        return sec
+    v = json.loads(text)
+    lofo, looo = v["lofo"], v["looo"]
+    pred = an.study.artifact_text(r.run_id, "forecast/predictions.csv")
+    rows = list(csv.DictReader(io.StringIO(pred))) if pred else []
+    _intro(sec, r, rows, any(k != "all" for k in v.get("finals", {})))
+    _finding(sec, r, lofo, looo)
+    sec.text.append(sec.finding)
+    sec.tables.append(RTable("Held-out scores (95% intervals: bootstrap over pairs)", [
+        "validation", "merges", "Spearman", "AUROC (beats)", "single best feature", "shuffled-target control"],
+        [_scores(lofo, "leave one family out"), _scores(looo, "leave one operator out"),
+         *([_scores(v["avg"], "leave one family out, gain over the endpoints' mean (AUROC: gain > 0)")] if "avg" in v else []),
+         ["anchor (Zhou et al., ViT-B)", "190 task pairs", "0.26-0.50 pooled by method", "—", "about -0.44 (gradient L2)", "—"]],
+        note="Spearman of held-out predictions against measured gains, pooled over the held-out groups; the single best "
+             "feature is chosen on the training groups by |Spearman|; the control refits on permuted targets "
+             f"({lofo.get('n', 0)} rows, mean and 95% range over the refits). {v['anchor']}."))
+    _operators(sec, lofo, looo)
+    _families_and_models(sec, v, lofo)
     cal = lofo["calibration"]
     if cal:
         sec.tables.append(RTable("Calibration (held out by family): predicted vs measured, by quintile of the prediction",
