@@ -168,6 +168,12 @@ def test_held_out_scores_are_also_read_within_each_route():
     # its control shuffles within each route: near 0 inside each, while the routes' typical gains are kept
     assert set(split.shuffled_by_route) == {"checkpoint", "fine-tune"}
     assert all(abs(m) < 0.3 for m, _, _ in split.shuffled_by_route.values()) and pooled.shuffled_by_route == {}
+    # routes far apart in typical gain, nothing to rank inside either: the pooled score is high and so is its control
+    # (the gap alone), which is what the report sets beside it; a global permutation would have put the control at ~0
+    gap = np.where(route == "fine-tune", 0.3, -0.3) + np.random.default_rng(9).normal(scale=0.01, size=len(y))
+    g = validate("g", X, gap, gap > 0, fam, fam, pair, op, ["a", "b", "c", "d"], n_boot=50, n_shuffles=4, routes=route,
+                 by_route=True)
+    assert g.spearman > 0.7 and g.shuffled_mean > 0.7
 
 
 def test_fine_tunes_train_after_their_base_and_the_families_make_their_pairs(compose_cfg):
@@ -353,6 +359,16 @@ def test_premerge_diagnostics_match_a_plain_per_sentence_computation(tiny_models
     assert m["dev_grad_cosine"] == pytest.approx(float(ga @ gb / (ga.norm() * gb.norm())), abs=1e-4)
     assert m["dev_grad_relative_l2"] == pytest.approx(float((ga - gb).norm() / ((ga.norm() + gb.norm()) / 2)), abs=1e-4)
     assert m["n_premerge_sentences"] == n
+    # two languages (native.outcome=both): the NLLs on their union, each gradient on its own model's language
+    both = run_premerge(*compose_cfg([*pair[:5], "pair.b.lang=por_Latn", f"forecast.premerge_sentences={n}", "+native.outcome=both"])).metrics
+    pt = (FLORES / "dev" / "por_Latn.dev").read_text(encoding="utf-8").splitlines()[:n]
+    model = AutoModelForCausalLM.from_pretrained(root / "step1", dtype=torch.float64).eval()
+    with torch.no_grad():
+        lps = [torch.log_softmax(model(input_ids=ids).logits[0, :-1, :len(tok)], -1).gather(1, ids[0, 1:, None])[1:]
+               for ids in (torch.tensor([[start_id(tok), *tok(x, add_special_tokens=False)["input_ids"]]]) for x in sents + pt)]
+    assert both["n_premerge_sentences"] == 2 * n
+    assert both["dev_nll_a"] == pytest.approx(float(-sum(lp.sum() for lp in lps) / sum(lp.shape[0] for lp in lps)), abs=2e-5)
+    assert both["dev_grad_norm_a"] == pytest.approx(m["dev_grad_norm_a"], rel=1e-6)  # a's gradient: still on English alone
     bad, bov = compose_cfg([*pair, "forecast.premerge_split=devtest"])
     with pytest.raises(MergescopeError, match="forecast.premerge_split=devtest and data.split=devtest"):
         run_premerge(bad, bov)

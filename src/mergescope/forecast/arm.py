@@ -69,9 +69,10 @@ def _premerge_text(j, r) -> str:
 
 
 def _w_premerge(c, cfg, w) -> None:
-    """Both models loaded; each reads the pair's dev sentences once and its own language's once more with a backward
-    pass (about three forwards)."""
+    """Both models loaded; each reads its own language's dev sentences with a backward pass (about three forwards),
+    and the pair's union of languages once more when it is larger."""
     from mergescope.config import plain_copy
+    from mergescope.native.arm import outcome_tokens
 
     sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
     if not (sa and sb):
@@ -80,11 +81,11 @@ def _w_premerge(c, cfg, w) -> None:
     n = int(f.get("premerge_sentences") or 64)
     data = plain_copy(cfg.data)
     data.split = str(f.get("premerge_split") or "dev")
-    both = (cfg.get("native") or {}).get("outcome") == "both" and str(cfg.pair.b.lang) != str(cfg.pair.a.lang)
-    union = c.tokens(data, cfg.pair.a.lang, n)[1] + (c.tokens(data, cfg.pair.b.lang, n)[1] if both else 0.0)
+    union = outcome_tokens(c, cfg, n, data)
     for s, lang in ((sa, cfg.pair.a.lang), (sb, cfg.pair.b.lang)):
         w.add_load(s)
-        w.add_forward(s, union + 3 * c.tokens(data, lang, n)[1], logits=True, passes=1.0)
+        own = c.tokens(data, lang, n)[1]  # with a backward (~3 forwards); one language: that pass alone
+        w.add_forward(s, 3 * own + (0.0 if union == own else union), logits=True, passes=1.0)
     w.held = [sa, sb]
 
 

@@ -67,18 +67,18 @@ def _design(bench: Benchmark) -> tuple[np.ndarray, list[str]]:
     return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
 
 
-def _routes(bench: Benchmark, fs: ForecastSettings | None) -> np.ndarray:
-    """Each row's route; one model per route when ``forecast.by_route`` and the benchmark holds two or more."""
+def _routes(bench: Benchmark) -> np.ndarray:
+    """Each row's route (a benchmark read before routes were logged: checkpoint)."""
     return bench.route if bench.route is not None else np.full(len(bench), "checkpoint", dtype=object)
 
 
 def per_route(bench: Benchmark, fs: ForecastSettings) -> bool:
-    return fs.by_route and len(set(_routes(bench, fs).tolist())) > 1
+    return fs.by_route and len(set(_routes(bench).tolist())) > 1
 
 
 def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
     X, names = _design(bench)
-    routes, split = _routes(bench, fs), per_route(bench, fs)
+    routes, split = _routes(bench), per_route(bench, fs)
     common = dict(n_boot=fs.n_boot, n_shuffles=fs.n_shuffles, seed=fs.seed, lambdas=fs.lambdas, routes=routes, by_route=split)
     lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
                     names, **common)
@@ -107,7 +107,7 @@ def final_for(finals: dict[str, Lasso], route: str) -> Lasso:
 def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
     out = {"n_merges": float(len(bench)), "n_pairs": float(len(set(bench.pair))), "n_families": float(len(set(bench.family))),
            "n_operators": float(len(set(bench.operator))), "n_dropped": float(bench.dropped),
-           "beats_rate": float(bench.beats.mean()), "n_routes": float(len(set(_routes(bench, None).tolist()))),
+           "beats_rate": float(bench.beats.mean()), "n_routes": float(len(set(_routes(bench).tolist()))),
            **{f"final_lambda{'' if r == 'all' else '.' + r}": m.lam for r, m in v["finals"].items()},
            **{f"final_nonzero{'' if r == 'all' else '.' + r}": float((m.coef != 0).sum()) for r, m in v["finals"].items()}}
     for key in ("lofo", "looo", "avg"):
@@ -155,12 +155,16 @@ def pair_features(cfg: DictConfig, overrides: list[str], pair: str, fs: Forecast
         names.append(name)
     base: list[str] = []
     if names[0] != names[1]:  # two experts: the base of the family that holds both, else the one both continue from
-        fam = next((f for f in fs.family_list() if set(names) <= set(f.experts)), None)
-        origin = {str(OmegaConf.select(composed([*overrides, f"model={n}"]), "model.zoo.init_from", default=None)) for n in names}
-        base_name = fam.base if fam is not None else next(iter(origin)).rstrip("/").rsplit("/", 1)[-1] if len(origin) == 1 else None
         from mergescope.config import conf_options
 
-        if base_name is None or base_name == "None" or base_name not in conf_options("model"):
+        fam = next((f for f in fs.family_list() if set(names) <= set(f.experts)), None)
+        origin = {OmegaConf.select(composed([*overrides, f"model={n}"]), "model.zoo.init_from", default=None) for n in names}
+        base_name = None
+        if fam is not None:
+            base_name = fam.base
+        elif len(origin) == 1 and None not in origin:  # both continue from one folder: its conf/model entry
+            base_name = str(origin.pop()).rstrip("/").rsplit("/", 1)[-1]
+        if base_name not in conf_options("model"):
             raise MergescopeError(f"forecast.pair={pair}: two different models must be two fine-tunes of one base (the same "
                                   "zoo.init_from, a conf/model entry) or two experts of one forecast.families entry: their "
                                   "base is the task vectors' origin; or give two checkpoints of one model")
@@ -252,7 +256,7 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
                  f"operator out (run {result.run_id[:8]})", soft_wrap=True)
     if fs.pair is not None:
         if "v" in holder:
-            finals, resid, routes = holder["v"]["finals"], bench.y - holder["v"]["lofo"].predictions, _routes(bench, fs)
+            finals, resid, routes = holder["v"]["finals"], bench.y - holder["v"]["lofo"].predictions, _routes(bench)
         else:  # a reused fit: its final models and held-out residuals as it logged them
             finals, resid, routes = _logged_fit(cfg, result.run_id)
         route = pair_route(pair[0])

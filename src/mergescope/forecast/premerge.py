@@ -106,9 +106,12 @@ def premerge_values(cfg: DictConfig) -> dict[str, float]:
         loaded[side] = lm.model.eval()
         for prm in lm.model.parameters():
             prm.requires_grad_(True)
-        tot, cnt, pooled[side] = _pass(lm.model, lm.tokenizer, union, max_length, grad=False)
+        if own[side] == union:  # a checkpoint pair (one language): the gradient's forward gives the rest too
+            tot, cnt, pooled[side] = _pass(lm.model, lm.tokenizer, union, max_length, grad=True)
+        else:
+            tot, cnt, pooled[side] = _pass(lm.model, lm.tokenizer, union, max_length, grad=False)
+            _pass(lm.model, lm.tokenizer, own[side], max_length, grad=True)
         nll[side] = tot / cnt
-        _pass(lm.model, lm.tokenizer, own[side], max_length, grad=True)
     shared = coverage({k: v.detach() for k, v in loaded["a"].named_parameters()},
                       {k: v.detach() for k, v in loaded["b"].named_parameters()}).shared
     ga, gb = _flat_grads(loaded["a"], shared), _flat_grads(loaded["b"], shared)

@@ -130,12 +130,13 @@ def _native_nll(cfg) -> int | None:
     return int(n) if n else None
 
 
-def _outcome_tokens(c, cfg, n: int | None) -> float:
-    """The tokens a pair's merge is scored on: the host's language's, and b's too under ``native.outcome=both``."""
+def outcome_tokens(c, cfg, n: int | None, data=None) -> float:
+    """The tokens a pair's merge is scored on (of ``data``, default ``cfg.data``): the host's language's first ``n``,
+    and b's too under ``native.outcome=both``."""
     langs = [cfg.pair.a.lang]
     if (cfg.get("native") or {}).get("outcome") == "both" and str(cfg.pair.b.lang) != str(cfg.pair.a.lang):
         langs.append(cfg.pair.b.lang)
-    return sum(c.tokens(cfg.data, lang, n)[1] for lang in langs)
+    return sum(c.tokens(cfg.data if data is None else data, lang, n)[1] for lang in langs)
 
 
 def _w_native(c, cfg, w) -> None:
@@ -143,7 +144,7 @@ def _w_native(c, cfg, w) -> None:
     if not (sa and sb):
         return
     n = _native_nll(cfg)
-    tok = _outcome_tokens(c, cfg, n)
+    tok = outcome_tokens(c, cfg, n)
     nat = cfg.native
     merges = len(nat.get("merges") or []) * len(nat.get("mix") or [0.5]) * max(1, int(nat.get("merge_seeds") or 1))
     merges *= 2 if nat.get("select_split") else 1  # each merge also on native.select_split (about as many tokens)
@@ -169,7 +170,7 @@ def _w_merge(c, cfg, w) -> None:
     from mergescope.native.multi import is_multi
 
     select = not is_multi(cfg) and (cfg.get("native") or {}).get("select_split")  # the pair form's val_nll
-    tok = _outcome_tokens(c, cfg, _native_nll(cfg)) if not is_multi(cfg) else c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1]
+    tok = outcome_tokens(c, cfg, _native_nll(cfg)) if not is_multi(cfg) else c.tokens(cfg.data, entries[0].lang, _native_nll(cfg))[1]
     w.add_forward(shapes[0], tok, logits=True, passes=2.0 if select else 1.0)
     w.held = [shapes[0]]
 
