@@ -238,27 +238,28 @@ def test_competence_overlap_from_the_source_models_shared_by_both_protocols(scal
     # the report: one size-gap row per protocol, the competence next to the gain, the sentence, no "source" curves
     sec = _section(cfg)
     gap = next(t for t in sec.tables if t.title.startswith("Gain against the size gap"))
-    assert [(r[0], r[7], r[10]) for r in gap.rows] == [
-        (proto, expected.competence, f"{res.metrics['gain_vs_small']:+.4f}") for proto, res in (("intersection", inter),
-                                                                                              ("union", union))]
+    assert [(r[0], r[7], r[10].split(" [")[0]) for r in gap.rows] == [
+        (proto, expected.competence, f"{res.metrics['gain_vs_small_rest']:+.4f}") for proto, res in (("intersection", inter),
+                                                                                                   ("union", union))]
     assert gap.rows[0][4] == f"{sizes['large'] / sizes['small']:.2f}" and gap.rows[0][5:7] == ["2.00", "1.50"]
     assert any(t.startswith("Whether the merge gains concentrate on intersecting pairs") for t in sec.text)
     assert not any("source" in t.title.split(":")[0] for t in sec.tables)
     # its figure is one PNG like every other (no inline base64 in the text): measured ratios as points, no lines
     assert [n for n, _ in sec.figures] == ["adapt_ratio_curves"] and not any("data:image" in t for t in sec.text)
     ax = sec.draw["adapt_ratio_curves"]().axes[0]
-    assert ax.lines and all(line.get_linestyle() == "None" for line in ax.lines)
+    assert ax.lines and all(line.get_linestyle() == "None" for line in ax.lines if line.get_gid() != "zero")
 
 
 def _section(cfg):
     from types import SimpleNamespace
 
     from mergescope.adapt.report import adapt_section
-    from mergescope.analysis.records import Rec
+    from mergescope.analysis.records import Rec, Study
+    from mergescope.tracking import store_uri
 
     recs = [Rec(r.info.run_id, r.info.start_time, dict(r.data.tags), dict(r.data.metrics), dict(r.data.params))
             for r in _runs(cfg, route="adapt")]
-    return adapt_section(SimpleNamespace(study=SimpleNamespace(records=recs)), "7a")
+    return adapt_section(SimpleNamespace(study=Study(str(cfg.tracking.experiment), store_uri(cfg)[0], recs)), "7a")
 
 
 def _load(path: Path):

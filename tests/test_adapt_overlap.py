@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mergescope.adapt.overlap import competence_overlap, task_profile
-from mergescope.adapt.report import concentration, gap_rows
+from conftest import claim
+from mergescope.adapt.report import _exact_mean_test, concentration, gap_rows
 from mergescope.analysis.records import Rec
 from mergescope.errors import MergescopeError
 
@@ -73,7 +74,7 @@ def _best(run_id: str, protocol: str, large: str, n_large: float, hidden_large: 
           gain: float) -> Rec:
     metrics = {"n_params_small": 200.0, "n_params_large": n_large, "hidden_small": 64.0, "hidden_large": hidden_large,
                "layers_small": 2.0, "layers_large": 3.0, "overlap_frac_large_better": 0.6, "overlap_tasks": 5.0,
-               "small_better_margin": 0.0123, "gain_vs_small": gain, "gain_vs_better_end": gain / 2}
+               "small_better_margin": 0.0123, **claim("gain_vs_small", gain, 0.01), **claim("gain_vs_better_end", gain / 2, 0.01)}
     params = {"runs.source:small": "s" * 32, "runs.source:large": "L" * 32}
     return Rec(run_id, 0, {"kind": "adapt", "ratio": "best", "protocol": protocol, "small": "zoo-scale-s",
                            "large": large, "competence": competence}, metrics, params)
@@ -89,14 +90,29 @@ def test_gap_rows_order_by_parameter_ratio_within_a_protocol():
                                             ("union", "zoo-scale-s <- zoo-scale-m")]
     assert rows[0][2:10] == ["200", "450", "2.25", "1.25", "1.50", "nested", "0.60 of 5", "0.0123"]
     assert rows[1][4:6] == ["3.00", "1.50"]
-    assert rows[1][10:] == ["+0.0300", "+0.0150", "aaaaaaaa", "ssssssss, LLLLLLLL"]
+    # the gains with their intervals, in the scope every comparison reads (the summary table's numbers)
+    assert rows[1][10:] == ["+0.0300 [+0.0200, +0.0400]", "+0.0150 [+0.0050, +0.0250]", "aaaaaaaa", "ssssssss, LLLLLLLL"]
 
 
-def test_concentration_is_computed_from_the_gains():
-    yes = concentration([("intersection", "intersecting", 0.03), ("intersection", "intersecting", 0.01),
-                         ("intersection", "nested", 0.005)])
-    assert "intersection: they do (mean gain vs small +0.0200 over 2 intersecting pair(s) against +0.0050 over 1 nested" in yes
-    no = concentration([("union", "intersecting", 0.001), ("union", "nested", 0.02)])
-    assert "union: they do not" in no
+def test_concentration_is_a_test_over_the_pairs_not_a_raw_comparison():
+    """Three pairs cannot reach p <= 0.05 (the smallest attainable p is 2/3): "untestable at this n" with the sign, never
+    "they do"; eight separated pairs are told apart by the exact permutation test (p = 2/70); overlapping gains are not.
+    The exact p is checked against an independent enumeration."""
+    small = concentration([("intersection", "intersecting", 0.03), ("intersection", "intersecting", 0.01),
+                           ("intersection", "nested", 0.005)])
+    assert "intersection: untestable at this n (the smallest attainable p is 0.67; the sign: higher on intersecting)" in small
+    assert "mean gain vs small +0.0200 over 2 intersecting pair(s) against +0.0050 over 1 nested" in small
+    assert "they do" not in small
+    apart = concentration([("union", "intersecting", g) for g in (0.05, 0.06, 0.07, 0.08)]
+                          + [("union", "nested", g) for g in (0.01, 0.02, 0.0, 0.015)])
+    assert "union: higher on intersecting pairs (exact permutation p 0.029)" in apart
+    mixed = concentration([("union", "intersecting", g) for g in (0.05, 0.01, 0.07, 0.0)]
+                          + [("union", "nested", g) for g in (0.01, 0.06, 0.0, 0.015)])
+    assert "union: cannot be told (exact permutation p" in mixed
     told = concentration([("union", "intersecting", 0.02), ("union", "reversed", 0.05)])
     assert "union: cannot be told (1 intersecting, 0 nested pairs; 1 reversed pair(s) apart)" in told
+    from scipy.stats import permutation_test
+    x, y = [0.05, 0.01, 0.07, 0.0], [0.01, 0.06, 0.0, 0.015]
+    want = permutation_test((x, y), lambda a, b: sum(a) / len(a) - sum(b) / len(b), permutation_type="independent",
+                            n_resamples=10**6).pvalue
+    assert _exact_mean_test(x, y)[0] == pytest.approx(want, abs=1e-12)

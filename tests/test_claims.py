@@ -13,11 +13,20 @@ from conftest import claim
 from mergescope.analysis import claims
 from mergescope.analysis.records import Rec
 
-SECTIONS = Path(__file__).resolve().parents[1] / "src" / "mergescope" / "analysis"
+SRC = Path(__file__).resolve().parents[1] / "src" / "mergescope"
+SECTIONS = SRC / "analysis"
 
-RAW = re.compile(r"""\.m\(\s*f?["'][a-z_.{}]*(delta|gain|minus|effect)[a-z_.{}]*["']\s*\)\s*[<>]|[<>]=?\s*[a-z_]+\.m\(\s*f?["']"""
-                 r"""[a-z_.{}]*(delta|gain|minus|effect)""")
-"""A difference metric read and compared by its sign: ``r.m("delta_target_lang") < 0`` (either side)."""
+RAW = re.compile(r"""\.m\(\s*f?["'][a-z_.{}]*(delta|gain|minus|effect|nll)[a-z_.{}]*["']\s*\)\s*[<>]|[<>]=?\s*[a-z_]+\.m\("""
+                 r"""\s*f?["'][a-z_.{}]*(delta|gain|minus|effect|nll)""")
+"""A difference or an NLL read and compared raw: ``r.m("delta_target_lang") < 0``, ``r.m("test_nll") > x``."""
+
+LOGGED = re.compile(r"""float\(\s*[a-z_\[\]"']*(gain|delta|minus|effect|nll)[a-z_\[\]"']*\s*[<>]""")
+"""A boolean metric logged from a raw comparison: ``"merge_beats_better_endpoint": float(gain > 0)``."""
+
+
+def _report_files() -> list[Path]:
+    """Every file the report's words come from: the analysis and each arm's report modules."""
+    return sorted({*SECTIONS.rglob("*.py"), *SRC.glob("*/report*.py")})
 
 
 def _rec(i: int, metrics: dict) -> Rec:
@@ -59,8 +68,19 @@ def test_no_section_compares_a_difference_by_its_raw_sign():
                     'ok = r.m(f"gain_{n}") > 0'):
         assert RAW.search(planted), planted
     assert not RAW.search('claims.count_lower(rs, "delta_target_lang")')
-    found = [f"{p.relative_to(SECTIONS)}:{i}: {line.strip()}" for p in sorted(SECTIONS.rglob("*.py"))
+    assert RAW.search('band = [r for r in pts if r.m("test_nll") > max(ends)]')
+    files = _report_files()
+    assert {"transport", "native", "adapt", "shared_space"} <= {p.parent.name for p in files}
+    found = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in files
              for i, line in enumerate(p.read_text().splitlines(), 1) if RAW.search(line)]
+    assert not found, found
+
+
+def test_no_job_logs_a_verdict_from_a_raw_comparison():
+    """A verdict is the report's (the rule applied when it is built), never a boolean a job logged from a sign."""
+    assert LOGGED.search('"merge_beats_better_endpoint": float(gain > 0)')
+    found = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in sorted(SRC.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if LOGGED.search(line)]
     assert not found, found
 
 

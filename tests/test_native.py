@@ -154,7 +154,7 @@ def test_merge_gain_takes_the_operator_chosen_on_the_selection_split_not_the_rep
     cfg, _ = compose_cfg(["task=native"])
     out = nj._merge_values(cfg, None, job, [], ends, {})
     assert out["merge_gain"] == pytest.approx(5.2 - 5.0) and out["chosen_merged_nll"] == 5.0 and out["chosen_val_nll"] == 4.0
-    assert out["merge_beats_better_endpoint"] == 1.0 and logged["merge_chosen"]["merge"] == "a"
+    assert logged["merge_chosen"]["merge"] == "a" and "merge_beats_better_endpoint" not in out  # a verdict is the report's
     # the chosen merge's own interval travels with its gain (its run measured it on these sentences)
     assert (out["merge_gain_rest_lo"], out["merge_gain_rest_hi"], out["merge_gain_rest_groups"]) == (0.1, 0.4, 9.0)
     none, _ = compose_cfg(["task=native", "native.select_split=null"])
@@ -374,3 +374,22 @@ def test_merge_gain_carries_its_paired_interval_recomputed_from_the_sentences(ti
     chosen = min(merges, key=lambda r: r.data.metrics["val_nll"])  # the native run chooses on the selection split
     assert (native["merge_gain_rest_lo"], native["merge_gain_rest_hi"]) == (
         chosen.data.metrics["merge_gain_rest_lo"], chosen.data.metrics["merge_gain_rest_hi"])
+
+
+def test_the_operator_is_chosen_on_the_selection_split_without_the_first_token(compose_cfg, monkeypatch):
+    """Planted: over every token 'a' is best on the selection split, without each sentence's first token 'b' is; the
+    choice reads the rest, as every comparison does."""
+    from types import SimpleNamespace
+
+    import mergescope.native.job as nj
+    from mergescope.runs import JobResult
+    from mergescope.scoring.bpb import Scores
+
+    planted = {"a": {"nll": 5.0, "val_nll": 4.0, "val_nll_rest": 4.5}, "b": {"nll": 5.1, "val_nll": 4.2, "val_nll_rest": 4.1}}
+    monkeypatch.setattr(nj, "merge_configs", lambda cfg: [SimpleNamespace(merge=SimpleNamespace(name=n)) for n in planted])
+    monkeypatch.setattr(nj, "run_merge", lambda mc, *a, **k: JobResult(mc.merge.name * 32, False, planted[mc.merge.name], "h"))
+    logged = {}
+    ends = tuple(Scores(np.array([v * 10]), np.array([10.0]), np.array([30.0]), np.array([False])) for v in (5.2, 5.3))
+    cfg, _ = compose_cfg(["task=native"])
+    out = nj._merge_values(cfg, None, SimpleNamespace(log_params=logged.update), [], ends, {})
+    assert logged["merge_chosen"]["merge"] == "b" and out["chosen_merged_nll"] == 5.1

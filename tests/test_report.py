@@ -313,7 +313,9 @@ def test_report_sections_and_numbers(built):
         per_dir.setdefault(direction, []).append(vals)
     heads = [next(x for x in v if x["alpha"] == 0.1) for v in per_dir.values()]
     helped = sum(b["delta_target_lang"] + H_TR < 0 for b in heads)  # the interval below 0
-    assert f"in {helped}/4 directions (median delta {analysis.f3(np.median([b['delta_target_lang'] for b in heads]), 4)}" in md
+    hurt = sum(b["delta_target_lang"] - H_TR > 0 for b in heads)  # the interval above 0
+    assert (f"in {helped}/4 directions and makes it worse in {hurt}/4 (median delta "
+            f"{analysis.f3(np.median([b['delta_target_lang'] for b in heads]), 4)}") in md
     assert "At the headline alpha 0.1 (merge.headline_alpha" in md and "Every alpha: alpha 0.01: helped" in md
     # transport by role: per target and per donor model, recomputed from the headline-alpha values
     role = {(r[0], r[1]): r for r in _md_table(md, "Transport by role")[1:]}
@@ -581,13 +583,15 @@ def test_every_finding_is_true_of_its_table(built):
     assert float(m[2]) == pytest.approx(float(np.median(bars)), abs=6e-4)
 
     fusion = _md_table(md, "Fusion without adaptation")
-    m = re.search(r"At the headline alpha ([\d.]+), fusion helps the target in (\d+)/(\d+) directions \(interval below 0; "
-                  r"median delta (-?[\d.]+) nats/token\) and the OT plan beats its shuffled-plan control in (\d+)/(\d+)",
-                  an.section("transport").finding)
+    m = re.search(r"At the headline alpha ([\d.]+), fusion helps the target in (\d+)/(\d+) directions, hurts it in "
+                  r"(\d+)/\d+ and cannot be told in the rest \(median delta (-?[\d.]+) nats/token; [^)]*\); the OT plan "
+                  r"beats its shuffled-plan control in (\d+)/(\d+)", an.section("transport").finding)
     h = fusion[0]
     at = [r for r in fusion[1:] if float(r[h.index("alpha")]) == float(m[1])]
     deltas = [_num(r[h.index("delta_target_lang")]) for r in at]
     below = lambda cell: float(cell.split(", ")[1].rstrip("]")) < 0  # noqa: E731  the interval's upper end
-    assert int(m[3]) == len(at) == int(m[6]) and int(m[2]) == sum(below(r[h.index("delta_target_lang")]) for r in at)
-    assert int(m[5]) == sum(below(r[h.index("ot_minus_rand_target_lang")]) for r in at)
-    assert float(m[4]) == pytest.approx(float(np.median(deltas)), abs=6e-5)
+    above = lambda cell: float(cell.split("[")[1].split(",")[0]) > 0  # noqa: E731  the interval's lower end
+    assert int(m[3]) == len(at) == int(m[7]) and int(m[2]) == sum(below(r[h.index("delta_target_lang")]) for r in at)
+    assert int(m[4]) == sum(above(r[h.index("delta_target_lang")]) for r in at)
+    assert int(m[6]) == sum(below(r[h.index("ot_minus_rand_target_lang")]) for r in at)
+    assert float(m[5]) == pytest.approx(float(np.median(deltas)), abs=6e-5)

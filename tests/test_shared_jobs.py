@@ -159,9 +159,7 @@ def test_shared_space_and_routing_jobs_and_the_embed_api(english, compose_cfg, t
         assert m[f"gain_space{sfx}_groups"] == 19  # the first 60 devtest lines are 19 articles
     assert m["gain_space"] == pytest.approx(m["bpb_always_best"] - m["bpb_space"], abs=1e-12)
     assert m["gain_oracle_rest_lo"] >= 0  # the oracle is never worse than always-best, sentence by sentence
-    from mergescope.intervals import verdict
-
-    assert m["space_beats_best"] == float(verdict(m["gain_space_rest"], m["gain_space_rest_lo"], m["gain_space_rest_hi"], 19) == "higher")
+    assert "space_beats_best" not in m  # whether the router beats always-best is the report's verdict, not a logged boolean
 
 
 @pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")

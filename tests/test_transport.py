@@ -654,11 +654,17 @@ def test_transport_task_logs_every_alpha_with_its_control_and_the_adaptation(tin
     assert abs(bm["delta_adapt"]) > 1e-6  # the fine-tuning changed the model
     assert fused.data.params["baseline_run"] == base.info.run_id
     # the random-plan-fused model is adapted too (the control of fusion_effect_after_adapt); both on the donor's language
-    assert fm["rand_fusion_effect_after_adapt"] == pytest.approx(fm["rand_nll_fused_after"] - base.data.metrics["nll_baseline_after"])
-    assert fm["ot_minus_rand_after_adapt"] == pytest.approx(fm["nll_fused_after"] - fm["rand_nll_fused_after"])
+    # the adapted random-plan control is a distribution over its seeds (merge.control_seeds): its number is their mean
+    seeds = int(fm["adapt_control_seeds"])
+    assert seeds == int(tr[0].data.metrics["control_seeds"]) >= 2
+    rand_after = np.mean([fm["rand_nll_fused_after"], *(fm[f"rand{s}_nll_fused_after"] for s in range(1, seeds))])
+    assert fm["rand_fusion_effect_after_adapt"] == pytest.approx(rand_after - base.data.metrics["nll_baseline_after"])
+    assert fm["ot_minus_rand_after_adapt"] == pytest.approx(fm["nll_fused_after"] - rand_after)
     assert fm["rand_nll_fused_before"] == pytest.approx(tr[0].data.metrics["rand_nll_seed0_target_lang"], abs=1e-9)
-    for p in ("", "rand_"):
-        assert fm[f"{p}delta_donor_lang_after_adapt"] == pytest.approx(fm[f"{p}nll_donor_lang_fused_after"] - tr[0].data.metrics["base_nll_donor_lang"])
+    rand_donor = np.mean([fm["rand_nll_donor_lang_fused_after"],
+                          *(fm[f"rand{s}_nll_donor_lang_fused_after"] for s in range(1, seeds))])
+    for p, after in (("", fm["nll_donor_lang_fused_after"]), ("rand_", rand_donor)):
+        assert fm[f"{p}delta_donor_lang_after_adapt"] == pytest.approx(after - tr[0].data.metrics["base_nll_donor_lang"])
     assert fused.data.params["text.probes"].endswith("eng_Latn.dev lines 1-40") or fused.data.params["text.probes"].endswith("por_Latn.dev lines 1-40")
     # every alpha tagged with the headline alpha; the weight-space distance of the fused tensors is logged
     assert {x.data.tags["headline_alpha"] for x in tr} == {"0.1"}
@@ -879,6 +885,8 @@ def test_a_fusion_that_moves_nothing_adapts_exactly_like_its_baseline(tiny_model
         f = real(*args, **kwargs)
         for n, w in f.original.items():
             f.transported[n] = f.control[n] = w[f.rows[n]].to(torch.float64)
+            for extra in f.extra_controls:
+                extra[n] = w[f.rows[n]].to(torch.float64)
         return f
 
     monkeypatch.setattr(fus, "fuse", still)
@@ -892,6 +900,9 @@ def test_a_fusion_that_moves_nothing_adapts_exactly_like_its_baseline(tiny_model
     m = fused.data.metrics
     assert m["nll_baseline_after"] != m["nll_base_before"]  # the fine-tuning moved the model
     assert m["fusion_effect_after_adapt"] == 0.0 and m["rand_fusion_effect_after_adapt"] == 0.0
+    k = int(m["adapt_control_seeds"])
+    assert k == tr[0].data.metrics["control_seeds"] >= 2
+    assert all(m[f"rand{s}_nll_fused_after"] == m["nll_baseline_after"] for s in range(1, k))
     client = client_for(store_uri(cfg)[0])
     curve = lambda run, key: [x.value for x in sorted(client.get_metric_history(run.info.run_id, key), key=lambda x: x.step)]
     assert curve(fused, "train_loss") == curve(base, "train_loss") == curve(fused, "rand_train_loss")
@@ -1254,7 +1265,8 @@ def test_transport_released_with_its_residual_sft(tiny_models, compose_cfg):
     assert abs(base.data.metrics["delta_adapt"]) > 1e-6 and fm["nll_fused_after"] != fm["nll_fused_before"]
     # the no-fusion baseline under the same damping (R = W0), trained in the fused run: its own number, paired
     assert fm["fusion_effect_vs_damped_after_adapt"] == pytest.approx(fm["nll_fused_after"] - fm["nll_damped_baseline_after"], abs=1e-12)
-    assert fm["rand_fusion_effect_vs_damped_after_adapt"] == pytest.approx(fm["rand_nll_fused_after"] - fm["nll_damped_baseline_after"], abs=1e-12)
+    rand_after = np.mean([fm["rand_nll_fused_after"], *(fm[f"rand{s}_nll_fused_after"] for s in range(1, int(fm["adapt_control_seeds"])))])
+    assert fm["rand_fusion_effect_vs_damped_after_adapt"] == pytest.approx(rand_after - fm["nll_damped_baseline_after"], abs=1e-12)
     assert abs(fm["nll_damped_baseline_after"] - base.data.metrics["nll_baseline_after"]) > 1e-6  # the damping changes it
     assert fm["fusion_effect_vs_damped_after_adapt_rest_lo"] <= fm["fusion_effect_vs_damped_after_adapt_rest"] <= fm["fusion_effect_vs_damped_after_adapt_rest_hi"]
     # one no-fusion baseline for every freeze strategy and training alpha (it reads neither), another for another lr

@@ -74,6 +74,9 @@ class Report:
     - ``kinds``: the run kinds its tasks log -> what one such run is (the analysis run's description of the runs).
     - ``logical_keys``: run kind -> ``f(run)``, the job a run belongs to (one per pair and metric, per direction and
       alpha, ...): of several FINISHED runs of one job the latest is the study's; a kind without one: one per cfg_hash.
+    - ``rejudge``: run kind -> ``f(study, run)``, the run's comparisons recomputed from its per-sentence tables with
+      the current rule (the metrics ``<name>``, ``_lo``, ``_hi``, ``_p``, ``_groups`` of each; None where the run has
+      no table): the report's verdicts follow the rule of the code that builds it, never a rerun.
     """
 
     sections: Mapping[tuple[int, int], str] = field(default_factory=dict)
@@ -87,6 +90,7 @@ class Report:
     summary: Mapping[str, str] = field(default_factory=dict)
     kinds: Mapping[str, str] = field(default_factory=dict)
     logical_keys: Mapping[str, str] = field(default_factory=dict)
+    rejudge: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 from mergescope.scoring.bpb import Scores
 from mergescope.intervals import Paired, paired_difference
 
-__all__ = ["SCOPES", "compare", "compare_strata", "gain_over_best", "paired", "read_all_scores", "read_scores",
+__all__ = ["SCOPES", "compare", "compare_strata", "gain_over_best", "paired", "parse_table", "read_all_scores", "read_scores",
            "scores_from_csv", "sentence_csv", "strata_mean"]
 
 SCOPES = ("all", "rest")
@@ -125,8 +125,12 @@ def read_scores(cfg: Any, run_id: str, arm: str, lang: str) -> Scores | None:
 def read_all_scores(cfg: Any, run_id: str) -> tuple[dict[tuple[str, str], Scores], dict[str, list[str] | None]] | None:
     """Every (arm, language) of a run's ``scores/sentences.csv`` and each language's documents (None: no such table)."""
     text = _artifact(cfg, run_id)
-    if text is None:
-        return None
+    return None if text is None else parse_table(text)
+
+
+def parse_table(text: str) -> tuple[dict[tuple[str, str], Scores], dict[str, list[str] | None]]:
+    """Every (arm, language) of a ``scores/sentences.csv`` text and each language's documents (None where a
+    language's sentences carry none)."""
     by: dict[tuple[str, str], list[dict]] = {}
     for r in csv.DictReader(io.StringIO(text)):
         by.setdefault((r["arm"], r["lang"]), []).append(r)

@@ -109,7 +109,8 @@ ARMS = [
         phases=(Phase("adapt", adapt_jobs, _adapt_text, workers=True),),  # no cache between its jobs: side by side
         report=Report(sections={(70, 1): "mergescope.adapt.report:adapt_section"}, beside="mergescope.adapt.report:beside",
                       coverage={"adapt": "mergescope.adapt.report:coverage_cell"}, summary={"adapt": "Dimensional adaptation"},
-                      kinds={"adapt": "dimensional adaptation (Expand/Truncate) merges"})),
+                      kinds={"adapt": "dimensional adaptation (Expand/Truncate) merges"},
+                      rejudge={"adapt": "mergescope.adapt.job:rejudge_summary"})),
     Arm("expansion", order=70, tasks={"expansion": "mergescope.adapt.job:run_expansion"}, settings=("expansion",),
         needs=("expansion.models or expansion.targets",
                lambda c: (c.get("expansion") or {}).get("models") and (c.get("expansion") or {}).get("targets")),

@@ -16,6 +16,7 @@ The arm's task handlers are here, as every arm's are in its ``job.py``: :func:`r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,9 @@ SIDES = ("small", "large")
 EVIDENCE = 1
 """In every scored adapt run's identity: 1 = per-sentence scores kept (``scores/sentences.csv``), the first token apart
 and the summary's differences with their paired intervals (runs recorded before have none, so they run again)."""
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 """In the summary run's identity (what it computes from its children): 2 = the noise control over its seeds, the
-seesaw per task with intervals."""
+seesaw per task with intervals; 3 = the ratio chosen on the validation NLL without each sentence's first token."""
 
 
 __all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
@@ -200,8 +201,9 @@ def size_values(setup: Setup, sources: dict[str, JobResult]) -> dict[str, float]
 
 
 def best_ratio(points: dict[float, JobResult], grid: list[float]) -> float:
-    """The grid ratio with the lowest validation NLL (anchors excluded)."""
-    return min(grid, key=lambda r: points[r].metrics["val_nll"])
+    """The grid ratio with the lowest validation NLL, the first token apart as every comparison reads it (anchors
+    excluded; a run recorded without ``val_nll_rest``: over every token)."""
+    return min(grid, key=lambda r: points[r].metrics.get("val_nll_rest", points[r].metrics["val_nll"]))
 
 
 def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -> JobResult:
@@ -215,7 +217,8 @@ def _summary(cfg, setup, points, controls, compares, best, sources, overrides) -
                 **{f"source:{side}": res.run_id for side, res in sources.items()}}
         job.log_params({"runs": runs})
         lo, hi, b = points[0.0].metrics, points[1.0].metrics, points[best].metrics
-        out = {"best_ratio": best, "best_val_nll": b["val_nll"], "best_test_nll": b["test_nll"],
+        out = {"best_ratio": best, "best_val_nll": b["val_nll"], "best_val_nll_rest": b.get("val_nll_rest", float("nan")),
+               "best_test_nll": b["test_nll"],
                "best_test_bpb": b["test_bpb"], "test_nll_r0": lo["test_nll"], "test_nll_r1": hi["test_nll"],
                "gain_vs_small": lo["test_nll"] - b["test_nll"],  # ratio 0 is the small model (or E(small))
                "gain_vs_better_end": min(lo["test_nll"], hi["test_nll"]) - b["test_nll"]}
@@ -263,15 +266,17 @@ def seesaw_intervals(b: dict, ends: dict[str, dict], docs: dict, domains: dict |
     return out
 
 
-def summary_intervals(cfg, points, controls, compares, best: float, domains: dict | None = None) -> dict[str, float]:
+def summary_intervals(cfg, points, controls, compares, best: float, domains: dict | None = None,
+                      table=None) -> dict[str, float]:
     """The summary's comparisons on the test split with their paired intervals (both scopes; a mean over languages
     with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
     (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
     control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it; a control
     of several seeds is their mean, its seeds resampled with the articles so the interval includes their spread). Runs
-    recorded without the tables give nothing (the summary's differences then carry no interval)."""
+    recorded without the tables give nothing (the summary's differences then carry no interval). ``table``: a run id
+    -> its parsed table (the report's reader); the runs' artifacts through ``cfg`` by default."""
     def test_of(run):
-        got = read_all_scores(cfg, run.run_id)
+        got = table(run.run_id) if table is not None else read_all_scores(cfg, run.run_id)
         if got is None:
             return None, None
         scores, docs = got
@@ -326,3 +331,25 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
 
         run_lm_eval(cfg, setup, loaded, best, points[best].run_id, overrides)
     return result
+
+
+def rejudge_summary(study, r) -> dict[str, float] | None:
+    """A summary run's comparisons recomputed from its children's per-sentence tables (the runs its param ``runs``
+    names) with the current rule: the gains, every control and comparison at the chosen ratio, the seesaw per
+    language (per FLORES domain: as the job logged it, the domains being read from the data). None for a point run."""
+    if r.tags.get("ratio") != "best":
+        return None
+    runs = {k[len("runs."):]: str(v) for k, v in r.params.items() if k.startswith("runs.")}
+    if not runs or not np.isfinite(r.m("best_ratio")):
+        return None
+    best = float(r.m("best_ratio"))
+    proxy = lambda rid: SimpleNamespace(run_id=rid)  # noqa: E731
+    points = {float(k.split(":")[1]): proxy(v) for k, v in runs.items() if k.startswith("ratio:")}
+    others: dict[tuple[str, float], list] = {}
+    for k, v in runs.items():
+        parts = k.split(":")
+        if parts[0] not in ("ratio", "source") and len(parts) >= 2:
+            others.setdefault((parts[0], float(parts[1])), []).append(proxy(v))
+    if not {0.0, 1.0, best} <= set(points):
+        return None
+    return summary_intervals(None, points, others, {}, best, None, table=study.score_table)

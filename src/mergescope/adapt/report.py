@@ -10,8 +10,11 @@ the report as a data URI).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+
+import numpy as np
 
 from mergescope.analysis import claims
 from mergescope.analysis.records import Rec
@@ -54,12 +57,48 @@ def compared_merges(runs: list[Rec]) -> list[str]:
     return [n for n in sorted(conf_options("merge")) if any(f"test_nll_{n}" in r.metrics for r in best)]
 
 
-def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str]) -> list[str] | None:
+def _test_tables(study, run: Rec):
+    """A point run's test split per language from its per-sentence table: ({language: Scores}, {language: docs})."""
+    table = study.score_table(run.run_id) if study is not None else None
+    if table is None:
+        return None
+    sc, docs = table
+    keys = [lang for (arm, lang) in sc if arm == "model" and lang.startswith("test.")]
+    return ({k: sc[("model", k)] for k in keys}, {k: docs[k] for k in keys}) if keys else None
+
+
+def collapse_band(study, pts: list[Rec]) -> str:
+    """The grid ratios worse than both ends: each interior point's test NLL minus each end's, with its paired interval
+    over FLORES articles (a mean over languages, an article drawn in every language at once), BH across the
+    grid's comparisons; a ratio is in the band where both differences are "higher". Runs without tables: not told."""
+    from mergescope.evidence import compare_strata
+
+    ends = {r.m("ratio"): r for r in pts if r.m("ratio") in (0.0, 1.0)}
+    inner = [r for r in pts if 0 < r.m("ratio") < 1]
+    if len(ends) < 2 or not inner:
+        return "none in grid" if not inner else "no ends measured"
+    tabs = {r.run_id: _test_tables(study, r) for r in [*ends.values(), *inner]}
+    if any(t is None for t in tabs.values()):
+        return "not told (runs without per-sentence tables)"
+    scope = claims.SCOPE["value"]
+    rows = []
+    for r in inner:
+        a, docs = tabs[r.run_id]
+        what = "article" if all(d is not None for d in docs.values()) else "sentence"
+        for end in (0.0, 1.0):
+            m = compare_strata("x", a, tabs[ends[end].run_id][0], docs, what, scopes=(scope,))
+            k = "x" if scope == "all" else "x_rest"
+            rows.append((m[k], m[f"{k}_lo"], m[f"{k}_hi"], m[f"{k}_p"], m[f"{k}_groups"]))
+    said = claims.table_verdicts(rows)
+    band = [f"{r.m('ratio'):g}" for i, r in enumerate(inner) if said[2 * i] == said[2 * i + 1] == "higher"]
+    return ", ".join(band) or "none in grid"
+
+
+def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str], study=None) -> list[str] | None:
     best = next((r for r in runs if r.tags.get("ratio") == "best"), None)
     if best is None:
         return None
-    ends = [r.m("test_nll") for r in pts if r.m("ratio") in (0.0, 1.0)]
-    band = [f"{r.m('ratio'):g}" for r in pts if 0 < r.m("ratio") < 1 and ends and r.m("test_nll") > max(ends)]
+    band = collapse_band(study, pts)
     seeds = lambda k: (f" (mean of {best.m(f'{k}_seeds'):.0f} seeds, sd {best.m(f'test_nll_{k}_sd'):.4f})"  # noqa: E731
                        if math.isfinite(best.m(f"{k}_seeds")) else "")
     cells = [f3(best.m(f"test_nll_{k}")) + seeds(k) + (f" (merge minus it {claims.cell(best, f'best_minus_{k}')})"
@@ -69,7 +108,7 @@ def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str]) -> l
     return [f"{key[2]} {key[0]} ~ {key[1]}", f"{best.m('best_ratio'):g}" + claims.edge_note(best.m("best_ratio"), grid),
             f3(best.m("best_test_nll")),
             f3(best.m("test_nll_r0")), f3(best.m("test_nll_r1")), claims.cell(best, "gain_vs_small"),
-            claims.cell(best, "gain_vs_better_end"), *cells, ", ".join(band) or "none in grid", short(best.run_id)]
+            claims.cell(best, "gain_vs_better_end"), *cells, band, short(best.run_id)]
 
 
 def _tasks(pts: list[Rec]) -> list[str]:
@@ -96,12 +135,12 @@ def seesaw_rows(key, pts: list[Rec], chosen: Rec | None, summary: Rec | None = N
         return [], {}
     rows, counts = [], {"tasks": 0, "regressed": 0, "worse_than_both": 0}
     sm = summary if summary is not None else Rec("", 0, {}, {}, {})
-    for task in _tasks(pts):
+    tasks = [t for t in _tasks(pts) if all(math.isfinite(x.m(f"test_nll.{t}")) for x in (chosen, lo, hi))]
+    said = claims.family([(sm, f"seesaw_vs_r{e}.{t}") for e in (0, 1) for t in tasks])  # one table: BH across both ends
+    for i, task in enumerate(tasks):
         k = f"test_nll.{task}"
         c, a, b = chosen.m(k), lo.m(k), hi.m(k)
-        if not all(math.isfinite(v) for v in (c, a, b)):
-            continue
-        v0, v1 = claims.verdict(sm, f"seesaw_vs_r0.{task}"), claims.verdict(sm, f"seesaw_vs_r1.{task}")
+        v0, v1 = said[i], said[len(tasks) + i]
         counts["tasks"] += 1
         counts["regressed"] += int(v0 == "higher")
         counts["worse_than_both"] += int(v0 == "higher" and v1 == "higher")
@@ -151,15 +190,29 @@ def gap_rows(best: list[Rec]) -> list[list[str]]:
                      _ratio(r.m("n_params_small"), r.m("n_params_large")), _ratio(r.m("hidden_small"), r.m("hidden_large")),
                      _ratio(r.m("layers_small"), r.m("layers_large")), r.tags.get("competence", "—"),
                      "—" if math.isnan(frac) else f"{frac:.2f} of {r.m('overlap_tasks'):.0f}",
-                     _num(r.m("small_better_margin"), ".4f"), _num(r.m("gain_vs_small")), _num(r.m("gain_vs_better_end")),
+                     _num(r.m("small_better_margin"), ".4f"), claims.cell(r, "gain_vs_small"), claims.cell(r, "gain_vs_better_end"),
                      short(r.run_id), sources or "—"])
     return rows
 
 
+def _exact_mean_test(x: list[float], y: list[float]) -> tuple[float, float]:
+    """(two-sided exact permutation p of mean(x) - mean(y) over every split of the pooled values, the smallest p the
+    design can reach: 2 / C(n, k), or 1 when that exceeds 1)."""
+    pooled, k = [*x, *y], len(x)
+    obs = abs(sum(x) / k - sum(y) / len(y))
+    splits = list(itertools.combinations(range(len(pooled)), k))
+    total = sum(pooled)
+    hits = sum(1 for idx in splits
+               if abs((s := sum(pooled[i] for i in idx)) / k - (total - s) / len(y)) >= obs - 1e-12 * max(1.0, obs))
+    return hits / len(splits), min(1.0, 2.0 / len(splits))
+
+
 def concentration(items: list[tuple[str, str, float]]) -> str:
-    """One sentence: per protocol, whether the mean merge gain (``(protocol, competence, gain)`` items) is larger on
-    the intersecting pairs than on the nested ones, computed from the items. A protocol without both kinds of pair
-    cannot tell; reversed pairs (the small model better everywhere it differs) are counted apart."""
+    """One sentence: per protocol, whether the merge gain (``(protocol, competence, gain)`` items) differs between the
+    intersecting pairs and the nested ones: an exact permutation test of the difference of mean gains over the pairs,
+    a verdict only where p <= 0.05; where no split of so few pairs can reach it, "untestable at this n" and the signs.
+    A protocol without both kinds of pair cannot tell; reversed pairs (the small model better everywhere it differs)
+    are counted apart."""
     parts = []
     for proto in sorted({p for p, _, _ in items}):
         by = {c: [g for p, cc, g in items if p == proto and cc == c and math.isfinite(g)]
@@ -170,10 +223,18 @@ def concentration(items: list[tuple[str, str, float]]) -> str:
             parts.append(f"{proto}: cannot be told ({len(inter)} intersecting, {len(nest)} nested pairs{rev})")
             continue
         mi, mn = sum(inter) / len(inter), sum(nest) / len(nest)
-        parts.append(f"{proto}: {'they do' if mi > mn else 'they do not'} (mean gain vs small {mi:+.4f} over "
-                     f"{len(inter)} intersecting pair(s) against {mn:+.4f} over {len(nest)} nested{rev}; no test at this n)")
-    return ("Whether the merge gains concentrate on intersecting pairs in this study (mean gain, intersecting against "
-            "nested pairs): " + ("; ".join(parts) or "no pairs") + ".")
+        p, floor = _exact_mean_test(inter, nest)
+        means = (f"mean gain vs small {mi:+.4f} over {len(inter)} intersecting pair(s) against {mn:+.4f} over "
+                 f"{len(nest)} nested{rev}")
+        if floor > 0.05:
+            said = f"untestable at this n (the smallest attainable p is {floor:.2f}; the sign: {'higher' if mi > mn else 'lower'} on intersecting)"
+        elif p <= 0.05:
+            said = f"{'higher' if mi > mn else 'lower'} on intersecting pairs (exact permutation p {p:.3f})"
+        else:
+            said = f"cannot be told (exact permutation p {p:.2f})"
+        parts.append(f"{proto}: {said}; {means}")
+    return ("Whether the merge gains concentrate on intersecting pairs in this study (the mean gain over intersecting "
+            "against nested pairs, an exact permutation test over the pairs): " + ("; ".join(parts) or "no pairs") + ".")
 
 
 def _gap_table(sec: Section, groups) -> None:
@@ -183,31 +244,85 @@ def _gap_table(sec: Section, groups) -> None:
     sec.tables.append(RTable(
         "Gain against the size gap and the competence overlap, per protocol and pair",
         ["protocol", "pair (small <- large)", "params small", "params large", "param ratio", "hidden ratio",
-         "depth ratio", "competence", "large better (tasks)", "small-better margin", "gain vs small",
-         "gain vs better end", "run", "source runs"], gap_rows(best),
+         "depth ratio", "competence", "large better (tasks)", "small-better margin", "gain vs small [95% CI]",
+         "gain vs better end [95% CI]", "run", "source runs"], gap_rows(best),
         note="competence from the two source models scored as themselves (test split, nats/token, per language and "
              "FLORES domain): nested = the large model's NLL <= the small model's on every task; intersecting = each "
              "model better on at least one task; reversed = the small model better where they differ; "
-             "small-better margin = summed NLL excess of the large model where the small one is better"))
-    sec.text.append(concentration([(r.tags.get("protocol", ""), r.tags.get("competence", ""), r.m("gain_vs_small"))
-                                   for r in best]))
+             "small-better margin = summed NLL excess of the large model where the small one is better; the gains in "
+             f"nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}, with their paired 95% intervals"))
+    sec.text.append(concentration([(r.tags.get("protocol", ""), r.tags.get("competence", ""),
+                                    r.m(claims.metric("gain_vs_small"))) for r in best]))
 
 
-def _figure(groups):
+def _change(study, a: Rec, b: Rec | list[Rec]) -> tuple[float, float, float] | None:
+    """``a`` minus ``b`` on the test split (b: one run, or a control's seed runs) with its paired 95% interval, in the
+    report's scope, from the runs' per-sentence tables (None without them)."""
+    from mergescope.evidence import compare_strata
+
+    ta = _test_tables(study, a)
+    tb = [_test_tables(study, x) for x in (b if isinstance(b, list) else [b])]
+    if ta is None or any(t is None for t in tb):
+        return None
+    scope = claims.SCOPE["value"]
+    what = "article" if all(d is not None for d in ta[1].values()) else "sentence"
+    m = compare_strata("x", ta[0], [t[0] for t in tb] if len(tb) > 1 else tb[0][0], ta[1], what, scopes=(scope,))
+    k = "x" if scope == "all" else "x_rest"
+    return m[k], m[f"{k}_lo"], m[f"{k}_hi"]
+
+
+def figure_points(study, runs: list[Rec]) -> tuple[list[tuple], list[tuple], tuple | None]:
+    """What the ratio figure draws for one pair: each interior grid ratio's test NLL change against ratio 0 with its
+    interval ``(ratio, e, lo, hi)``, each control at its ratio ``(name, ratio, e, lo, hi)`` (a control over seeds: its
+    seeds' distribution), and ratio 1's change (drawn off the scale when it is far)."""
+    pts = _points(runs)
+    r0 = next((r for r in pts if r.m("ratio") == 0.0), None)
+    if r0 is None:
+        return [], [], None
+    inner = [(r.m("ratio"), *c) for r in pts if 0 < r.m("ratio") < 1 and (c := _change(study, r, r0)) is not None]
+    ctl: dict[tuple[str, float], list[Rec]] = {}
+    for r in runs:
+        if r.tags.get("control") in ("scaling", "noise"):
+            ctl.setdefault((r.tags["control"], r.m("ratio")), []).append(r)
+    controls = []
+    for (name, ratio), rs in sorted(ctl.items()):
+        c = _change(study, r0, rs if len(rs) > 1 else rs[0])  # ratio 0 minus the control: flip for control minus ratio 0
+        if c is not None:
+            controls.append((name, ratio, -c[0], -c[2], -c[1]))
+    r1 = next((r for r in pts if r.m("ratio") == 1.0), None)
+    return inner, controls, None if r1 is None else _change(study, r1, r0)
+
+
+def _figure(groups, study=None):
+    """Per pair: the test NLL change of each grid ratio against ratio 0 with its paired 95% interval, the controls
+    beside (offset, their interval over the articles and their seeds), ratio 1 named where it falls off the scale;
+    and the attention entropy."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, runs in groups.items():
-        pts = _points(runs)
-        xs = [r.m("ratio") for r in pts]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    ax = axes[0]
+    for gi, (key, runs) in enumerate(groups.items()):
+        inner, controls, r1 = figure_points(study, runs)
+        color = f"C{gi}"
         label = f"{key[2]} {key[0]}~{key[1]}"
-        axes[0].plot(xs, [r.m("test_nll") for r in pts], "o", label=label)  # measured ratios only: no line across the gap
-        axes[1].plot(xs, [r.m("attn_entropy_mean") for r in pts], "o", label=label)
-        for r in runs:
-            if r.tags.get("control") in ("scaling", "noise"):
-                axes[0].plot([r.m("ratio")], [r.m("test_nll")], "x" if r.tags["control"] == "noise" else "s", color="k", ms=5)
-    axes[0].set(xlabel="ratio (weight of the large side)", ylabel="test NLL (nats/token)", title="ratio curves (x noise, s scaling)")
+        if inner:
+            x, e, lo, hi = (np.array(v) for v in zip(*inner))
+            ax.errorbar(x, e, yerr=[e - lo, hi - e], fmt="o", color=color, ms=4, capsize=2, label=f"{label}: merge")
+        for name, ratio, e, lo, hi in controls:
+            ax.errorbar([ratio + 0.006 * (1 if name == "noise" else 2)], [e], yerr=[[e - lo], [hi - e]],
+                        fmt="x" if name == "noise" else "s", color=color, mfc="none", ms=6, capsize=2, alpha=0.8,
+                        label=f"{label}: {name} control")
+        if r1 is not None:
+            ax.annotate(f"ratio 1: {r1[0]:+.3f}", xy=(0.98, 0.02 + 0.07 * gi), xycoords="axes fraction", ha="right",
+                        fontsize=7, color=color)
+        pts = _points(runs)
+        axes[1].plot([r.m("ratio") for r in pts], [r.m("attn_entropy_mean") for r in pts], "o", color=color, label=label)
+    ax.axhline(0, color="k", lw=0.8, gid="zero")
+    ax.set(xlabel="ratio (weight of the large side)",
+           ylabel=f"test NLL minus ratio 0 (nats/token, {claims.SCOPE['value']} tokens)",
+           title="merge and controls against the small model (95% intervals; below 0 = better)")
     axes[1].set(xlabel="ratio", ylabel="attention entropy (nats, mean over layers)", title="attention entropy")
-    axes[0].legend(fontsize=7)
+    ax.legend(fontsize=6)
+    ax.title.set_fontsize(9)
     fig.tight_layout()
     return fig
 
@@ -277,7 +392,7 @@ def adapt_section(an: Analysis, number: str) -> Section:
             key = (r.tags.get("small", ""), r.tags.get("large", ""), r.tags.get("protocol", ""))
             groups.setdefault(key, [])
     compared = compared_merges(runs)
-    summary = [row for key, rs in groups.items() if (row := _summary_row(key, rs, _points(rs), compared))]
+    summary = [row for key, rs in groups.items() if (row := _summary_row(key, rs, _points(rs), compared, an.study))]
     sec.tables.append(RTable("Best ratio chosen on the validation split, reported on the test split",
                              ["protocol / pair", "best ratio", "test NLL", "ratio 0", "ratio 1", "gain vs small [95% CI]",
                               "gain vs better end [95% CI]", "scaling ctl", "noise ctl", *compared, "collapse band", "run"],
@@ -287,7 +402,7 @@ def adapt_section(an: Analysis, number: str) -> Section:
                                   "control or comparison at the chosen ratio (negative: the merge beats it), each in nats/token "
                                   f"{claims.SCOPE_NOTE[claims.SCOPE['value']]} with its paired 95% interval over FLORES articles "
                                   "(an article drawn in every language at once); collapse band = grid ratios worse than both "
-                                  "ends"))
+                                  f"ends on test, each by its paired interval, {claims.BH_NOTE}"))
     _gap_table(sec, groups)
     for key, rs in groups.items():
         if _points(rs):
@@ -299,7 +414,8 @@ def adapt_section(an: Analysis, number: str) -> Section:
         seesaw += rows
         if counts:
             verdicts.append(f"{key[2]} {key[0]} ~ {key[1]}: {counts['regressed']} of {counts['tasks']} tasks worse than "
-                            f"ratio 0, {counts['worse_than_both']} worse than both ends (each where the interval lies above 0)")
+                            f"ratio 0, {counts['worse_than_both']} worse than both ends (each where the interval lies above 0, "
+                            f"{claims.BH_NOTE})")
     sec.tables.append(RTable("Seesaw of the model chosen on the validation split: per task, its test NLL against both ends",
                              ["protocol / pair", "chosen ratio", "task", "ratio-0 NLL", "ratio-1 NLL", "chosen NLL",
                               "vs ratio 0", "vs ratio 1", "regressed", "worse than both", "run"], seesaw,
@@ -318,7 +434,7 @@ def adapt_section(an: Analysis, number: str) -> Section:
         if best is None:
             continue
         ctls = [k for k in ("scaling", "noise") if math.isfinite(best.m(f"test_nll_{k}"))]
-        beaten = [k for k in ctls if claims.verdict(best, f"best_minus_{k}") == "lower"]
+        beaten = [k for k, v in zip(ctls, claims.family([(best, f"best_minus_{k}") for k in ctls])) if v == "lower"]
         said = {"higher": "helps", "lower": "hurts", "tie": "cannot be told from", "too few": "too few articles to tell from",
                 "no interval": "(no interval) against"}[claims.verdict(best, "gain_vs_small")]
         grid = [r.m("ratio") for r in _points(rs) if 0 < r.m("ratio") < 1]
@@ -339,8 +455,9 @@ def adapt_section(an: Analysis, number: str) -> Section:
                                      "test NLL change against ratio 0 per task", ["protocol / pair", "task", *grid], rows,
                                      note="each column is one measured ratio; the choice is made on dev, above"))
     if any(not math.isnan(r.m("test_nll")) for r in runs):
-        sec.add_figure("adapt_ratio_curves", "test NLL and attention entropy at each measured ratio (points only: no line "
-                       "across unmeasured ratios; x noise control, s scaling control)", lambda: _figure(groups))
+        sec.add_figure("adapt_ratio_curves", "test NLL change against ratio 0 at each measured ratio with its paired 95% "
+                       "interval (points only: no line across unmeasured ratios; x noise control over its seeds, s scaling "
+                       "control, offset beside their ratio), and attention entropy", lambda: _figure(groups, an.study))
     return sec
 
 

@@ -1,5 +1,7 @@
 """Comparative claims as the report makes them: a difference counts as a finding only where its paired interval
-(:mod:`mergescope.intervals`, logged by the job as ``<name>_lo`` / ``<name>_hi`` / ``<name>_groups``) excludes zero.
+(:mod:`mergescope.intervals`, recomputed from the run's per-sentence table when the report is built, else as the job
+logged it: ``<name>_lo`` / ``<name>_hi`` / ``<name>_p`` / ``<name>_groups``) excludes zero and, among the rows of one
+table or count (``among``), its Benjamini-Hochberg q-value is at most 0.05.
 
 Every NLL difference is read in one scope (:data:`SCOPE`): ``rest`` (the first token, predicted from the start token
 alone, apart; the default) or ``all`` (every token). :func:`metric` names the logged metric of a difference in that
@@ -12,9 +14,20 @@ from __future__ import annotations
 import math
 
 from mergescope.analysis.records import Rec
+from mergescope.intervals import table_verdicts  # noqa: F401 (the rule of a table, re-exported)
 from mergescope.intervals import verdict as _verdict
 
-__all__ = ["SCOPE", "SCOPE_NOTE", "cell", "count_lower", "edge_note", "metric", "verdict", "set_scope"]
+__all__ = ["BH_NOTE", "RULE", "SCOPE", "SCOPE_NOTE", "cell", "count", "count_lower", "edge_note", "metric", "verdict",
+           "verdicts", "family", "set_scope", "table_verdicts"]
+
+RULE = ("a row counts only where the paired 95% interval of its difference (a studentized bootstrap over whole FLORES "
+        "articles; against a control over seeds, also beyond the seeds' prediction interval: mergescope.intervals) "
+        "excludes 0 and its Benjamini-Hochberg q-value among the rows of its table is at most 0.05; an interval covering "
+        "0, fewer than 10 articles, a difference under 5e-5 (float noise) or a run recorded without an interval counts "
+        "for neither side")
+"""The one rule every verdict of the report follows, in words (each section's caption quotes it or names it)."""
+
+BH_NOTE = "counts after Benjamini-Hochberg across the table's rows, q <= 0.05"
 
 SCOPE = {"value": "rest"}
 """The NLL scope of every claim in this analysis (``analysis.nll_scope``): ``rest`` or ``all``."""
@@ -34,15 +47,42 @@ def metric(name: str, scope: str | None = None) -> str:
     return name if (scope or SCOPE["value"]) == "all" else f"{name}_rest"
 
 
-def verdict(r: Rec, name: str, scope: str | None = None) -> str:
-    """``lower`` / ``higher`` / ``tie`` / ``too few`` / ``no interval`` for difference ``name`` of run ``r``."""
+def _row(r: Rec, name: str, scope: str | None) -> tuple[float, float, float, float, float]:
     k = metric(name, scope)
-    return _verdict(r.m(k), r.m(f"{k}_lo"), r.m(f"{k}_hi"), r.m(f"{k}_groups"))
+    return r.m(k), r.m(f"{k}_lo"), r.m(f"{k}_hi"), r.m(f"{k}_p"), r.m(f"{k}_groups")
+
+
+def verdicts(rs: list[Rec], name: str, scope: str | None = None) -> list[str]:
+    """The verdict of difference ``name`` of each run of one table (or count): ``lower`` / ``higher`` / ``tie`` /
+    ``too few`` / ``no interval``, with Benjamini-Hochberg across the runs (a run logged without a p keeps its
+    interval's verdict: runs before p-values existed)."""
+    return family([(r, name) for r in rs], scope)
+
+
+def family(items: list[tuple[Rec, str]], scope: str | None = None) -> list[str]:
+    """The verdicts of one table whose rows are (run, difference) items (several differences of one run, such as a
+    summary's per-task seesaw, or one difference of several runs), with Benjamini-Hochberg across them."""
+    return table_verdicts([_row(r, name, scope) for r, name in items])
+
+
+def verdict(r: Rec, name: str, scope: str | None = None, among: list[Rec] | None = None) -> str:
+    """The verdict of difference ``name`` of run ``r``, alone or as one row of ``among`` (its table: BH across it)."""
+    if among:
+        ids = [x.run_id for x in among]
+        if r.run_id in ids:
+            return verdicts(among, name, scope)[ids.index(r.run_id)]
+    e, lo, hi, _, g = _row(r, name, scope)
+    return _verdict(e, lo, hi, g)
+
+
+def count(rs: list[Rec], name: str, which: str = "lower", scope: str | None = None) -> int:
+    """How many of the runs of one table show ``which`` (``lower`` / ``higher``) for ``name``, after BH across them."""
+    return sum(1 for v in verdicts(rs, name, scope) if v == which)
 
 
 def count_lower(rs: list[Rec], name: str, scope: str | None = None) -> int:
-    """How many runs show ``name`` below zero with the interval excluding zero."""
-    return sum(1 for r in rs if verdict(r, name, scope) == "lower")
+    """How many runs show ``name`` below zero (after BH across them)."""
+    return count(rs, name, "lower", scope)
 
 
 def cell(r: Rec, name: str, scope: str | None = None, digits: int = 4) -> str:

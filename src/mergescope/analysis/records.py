@@ -118,6 +118,9 @@ class Study:
     records: list[Rec]
     others: list[Rec] = field(default_factory=list)
     source: str = "the latest FINISHED run per cfg_hash and per job (no study job list was logged)"
+    rejudged: int = 0
+    """How many runs' comparisons were recomputed from their per-sentence tables with the current rule."""
+    tables: dict = field(default_factory=dict, repr=False)
 
     def kind(self, *kinds: str) -> list[Rec]:
         return [r for r in self.records if r.kind in kinds]
@@ -132,6 +135,16 @@ class Study:
             return read_artifact_text(client_for(self.uri), run_id, path)
         except Exception:  # noqa: BLE001 - MLflow raises several types for a missing artifact
             return None
+
+    def score_table(self, run_id: str):
+        """A run's per-sentence table (``scores/sentences.csv``) as ``({(arm, language): Scores}, {language:
+        documents})``, read once; None for a run recorded without one."""
+        if run_id not in self.tables:
+            from mergescope.evidence import parse_table
+
+            text = self.artifact_text(run_id, "scores/sentences.csv")
+            self.tables[run_id] = None if text is None else parse_table(text)
+        return self.tables[run_id]
 
     def latest_launch(self) -> str | None:
         """The run id of the experiment's latest study launch (kind=study, the parent of its jobs), if any."""
@@ -226,4 +239,23 @@ def load_study(cfg: DictConfig, job_runs: list[str] | None = None) -> Study:
     if not out:
         raise MergescopeError(f"experiment '{experiment}' has no FINISHED runs to analyse; run the study first "
                               f"(python launch.py study={experiment})")
-    return Study(experiment, uri, out, others, source)
+    study = Study(experiment, uri, out, others, source)
+    rejudge(study)
+    return study
+
+
+def rejudge(study: Study) -> None:
+    """The rule lives in the analysis: every run of a kind whose arm declares its comparisons (``Report.rejudge``) has
+    them recomputed from its per-sentence tables with the current rule (:mod:`mergescope.intervals`), replacing what
+    the job logged; a run recorded without a table keeps its logged numbers. Changing the rule never reruns a job."""
+    from mergescope.arm import arms, target
+
+    fns = {kind: spec for a in arms() for kind, spec in a.report.rejudge.items()}
+    for r in [*study.records, *study.others]:
+        spec = fns.get(r.kind)
+        if spec is None:
+            continue
+        got = target(spec)(study, r)
+        if got:
+            r.metrics.update(got)
+            study.rejudged += 1

@@ -80,15 +80,15 @@ def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tu
     independent = [(n, r) for n, r in merges if not r.metrics.get("same_as_linear")]
     if not independent or NativeSettings.from_cfg(cfg).select_split is None:
         return {}
-    # The operator is chosen on native.select_split (its lines disjoint from data.split's), and its gain reported on
-    # data.split: the minimum over operators of the reported NLLs would be chosen on the sentences it reports.
-    name, chosen = min(independent, key=lambda nr: nr[1].metrics["val_nll"])
+    # The operator is chosen on native.select_split (its lines disjoint from data.split's; the first token apart, as
+    # every comparison reads), and its gain reported on data.split: the minimum over operators of the reported NLLs
+    # would be chosen on the sentences it reports.
+    name, chosen = min(independent, key=lambda nr: nr[1].metrics.get("val_nll_rest", nr[1].metrics["val_nll"]))
     gain = min(e.nats_per_token for e in endpoints) - chosen.metrics["nll"]
     job.log_params({"merge_chosen": {"merge": name, "run": chosen.run_id, "on": NativeSettings.from_cfg(cfg).select_split}})
     # the chosen merge's gain and its paired interval (its own run measured them on these sentences and endpoints)
     intervals = {k: v for k, v in chosen.metrics.items() if k.startswith("merge_gain_")}
-    return {"merge_gain": gain, **intervals, "chosen_merged_nll": chosen.metrics["nll"], "chosen_val_nll": chosen.metrics["val_nll"],
-            "merge_beats_better_endpoint": float(gain > 0)}
+    return {"merge_gain": gain, **intervals, "chosen_merged_nll": chosen.metrics["nll"], "chosen_val_nll": chosen.metrics["val_nll"]}
 
 
 def _transplant_values(cfg: DictConfig, loaded: Loaded, rt: dict, job, overrides) -> dict[str, float]:

@@ -13,7 +13,8 @@ from mergescope.errors import MergescopeError
 from mergescope.merge import check_base, merge_state_dicts, mergekit_yaml, resolve_preset, stochastic
 from mergescope.merge.presets import TRANSPORT_HINT, preset_config  # noqa: F401 (re-exported)
 from mergescope.scoring.bpb import Scores
-from mergescope.evidence import gain_over_best, sentence_csv
+from mergescope.evidence import sentence_csv
+from mergescope.native.comparisons import merge_comparisons
 from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
                                     nll_documents, nll_langs, nll_sentences, no_base_reason, outcome_langs, same_run,
                                     select_sentences)
@@ -23,7 +24,7 @@ from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 
 MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "native.merge_seeds", "native.select_split",
               "represent.max_length"]
-EVIDENCE = 1
+EVIDENCE = 2
 """In every merge's and native run's identity: 1 = per-sentence scores kept, merge_gain with its paired interval and the
 first token apart (runs recorded before have none, so they run again)."""
 
@@ -87,8 +88,9 @@ def same_as_linear(entry, kwargs: dict) -> bool:
 def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job,
                 kept: list[Scores] | None = None) -> dict[str, float]:
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
-    (seed, seed+1, ...), each seed's NLL a metric step. ``val_nll``: the same on ``native.select_split`` (what the
-    native run chooses its operator on), when that split shares no line with the scored one. ``kept``: each seed's
+    (seed, seed+1, ...), each seed's NLL a metric step. ``val_nll`` (``val_nll_rest``: the first token apart, what the
+    native run chooses its operator on): the same on ``native.select_split``, when that split shares no line with the
+    scored one. ``kept``: each seed's
     per-sentence scores on the host's sentences are appended to it."""
     n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
@@ -107,14 +109,16 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
         for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
             by_lang[lang].append(nlls[-1] if tuple(t) == tuple(sentences) else host_nll(cfg, pair, t, f"{what} {lang}"))
         if val is not None:
-            vals.append(host_nll(cfg, pair, val, f"{what} {NativeSettings.from_cfg(cfg).select_split}"))
+            vals.append(host_scores(cfg, pair, val, f"{what} {NativeSettings.from_cfg(cfg).select_split}"))
         pair.restore()
         if n > 1:
             job.log_metrics({"nll_by_seed": nlls[-1]}, step=i)
     a = np.asarray(nlls, dtype=np.float64)
     return {"nll": float(a.mean()), "nll_sd": float(a.std(ddof=1)) if n > 1 else 0.0, "n_seeds": float(n),
             **{f"nll_{lang}": float(np.mean(v)) for lang, v in by_lang.items()}, **read,
-            **({"val_nll": float(np.mean(vals)), "n_val_sentences": float(len(val))} if val is not None else {})}
+            **({"val_nll": float(np.mean([v.nats_per_token for v in vals])),
+                "val_nll_rest": float(np.mean([v.scope("rest").nats_per_token for v in vals])),
+                "n_val_sentences": float(len(val))} if val is not None else {})}
 
 
 def _endpoints(cfg: DictConfig, loaded: Loaded, sentences) -> tuple[Scores, Scores]:
@@ -174,7 +178,7 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         res = _merged_nll(cfg, pair, entry, kwargs, sentences, job, merged)
         docs, what = nll_documents(cfg)
         # merge_gain = the better endpoint minus the merge (seeds of a stochastic merge: the interval includes them)
-        gain = gain_over_best("merge_gain", [s0, s1], merged, docs, what)
+        gain = merge_comparisons(s0, s1, merged, docs, what)
         job.log_text(sentence_csv({("a", "host"): s0, ("t1", "host"): s1,
                                    **{(f"merged_seed{i}", "host"): m for i, m in enumerate(merged)}}, {"host": docs}),
                      "scores/sentences.csv")

@@ -39,7 +39,7 @@ def _bin_row(run_label: str, name: str, rs: list[Rec]) -> list[str]:
     if not rs:
         return [run_label, name, "0", "—", "—", "—", ""]
     have = [r for r in rs if np.isfinite(r.m(claims.metric("merge_gain")))]
-    beats = sum(1 for r in have if claims.verdict(r, "merge_gain") == "higher")
+    beats = claims.count(have, "merge_gain", "higher")
     share = f"{beats}/{len(have)} ({100 * beats / len(have):.0f}%)" if have else "—"
     return [run_label, name, str(len(rs)), f3(median(r.m("lmc_barrier") for r in rs)),
             f3(median(r.m(claims.metric("merge_gain")) for r in rs)),
@@ -75,27 +75,28 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
                                   "its chord); merge_gain = better endpoint's NLL - NLL of the merge chosen on "
                                   "native.select_split (the lowest NLL on that split, disjoint from the reported sentences), both "
                                   f"on data.split, in nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]} (positive: merging "
-                                  "beats the better endpoint). merge beats better endpoint: counted only where merge_gain's "
-                                  "paired 95% interval over the sentences' FLORES articles lies above 0."))
+                                  "beats the better endpoint). merge beats better endpoint: " + claims.RULE + "; "
+                                  "BH across each row's pairs."))
+    said = claims.verdicts(ck, "merge_gain")
     per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], r.group("merge_chosen").get("merge") or "—",
-            f3(r.m("chosen_merged_nll")), claims.cell(r, "merge_gain"), claims.verdict(r, "merge_gain"),
-            short(r.run_id)] for r in ck]
+            f3(r.m("chosen_merged_nll")), claims.cell(r, "merge_gain"), v, short(r.run_id)] for r, v in zip(ck, said)]
     sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "chosen merge", "chosen_merged_nll",
                                                      "merge_gain [95% CI]", "verdict", "run"], per,
                              note="chosen merge: the merge with the lowest NLL on native.select_split; its NLL and gain "
                                   "on data.split. merge_gain (a diagnostic column, as the correlation tables read it): over every "
                                   f"token; merge_gain [95% CI] and its verdict: {claims.SCOPE_NOTE[claims.SCOPE['value']]}, the "
                                   "paired interval over the sentences' FLORES articles (higher = the merge beats the better "
-                                  "endpoint)."))
+                                  f"endpoint); the verdict {claims.BH_NOTE}."))
     sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
     an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     an.metrics["checkpoint_pairs"] = float(len(ck))
-    beats = [r for r in ck if claims.verdict(r, "merge_gain") == "higher"]
-    worse = [r for r in ck if claims.verdict(r, "merge_gain") == "lower"]
+    beats = [r for r, v in zip(ck, said) if v == "higher"]
+    worse = [r for r, v in zip(ck, said) if v == "lower"]
     bar = median(r.m("lmc_barrier") for r in ck)
     sec.finding = (f"Over {len(ck)} checkpoint pairs the median LMC barrier is {f3(bar)} nats/token; merging beats the "
                    f"better endpoint in {len(beats)}/{len(ck)} and is worse than it in {len(worse)}/{len(ck)} (each where its "
-                   "paired 95% interval excludes 0; the rest cannot be told apart; the endpoints are the control).")
+                   f"paired 95% interval excludes 0, {claims.BH_NOTE}; the rest cannot be told apart; the endpoints are "
+                   "the control).")
     an.console_tables.append(sec.tables[0])
     return sec
 

@@ -245,11 +245,35 @@ def pair_tables(an: Analysis, sec: Section) -> None:
     metric_cols = [k for _, k in repr_metrics(pairs)]
     rep = representation_table(pairs)
     sec.tables += [rep, _quality_table(pairs)]  # narrow tables, not one of 17 columns
+    cal = calibrated_matrix(pairs)
+    if cal is not None:
+        sec.tables.append(cal)
     if pairs and not any(p.get("typology") for p in pairs):
         sec.missing.append("typology: not measured (no kind=typology runs; python launch.py task=typology pair=<pair>)")
     k = 1 + len(metric_cols)
     an.console_tables.append(RTable("Matched / shuffled, every metric", ["pair", *metric_cols], [r[:k] for r in rep.rows]))
     an.csv["tables/pairs_matched_shuffled.csv"] = csv_text(["pair", *metric_cols], [[r[0], *r[1:k]] for r in rep.rows])
+
+
+def calibrated_matrix(pairs: list[dict]) -> RTable | None:
+    """Every metric that logs a calibrated value, per pair: the calibrated score and its permutation p (the raw
+    values are the table above); None where no metric was calibrated."""
+    cols = [(name, key) for name, key in repr_metrics(pairs)
+            if any(name in p["recs"] and math.isfinite(p["recs"][name].m(f"{key}_calibrated")) for p in pairs)]
+    if not cols:
+        return None
+
+    def cell(p, name, key):
+        r = p["recs"].get(name)
+        if r is None or not math.isfinite(r.m(f"{key}_calibrated")):
+            return "—"
+        return f"{r.m(f'{key}_calibrated'):.3f} (p {r.m(f'{key}_cal_p'):.3f})"
+
+    rows = [[p["pair"], *[cell(p, n, k) for n, k in cols]] for p in pairs]
+    return RTable("Calibrated against each metric's permutation null", ["pair", *[k for _, k in cols]], rows,
+                  note="calibrated = clip((raw - tau) / (1 - tau), 0, 1), tau the (1 - alpha) order statistic of the raw "
+                       "value and its permutation null (the same permutations for every metric of a pair): 0 = no more "
+                       "alignment than unrelated features of this n and width give; p = the permutation p of the raw value")
 
 
 def per_model_quality(an: Analysis, number: str) -> Section:

@@ -12,7 +12,8 @@ artifact (``mergescope.shared_space.embed`` reads it).
 
 - task=routing (kind=routing): bits per byte of every sentence under every ``shared.models`` model, and the
 routers of :mod:`mergescope.shared_space.routing` against always using the best model and the per-sentence oracle.
-A router that does not beat always-best is reported as such (``space_beats_best`` = 0).
+Whether a router beats always-best is the report's verdict on ``gain_<router>`` (its paired interval), never a
+logged boolean.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mergescope import data as data_mod
 from mergescope import models
 from mergescope.scoring.bpb import LN2, Scores, score_sentences
 from mergescope.documents import documents
-from mergescope.intervals import paired_difference, verdict
+from mergescope.intervals import paired_difference
 from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
 from mergescope.plotting import pyplot as plt
@@ -396,9 +397,6 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
             out[f"first_token_bits_model_{i}"] = float(scores[i].first_nll.mean() / LN2)
             out[f"truncated_model_{i}"] = float(scores[i].n_truncated)
             out[f"oracle_share_model_{i}"] = float(np.mean(picks["oracle"] == i))
-        # a claim only where the interval excludes 0 (the first token apart: the default scope of every comparison)
-        out["space_beats_best"] = float(verdict(out["gain_space_rest"], out["gain_space_rest_lo"], out["gain_space_rest_hi"],
-                                                out["gain_space_rest_groups"]) == "higher")
         rows = [{"sentence": n, "domain": (doms or [""] * len(bpb))[n], **{f"bpb_{lab}": float(bpb[n, i]) for i, lab in enumerate(labels)},
                  **{f"pick_{k}": labels[int(v[n])] for k, v in picks.items()}} for n in range(bpb.shape[0])]
         with tempfile.TemporaryDirectory() as d:

@@ -315,10 +315,11 @@ def _routing_table(r: Rec) -> RTable:
              and not k.endswith("_rest")]
     rest = claims.SCOPE["value"] == "rest" and np.isfinite(r.m("bpb_always_best_rest"))
     sfx = "_rest" if rest else ""
+    judged = [n for n in names if n not in ("always_best", "oracle")]
+    said = dict(zip(judged, claims.family([(r, f"gain_{n}") for n in judged])))  # one table: BH across its routers
     rows = [[n, _f(r.m(f"bpb_{n}{sfx}"), 4), claims.cell(r, f"gain_{n}") if n != "always_best" else "—",
-             claims.verdict(r, f"gain_{n}") if n not in ("always_best", "oracle") else "", _f(r.m(f"oracle_agreement_{n}{sfx}")),
-             short(r.run_id)] for n in names]
-    said = claims.verdict(r, "gain_space")
+             said.get(n, ""), _f(r.m(f"oracle_agreement_{n}{sfx}")), short(r.run_id)] for n in names]
+    said = said.get("space", claims.verdict(r, "gain_space"))
     verdict = {"higher": "the shared-space router beats always using the best model",
                "lower": "NEGATIVE RESULT: the shared-space router is worse than always using the best model",
                "tie": "NEGATIVE RESULT: the shared-space router cannot be told apart from always using the best model",
@@ -383,7 +384,11 @@ def _beside_text(an: Analysis) -> str:
     sp = [r for r in an.study.kind("shared_space") if math.isfinite(r.m("gpa_p1_32"))]
     if not sp:
         return "not measured (no shared_space runs)"
-    return "; ".join(f"GPA {r.m('gpa_p1_32'):.3f} vs pairwise {r.m('pairwise_p1_32'):.3f} on {r.tags.get('data')}" for r in sp)
+    said = {"higher": "GPA better", "lower": "pairwise better", "tie": "cannot be told apart",
+            "too few": "too few articles to tell", "no interval": "no interval recorded: no claim"}
+    return "; ".join(f"GPA {r.m('gpa_p1_32'):.3f}, pairwise {r.m('pairwise_p1_32'):.3f} on {r.tags.get('data')}: GPA "
+                     f"minus pairwise {claims.cell(r, 'gpa_minus_pairwise_p1_32', scope='all')}, "
+                     f"{said[v]}" for r, v in zip(sp, claims.verdicts(sp, 'gpa_minus_pairwise_p1_32', scope='all')))
 
 
 def beside(an: Analysis) -> list[list[str]]:

@@ -14,6 +14,7 @@ from mergescope.runs import JobResult, JobSpec, model_label, run_once
 from mergescope.scoring.bpb import Scores
 from mergescope.tracking import Job
 from mergescope.transport import finetune as finetune_mod
+from mergescope.transport.comparisons import adapt_comparisons
 from mergescope.transport.direction import Direction, Fitted, Host
 from mergescope.transport.identity import BASELINE_KEYS, TRANSPORT_KEYS, baseline_hash
 
@@ -67,20 +68,22 @@ def adapt_baseline(d: Direction, host: Host, f: Fitted) -> tuple[JobResult, Scor
 
 
 def adapt_one(d: Direction, f: Fitted, job: Job, control: bool, before: float | None,
-               out: dict[tuple[str, str], Scores]) -> dict[str, float]:
-    """One fused model (OT, or the random-plan control) fine-tuned as ``merge.adapt.mode`` says (mergescope's: at
-    adapt.alpha, its residual frozen; released: at the training alpha, what ``adapt.freeze`` says trains), measured
-    on both languages; the host is restored afterwards."""
-    host, fusion, a, p = f.host, f.fusion, d.s.adapt.alpha, "rand_" if control else ""
+               out: dict[tuple[str, str], Scores], seed: int = 0) -> dict[str, float]:
+    """One fused model (OT, or the random-plan control of seed ``seed``) fine-tuned as ``merge.adapt.mode`` says
+    (mergescope's: at adapt.alpha, its residual frozen; released: at the training alpha, what ``adapt.freeze`` says
+    trains), measured on both languages; the host is restored afterwards. The control's seed 0 logs ``rand_*``
+    metrics, seed s > 0 ``rand<s>_*``."""
+    host, fusion, a = f.host, f.fusion, d.s.adapt.alpha
+    p = "" if not control else "rand_" if seed == 0 else f"rand{seed}_"
     if d.s.adapt.mode == "released":  # (1 - a_t) W + a_t R, R = the transported weight (fusion at alpha 1), W in the host
         at = d.s.adapt.trained_alpha
-        host.set(fusion.weights(at, control=control))
+        host.set(fusion.weights(at, control=control, seed=seed))
         before = before if before is not None and at == a else host.nll(d.eval_t, f"nll {p}fused")
-        residual = fusion.weights(1.0, control=control)
+        residual = fusion.weights(1.0, control=control, seed=seed)
         host.set(host.snapshot)
         mask = {n: (fusion.masks[n], n in fusion.by_column) for n in residual}
     else:
-        fused = fusion.weights(a, control=control)
+        fused = fusion.weights(a, control=control, seed=seed)
         residual = {n: (fused[n] - fusion.original[n]) for n in fused}
         host.set(fused)
         del fused
@@ -101,7 +104,8 @@ def _dampedadapt_baseline(d: Direction, f: Fitted, job: Job, sc: dict[tuple[str,
     (1 - a), where the plain no-fusion baseline's are not, so "fusion after SFT" against that baseline mixes the
     transported term with the damping. This baseline is trained the same way with R = W0, the target's own weights
     (no fusion, the same damping, the same fold: with ``fold=select`` no row is fused, so the trained weight is kept
-    everywhere): ``fusion_effect_vs_damped_after_adapt`` = the fused model minus it, paired."""
+    everywhere): ``fusion_effect_vs_damped_after_adapt`` = the fused model minus it, paired
+    (:func:`mergescope.transport.comparisons.adapt_comparisons`)."""
     host = f.host
     host.set(host.snapshot)
     own = {n: host.snapshot[n].detach().clone() for n in f.fusion.original}
@@ -111,9 +115,22 @@ def _dampedadapt_baseline(d: Direction, f: Fitted, job: Job, sc: dict[tuple[str,
     host.set(host.snapshot)
     sc[("damped_baseline", "target_lang")] = after
     return {"nll_damped_baseline_after": after.nats_per_token, "nll_rest_damped_baseline_after": after.rest().nats_per_token,
-            "damped_train_loss_last": losses[-1],
-            **compare("fusion_effect_vs_damped_after_adapt", sc[("", "target_lang")], after, *f.docs["target_lang"]),
-            **compare("rand_fusion_effect_vs_damped_after_adapt", sc[("rand_", "target_lang")], after, *f.docs["target_lang"])}
+            "damped_train_loss_last": losses[-1]}
+
+
+ADAPT_CONTROLS = 2
+"""In the adaptation run's identity: 2 = the random-plan control adapted over every seed of ``merge.control_seeds``
+(a distribution, like the control before adaptation), not its seed 0 alone."""
+
+
+def _arm_name(prefix: str) -> str:
+    """A fused-then-adapted arm's name in the run's table: ``ot_after``, ``rand_after`` (the control's seed 0),
+    ``rand_after1``, ... (its seeds 1, ...), ``damped_baseline_after``."""
+    if prefix == "":
+        return "ot_after"
+    if prefix.startswith("rand") and prefix[4:-1].isdigit():
+        return f"rand_after{prefix[4:-1]}"
+    return prefix.rstrip("_") + "_after"
 
 
 def adapt_direction(d: Direction, f: Fitted, h: str, fused_nll: float | None = None) -> JobResult:
@@ -128,22 +145,21 @@ def adapt_direction(d: Direction, f: Fitted, h: str, fused_nll: float | None = N
     def body(job: Job) -> dict[str, float]:
         sc: dict[tuple[str, str], Scores] = {}
         v = {"alpha": a, "nll_base_before": f.base_t, "base_nll_donor_lang": f.base_d, "nll_baseline_after": base_after,
-             **adapt_one(d, f, job, False, fused_nll, sc), **adapt_one(d, f, job, True, None, sc)}
+             **adapt_one(d, f, job, False, fused_nll, sc)}
+        for seed in range(f.fusion.n_controls):  # the random-plan control over its seeds, each adapted the same way
+            v.update(adapt_one(d, f, job, True, None, sc, seed))
+        v["adapt_control_seeds"] = float(f.fusion.n_controls)
         v["fusion_effect_before_adapt"] = v["nll_fused_before"] - f.base_t
-        docs_t, docs_d = f.docs["target_lang"], f.docs["donor_lang"]
-        for p in ("", "rand_"):
-            if base_scores is not None:  # against the adapted no-fusion baseline, sentence by sentence
-                v.update(compare(f"{p}fusion_effect_after_adapt", sc[(p, "target_lang")], base_scores, *docs_t))
-            else:  # a baseline run recorded before per-sentence scores: the difference without an interval
+        if base_scores is None:  # a baseline run recorded before per-sentence scores: the difference without an interval
+            for p in ("", "rand_"):
                 v[f"{p}fusion_effect_after_adapt"] = v[f"{p}nll_fused_after"] - base_after
-            v.update(compare(f"{p}delta_donor_lang_after_adapt", sc[(p, "donor_lang")], f.base_scores["donor_lang"], *docs_d))
-        v.update(compare("ot_minus_rand_after_adapt", sc[("", "target_lang")], sc[("rand_", "target_lang")], *docs_t))
         if d.s.adapt.mode == "released":  # the no-fusion baseline under the fused arm's damping (module doc)
             v.update(_dampedadapt_baseline(d, f, job, sc))
-        v.update(compare("ot_minus_rand_donor_lang_after_adapt", sc[("", "donor_lang")], sc[("rand_", "donor_lang")], *docs_d))
+        named = {(_arm_name(p), lang): x for (p, lang), x in sc.items()}
+        # every difference with its paired interval (what the report recomputes from the table)
+        v.update(adapt_comparisons(named, base_scores, f.base_scores, f.docs))
         job.log_params({"baseline_run": baseline.run_id, **d.texts.ranges})
-        job.log_text(sentence_csv({((p.rstrip("_") or "ot") + "_after", lang): x for (p, lang), x in sc.items()},
-                                  {k: val[0] for k, val in f.docs.items()}), "scores/sentences.csv")
+        job.log_text(sentence_csv(named, {k: val[0] for k, val in f.docs.items()}), "scores/sentences.csv")
         return v
 
     r = run_once(d.cfg, JobSpec(f"transport-adapt a={a:g} {d.label}", {**d.tags("transport_adapt", stage="fused", alpha=a),

@@ -166,7 +166,9 @@ ARMS = [
                       kinds={"transport": "transport fusion, one direction (target <- donor) at one alpha, with its random-plan control",
                              "transport_adapt": "post-fusion adaptation of a transport direction, and its no-fusion baseline "
                                                 "(stage=baseline)"},
-                      logical_keys={"transport": f"{_R}:transport_key", "transport_adapt": f"{_R}:transport_adapt_key"})),
+                      logical_keys={"transport": f"{_R}:transport_key", "transport_adapt": f"{_R}:transport_adapt_key"},
+                      rejudge={"transport": "mergescope.transport.comparisons:rejudge_alpha",
+                               "transport_adapt": "mergescope.transport.comparisons:rejudge_adapt"})),
     # one target's directions in one worker: its no-fusion baseline is made once
     Arm("transport_sweep", order=41, lap="transport", needs=("transport_sweep", lambda c: c.get("transport_sweep")),
         phases=(Phase("transport settings", transport_sweep, run=run_sweep),)),

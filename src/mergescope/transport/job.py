@@ -32,7 +32,7 @@ from mergescope import models
 from mergescope.scoring.bpb import Scores
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.documents import documents
-from mergescope.evidence import compare, sentence_csv
+from mergescope.evidence import sentence_csv
 from mergescope import precision
 from mergescope.progress import console
 from mergescope.runs import JobResult, JobSpec, finished, model_parts, run_once, would_run
@@ -40,7 +40,8 @@ from mergescope.tracking import Job, Tracker
 from mergescope.transport import fusion as fus
 from mergescope.transport import interfaces as itf
 from mergescope.transport import released as rel
-from mergescope.transport.adaptation import adapt_direction
+from mergescope.transport.adaptation import ADAPT_CONTROLS, adapt_direction
+from mergescope.transport.comparisons import alpha_comparisons, seeds_of
 from mergescope.transport.direction import Direction, Fitted, Host
 from mergescope.transport.identity import (BASELINE_KEYS, EVIDENCE, TRANSPORT_KEYS, baseline_hash, digest, job_hash,  # noqa: F401 (re-exported)
                                            probe_compute, sides)
@@ -105,7 +106,7 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     saving = {"save": True} if cfg.get("save") else {}  # save=true: each alpha's fused model written (its own runs)
     hashes = _alpha_hashes(cfg, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
-    adapt_hash = job_hash("transport_adapt", cfg, TRANSPORT_KEYS, reads) if s.adapt else None
+    adapt_hash = job_hash("transport_adapt", cfg, TRANSPORT_KEYS, reads, adapt_controls=ADAPT_CONTROLS) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
     lm_eval = cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"
     if lm_eval:
@@ -324,8 +325,6 @@ def _alpha_run(d: Direction, f: Fitted, a: float, h: str) -> JobResult:
                 sc[("ot", "select")] = host.scores(d.texts.select_t, f"fused a={a:g} selection split")
                 values["select_nll_target_lang"] = sc[("ot", "select")].nats_per_token
                 values["select_nll_rest_target_lang"] = sc[("ot", "select")].rest().nats_per_token
-                docs, what = f.docs["select"]
-                values.update(compare("select_delta_target_lang", sc[("ot", "select")], base["select"], docs, what))
             agg, per_tensor[arm] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
             values.update({f"{prefix}{k}": v for k, v in agg.items()})
         values.update(_more_controls(d, f, a, sc))
@@ -335,12 +334,9 @@ def _alpha_run(d: Direction, f: Fitted, a: float, h: str) -> JobResult:
             host.set(f.fusion.weights(a, control=False))
             job.log_params({"saved_to": save_transport(d.cfg, host.model, host.tok, job.run_id, d.label, a)})
         host.set(f.fusion.original)
-        for lang in ("target_lang", "donor_lang"):  # every difference with its paired interval, by article
-            docs, what = f.docs[lang]
-            arms = {"ot": sc[("ot", lang)], "base": sc[("base", lang)], "shrink": sc[("shrink", lang)], "rand": _rand_arms(sc, lang)}
-            for name, x, y in (("delta", "ot", "base"), ("rand_delta", "rand", "base"), ("ot_minus_rand", "ot", "rand"),
-                               ("shrink_delta", "shrink", "base"), ("ot_minus_shrink", "ot", "shrink")):
-                values.update(compare(f"{name}_{lang}", arms[x], arms[y], docs, what))
+        values.update(alpha_comparisons(sc, f.docs))  # every difference with its paired interval, by article
+        for lang in ("target_lang", "donor_lang"):
+            docs = f.docs[lang][0]
             values[f"first_token_nll_{lang}"] = float(base[lang].first_nll.mean())
             values[f"eval_groups_{lang}"] = float(len(set(docs)) if docs is not None else len(sc[("base", lang)].nll))
         job.log_text(sentence_csv(sc, {k: v[0] for k, v in f.docs.items()}), "scores/sentences.csv")
@@ -384,7 +380,7 @@ def _more_controls(d: Direction, f: Fitted, a: float, sc: dict[tuple[str, str], 
 
 def _rand_arms(sc: dict[tuple[str, str], Scores], lang: str) -> list[Scores]:
     """Every random-plan control seed's scores on ``lang`` (arms ``rand``, ``rand1``, ...), seed 0 first."""
-    return [v for (arm, l_), v in sc.items() if l_ == lang and arm.startswith("rand")]
+    return seeds_of(sc, "rand", lang)
 
 
 def _named(scores: Scores, prefix: str, lang: str) -> dict[str, float]:

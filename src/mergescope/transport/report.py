@@ -19,9 +19,8 @@ from mergescope.plotting import pyplot
 __all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "CLAIM_RULE", "pair_rows", "pair_tables",
            "coverage_cell"]
 
-CLAIM_RULE = ("a direction counts only where the paired 95% interval of its difference (bootstrap over FLORES articles, "
-              "mergescope.intervals) lies below 0; an interval covering 0, fewer than 8 articles, a difference under 5e-5 "
-              "(float noise) or a run recorded without an interval counts for neither side")
+CLAIM_RULE = claims.RULE
+"""The rule every count of this section follows (:data:`mergescope.analysis.claims.RULE`)."""
 
 
 def adapt_runs(study) -> list[Rec]:
@@ -246,6 +245,7 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     main = main_variant(heads)
     head = [r for r in heads if variant(r) == main]  # the counts: the main setting's directions (the ablation's apart)
     helped, beats = _counts(head)
+    hurt = claims.count(head, "delta_target_lang", "higher")
     beats_s, n_s = _shrink(head)
     shrink_txt = (f"; it beats its shrink-only control (transported term zero) in {beats_s}/{n_s}" if n_s else
                   "; no run has the shrink-only control (recorded before it)")
@@ -256,7 +256,8 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     sec.text.append(f"{len(by_dir)} directions fused" + (f" (setting {main}; the others: the ablation table)" if several else "")
                     + f". At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
                     f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
-                    f"directions (median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control on the "
+                    f"directions and makes it worse in {hurt}/{len(head)} (median delta {f3(med, 4)} nats/token); the OT "
+                    "plan beats its shuffled-plan control on the "
                     f"target's language in {beats}/{len(head)}{shrink_txt}; {CLAIM_RULE}; nats/token "
                     f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}."
                     + (f" Largest gain at that alpha: {direction(top)}, delta {claims.cell(top, 'delta_target_lang')} "
@@ -264,12 +265,14 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     per_alpha = {}
     for r in (x for x in runs if variant(x) == main):
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
-    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions (interval below 0; "
-                   f"median delta {f3(med, 4)} nats/token) and the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
+    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions, hurts it in "
+                   f"{hurt}/{len(head)} and cannot be told in the rest (median delta {f3(med, 4)} nats/token; {claims.BH_NOTE}); "
+                   f"the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
                    + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
-    an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped), "transport_beats_control": float(beats),
+    an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped),
+                       "transport_hurt": float(hurt), "transport_beats_control": float(beats),
                        "transport_beats_shrink": float(beats_s)})
     if several:
         _ablation(an, sec, heads, runs)
@@ -377,7 +380,17 @@ def transport(an: Analysis, number: str) -> Section:
     return sec
 
 
+def _interval(r: Rec, name: str) -> tuple[float, float, float]:
+    """(estimate, distance down to the interval's lower end, up to its upper end) of difference ``name`` in the
+    report's scope (NaN distances: no interval)."""
+    k = claims.metric(name)
+    e, lo, hi = r.m(k), r.m(f"{k}_lo"), r.m(f"{k}_hi")
+    return e, e - lo, hi - e
+
+
 def _transport_bars(ax, transport: list[Rec]) -> None:
+    """Per direction and alpha: the OT fusion's delta with its paired 95% interval (bar and error bar) and the
+    random-plan control's delta with its interval over the articles and its seeds (a black mark and bar beside)."""
     dirs = sorted({direction(r) for r in transport})
     alphas = sorted({r.m("alpha") if np.isfinite(r.m("alpha")) else float(r.tags.get("alpha", "nan")) for r in transport})
     w = 0.8 / max(1, len(alphas))
@@ -388,13 +401,19 @@ def _transport_bars(ax, transport: list[Rec]) -> None:
             if r is None:
                 continue
             xs.append(di + (ai - (len(alphas) - 1) / 2) * w)
-            ot.append(r.m("delta_target_lang"))
-            rd.append(r.m("delta_target_lang") - r.m("ot_minus_rand_target_lang"))
-        ax.bar(xs, ot, width=w, label=f"OT plan, alpha={a:g}")
-        ax.plot(xs, rd, "k_", ms=10, mew=2, label="shuffled-plan control" if ai == 0 else None)
+            ot.append(_interval(r, "delta_target_lang"))
+            rd.append(_interval(r, "rand_delta_target_lang"))
+        x = np.array(xs)
+        e, dn, up = (np.array(v) for v in zip(*ot)) if ot else (np.array([]),) * 3
+        bars = ax.bar(x, e, width=w * 0.9, label=f"OT plan, alpha={a:g}")
+        ax.errorbar(x, e, yerr=np.nan_to_num(np.vstack([dn, up])), fmt="none", ecolor=bars.patches[0].get_facecolor()
+                    if bars.patches else "C0", elinewidth=1.2, capsize=2, alpha=0.9)
+        ce, cdn, cup = (np.array(v) for v in zip(*rd)) if rd else (np.array([]),) * 3
+        ax.errorbar(x + w * 0.3, ce, yerr=np.nan_to_num(np.vstack([cdn, cup])), fmt="k_", ms=7, mew=2, elinewidth=0.8,
+                    capsize=1.5, label="random-plan control (interval: articles and its seeds)" if ai == 0 else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(dirs)), dirs, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("delta NLL on target's language (fused - unfused)")
+    ax.set_ylabel(f"delta nats/token on the target's language\n(fused - unfused, {claims.SCOPE['value']} tokens)")
     ax.legend(fontsize=7)
 
 
@@ -404,14 +423,14 @@ def figure_transport(transport: list[Rec]):
     fig, axes = plt.subplots(1, 2, figsize=(max(10, 0.6 * n_dirs + 6), 4.5), gridspec_kw={"width_ratios": [2, 1]})
     _transport_bars(axes[0], transport)
     ax = axes[1]
-    x = np.array([r.m("delta_target_lang") - r.m("ot_minus_rand_target_lang") for r in transport])
-    y = np.array([r.m("delta_target_lang") for r in transport])
+    x = np.array([_interval(r, "rand_delta_target_lang")[0] for r in transport])
+    y = np.array([_interval(r, "delta_target_lang")[0] for r in transport])
     ax.scatter(x, y, s=14)
     lim = [np.nanmin([x.min(), y.min()]), np.nanmax([x.max(), y.max()])]
     ax.plot(lim, lim, "k--", lw=0.8)
     ax.set_xlabel("shuffled-plan delta")
     ax.set_ylabel("OT-plan delta")
-    ax.set_title("below the diagonal: OT beats control", fontsize=9)
+    ax.set_title("below the diagonal: OT below the control's mean\n(a verdict reads the intervals: section tables)", fontsize=8)
     fig.suptitle("Transport fusion without adaptation")
     fig.tight_layout()
     return fig

@@ -68,8 +68,9 @@ def add_mantel(table, frame: dict[str, np.ndarray], models: tuple[list[str], lis
     table["q_mantel"] = q
     n_models = len(set(models[0]) | set(models[1]))
     sig = int(np.sum(q[ok] < 0.05))
+    n_rel = max((v.get("n_relabellings", 0.0) for v in m.values()), default=0.0)
+    table.attrs["mantel_relabellings"] = float(n_rel if n_rel else math.factorial(n_models) if n_models <= 8 else n_permutations)
     if strata is not None:
-        n_rel = max((v.get("n_relabellings", 0.0) for v in m.values()), default=0.0)
         runs = len(set(strata.values()))
         return (f"Dependence: the {len(models[0])} checkpoint pairs are built from {n_models} checkpoints of {runs} training "
                 f"run(s), so pairs that share a checkpoint are not independent and p_perm (row shuffles) treats them as if "
@@ -114,8 +115,9 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
     if models is not None:
         sec.text.append(add_mantel(table, frame, models, n_permutations, strata))
         cols = COLUMNS + MANTEL_COLUMNS
-        what = "checkpoint-level (Mantel, within each run)" if strata is not None else "model-level (Mantel)"
-        sec.finding += f" With the {what} null, {int(np.sum(table['q_mantel'] < 0.05))} survive BH."
+        sec.finding = mantel_finding(table, tested, n_rows, unit, strata is not None) + (
+            f" Row shuffles, which treat the {n_rows} rows as independent (they are not: this is not a finding), would "
+            f"give {power['survivors']} of {len(tested)}{strongest}.")
     if dropped:
         sec.missing.append(f"{title}: left out of the table, not measured or not varying: {', '.join(dropped)}")
     rows = sorted(table.to_dict("records"), key=lambda r: -abs(r["rho"]) if np.isfinite(r["rho"]) else 0)
@@ -129,6 +131,30 @@ def correlation_section(key: str, title: str, frame: dict[str, np.ndarray], n_ro
                                      if models is not None else "")
                                   + " (power: in the text above)"))
     return sec, table, power
+
+
+def mantel_finding(table, tested, n_rows: int, unit: str, within: bool) -> str:
+    """The finding of a table whose rows share models (or checkpoints): what survives BH under the null that respects
+    it, and, where the design cannot reach q < 0.05 (too few relabellings for so many cells), "untestable at this n"
+    with the strongest cells' signs."""
+    n_cells = len(tested)
+    q = table["q_mantel"].to_numpy(dtype=np.float64)
+    sig = int(np.sum(q < 0.05))
+    n_rel = float(table.attrs.get("mantel_relabellings") or 0.0)
+    floor = 1.0 / n_rel if n_rel else float("nan")
+    need = math.ceil(floor * n_cells / 0.05 - 1e-12) if math.isfinite(floor) else n_cells + 1
+    what = "checkpoint-level null (labels permuted within each run)" if within else "model-level null (model labels permuted)"
+    head = (f"Under the {what}, which respects that the {n_rows} rows share {unit}s, {sig} of {n_cells} diagnostic pairs "
+            "survive BH at q<0.05")
+    if need > 1 and math.isfinite(floor):
+        top = tested.reindex(tested["rho"].abs().sort_values(ascending=False).index).head(3)
+        signs = ", ".join(f"{a} x {b} {r:+.2f}" for a, b, r in zip(top["a"], top["b"], top["rho"]))
+        reach = (f"untestable at this n: with {int(n_rel)} relabellings the smallest attainable p is {floor:.3g}, so one "
+                 "cell alone cannot reach q < 0.05 "
+                 + (f"(it takes at least {need} of the {n_cells} cells at that p)" if need <= n_cells else
+                    "(not even with every cell at that p)"))
+        return f"{head}; {reach}. Read the signs (the strongest: {signs})."
+    return f"{head}."
 
 
 def tabled(an: Analysis, arm: str, key: str, title: str, n_rows: int, intro: str, figure: tuple[str, str, str], csv_path: str,
