@@ -4,6 +4,8 @@ job's identity depends on the rule."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,62 @@ def test_no_job_identity_depends_on_the_rule(compose_cfg, monkeypatch):
     monkeypatch.setattr(intervals, "paired_difference", lambda *a, **k: None)
     assert job_hash("transport", cfg, ["pair", "merge", "data"], []) == before
     assert hash_parts("native", {"x": 1}) == other
+
+
+def test_a_native_pair_reads_its_chosen_merges_table_with_the_current_rule(compose_cfg):
+    """The native pair run carries its chosen merge's interval; the report recomputes it from that merge run's table
+    (param merge_chosen.run), and the merge run's own from its table."""
+    from mergescope.analysis.records import load_study
+    from mergescope.native.comparisons import merge_comparisons
+    from mergescope.tracking import Job, Tracker
+
+    cfg, _ = compose_cfg(["tracking.experiment=rejudge_native", "task=analyze"])
+    n = 45
+    docs = [f"https://x/{i // 3}" for i in range(n)]
+    a, t1 = _scores(np.random.default_rng(3), n, 0.0), _scores(np.random.default_rng(3), n, 0.3)
+    merged = _scores(np.random.default_rng(3), n, -0.02)
+    tracker = Tracker(cfg)
+
+    def log(name, tags, metrics, params=None, table=None):
+        run = tracker.client.create_run(tracker.experiment_id, run_name=name, tags=tags)
+        job = Job(tracker.client, run.info.run_id)
+        if params:
+            job.log_params(params)
+        job.log_metrics(metrics)
+        if table is not None:
+            job.log_text(table, "scores/sentences.csv")
+        tracker.client.set_terminated(job.run_id, status="FINISHED")
+        return job.run_id
+
+    stale = {"merge_gain_rest": 0.02, "merge_gain_rest_lo": 0.0199, "merge_gain_rest_hi": 0.0201, "merge_gain_rest_groups": 3.0}
+    mid = log("merge", {"kind": "merge", "route": "native", "merge": "linear", "pair": "p", "cfg_hash": "m1"}, stale,
+              table=sentence_csv({("a", "host"): a, ("t1", "host"): t1, ("merged_seed0", "host"): merged}, {"host": docs}))
+    pid = log("native", {"kind": "measure", "metric": "native", "pair": "p", "model_a": "x", "model_b": "y", "cfg_hash": "n1"},
+              {**stale, "merge_gain": 0.02}, params={"merge_chosen": {"merge": "linear", "run": mid, "on": "dev"}})
+    study = load_study(cfg)
+    want = merge_comparisons(a, t1, [merged], docs, "article")
+    by = {r.run_id: r for r in study.records}
+    for rid in (mid, pid):
+        for k in ("merge_gain_rest_lo", "merge_gain_rest_hi", "merge_gain_rest_p", "merge_gain_rest_groups"):
+            assert by[rid].m(k) == pytest.approx(want[k], abs=1e-12), (rid, k)
+    assert by[pid].m("merge_gain_rest_groups") == 15 and study.rejudged == 2
+
+
+def test_recomputed_comparisons_are_cached_by_run_and_rule_and_a_bad_entry_is_recomputed(compose_cfg, monkeypatch):
+    from mergescope.analysis.records import load_study
+    from mergescope.transport import comparisons
+
+    cfg, _ = compose_cfg(["tracking.experiment=rejudge_cache", "task=analyze"])
+    sc, docs = _arms()
+    rid = _log_run(cfg, sc, docs, {"delta_target_lang_rest": 0.9})
+    first = next(r for r in load_study(cfg).records if r.run_id == rid).metrics
+    entries = list((Path(str(cfg.paths.cache)) / "rejudged").glob(f"{rid}-*.json"))
+    assert len(entries) == 1
+    calls = []
+    real = comparisons.alpha_comparisons
+    monkeypatch.setattr(comparisons, "alpha_comparisons", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = next(r for r in load_study(cfg).records if r.run_id == rid).metrics
+    assert calls == [] and again == first                  # read from the cache: nothing recomputed
+    entries[0].write_bytes(entries[0].read_bytes()[:-7] + b"garbage")
+    third = next(r for r in load_study(cfg).records if r.run_id == rid).metrics
+    assert calls == [1] and third == first                 # a damaged entry is recomputed, never used

@@ -103,8 +103,7 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     curve = [5.5, 5.6, 6.1, 7.0, 7.6]
     nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.0163,
            "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
-           "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "chosen_merged_nll": 5.7, "chosen_val_nll": 5.65,
-           "merge_beats_better_endpoint": 0.0}
+           "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "chosen_merged_nll": 5.7, "chosen_val_nll": 5.65}
     nat = _claims(nat, H_MERGE, "merge_gain")
     from mergescope.native.weights import routes
 
@@ -129,11 +128,10 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
         for fam in ("m-en", "m-zh"):
             for ra, rb in itertools.combinations(CK_STEPS, 2):
                 ratio = float(np.log10(int(rb[4:]) / int(ra[4:])))
-                vals = {"log10_step_ratio": ratio, "weight_cosine": 1 - 0.2 * ratio + rng.normal(0, 0.02),
+                vals = {"log10_step_ratio": ratio, "weight_cosine_matrices": 1 - 0.2 * ratio + rng.normal(0, 0.02),
                         "relative_l2": 0.3 * ratio + rng.normal(0, 0.02), "tv_cosine": 1 - 0.25 * ratio + rng.normal(0, 0.03),
                         "ties_sign_agreement": 1 - 0.05 * ratio + rng.normal(0, 0.005), "cka": 1 - 0.3 * ratio + rng.normal(0, 0.05),
                         "lmc_barrier": 0.2 * ratio - 0.1 + rng.normal(0, 0.03), "merge_gain": -0.1 * ratio + rng.normal(0, 0.03)}
-                vals["merge_beats_better_endpoint"] = float(vals["merge_gain"] > 0)
                 vals = _claims(vals, H_CK, "merge_gain")
                 pair = f"{fam}@{ra}__{fam}@{rb}"
                 truth["checkpoint"][pair] = vals
@@ -294,7 +292,11 @@ def test_report_sections_and_numbers(built):
     assert curve[0][1:] == ["0.00", "0.25", "0.50", "0.75", "1.00"] and curve[1][1:] == ["5.500", "5.600", "6.100", "7.000", "7.600"]
     # the merge gain is the merge chosen on a disjoint split, named, never "the best merged NLL" on the reported one
     assert "best merged" not in md.lower() and "best_merged" not in md
-    assert re.search(r"m-en__m-zh: LMC barrier 0\.987 nats/token; the merge chosen on a disjoint split, slerp \(lowest NLL "
+    # the pair shares 38 tensors of 40: the path's t = 1 end is a hybrid, and the finding says so before the barrier
+    assert re.search(r"m-en__m-zh: the path's t = 1 end is a hybrid \(model a's 2 unshared tensors with model b's shared "
+                     r"ones\), \+2\.100 nats/token from model a, and its midpoint \+0\.600: the LMC barrier above the chord "
+                     r"to that end \(0\.987\) is not a measure of mode connectivity between the two models; the merge chosen "
+                     r"on a disjoint split, slerp \(lowest NLL "
                      r"on dev, run \w{8}\), has NLL 5\.700 against the better endpoint \(merge gain -0\.2000 \[-0\.2500, "
                      r"-0\.1500\]: lower\)", md)
     assert "NLL of the merge chosen on native.select_split" in md

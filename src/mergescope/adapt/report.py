@@ -111,6 +111,42 @@ def _summary_row(key, runs: list[Rec], pts: list[Rec], compared: list[str], stud
             claims.cell(best, "gain_vs_better_end"), *cells, band, short(best.run_id)]
 
 
+def side_grid(chosen: float, grid) -> list[float]:
+    """The grid ratios on the chosen ratio's side of 1/2: small-ratio mixing (a little of the large side) and
+    near-1 mixing are two regimes, so 0.04 of [0.02, 0.04, 0.96, 0.98] sits at the small side's upper edge."""
+    return [g for g in grid if (g < 0.5) == (chosen < 0.5)]
+
+
+def headline(key, best: Rec, grid) -> str:
+    """One pair's finding, what a careful reader needs first: the merge against ratio 0 (helps / hurts / cannot be
+    told), then the merge against each control, the scaling control's own effect where it explains part of the
+    gain, so the merge's own part (merge minus the scaling control) leads; the chosen ratio's edge within its side of
+    the grid is said."""
+    ctls = [k for k in ("scaling", "noise") if math.isfinite(best.m(f"test_nll_{k}"))]
+    said = {"higher": "helps", "lower": "hurts", "tie": "cannot be told from", "too few": "too few articles to tell from",
+            "no interval": "(no interval) against"}[claims.verdict(best, "gain_vs_small")]
+    ratio = best.m("best_ratio")
+    side = side_grid(ratio, grid)
+    edge = claims.edge_note(ratio, side).replace(" (", "; ").rstrip(")") if len(side) >= 3 else (
+        f"; at the {'upper' if ratio >= max(side) else 'lower'} edge {ratio:g} of the {len(side)} grid ratios on its side "
+        "of 1/2: the optimum may lie beyond it" if side else "")
+    out = (f"{key[2]} {key[0]} ~ {key[1]}: ratio {ratio:g} (chosen on dev{edge}) {said} ratio 0 on test (gain "
+           f"{claims.cell(best, 'gain_vs_small')} nats/token)")
+    if ctls:
+        vs = claims.family([(best, f"best_minus_{k}") for k in ctls])
+        words = {"lower": "beats it", "higher": "is worse than it", "tie": "cannot be told from it",
+                 "too few": "too few articles to tell", "no interval": "no interval"}
+        out += "; " + ", ".join(f"merge minus its {k} control {claims.cell(best, f'best_minus_{k}')} ({words[v]})"
+                                for k, v in zip(ctls, vs))
+        if "scaling" in ctls:
+            k = claims.metric("best_minus_scaling")
+            own, gain = -best.m(k), best.m(claims.metric("gain_vs_small"))
+            if math.isfinite(own) and math.isfinite(gain) and gain > 0:
+                out += (f"; the scaling control alone (the small model times 1 - ratio, nothing from the large one) gives "
+                        f"{gain - own:+.4f} of the {gain:+.4f}, the merge's own part is {own:+.4f}")
+    return out + f" (run {short(best.run_id)})"
+
+
 def _tasks(pts: list[Rec]) -> list[str]:
     return sorted({k[len("test_nll."):] for r in pts for k in r.metrics if k.startswith("test_nll.")})
 
@@ -433,17 +469,7 @@ def adapt_section(an: Analysis, number: str) -> Section:
         best = next((r for r in rs if r.tags.get("ratio") == "best"), None)
         if best is None:
             continue
-        ctls = [k for k in ("scaling", "noise") if math.isfinite(best.m(f"test_nll_{k}"))]
-        beaten = [k for k, v in zip(ctls, claims.family([(best, f"best_minus_{k}") for k in ctls])) if v == "lower"]
-        said = {"higher": "helps", "lower": "hurts", "tie": "cannot be told from", "too few": "too few articles to tell from",
-                "no interval": "(no interval) against"}[claims.verdict(best, "gain_vs_small")]
-        grid = [r.m("ratio") for r in _points(rs) if 0 < r.m("ratio") < 1]
-        parts.append(f"{key[2]} {key[0]} ~ {key[1]}: ratio {best.m('best_ratio'):g} (chosen on dev"
-                     f"{claims.edge_note(best.m('best_ratio'), grid).replace(' (', '; ').rstrip(')')}) {said} ratio 0 on test "
-                     f"(gain {claims.cell(best, 'gain_vs_small')} nats/token)"
-                     + (f", beating {len(beaten)} of its {len(ctls)} controls ({', '.join(beaten) or 'none'}; each where the "
-                        "interval of the merge minus the control lies below 0)" if ctls else "")
-                     + f" (run {short(best.run_id)})")
+        parts.append(headline(key, best, [r.m("ratio") for r in _points(rs) if 0 < r.m("ratio") < 1]))
     if parts:
         sec.finding = " ".join(x for x in (sec.finding, "; ".join(parts) + ".") if x)
     for key, rs in groups.items():

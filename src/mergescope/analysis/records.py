@@ -8,6 +8,7 @@ then the latest per logical job (:func:`logical_key`), oldest first.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -240,22 +241,49 @@ def load_study(cfg: DictConfig, job_runs: list[str] | None = None) -> Study:
         raise MergescopeError(f"experiment '{experiment}' has no FINISHED runs to analyse; run the study first "
                               f"(python launch.py study={experiment})")
     study = Study(experiment, uri, out, others, source)
-    rejudge(study)
+    cache = cfg.get("paths", {}).get("cache")
+    rejudge(study, Path(str(cache)) / "rejudged" if cache else None)
     return study
 
 
-def rejudge(study: Study) -> None:
+def rule_digest(spec: str) -> str:
+    """What a recomputed comparison depends on besides the run's immutable tables: the source of the rule
+    (:mod:`mergescope.intervals`, :mod:`mergescope.evidence`) and of the arm's function."""
+    import hashlib
+    import importlib.util
+
+    h = hashlib.sha256()
+    for mod in ("mergescope.intervals", "mergescope.evidence", spec.partition(":")[0]):
+        found = importlib.util.find_spec(mod)
+        h.update(Path(found.origin).read_bytes() if found and found.origin else mod.encode())
+    h.update(spec.encode())
+    return h.hexdigest()[:20]
+
+
+def rejudge(study: Study, cache: Path | None = None) -> None:
     """The rule lives in the analysis: every run of a kind whose arm declares its comparisons (``Report.rejudge``) has
     them recomputed from its per-sentence tables with the current rule (:mod:`mergescope.intervals`), replacing what
-    the job logged; a run recorded without a table keeps its logged numbers. Changing the rule never reruns a job."""
+    the job logged; a run recorded without a table keeps its logged numbers. Changing the rule never reruns a job.
+    ``cache``: a folder where each run's recomputed metrics are kept under the run and the rule's digest (verified on
+    read, recomputed when bad), so a relaunch does not recompute them."""
     from mergescope.arm import arms, target
+    from mergescope.integrity import load_json, save_json
 
     fns = {kind: spec for a in arms() for kind, spec in a.report.rejudge.items()}
+    digests: dict[str, str] = {}
     for r in [*study.records, *study.others]:
         spec = fns.get(r.kind)
         if spec is None:
             continue
-        got = target(spec)(study, r)
+        path = None
+        if cache is not None:
+            digest = digests.setdefault(spec, rule_digest(spec))
+            path = cache / f"{r.run_id}-{digest}.json"
+        got = load_json(path) if path is not None and path.exists() else None
+        if got is None:
+            got = target(spec)(study, r) or {}
+            if path is not None:
+                save_json(path, got)
         if got:
-            r.metrics.update(got)
+            r.metrics.update({k: float(v) for k, v in got.items()})
             study.rejudged += 1

@@ -16,7 +16,7 @@ import numpy as np
 from rich.table import Table
 
 
-__all__ = ["RTable", "Section", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
+__all__ = ["text_note", "RTable", "Section", "csv_text", "f3", "short", "median", "tables_text", "repr_metrics",
            "cross_diagnostics", "runs_cell", "TYPOLOGY"]
 
 
@@ -131,3 +131,19 @@ def tables_text(tables: list[RTable]) -> str:
     for t in tables:
         c.print(t.rich())
     return c.export_text()
+
+
+def text_note(study, run_id: str, lang: str) -> str:
+    """What one run was scored on: its sentences, articles and their domains (read from the article URLs of its
+    per-sentence table: ``en.wikinews.org`` -> wikinews), for a section to say where its text covers one domain or a
+    subset of the data; "" for a run without the table."""
+    from urllib.parse import urlparse
+
+    table = study.score_table(run_id) if hasattr(study, "score_table") else None
+    docs = None if table is None else table[1].get(lang)
+    if not docs:
+        return ""
+    doms = sorted({(urlparse(d).hostname or "?").split(".")[-2] if "." in (urlparse(d).hostname or "") else "?"
+                   for d in docs})
+    return (f"{len(docs)} sentences from {len(set(docs))} articles, "
+            f"{'one domain' if len(doms) == 1 else f'{len(doms)} domains'} ({', '.join(doms)})")

@@ -44,6 +44,5 @@ def rejudge_pair(study, r) -> dict[str, float] | None:
     ``merge_chosen``); None for another measure run."""
     if r.tags.get("metric") != "native":
         return None
-    chosen = r.param("merge_chosen")
-    got = _from_table(study, chosen.get("run") if isinstance(chosen, dict) else None)
+    got = _from_table(study, r.params.get("merge_chosen.run"))
     return None if got is None else {k: v for k, v in got.items() if k != "merge_gain"}

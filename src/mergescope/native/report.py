@@ -4,6 +4,7 @@ cross-model pairs (weight diagnostics, interpolation, merges, lm-eval beside the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mergescope.analysis import claims
@@ -232,6 +233,20 @@ def lmc_curve(study, run_id: str) -> list[tuple[float, float]]:
     return [(ts[k], nll[k]) for k in sorted(nll) if k in ts]
 
 
+def barrier_text(n: Rec) -> str:
+    """The LMC barrier as it can be read. Where the pair shares only part of its tensors (``n_excluded_tensors`` > 0:
+    the embeddings of two vocabularies, say), the t = 1 end of the path is a hybrid, model a's unshared tensors with
+    model b's shared ones, not model b: the barrier is the gap above a chord to that broken end, so the sentence leads
+    with how far the path's midpoint and its end are from model a."""
+    bar, a, mid, end = n.m("lmc_barrier"), n.m("nll_a"), n.m("lmc_midpoint_nll"), n.m("nll_t1")
+    if n.m("n_excluded_tensors") > 0 and all(math.isfinite(v) for v in (a, mid, end)):
+        return (f"the path's t = 1 end is a hybrid (model a's {n.m('n_excluded_tensors'):.0f} unshared tensors with model "
+                f"b's shared ones), {end - a:+.3f} nats/token from model a, and its midpoint {mid - a:+.3f}: the LMC "
+                f"barrier above the chord to that end ({f3(bar)}) is not a measure of mode connectivity between the two "
+                "models")
+    return f"LMC barrier {f3(bar)} nats/token"
+
+
 def native_pair(an: Analysis, number: str) -> Section:
     """6. The natively weight-mergeable cross-model pairs: coverage, weight diagnostics, interpolation, merges."""
     sec = Section("native_pair", f"{number}. Natively weight-mergeable cross-model pairs")
@@ -243,7 +258,7 @@ def native_pair(an: Analysis, number: str) -> Section:
     if cross_native:
         n = cross_native[0]
         chosen = chosen_text(n)
-        sec.finding = (f"{n.tags.get('pair', '')}: LMC barrier {f3(n.m('lmc_barrier'))} nats/token" +
+        sec.finding = (f"{n.tags.get('pair', '')}: {barrier_text(n)}" +
                        (f"; the merge chosen on a disjoint split, {chosen}, has NLL {f3(n.m('chosen_merged_nll'))} against "
                         f"the better endpoint (merge gain {claims.cell(n, 'merge_gain')}: {claims.verdict(n, 'merge_gain')})"
                         if chosen else

@@ -18,8 +18,16 @@ from mergescope.plotting import pyplot
 __all__ = ["checkpoint_arm", "checkpoint_runs", "correlations_checkpoint", "figure_checkpoint", "BINS", "CHECKPOINT_DIAGNOSTICS"]
 
 CHECKPOINT_NULL = {"unit": "checkpoint", "null": "checkpoint-level null (checkpoint labels permuted within each training run)"}
-CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine", "relative_l2", "tv_cosine", "ties_sign_agreement",
+CHECKPOINT_DIAGNOSTICS = ["log10_step_ratio", "weight_cosine_matrices", "relative_l2", "tv_cosine", "ties_sign_agreement",
                           "cka", "lmc_barrier", "merge_gain"]
+"""The checkpoint arm's diagnostics. The weight cosine is the weight matrices' alone: over every shared tensor the norm
+gains (initialised at 1, near 1 in every checkpoint) carry much of the norm and make any two checkpoints look aligned."""
+
+
+def _value(r: Rec, c: str) -> float:
+    """A diagnostic of a checkpoint pair; ``merge_gain`` in the report's NLL scope (the first token apart by default),
+    as every comparison reads it."""
+    return r.m(claims.metric(c)) if c == "merge_gain" else r.m(c)
 
 BINS = [("within half a decade (log10 ratio <= 0.5)", lambda x: x <= 0.5),
         ("0.5 to 1.5 decades", lambda x: 0.5 < x <= 1.5),
@@ -78,15 +86,16 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
                                   "beats the better endpoint). merge beats better endpoint: " + claims.RULE + "; "
                                   "BH across each row's pairs."))
     said = claims.verdicts(ck, "merge_gain")
-    per = [[r.tags["pair"], *[f3(r.m(c)) for c in CHECKPOINT_DIAGNOSTICS], r.group("merge_chosen").get("merge") or "—",
+    per = [[r.tags["pair"], *[f3(_value(r, c)) for c in CHECKPOINT_DIAGNOSTICS], r.group("merge_chosen").get("merge") or "—",
             f3(r.m("chosen_merged_nll")), claims.cell(r, "merge_gain"), v, short(r.run_id)] for r, v in zip(ck, said)]
     sec.tables.append(RTable("Per checkpoint pair", ["pair", *CHECKPOINT_DIAGNOSTICS, "chosen merge", "chosen_merged_nll",
                                                      "merge_gain [95% CI]", "verdict", "run"], per,
                              note="chosen merge: the merge with the lowest NLL on native.select_split; its NLL and gain "
-                                  "on data.split. merge_gain (a diagnostic column, as the correlation tables read it): over every "
-                                  f"token; merge_gain [95% CI] and its verdict: {claims.SCOPE_NOTE[claims.SCOPE['value']]}, the "
+                                  "on data.split. merge_gain (a diagnostic column, as the correlation tables read it) and "
+                                  f"merge_gain [95% CI] with its verdict: {claims.SCOPE_NOTE[claims.SCOPE['value']]}, the "
                                   "paired interval over the sentences' FLORES articles (higher = the merge beats the better "
-                                  f"endpoint); the verdict {claims.BH_NOTE}."))
+                                  f"endpoint); the verdict {claims.BH_NOTE}. weight_cosine_matrices: the weight matrices "
+                                  "alone (every shared tensor's cosine, the norm gains included, is in the run)."))
     sec.add_figure("checkpoint_vs_distance", "checkpoint merge results vs trajectory distance", lambda: figure_checkpoint(ck))
     an.csv["tables/checkpoint_arm.csv"] = sec.tables[1].csv()
     an.metrics["checkpoint_pairs"] = float(len(ck))
@@ -134,7 +143,8 @@ def correlations_checkpoint(an: Analysis, number: str) -> list[Section]:
     """One row per checkpoint pair (native weight merging), then the same per family when there are several. Pairs
     share checkpoints, so beside the row-shuffle null each table has the checkpoint-level (Mantel) null, the labels
     permuted within each training run."""
-    an.frames["checkpoint"] = {c: np.array([r.m(c) for r in checkpoint_runs(an)], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+    an.frames["checkpoint"] = {c: np.array([_value(r, c) for r in checkpoint_runs(an)], dtype=np.float64)
+                               for c in CHECKPOINT_DIAGNOSTICS}
     models, strata = checkpoint_labels(checkpoint_runs(an))
     sec = tabled(an, "checkpoint", "corr_checkpoint", f"{number}. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
                   len(checkpoint_runs(an)), "One row per checkpoint pair (native weight merging).",
@@ -152,7 +162,7 @@ def family_sections(an: Analysis, number: str) -> list[Section]:
     out, tables = [], {}
     for fam in families:
         rows = [r for r in checkpoint_runs(an) if base_name(r.tags.get("model_a", "")) == fam]
-        frame = {c: np.array([r.m(c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
+        frame = {c: np.array([_value(r, c) for r in rows], dtype=np.float64) for c in CHECKPOINT_DIAGNOSTICS}
         models, strata = checkpoint_labels(rows)
         sec, table, _ = correlation_section(f"corr_checkpoint_{fam}", f"{number}. Checkpoint arm, family {fam}", frame, len(rows),
                                             an.n_permutations, f"One row per checkpoint pair of {fam} only.",

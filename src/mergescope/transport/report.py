@@ -5,6 +5,7 @@ control, then post-fusion fine-tuning."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, direction, transport_headline
 from mergescope.analysis.pairs import put
-from mergescope.analysis.tables import RTable, Section, f3, median, runs_cell, short
+from mergescope.analysis.tables import RTable, Section, f3, median, runs_cell, short, text_note
 from mergescope.plotting import pyplot
 
 __all__ = ["transport", "role_table", "figure_transport", "ablation_table", "variant", "CLAIM_RULE", "pair_rows", "pair_tables",
@@ -54,12 +55,12 @@ def _add_transport(p: dict[str, Any], transport: list[Rec], adapt: list[Rec]) ->
     for side, other in (("a", "b"), ("b", "a")):
         runs = [r for r in transport if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]]
         head = transport_headline(runs)
-        put(p, f"transport_delta_{side}", head, "delta_target_lang")
-        put(p, f"transport_ot_minus_rand_{side}", head, "ot_minus_rand_target_lang")
+        put(p, f"transport_delta_{side}", head, claims.metric("delta_target_lang"))  # the report's NLL scope
+        put(p, f"transport_ot_minus_rand_{side}", head, claims.metric("ot_minus_rand_target_lang"))
         deltas.append(v[f"transport_delta_{side}"])
         ctrls.append(v[f"transport_ot_minus_rand_{side}"])
         ad = next((r for r in reversed(adapt) if r.tags.get("target") == p[side] and r.tags.get("donor") == p[other]), None)
-        put(p, f"adapt_effect_{side}", ad, "fusion_effect_after_adapt")
+        put(p, f"adapt_effect_{side}", ad, claims.metric("fusion_effect_after_adapt"))
     v["transport_delta"] = float(np.mean(deltas)) if all(np.isfinite(deltas)) else float("nan")
     v["transport_ot_minus_rand"] = float(np.mean(ctrls)) if all(np.isfinite(ctrls)) else float("nan")
 
@@ -74,8 +75,8 @@ def _transport_table(pairs: list[dict[str, Any]]) -> RTable:
     return RTable("Transport and post-fusion adaptation per pair", [
         "pair", "delta a<-b", "delta b<-a", "ot_minus_rand a<-b", "ot_minus_rand b<-a", "adapt_effect a<-b",
         "adapt_effect b<-a", "runs"], rows,
-        note="delta = fused minus unfused NLL on the target's language at the headline alpha, merge.headline_alpha "
-             "(negative = helped); ot_minus_rand < 0 = the OT plan beat its shuffled-plan control; adapt_effect = "
+        note="delta = fused minus unfused NLL on the target's language at the headline alpha, merge.headline_alpha, "
+             f"nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]} (negative = helped); ot_minus_rand < 0 = the OT plan beat its shuffled-plan control; adapt_effect = "
              "fused-then-adapted minus adapted baseline.")
 
 
@@ -262,13 +263,16 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
                     f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}."
                     + (f" Largest gain at that alpha: {direction(top)}, delta {claims.cell(top, 'delta_target_lang')} "
                        f"(run {short(top.run_id)})." if top else ""))
+    said = text_note(an.study, head[0].run_id, "target_lang") if head else ""
+    if said:
+        sec.text.append(f"Evaluation text of each direction (the target's language; data.split's first lines): {said}. "
+                        "Every verdict of this section is about that text.")
     per_alpha = {}
     for r in (x for x in runs if variant(x) == main):
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
     sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions, hurts it in "
                    f"{hurt}/{len(head)} and cannot be told in the rest (median delta {f3(med, 4)} nats/token; {claims.BH_NOTE}); "
-                   f"the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}"
-                   + (f" (largest gain: {direction(top)}, run {short(top.run_id)})." if top else "."))
+                   f"the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}. " + control_reading(head))
     sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
                                                for a, v in sorted(per_alpha.items())) + ".")
     an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped),
@@ -281,27 +285,85 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
         an.csv["tables/transport_by_role.csv"] = sec.tables[-1].csv()
     ident = [r for r in runs if "plan_diagonal_share" in r.metrics]
     if ident:
-        cols = ["plan_diagonal_share", "plan_control_diagonal_share", "plan_chance_diagonal_share",
-                "plan_layer_diagonal_share", "plan_layer_diagonal_kept", "plan_layer_chance"]
-        seen = {}
-        for r in sorted(ident, key=lambda r: (direction(r), r.m("alpha"))):
-            seen.setdefault(direction(r), r)  # the plans are the same in every alpha's run of a direction
-        sec.tables.append(RTable("Same architecture: how near the plans are to the identity",
-                                 ["direction", *cols, "run"],
-                                 [[d, *[f3(r.m(c), 4) for c in cols], short(r.run_id)] for d, r in seen.items()],
-                                 note="plan_diagonal_share: share of the rows of the same-layer neuron plans whose maximum is "
-                                      "on the diagonal (1 = the identity matching; chance 1/width); the control's is the "
-                                      "shuffled-plan control's rows. plan_layer_diagonal_share: target layers whose P_eff "
-                                      "maximum is the same layer; _kept: whose kept donor layers include it."))
-        r = next(iter(seen.values()))
-        sec.text.append(f"Same-architecture plans ({len(seen)} directions): {f3(r.m('plan_diagonal_share'), 3)} of the "
-                        f"same-layer rows peak on the diagonal (control {f3(r.m('plan_control_diagonal_share'), 3)}, chance "
-                        f"{f3(r.m('plan_chance_diagonal_share'), 4)}); layer plan on the diagonal for "
-                        f"{f3(r.m('plan_layer_diagonal_share'), 3)} of the target layers (run {short(r.run_id)}).")
+        _identity_tables(sec, ident)
     sec.add_figure("transport_deltas", "transport-based cross-architecture merge: fusion deltas with the shuffled-plan control",
                    lambda: figure_transport(runs))
     an.csv["tables/transport.csv"] = sec.tables[0].csv()
     an.console_tables.append(sec.tables[0])
+
+
+IDENTITY_COLS = ["plan_diagonal_share", "plan_control_diagonal_share", "plan_chance_diagonal_share",
+                 "plan_layer_diagonal_share", "plan_layer_diagonal_kept", "plan_layer_chance"]
+
+
+def architecture(r: Rec, side: str) -> str:
+    """A transport run's target's or donor's architecture (``model_type`` of its true config, logged by the run)."""
+    return str(r.group(f"model_{side}.true").get("model_type") or "?")
+
+
+def same_architecture(r: Rec) -> bool:
+    """Target and donor of one architecture (a known ``model_type``, equal on both sides)."""
+    a = architecture(r, "target")
+    return a != "?" and a == architecture(r, "donor")
+
+
+def _identity_tables(sec: Section, ident: list[Rec]) -> None:
+    """How near the plans are to the identity, for the directions that log it: one table of the same-architecture
+    directions (where the identity is the natural matching) and one of the cross-architecture directions, each named
+    for what all its rows share, each with a sentence against chance (the layer plan only where both models have the
+    same depth)."""
+    seen: dict[str, Rec] = {}
+    for r in sorted(ident, key=lambda r: (direction(r), r.m("alpha"))):
+        seen.setdefault(direction(r), r)  # the plans are the same in every alpha's run of a direction
+    groups = (("Same architecture", [r for r in seen.values() if same_architecture(r)]),
+              ("Different architectures", [r for r in seen.values() if not same_architecture(r)]))
+    for title, rs in groups:
+        if not rs:
+            continue
+        sec.tables.append(RTable(f"{title}: how near the plans are to the identity",
+                                 ["direction", "architectures", *IDENTITY_COLS, "run"],
+                                 [[direction(r), f"{architecture(r, 'target')} <- {architecture(r, 'donor')}",
+                                   *[f3(r.m(c), 4) for c in IDENTITY_COLS], short(r.run_id)] for r in rs],
+                                 note="plan_diagonal_share: share of the rows of the same-layer neuron plans whose maximum is "
+                                      "on the diagonal (1 = the identity matching; chance 1/width); the control's is the "
+                                      "shuffled-plan control's rows. plan_layer_diagonal_share: target layers whose P_eff "
+                                      "maximum is the same layer (chance 1/layers); _kept: whose kept donor layers include it."))
+        parts = []
+        for r in rs:
+            lay, ch = r.m("plan_layer_diagonal_share"), r.m("plan_layer_chance")
+            at_chance = " (at chance)" if math.isfinite(lay) and math.isfinite(ch) and abs(lay - ch) < 1e-9 else ""
+            layer = f", layer plan {f3(lay, 3)} against chance {f3(ch, 3)}{at_chance}" if math.isfinite(lay) else ""
+            parts.append(f"{direction(r)}: {f3(r.m('plan_diagonal_share'), 3)} of the same-layer rows on the diagonal "
+                         f"(control {f3(r.m('plan_control_diagonal_share'), 3)}, chance {f3(r.m('plan_chance_diagonal_share'), 4)})"
+                         + layer)
+        sec.text.append(f"{title} ({len(rs)} direction{'s' if len(rs) != 1 else ''}): " + "; ".join(parts[:6])
+                        + ("; ... (the table)" if len(parts) > 6 else "") + ".")
+
+
+def control_reading(head: list[Rec]) -> str:
+    """What "beats its control" means in these directions: where fusion itself hurts, beating the shuffled plan means
+    hurting less than it; where fusion helps, whether the OT plan beats its shuffled plan and its shrink-only control
+    there (the transported term's own part: OT minus shrink)."""
+    delta = claims.verdicts(head, "delta_target_lang")
+    rand = claims.verdicts(head, "ot_minus_rand_target_lang")
+    shrink = claims.verdicts(head, "ot_minus_shrink_target_lang")
+    hurt_less = sum(1 for d, c in zip(delta, rand) if d == "higher" and c == "lower")
+    out = []
+    if hurt_less:
+        out.append(f"In {hurt_less} of the directions where the OT plan beats its shuffled plan, fusion itself hurts the "
+                   "target: there \"beats\" means \"hurts less than the shuffled plan\"")
+    helped = [i for i, d in enumerate(delta) if d == "lower"]
+    if helped:
+        out.append(f"Of the {len(helped)} direction(s) where fusion helps, the OT plan beats its shuffled plan in "
+                   f"{sum(1 for i in helped if rand[i] == 'lower')} and its shrink-only control in "
+                   f"{sum(1 for i in helped if shrink[i] == 'lower')} ("
+                   + "; ".join(f"{direction(head[i])}: delta {claims.cell(head[i], 'delta_target_lang')}, OT minus shuffled "
+                               f"{claims.cell(head[i], 'ot_minus_rand_target_lang')}, OT minus shrink-only "
+                               f"{claims.cell(head[i], 'ot_minus_shrink_target_lang')}" for i in helped[:4])
+                   + ("; ..." if len(helped) > 4 else "") + ")")
+    else:
+        out.append("Fusion helps the target in no direction at this alpha")
+    return ". ".join(out) + "."
 
 
 def _ablation(an: Analysis, sec: Section, heads: list[Rec], runs: list[Rec]) -> None:
@@ -353,13 +415,20 @@ def _adapt_table(sec: Section, runs: list[Rec]) -> None:
                                   f"paired 95% interval, nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}; the NLL "
                                   "columns over every token."))
     helped = claims.count_lower(runs, "fusion_effect_after_adapt")
+    hurt = claims.count(runs, "fusion_effect_after_adapt", "higher")
     beats = [r for r in runs if np.isfinite(r.m("rand_fusion_effect_after_adapt"))]
+    rand_helped = claims.count_lower(beats, "rand_fusion_effect_after_adapt")
+    seeds = sorted({int(r.m("adapt_control_seeds")) for r in beats if np.isfinite(r.m("adapt_control_seeds"))})
     damped = [r for r in runs if np.isfinite(r.m("fusion_effect_vs_damped_after_adapt"))]
-    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions"
+    sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions and hurts in {hurt}/{len(runs)}"
                     + (f" ({claims.count_lower(damped, 'fusion_effect_vs_damped_after_adapt')}/{len(damped)} against the "
                        "baseline under the same damping)" if damped else "")
-                    + (f"; the OT-fused model beats the adapted random-plan control in "
-                       f"{claims.count_lower(beats, 'ot_minus_rand_after_adapt')}/{len(beats)}" if beats else "")
+                    + (f"; the random-plan fusion, adapted the same way, helps in {rand_helped}/{len(beats)}, and the "
+                       + (f"OT-fused model beats it in {claims.count_lower(beats, 'ot_minus_rand_after_adapt')}/{len(beats)} "
+                          f"(the adapted control over {', '.join(map(str, seeds))} seeds: a distribution)" if seeds else
+                          "OT-fused model against it is no verdict (one adapted control seed, recorded before the "
+                          "control was adapted over its seeds: its spread is unknown)")
+                       if beats else "")
                     + f" ({CLAIM_RULE}; nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}). "
                     + "; ".join(f"{direction(r)}: fusion effect {claims.cell(r, 'fusion_effect_after_adapt')}, OT minus random plan "
                                 f"{claims.cell(r, 'ot_minus_rand_after_adapt')}" for r in runs) + ".")

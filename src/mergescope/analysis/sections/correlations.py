@@ -179,7 +179,9 @@ def correlations_cross(an: Analysis, number: str) -> Section:
     n_pairs = len(an.pairs)
     return tabled(an, "cross", "corr_cross", f"{number}. Diagnostic x diagnostic Spearman correlations: cross-model arm", n_pairs,
                    "One row per cross-model pair. nll_mean = mean of the two models' NLL; transport_* = mean over "
-                   "the two directions at the headline alpha (merge.headline_alpha).",
+                   "the two directions at the headline alpha (merge.headline_alpha), in the report's NLL scope. "
+                   "typology_featural is URIEL's featural distance, which includes the syntax_knn features that "
+                   "typology_syntactic is made of: their correlation is partly true by construction.",
                    ("correlations_cross_model", f"diagnostic correlation heatmap, cross-model arm (n={n_pairs})",
                     f"cross-model arm (n={n_pairs})"),
                    "tables/cross_model_correlations.csv", models=([str(p["a"]) for p in an.pairs], [str(p["b"]) for p in an.pairs]))
