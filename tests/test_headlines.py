@@ -75,11 +75,13 @@ def test_the_adapt_headline_leads_with_the_merges_own_part_and_marks_the_small_s
 
 
 def test_the_ratio_figure_is_scaled_to_the_merges_not_to_the_broken_end(monkeypatch):
-    """The merges' changes against ratio 0 (a few hundredths) fill the axis; ratio 1, 1.7 nats away, is named in a
-    note instead of stretching the scale; the controls are drawn beside the merge points, not on them."""
+    """The merges' changes against ratio 0 (a few hundredths) fill the axis; ratio 0.2 (0.11 away, beyond where the
+    choices land) and ratio 1 (1.7 nats away) are named in a note instead of stretching the scale; the near-1 ratios
+    have their own panel; the controls are drawn beside the merge points, not on them."""
     import mergescope.adapt.report as ar
 
-    inner = [(0.02, -0.010, -0.014, -0.006), (0.04, -0.017, -0.021, -0.013)]
+    inner = [(0.02, -0.010, -0.014, -0.006), (0.04, -0.017, -0.021, -0.013), (0.2, 0.112, 0.099, 0.126),
+             (0.96, 0.066, 0.039, 0.094)]
     controls = [("scaling", 0.04, -0.0096, -0.012, -0.007), ("noise", 0.04, 0.01, 0.006, 0.014)]
     monkeypatch.setattr(ar, "figure_points", lambda study, runs: (inner, controls, (1.7, 1.69, 1.71)))
     monkeypatch.setattr(ar, "_points", lambda runs: [])
@@ -87,6 +89,8 @@ def test_the_ratio_figure_is_scaled_to_the_merges_not_to_the_broken_end(monkeypa
     ax = fig.axes[0]
     lo, hi = ax.get_ylim()
     assert lo <= -0.021 and hi >= 0.014 and hi - lo < 0.1
-    assert any("ratio 1: +1.700" in t.get_text() for t in ax.texts)
+    # 0.2 (far from where the choices land) and ratio 1 are named at the edge; 0.96 is on the near-1 panel
+    assert any(t.get_text() == "union, off the scale: 0.2: +0.112, 1: +1.700" for t in ax.texts)
+    assert [list(line.get_xdata()) for line in fig.axes[1].lines if line.get_gid() != "zero"][0] == [0.96]
     ctl_x = {round(float(line.get_xdata()[0]), 9) for line in ax.lines if line.get_gid() != "zero" and len(line.get_xdata()) == 1}
     assert ctl_x and not ctl_x & {0.02, 0.04}  # no control marker on a merge point

@@ -101,7 +101,8 @@ def write_store(cfg, *, transport: bool = True, typology: bool = True, checkpoin
     # the native cross-model pair (same family, vocabulary differs)
     pair = "m-en__m-zh"
     curve = [5.5, 5.6, 6.1, 7.0, 7.6]
-    nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.0163,
+    nat = {"n_shared_tensors": 38.0, "shared_params": 150080.0, "n_excluded_tensors": 2.0, "weight_cosine": 0.6317,
+           "weight_cosine_matrices": -0.0026,
            "relative_l2": 1.577, "norm_ratio": 0.328, "lmc_barrier": 0.987, "nll_a": 5.5, "nll_t1": 7.6,
            "lmc_midpoint_nll": 6.1, "merge_gain": -0.2, "chosen_merged_nll": 5.7, "chosen_val_nll": 5.65}
     nat = _claims(nat, H_MERGE, "merge_gain")
@@ -263,7 +264,8 @@ def test_report_sections_and_numbers(built):
     assert q["m-pt__m-it"][1:3] == [f"{NLL['m-pt']:.3f}", f"{NLL['m-it']:.3f}"]
     assert q["m-pt__m-it"][3:6] == [f"{d[k]:.3f}" for k in analysis.TYPOLOGY]
     w = {r[0]: r for r in _md_table(md, "Weight space per pair")[1:]}
-    assert w["m-en__m-zh"][1] == "0.016" and "m-en__m-pt" not in w  # weight cosine only where native exists
+    # weight cosine only where native exists; the matrices' own first (the all-tensor one is inflated by the norm gains)
+    assert w["m-en__m-zh"][1:3] == ["-0.003", "0.632"] and "m-en__m-pt" not in w
     tr4 = {r[0]: r for r in _md_table(md, "Transport and post-fusion adaptation per pair")[1:]}
     head = truth["transport"][("m-pt <- m-it", 0.1)]  # at the headline alpha, never the grid's best on the evaluation set
     assert tr4["m-pt__m-it"][1] in (f"{head['delta_target_lang']:.4f}", analysis.f3(head["delta_target_lang"], 4))

@@ -329,36 +329,65 @@ def figure_points(study, runs: list[Rec]) -> tuple[list[tuple], list[tuple], tup
     return inner, controls, None if r1 is None else _change(study, r1, r0)
 
 
+def _finding_ylim(items: list[tuple], controls: list[tuple]) -> tuple[float, float] | None:
+    """The y-range of the region the finding is about: the intervals of the small-side ratios up to 1.5 times the
+    largest one that improves on ratio 0 (the ratios a choice can land on) and of the controls, with a margin; points
+    outside it are named at the edge instead of stretching the scale."""
+    near = [(x, e, lo, hi) for x, e, lo, hi in items if x < 0.5]
+    helpful = [x for x, e, _, _ in near if e < 0]
+    reach = 1.5 * max(helpful) if helpful else max((x for x, *_ in near), default=0.0)
+    ys = [v for x, _, lo, hi in near if x <= reach for v in (lo, hi)] + [v for c in controls for v in c[3:5]] + [0.0]
+    if len(ys) < 2:
+        return None
+    lo, hi = min(ys), max(ys)
+    pad = 0.12 * (hi - lo or 1e-3)
+    return lo - pad, hi + pad
+
+
 def _figure(groups, study=None):
     """Per pair: the test NLL change of each grid ratio against ratio 0 with its paired 95% interval, the controls
-    beside (offset, their interval over the articles and their seeds), ratio 1 named where it falls off the scale;
-    and the attention entropy."""
+    beside (offset, their interval over the articles and their seeds); the small-ratio side (where the choices land)
+    on its own scale, points far off it and ratio 1 named at the edge; the near-1 side on a second panel; and the
+    attention entropy."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    ax = axes[0]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [3, 1.4, 2]})
+    ax, far = axes[0], axes[1]
+    limits = []
     for gi, (key, runs) in enumerate(groups.items()):
         inner, controls, r1 = figure_points(study, runs)
         color = f"C{gi}"
         label = f"{key[2]} {key[0]}~{key[1]}"
-        if inner:
-            x, e, lo, hi = (np.array(v) for v in zip(*inner))
-            ax.errorbar(x, e, yerr=[e - lo, hi - e], fmt="o", color=color, ms=4, capsize=2, label=f"{label}: merge")
+        for panel, part in ((ax, [p for p in inner if p[0] < 0.5]), (far, [p for p in inner if p[0] >= 0.5])):
+            if part:
+                x, e, lo, hi = (np.array(v) for v in zip(*part))
+                panel.errorbar(x, e, yerr=[e - lo, hi - e], fmt="o", color=color, ms=4, capsize=2, label=f"{label}: merge")
         for name, ratio, e, lo, hi in controls:
-            ax.errorbar([ratio + 0.006 * (1 if name == "noise" else 2)], [e], yerr=[[e - lo], [hi - e]],
+            ax.errorbar([ratio + 0.002 * (1 if name == "noise" else 2)], [e], yerr=[[e - lo], [hi - e]],
                         fmt="x" if name == "noise" else "s", color=color, mfc="none", ms=6, capsize=2, alpha=0.8,
                         label=f"{label}: {name} control")
+        lim = _finding_ylim(inner, controls)
+        if lim is not None:
+            limits.append(lim)
+        off = [f"{x:g}: {e:+.3f}" for x, e, lo, hi in inner if x < 0.5 and lim is not None and (e > lim[1] or e < lim[0])]
         if r1 is not None:
-            ax.annotate(f"ratio 1: {r1[0]:+.3f}", xy=(0.98, 0.02 + 0.07 * gi), xycoords="axes fraction", ha="right",
-                        fontsize=7, color=color)
+            off.append(f"1: {r1[0]:+.3f}")
+        if off:
+            ax.annotate(f"{key[2]}, off the scale: " + ", ".join(off), xy=(0.98, 0.03 + 0.07 * gi), xycoords="axes fraction",
+                        ha="right", fontsize=7, color=color)
         pts = _points(runs)
-        axes[1].plot([r.m("ratio") for r in pts], [r.m("attn_entropy_mean") for r in pts], "o", color=color, label=label)
-    ax.axhline(0, color="k", lw=0.8, gid="zero")
-    ax.set(xlabel="ratio (weight of the large side)",
+        axes[2].plot([r.m("ratio") for r in pts], [r.m("attn_entropy_mean") for r in pts], "o", color=color, label=label)
+    if limits:
+        ax.set_ylim(min(v[0] for v in limits), max(v[1] for v in limits))
+    for panel in (ax, far):
+        panel.axhline(0, color="k", lw=0.8, gid="zero")
+    ax.set(xlabel="ratio (weight of the large side), below 1/2",
            ylabel=f"test NLL minus ratio 0 (nats/token, {claims.SCOPE['value']} tokens)",
            title="merge and controls against the small model (95% intervals; below 0 = better)")
-    axes[1].set(xlabel="ratio", ylabel="attention entropy (nats, mean over layers)", title="attention entropy")
-    ax.legend(fontsize=6)
-    ax.title.set_fontsize(9)
+    far.set(xlabel="ratio, above 1/2", title="near the large end")
+    axes[2].set(xlabel="ratio", ylabel="attention entropy (nats, mean over layers)", title="attention entropy")
+    ax.legend(fontsize=6, loc="upper left")
+    for a in axes:
+        a.title.set_fontsize(9)
     fig.tight_layout()
     return fig
 

@@ -139,7 +139,7 @@ def text_note(study, run_id: str, lang: str) -> str:
     subset of the data; "" for a run without the table."""
     from urllib.parse import urlparse
 
-    table = study.score_table(run_id) if hasattr(study, "score_table") else None
+    table = study.score_table(run_id) if run_id and hasattr(study, "score_table") else None
     docs = None if table is None else table[1].get(lang)
     if not docs:
         return ""

@@ -11,7 +11,7 @@ from mergescope.analysis import claims
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.pairs import new_row, put
 from mergescope.analysis.records import Rec, is_checkpoint_pair
-from mergescope.analysis.tables import RTable, Section, f3, short
+from mergescope.analysis.tables import RTable, Section, f3, short, text_note
 
 __all__ = ["native_pair", "eval_columns", "native_pair_tables", "nll_langs_of", "NATIVE_QUANTITIES", "NATIVE_PAIR",
            "pair_rows", "pair_tables", "native_cell", "transplant_cell"]
@@ -60,12 +60,20 @@ def pair_rows(an: Analysis, rows: dict[str, dict[str, Any]], others: dict[str, d
                                              native_transplant=None)
 
 
+WEIGHT_COLUMNS = ("weight_cosine_matrices", "weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")
+"""The pair matrix's weight-space columns: the weight matrices' cosine first (every shared tensor's, the norm gains
+included, reads inflated in small models: initialised at 1, the gains carry much of the norm)."""
+
+
 def _weight_table(pairs: list[dict[str, Any]]) -> RTable:
-    rows = [[p["pair"], *[f3(p["values"].get(f"native_{k}")) for k in ("weight_cosine", "relative_l2", "norm_ratio", "lmc_barrier")],
+    rows = [[p["pair"], *[f3(p["values"].get(f"native_{k}")) for k in WEIGHT_COLUMNS],
              short(p["src"].get("native_weight_cosine"))] for p in pairs if p["src"].get("native_weight_cosine")]
-    return RTable("Weight space per pair (the pairs with a native route)", ["pair", "weight_cosine", "relative_l2",
-                                                                            "norm_ratio", "lmc_barrier", "native run"], rows,
-                  note="only pairs that share a parameter space (the coverage table): elsewhere the quantity does not exist")
+    return RTable("Weight space per pair (the pairs with a native route)", ["pair", *WEIGHT_COLUMNS, "native run"], rows,
+                  note="only pairs that share a parameter space (the coverage table): elsewhere the quantity does not "
+                       "exist. weight_cosine_matrices: the weight matrices alone; weight_cosine: every shared tensor, "
+                       "the norm gains included (near 1 in any two models, they inflate it: read the matrices'); "
+                       "lmc_barrier: above the chord to the path's t = 1 end, a hybrid where the pair shares only part "
+                       "of its tensors (section 6)")
 
 
 
@@ -257,6 +265,10 @@ def native_pair(an: Analysis, number: str) -> Section:
         native_pair_tables(sec, n, an.study.kind("merge"), lmc_curve(an.study, n.run_id), an.study.kind("eval"))
     if cross_native:
         n = cross_native[0]
+        said = text_note(an.study, n.params.get("merge_chosen.run", ""), "host")
+        if said:
+            sec.text.append(f"Scored text (the host's language, data.split's first lines): {said}; every verdict of this "
+                            "section is about that text.")
         chosen = chosen_text(n)
         sec.finding = (f"{n.tags.get('pair', '')}: {barrier_text(n)}" +
                        (f"; the merge chosen on a disjoint split, {chosen}, has NLL {f3(n.m('chosen_merged_nll'))} against "

@@ -12,7 +12,7 @@ from mergescope.analysis.context import Analysis
 from mergescope.analysis.records import Rec, base_name, is_checkpoint_pair
 from mergescope.native.report import native_runs
 from mergescope.analysis.sections.correlations import COLUMNS, MANTEL_COLUMNS, correlation_section, tabled
-from mergescope.analysis.tables import RTable, Section, csv_text, f3, median, short
+from mergescope.analysis.tables import RTable, Section, csv_text, f3, median, short, text_note
 from mergescope.plotting import pyplot
 
 __all__ = ["checkpoint_arm", "checkpoint_runs", "correlations_checkpoint", "figure_checkpoint", "BINS", "CHECKPOINT_DIAGNOSTICS"]
@@ -77,6 +77,10 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
         return sec
     sec.text.append("Pairs of checkpoints of one training run: same architecture, vocabulary and parameter space, so "
                     "every weight-space quantity is defined. Trajectory distance = log10(step_b / step_a).")
+    said = text_note(an.study, ck[0].params.get("merge_chosen.run", ""), "host")
+    if said:
+        sec.text.append(f"Scored text of each pair (the models' language, data.split's first lines): {said}; every "
+                        "verdict of this section is about that text.")
     sec.tables.append(RTable("By trajectory distance", ["run", "bin", "n", "median lmc_barrier", "median merge_gain",
                                                           "merge beats better endpoint", "runs"], _bin_rows(ck),
                              note="lmc_barrier in nats/token over every token (negative: the straight path is better than "
