@@ -23,7 +23,7 @@ from mergescope.metrics import cka_jackknife, linear_cka
 from mergescope.device import resolve_device
 from mergescope.metrics.cka import Z95, block_slices
 
-TARGET = 1.5  # issue 26: the interval <= 1.5x one CKA
+TARGET = 1.5  # the speed targets: the interval <= 1.5x one CKA
 
 
 def make_data(n: int, da: int, db: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,7 +125,7 @@ def main() -> None:
                   f"{'3.0x: 2 inputs + output' if not base_op(name) else '4.0x: 2 inputs + base + output'}; "
                   f"target <= 3.5x with 2 inputs{', +1 for the base' if base_op(name) else ''}); "
                   f"throughput {size / 2**20 / t:.0f} MB/s ({t * 1000:.0f} ms per merge, {a.threads} threads)")
-            if base_op(name):  # issue 26's targets for TIES: peak <= 4.0x (the floor with a base), >= 0.5 GB/s
+            if base_op(name):  # the speed target for TIES: peak <= 4.0x (the floor with a base), >= 0.5 GB/s
                 peak, rate = r["peak_total"] / size, size / 2**20 / t
                 print(f"{'':8s} issue-26 targets: peak <= 4.0x {'met' if peak <= 4.0 else f'missed by {peak - 4.0:.2f}x'}; "
                       f">= 512 MB/s {'met' if rate >= 512 else f'missed by {512 / rate:.1f}x'} (what bounds it: the "

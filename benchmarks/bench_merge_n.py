@@ -1,4 +1,4 @@
-"""Peak memory of an N = 3 TIES merge at a 1.4B shape, streamed (issue 25's memory target: <= 1.5x one model in float32).
+"""Peak memory of an N = 3 TIES merge at a 1.4B shape, streamed (the memory target: <= 1.5x one model in float32).
 
 A base and three "fine-tunes" (the base plus independent N(0, 0.002) noise) at Pythia-1.4B's true configuration
 (GPT-NeoX, hidden 2048, 24 layers, FFN 8192, vocabulary 50304, untied; ``--layers`` reduces the depth), random

@@ -1,4 +1,4 @@
-"""Issue 46: an arm is one folder, found by the rest. An arm from a temporary package (its arm.py, a job, its settings
+"""An arm is one folder, found by the rest. An arm from a temporary package (its arm.py, a job, its settings
 and task YAML, a cost, a report section, a coverage route) appears in plan=true, in a study that names it, in the
 report's contents and in the coverage table with no edit elsewhere; deleting an arm's folder leaves the others working;
 no arm's package imports another arm's except the ones it declares it uses."""
@@ -84,7 +84,7 @@ def _write_probe(root: Path) -> Path:
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="shared data not found")
 def test_an_arm_of_ones_own_appears_in_the_plan_the_study_the_report_and_the_coverage(compose_cfg, tmp_path, monkeypatch):
-    """The proof of issue 46: one folder (arm.py, job, report, conf/) through MERGESCOPE_ARM_PATH, no edit elsewhere."""
+    """The proof that an arm is one folder: one folder (arm.py, job, report, conf/) through MERGESCOPE_ARM_PATH, no edit elsewhere."""
     import mergescope.study as study_mod
     from mergescope.arm import EXTRA_ENV
     from mergescope.config import conf_digest, register_arm_confs

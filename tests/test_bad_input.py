@@ -1,4 +1,4 @@
-"""Bad input: one line, exit 2, no run, nothing cached. One table, one row per class of bad input (issue 12 §1).
+"""Bad input: one line, exit 2, no run, nothing cached. One table, one row per class of bad input.
 
 A representative subset goes through ``python launch.py`` (a real process: its exit code and its stderr); the
 rest through ``cli.run`` in this process (SystemExit(2) and the captured stderr). After every row the store
@@ -122,7 +122,7 @@ def world(tiny_models, tmp_path):
     nul = tmp_path / "nul" / "eng_Latn.txt"
     nul.write_bytes(nul.read_bytes().replace(b"\n", b"\x00\n", 3)[:-1] + b"\n")
     (tmp_path / "artifacts_file").write_text("not a folder")
-    # issue 36 (13): a file named .gguf that is not one, a truncated GGUF, mergekit YAMLs that do not parse
+    # a file named .gguf that is not one, a truncated GGUF, mergekit YAMLs that do not parse
     for name in ("not_gguf", "trunc_gguf"):
         (tmp_path / name).mkdir()
     (tmp_path / "not_gguf" / "m.gguf").write_text("this is a text file, not a model\n")
@@ -195,7 +195,7 @@ CASES = {
     "tracking.uri missing parent": ("inproc", lambda w: measure(w, "en", f"tracking.uri=sqlite:///{w['tmp']}/nope/deeper/mlflow.db"),
                                     "nope/deeper does not exist; create it (mkdir -p"),
     "custom code (auto_map)": ("launch", lambda w: measure(w, "custom"), "declares custom code (auto_map: AutoModelForCausalLM)"),
-    # issue 21 (5)-(9)
+    # the integrity checks, items (5)-(9)
     "data.max_sentences < 0": ("launch", lambda w: [*measure(w)[:-1], "data.max_sentences=-70"], "data.max_sentences=-70 must be"),
     "native.nll_sentences < 0": ("inproc", lambda w: [*native(w, "en", "en", "pair.a.revision=step1", "pair.b.revision=step2")[:-1],
                                                       "native.nll_sentences=-1000"], "native.nll_sentences=-1000 must be"),
@@ -225,7 +225,7 @@ CASES = {
                                        "have NaN or infinite representations"),
     "merge.marginal_tol < 0": ("inproc", lambda w: ["task=transport", "merge=transport", "merge.marginal_tol=-1", *measure(w)[2:]],
                                "merge.marginal_tol must be a positive number (the largest marginal error"),
-    # issue 36 (13): one line instead of a traceback
+    # one line instead of a traceback
     "not a GGUF file": ("launch", lambda w: ["task=quality", "model=custom", f"model.name_or_path={w['tmp'] / 'not_gguf'}",
                                              "+model.gguf_file=m.gguf", "model.lang=eng_Latn", f"data.max_sentences={N}"],
                         "m.gguf is not a readable GGUF file (it does not start with the GGUF magic bytes)"),
@@ -239,7 +239,7 @@ CASES = {
     "paths.merged is a file (save=true)": ("launch", lambda w: ["task=merge", "merge=linear", "save=true",
                                            f"paths.merged={w['tmp'] / 'merged_file'}", *native(w, "en", "en",
                                            "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "is a file, not a folder"),
-    # issue 36 (6): a non-finite setting, before any model loads
+    # a non-finite setting, before any model loads
     "merge.weights=[nan,1]": ("inproc", lambda w: ["task=merge", "merge=linear", "merge.weights=[nan,1]", *native(w, "en", "en",
                               "pair.a.revision=step1", "pair.b.revision=step2")[1:]], "merge.weights[0]=nan is not a finite number"),
     "merge.weights=[inf,1]": ("launch", lambda w: ["task=merge", "merge=linear", "merge.weights=[inf,1]", *native(w, "en", "en",
@@ -318,7 +318,7 @@ def test_every_class_of_bad_input_is_one_line_exit_2_no_run_nothing_cached(world
 
 
 def test_eval_lm_eval_without_the_harness_is_refused_before_any_run(tiny_models, compose_cfg, capsys, monkeypatch, tmp_path):
-    """Issue 36 (14): ``eval=lm_eval`` with lm-eval not importable is one line, exit 2, before the merge run (which
+    """``eval=lm_eval`` with lm-eval not importable is one line, exit 2, before the merge run (which
     used to FINISH first)."""
     w = {"en": tiny_models["neox_en"], "pt": tiny_models["llama_pt"], "tmp": tmp_path}
     seed_store(compose_cfg)
@@ -344,7 +344,7 @@ def no_start_token(folder: Path) -> None:
 
 @pytest.mark.parametrize("extra", [["task=merge", "merge=linear", "save=true"], ["task=quality"]])
 def test_a_tokenizer_with_no_start_token_is_refused_before_any_run(tiny_models, tmp_path, compose_cfg, capsys, extra):
-    """Issue 47: a model whose tokenizer has no start token (no NLL can be defined) is refused before its run exists,
+    """A model whose tokenizer has no start token (no NLL can be defined) is refused before its run exists,
     with no FAILED run left (a merge with save=true left one); the representation arm, which scores no NLL, still runs."""
     from mergescope.scoring.bpb import start_id
     from mergescope.models import load_tokenizer, resolve

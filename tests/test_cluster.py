@@ -1,4 +1,4 @@
-"""The SLURM path against a real controller (issue 47): a one-node cluster started by ``mergescope.cluster`` (what
+"""The SLURM path against a real controller: a one-node cluster started by ``mergescope.cluster`` (what
 ``make cluster`` runs), sweeps submitted through ``hydra/launcher=slurm`` as job arrays, a job cancelled mid-run.
 
 Skipped, naming the command, where SLURM and MUNGE are not installed (``apt-get install -y slurm-wlm munge``).

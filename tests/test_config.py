@@ -86,7 +86,7 @@ def test_unknown_options_get_did_you_mean():
         assert msg in str(e.value) and "\n" not in str(e.value)
 
 
-# issue 36 (12): secrets recognised by their value, and inside dict-valued overrides
+# secrets recognised by their value, and inside dict-valued overrides
 GHP, HF, AKIA = "ghp_" + "Q7wErTy9" * 5, "hf_" + "ZxCvBnM4" * 5, "AKIAQWERTYUIOPASDFGH"
 PEM = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----"
 

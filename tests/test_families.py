@@ -1,4 +1,4 @@
-"""The three real families (issue 35: Gemma-3-270M's gemma3_text, Qwen2.5-Coder's qwen2, SmolLM2's llama) in every arm
+"""The three real families (Gemma-3-270M's gemma3_text, Qwen2.5-Coder's qwen2, SmolLM2's llama) in every arm
 that reads a model, on tiny randomly initialised models of each family (``gguf_tiny.tiny_model``: norms and biases
 perturbed), each test a planted truth or an invariant:
 

@@ -1,4 +1,4 @@
-"""Issue 48: the merge forecast. The lasso against an independent solver (scikit-learn where installed, and the
+"""The merge forecast. The lasso against an independent solver (scikit-learn where installed, and the
 closed-form least squares at penalty 0), a planted predictor recovered held out while a shuffled target gives ~0,
 AUROC against its pairwise definition, the benchmark's rows from runs (checkpoint pairs only, the latest per
 cfg_hash, diagnostics from the pair's native run), and a store with too few merges refused in one line."""

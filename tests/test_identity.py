@@ -106,7 +106,7 @@ def test_native_identity_covers_merge_preset_contents_and_the_checkpoint_cka_set
     assert h() != h0
 
 
-# ---------------------------------------------------------------- issue 36 (8): every field of a model entry
+# ---------------------------------------------------------------- every field of a model entry
 
 class _Identity(Exception):
     """Raised with the first job's cfg_hash, before its run exists (nothing is computed)."""
@@ -166,7 +166,7 @@ def _kinds(m: dict[str, Path]) -> dict[str, callable]:
 @pytest.mark.parametrize("kind", ["measure", "quality", "agreement", "native", "merge", "transport", "expansion",
                                   "shared_space", "routing"])
 def test_every_job_kinds_identity_covers_its_model_entrys_dtype(kind, tiny_models, compose_cfg, monkeypatch, tmp_path):
-    """Issue 36 (8): a model entry's dtype changed (float32 -> bfloat16), nothing else: every job kind's first job gets
+    """A model entry's dtype changed (float32 -> bfloat16), nothing else: every job kind's first job gets
     another cfg_hash. The shared-space and routing jobs name their models (conf/model/<name>.yaml), so their entries
     are under no config key the job hashes: their identity holds each entry through ``runs.model_parts``."""
     import mergescope.config as config
@@ -190,7 +190,7 @@ def test_a_model_entrys_identity_is_every_field_but_its_label():
         assert entry_identity({**base, key: value}) != entry_identity(base), key
 
 
-# ---------------------------------------------------------------- issue 36 (5): a model edited in place
+# ---------------------------------------------------------------- a model edited in place
 
 def _edit_one_weight_in_place(f: Path) -> None:
     """One float of the first tensor's bytes changed (same size), then the file's mtime restored."""
@@ -215,7 +215,7 @@ def _edit_one_weight_in_place(f: Path) -> None:
 
 def test_a_weight_edited_in_place_with_its_mtime_restored_changes_the_identity_and_a_relaunch_reads_no_file(
         tiny_models, compose_cfg, tmp_path, monkeypatch):
-    """Issue 36 (5): the fingerprint is each file's content digest, not its size and mtime; the digest is read once
+    """The fingerprint is each file's content digest, not its size and mtime; the digest is read once
     per version of a file (remembered under its stat, on disk for the next process), so a relaunch reads no weights."""
     import time
 

@@ -1,4 +1,4 @@
-"""Nothing stale, nothing garbage (issue 21): a job's identity covers the data it reads and the hub commit it loads,
+"""Nothing stale, nothing garbage: a job's identity covers the data it reads and the hub commit it loads,
 every cache entry is checksummed and recomputed when bad, two identical launches run once, stores fail fast and are
 never half-created, RUNNING runs of dead processes are reaped by any job, and secrets are never written raw.
 
@@ -152,7 +152,7 @@ def test_a_damaged_representation_entry_is_reported_deleted_and_recomputed(case,
 
 
 def test_a_misfiled_representation_entry_is_never_read_as_another_models(tiny_models, compose_cfg, tmp_path, capsys):
-    """Issue 36 (4): side a's entry (array and metadata, intact) copied over side b's: its checksum and shape hold, but
+    """Side a's entry (array and metadata, intact) copied over side b's: its checksum and shape hold, but
     its metadata names another key, so it is reported, deleted and recomputed, never measured as side b."""
     data = _folder(tmp_path / "data")
     args = _measure(tiny_models, data)
@@ -400,7 +400,7 @@ SECRETS = {"+hf_token": "abc123SECRET", "+github_pat": "ghpSECRET2", "+aws_acces
            "+db_password": "PWSECRET7", "+credentials": "CREDSECRET8"}
 
 
-# issue 36 (12): a secret inside a dict-valued override, and secret-shaped values under plain keys (redacted by value)
+# a secret inside a dict-valued override, and secret-shaped values under plain keys (redacted by value)
 GHP, HF = "ghp_" + "Q7wErTy9" * 5, "hf_" + "ZxCvBnM4" * 5
 VALUE_SECRETS = {"+y": ("{hf_token:DICTSECRET9,n:1}", "DICTSECRET9"), "+notes.comment": (GHP, GHP),
                  "+notes.other": (HF, HF), "+notes.aws": ("AKIAQWERTYUIOPASDFGH", "AKIAQWERTYUIOPASDFGH"),

@@ -1,4 +1,4 @@
-"""Runs that survive kills and parallel writers (issue 12 §2, §3).
+"""Runs that survive kills and parallel writers.
 
 - A sweep killed mid-run (SIGTERM: the run is marked KILLED and the process exits 143; SIGKILL: the run is left
   RUNNING, and the next launch of that job marks it KILLED because its process is gone); rerunning the sweep
@@ -107,7 +107,7 @@ def test_four_parallel_sweeps_on_a_fresh_store(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_sigterm_inside_a_store_call_is_raised_when_the_call_returns(depth):
-    """The CI failure of stop 50: SIGTERM landed inside an MLflow write, whose session then held SQLite's lock against
+    """A CI failure (2026-12-03): SIGTERM landed inside an MLflow write, whose session then held SQLite's lock against
     the KILLED write. The signal is now noted inside a store call and raised only when the outermost one returns."""
     from contextlib import ExitStack
 
@@ -152,7 +152,7 @@ def test_submitits_timeout_signal_inside_a_store_call_is_held_until_it_returns()
 
 
 def test_an_error_raised_inside_a_resolver_is_recorded_as_itself():
-    """The CI failure of stop 51: submitit's time-limit error landed while OmegaConf resolved an interpolation, and
+    """A CI failure (2026-12-04): submitit's time-limit error landed while OmegaConf resolved an interpolation, and
     the run's error tag read 'UncompletedJobError raised while resolving interpolation: ...'. The reason recorded is
     the wrapped error's own first line, whether OmegaConf chains it or only names it."""
     from omegaconf import OmegaConf

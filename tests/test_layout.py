@@ -75,7 +75,7 @@ ARMS = ("represent", "native", "transport", "adapt", "shared_space", "zoo")
 
 def test_the_shared_services_import_no_arm():
     """Saving, lm-eval scoring, batching and the NLL definition serve every route: they live in ``scoring`` and import
-    no arm, and no arm reaches into another arm for them (issue 46: no arrow runs back up)."""
+    no arm, and no arm reaches into another arm for them (no arrow runs back up)."""
     mods = _modules()
     bad = [f"{m} imports {t}" for m, tree in mods.items() if m.startswith("mergescope.scoring")
            for n in _imports(tree, False) for t in _targets(n) if any(t.startswith(f"mergescope.{a}") for a in ARMS)]
@@ -190,7 +190,7 @@ def _constants(path: Path, skip: tuple[str, ...] = ()) -> set[str]:
 
 
 def test_the_study_and_the_entry_point_name_no_arm():
-    """Issue 46: the study, its plan, the entry point, plan=true's counted costs and the analysis iterate the arms'
+    """The study, its plan, the entry point, plan=true's counted costs and the analysis iterate the arms'
     declarations (mergescope.arm); no string in study.py, cli.py, costs.py or analysis/ is an arm's name, one of its
     phases, its tasks (the kinds of their runs) or its config groups (costs.py's benchmark points keep their own kinds:
     quality, native, merge, transport)."""

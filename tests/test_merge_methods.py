@@ -1,4 +1,4 @@
-"""mergekit's methods as mergescope plug-ins (issue 25): each equal to mergekit 0.1.5 on one tensor group.
+"""mergekit's methods as mergescope plug-ins: each equal to mergekit 0.1.5 on one tensor group.
 
 mergekit's own method objects are the oracle (``mergekit.merge_methods.registry.get(name)``), called on
 continuous random tensors (no ties in |delta|, where mergekit's argsort and our stable sort may keep
@@ -272,7 +272,7 @@ def test_nuslerp_refuses_three_models():
         run("nuslerp", [rand(3), rand(3), rand(3)], None)
 
 
-# ---------------------------------------------------------------- nearswap, arcee_fusion, ram, ramplus_tl (issue 39)
+# ---------------------------------------------------------------- nearswap, arcee_fusion, ram, ramplus_tl
 
 
 @pytest.mark.parametrize("t", [1e-4, 0.05, 0.5, 1.0, 3.0])
@@ -643,7 +643,7 @@ def test_passthrough_stack_layers_matches_mergekit(tmp_path):
     for k in ours:
         torch.testing.assert_close(ours[k], got[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
     # the state dicts in file order (safetensors lists lm_head.weight first) and reversed: the same model (the head
-    # and the final norm by rule from the last slice, the embeddings from the first; issue 39)
+    # and the final norm by rule from the last slice, the embeddings from the first)
     from safetensors.torch import load_file
 
     files = [load_file(str(Path(d) / "model.safetensors")) for d in dirs]

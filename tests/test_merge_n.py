@@ -1,4 +1,4 @@
-"""N-model merges in ``task=merge`` (issue 25): a base and three tiny Llama fine-tunes of it, streamed tensor by
+"""N-model merges in ``task=merge``: a base and three tiny Llama fine-tunes of it, streamed tensor by
 tensor; a mergekit YAML in (``merge=mergekit merge.config=...``); ``save=true`` and ``eval=lm_eval`` on the native
 route. The oracles: ``merge_state_dicts`` on the folders' own state dicts, and mergekit 0.1.5 on the YAML."""
 
@@ -619,7 +619,7 @@ def test_docs_list_as_refused_only_what_the_parser_refuses():
     got = parse(text, "x.yaml")
     assert got["preset"]["weights"] == [[{"filter": "self_attn", "value": 0.2}, {"value": 1.0}]]
     assert got["preset"]["lambda_"] == [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 0.9}]
-    assert "`slices`" not in refused  # read since issue 39 (test_sliced_mergekit_yaml_equals_mergekit)
+    assert "`slices`" not in refused  # read (test_sliced_mergekit_yaml_equals_mergekit)
     for kind, change in (("modules", {"modules": {}}),):
         assert kind in refused
         with pytest.raises(MergescopeError, match=f"{kind} is not supported"):

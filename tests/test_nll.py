@@ -1,4 +1,4 @@
-"""One definition of NLL and bits per byte (mergescope.scoring.bpb; issue 36 items 7 and 9, issue 35 item 3's vocabulary part):
+"""One definition of NLL and bits per byte (mergescope.scoring.bpb):
 every arm's path gives the same number on the same model and sentences; the first token is predicted from the start
 token whatever the tokenizer adds; padded vocabulary rows are out of the softmax; bits per byte under truncation counts
 only the bytes scored, and a set of sentences is pooled as total bits over total bytes; the head is applied in chunks
@@ -370,7 +370,7 @@ def test_score_sentences_never_builds_a_batch_by_vocabulary_tensor(tok, monkeypa
     assert np.allclose(sc.nll, plain_nll(m, tok, TEXT)[0], rtol=1e-10)
 
 
-# ---------------------------------------------------------------- the first token apart (issue 44 item 3)
+# ---------------------------------------------------------------- the first token apart
 
 def test_first_token_apart_equals_the_definition_written_out(tok):
     """first_nll is the NLL of the sentence's first token given the start token alone, computed here from a forward on

@@ -1,4 +1,4 @@
-"""Issue 20, dimensional-adaptation items: config mismatches refused and nothing dropped silently, merges in
+"""Dimensional-adaptation items: config mismatches refused and nothing dropped silently, merges in
 float32 whatever the checkpoint dtype, padded vocabulary rows out of the softmax, diagnostics that E(small) and small
 share, the GQA pairing of prefix Truncate counted (and an aligned option), one bits-per-byte definition."""
 
@@ -315,7 +315,7 @@ def test_the_mantel_null_permutes_model_labels_exactly():
 
 
 def test_the_stratified_mantel_null_relabels_checkpoints_within_each_run():
-    """The checkpoint arm's null (issue 36 item 10): pairs share checkpoints, and pair only checkpoints of one run, so
+    """The checkpoint arm's null: pairs share checkpoints, and pair only checkpoints of one run, so
     a relabelling permutes each run's checkpoints among themselves (4! x 4! = 576 here), checked against brute force;
     without strata the design (no pair across runs) is incomplete and untested. The draws of the unstratified null
     are the ones the code drew before strata existed (the cross-model table's numbers are unchanged)."""

@@ -1,4 +1,4 @@
-"""Issue 20, shared-space items: the pairwise baseline's ridge (centred Gram, free intercept, chosen inside the
+"""Shared-space items: the pairwise baseline's ridge (centred Gram, free intercept, chosen inside the
 training fold), the arm's own mean pooling, relative depths without a distinct state, and the capped D sweep."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_a_d_above_the_rank_cap_is_reported_as_capped():
     assert rows[0][1] == "4" and rows[1][1] == "8 (capped: repeats D=8)"
 
 
-# ---------------------------------------------------------------- issue 36 item 11: what the section says and draws
+# ---------------------------------------------------------------- what the section says and draws
 
 def test_the_depth_figure_plots_each_layer_once_and_marks_collapsed_depths():
     """A 2-layer model: depths .25 and .75 round onto the layers of .5 and 1 (distinct = 0). They were plotted as

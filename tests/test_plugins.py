@@ -1,4 +1,4 @@
-"""Issue 23: a plug-in is one .py and one .yaml. A test-only metric, registered as its module would register it and
+"""A plug-in is one .py and one .yaml. A test-only metric, registered as its module would register it and
 given its YAML, appears in a `metric: all` sweep, in the report's representation table and in the cross-model
 correlation table, with no other edit; its metadata (headline, direction, reference) travels with it."""
 

@@ -1,4 +1,4 @@
-"""Issue 26: what makes a cached relaunch fast is exact. The compose cache gives back the config Hydra composes, and
+"""What makes a cached relaunch fast is exact. The compose cache gives back the config Hydra composes, and
 a phase whose jobs are all done starts no worker process."""
 
 from __future__ import annotations

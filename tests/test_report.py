@@ -191,7 +191,7 @@ def built(tmp_path_factory):
 SECTIONS = ["## Summary", "## 1. Config check", "## 2. Coverage", "## 3. Last-layer CKA", "## 4. The cross-model diagnostic matrix",
             "## 4a. Per-model quality", "## 5. Checkpoint merging", "## 6. Natively weight-mergeable", "## 7. Transport",
             "## 8a. Diagnostic x diagnostic Spearman correlations: checkpoint arm",
-            "## 8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", "## 9. Beside the seed reports' numbers", "## 10. Figures",
+            "## 8b. Diagnostic x diagnostic Spearman correlations: cross-model arm", "## 9. Beside the spec documents' numbers", "## 10. Figures",
             "## Not measured (why)", "## Run index"]
 
 
@@ -333,7 +333,7 @@ def test_report_sections_and_numbers(built):
     ad = _md_table(md, "Post-fusion adaptation")
     assert len(ad) == 1 + 4 and all(r[9] == "-0.0500 (no interval)" and r[7] == "—" and r[2] == "residual_frozen" for r in ad[1:])
     # beside the seed: the same numbers as the sections they come from, the seed's quoted
-    bs = {r[0]: r for r in _md_table(md, "This study beside the seed reports")[1:]}
+    bs = {r[0]: r for r in _md_table(md, "This study beside the spec documents")[1:]}
     cka_row = bs["matched last-layer CKA, each model on its own language"]
     assert cka_row[1].split(",")[0] in md.split("## 3.")[1].split("\n## ")[0] and cka_row[2].startswith("0.488-0.800 (median 0.587)")
     assert "; 95% jackknife half-width 0.030-0.030;" in cka_row[1]  # (hi - lo) / 2 of the planted +-0.03

@@ -87,7 +87,7 @@ def test_four_parallel_writers_lose_no_run_and_never_see_the_password(running):
 
 
 def test_a_live_server_named_with_credentials_is_reached_and_the_password_redacted(running, tmp_path):
-    """Issue 47: http://user:pw@127.0.0.1:PORT reached (the check sends them as basic auth, as MLflow's client does),
+    """Http://user:pw@127.0.0.1:PORT reached (the check sends them as basic auth, as MLflow's client does),
     the job FINISHED in the server's store, the password in no param, tag, output or file of the launch."""
     from mlflow.tracking import MlflowClient
 

@@ -129,7 +129,7 @@ def test_every_job_run_logs_its_peak_memory_beside_its_metrics(compose_cfg):
     assert res.metrics == {"x": 1.0} and logged["x"] == 1.0 and 0.05 < logged[JOB_PEAK] < 64
 
 
-# ---------------------------------------------------------------- issue 36 (6): no setting is NaN or infinite
+# ---------------------------------------------------------------- no setting is NaN or infinite
 
 def _numeric_leaves(node, where: str = ""):
     """The dotted path of every number in a plain config node (a list element as ``key[i]``)."""
@@ -177,7 +177,7 @@ def test_every_numeric_setting_set_to_nan_or_inf_is_refused_before_any_model_loa
     plain = OmegaConf.to_container(cfg, resolve=False)
     paths = [f"{group}.{p}" for p in _numeric_leaves(plain[group])]
     if group == "merge" and "weights" in plain["merge"]:
-        paths.append("merge.weights")  # a list of per-model weights, one of them not finite (issue 36: [nan,1], [inf,1])
+        paths.append("merge.weights")  # a list of per-model weights, one of them not finite ([nan,1], [inf,1])
     if option == "linear":  # once: every number of every arm's section
         paths += [f"{s}.{p}" for s in SECTIONS for p in _numeric_leaves(plain[s])]
     problems = []

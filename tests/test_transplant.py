@@ -1,4 +1,4 @@
-"""The vocabulary transplant (issue 39, part 3): OMP against planted truths and a brute-force greedy pursuit, shared
+"""The vocabulary transplant: OMP against planted truths and a brute-force greedy pursuit, shared
 tokens copied exactly, the identity on one tokenizer, the BPE union; the native pair of two vocabularies merged with
 its embeddings after a transplant, with the transplant's cost and its control's in their own runs; mergekit's
 tokenizer_source (union, base) through task=merge merge=mergekit."""

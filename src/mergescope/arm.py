@@ -7,7 +7,7 @@ whose ``ARMS`` lists one or more :class:`Arm` declarations: the arm's name, its 
 must give it, the models it adds to the study's model list, its phases (each a job list built from the study's
 :class:`~mergescope.study.Plan`, and how it runs), its counted cost for ``plan=true`` and what it adds to the report
 (:class:`Report`: its sections with their place in the outline, its columns of the pair rows, its coverage routes,
-its rows beside the seed reports and its figures). The study, the entry point, :mod:`mergescope.costs` and
+its rows beside the spec documents and its figures). The study, the entry point, :mod:`mergescope.costs` and
 :mod:`mergescope.analysis` iterate :func:`arms`; none of them names an arm.
 
 ``arm.py`` files are read by path, not imported as their packages' modules: the packages import torch, and the entry
@@ -66,7 +66,7 @@ class Report:
       representation metric's headline).
     - ``coverage``: route -> ``f(analysis, pair row)``, what was measured on that route for the pair (when
       :func:`mergescope.routes.routes` defines it).
-    - ``beside``: ``f(analysis)`` -> rows ``[quantity, this study, the seed report, source]`` beside the seed.
+    - ``beside``: ``f(analysis)`` -> rows ``[quantity, this study, the spec document, source]`` beside the spec documents.
     - ``figures``: (name, caption) of the figures its sections draw in a full study (the index says which were not).
     - ``model_kinds``: the run kinds of one model each (tag ``model``) that score it: each model's row of the config
       check and its true config are read from them.

@@ -531,7 +531,7 @@ def _beside_text(an: Analysis) -> str:
 
 
 def beside(an: Analysis) -> list[list[str]]:
-    """Dimensional adaptation's row beside the seed reports: the chosen ratio's gain over the small model, per pair."""
+    """Dimensional adaptation's row beside the spec documents: the chosen ratio's gain over the small model, per pair."""
     return [["dimensional adaptation", _beside_text(an), *SEED_ADAPT]]
 
 

@@ -1,6 +1,6 @@
 """The representation arm in the report: the pair rows it creates (its metrics with their controls, each side's NLL,
 the typology), the last-layer CKA matrix with its shuffled control, the one-language protocol, its tables of the
-cross-model diagnostic matrix, each model's quality and its rows beside the seed reports."""
+cross-model diagnostic matrix, each model's quality and its rows beside the spec documents."""
 
 from __future__ import annotations
 
@@ -376,7 +376,7 @@ def _beside_retrieval(recs: list[Rec]) -> str:
 
 
 def beside(an: Analysis) -> list[list[str]]:
-    """The representation arm's rows beside the seed reports: matched CKA (each model on its own language, and every
+    """The representation arm's rows beside the spec documents: matched CKA (each model on its own language, and every
     model on one language when the study ran that protocol), the shuffled control and retrieval."""
     own = [p["recs"]["cka"] for p in an.pairs if "cka" in p["recs"]]
     one = [r for r in one_language(an.study) if r.tags.get("metric") == "cka"]

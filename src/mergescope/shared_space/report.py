@@ -404,5 +404,5 @@ def _beside_text(an: Analysis) -> str:
 
 
 def beside(an: Analysis) -> list[list[str]]:
-    """The shared space's row beside the seed reports: held-out retrieval through GPA against pairwise maps."""
+    """The shared space's row beside the spec documents: held-out retrieval through GPA against pairwise maps."""
     return [["shared space: held-out retrieval, GPA vs pairwise", _beside_text(an), *SEED_GPA]]

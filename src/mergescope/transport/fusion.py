@@ -280,7 +280,7 @@ class Fusion:
 
     def transported_stats(self) -> dict[str, float]:
         """The transported term against the target weight on the masked entries, over all fused tensors as one
-        vector: ``transported_relative_norm`` = |M*T| / |M*W| (the seed report's claim: about 0 with raw plans),
+        vector: ``transported_relative_norm`` = |M*T| / |M*W| (the spec document's claim: about 0 with raw plans),
         its largest value over the tensors (``_max``), and the cosine of M*T with M*W (``transported_cosine``); the same
         norm over the weight matrices alone (``_weights``) and the bias vectors alone (``_biases``): on a Qwen2 pair a
         "0.1% term" can be almost all q/k/v bias."""
@@ -396,7 +396,7 @@ def rms(w: torch.Tensor) -> float:
 def scale_ratio(w_target: torch.Tensor, w_donor: torch.Tensor) -> float:
     """``merge.scale_match=rms``: the factor that brings the donor weight's entries to the target weight's scale,
     rms(W_target) / rms(W_donor) (1 where either is all zero). The correlation cost ignores scale, so without it the
-    transported term carries the donor's scale (0.08-0.11x the target's on SmolLM2 <- Qwen2.5-0.5B, issue 38)."""
+    transported term carries the donor's scale (0.08-0.11x the target's on SmolLM2 <- Qwen2.5-0.5B)."""
     a, b = rms(w_target), rms(w_donor)
     return a / b if a > 0 and b > 0 else 1.0
 

@@ -1,5 +1,5 @@
 """The transport arm in the report: its columns of the pair rows (both directions' deltas at the headline alpha, the
-post-fusion adaptation effect) and its table of the pair matrix, its coverage cell, its row beside the seed reports,
+post-fusion adaptation effect) and its table of the pair matrix, its coverage cell, its row beside the spec documents,
 and section 7: transport-based cross-architecture fusion for every direction and alpha, with its shuffled-plan
 control, then post-fusion fine-tuning."""
 
@@ -520,5 +520,5 @@ def _beside_text(an: Analysis) -> str:
 
 
 def beside(an: Analysis) -> list[list[str]]:
-    """Transport's row beside the seed reports: the directions it helped and where OT beat its controls."""
+    """Transport's row beside the spec documents: the directions it helped and where OT beat its controls."""
     return [["transport fusion at the headline alpha", _beside_text(an), *SEED_TRANSPORT]]

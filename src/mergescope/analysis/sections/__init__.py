@@ -10,7 +10,7 @@ number), or None (its runs do not exist in this study, e.g. no epsilon sweep). A
 one order key in its arm's ``arm.py``; no list here names an arm.
 
 Modules: ``models`` (config check, coverage, precision), ``matrix`` (the pair matrix, each arm's tables),
-``correlations`` (the correlation tables; the cross-model pairs'), ``beside`` (the seed reports' numbers beside each
+``correlations`` (the correlation tables; the cross-model pairs'), ``beside`` (the spec documents' numbers beside each
 arm's), ``other_settings`` (the experiment's runs outside the study's jobs).
 """
 
