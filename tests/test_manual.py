@@ -77,3 +77,12 @@ def test_every_make_target_the_docs_name_exists():
     for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
         named |= set(re.findall(r"`make ([a-z][a-z-]*)", p.read_text()))
     assert named and not named - targets, sorted(named - targets)
+
+
+def test_no_absolute_machine_path_in_the_set_up():
+    """The set-up works from any folder: no absolute path of one machine in CI's script, the Makefile or the docs."""
+    machine = re.compile(r"(?<![\w.])/(work|root|home|Users)/")
+    files = [REPO / ".ci" / "run", REPO / "Makefile", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = [f"{p.name}:{i}: {line.strip()[:80]}" for p in files if p.is_file()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if machine.search(line)]
+    assert not found, found
