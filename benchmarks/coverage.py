@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=600)
     args = ap.parse_args()
     t0 = time.time()
-    print(f"| shape | articles | studentized (this rule) | percentile (before) |\n|---|---|---|---|")
+    print("| shape | articles | studentized (this rule) | percentile (before) |\n|---|---|---|---|")
     se = math.sqrt(0.95 * 0.05 / args.reps)
     for shape in SHAPES:
         for g in (10, 15, 30, 60):

@@ -265,7 +265,7 @@ def native_pair(an: Analysis, number: str) -> Section:
         native_pair_tables(sec, n, an.study.kind("merge"), lmc_curve(an.study, n.run_id), an.study.kind("eval"))
     if cross_native:
         n = cross_native[0]
-        said = text_note(an.study, n.params.get("merge_chosen.run", ""), "host")
+        said = text_note(getattr(an, "study", None), n.params.get("merge_chosen.run", ""), "host")
         if said:
             sec.text.append(f"Scored text (the host's language, data.split's first lines): {said}; every verdict of this "
                             "section is about that text.")

@@ -77,7 +77,7 @@ def checkpoint_arm(an: Analysis, number: str) -> Section:
         return sec
     sec.text.append("Pairs of checkpoints of one training run: same architecture, vocabulary and parameter space, so "
                     "every weight-space quantity is defined. Trajectory distance = log10(step_b / step_a).")
-    said = text_note(an.study, ck[0].params.get("merge_chosen.run", ""), "host")
+    said = text_note(getattr(an, "study", None), ck[0].params.get("merge_chosen.run", ""), "host")
     if said:
         sec.text.append(f"Scored text of each pair (the models' language, data.split's first lines): {said}; every "
                         "verdict of this section is about that text.")

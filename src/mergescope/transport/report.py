@@ -263,7 +263,7 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
                     f"{claims.SCOPE_NOTE[claims.SCOPE['value']]}."
                     + (f" Largest gain at that alpha: {direction(top)}, delta {claims.cell(top, 'delta_target_lang')} "
                        f"(run {short(top.run_id)})." if top else ""))
-    said = text_note(an.study, head[0].run_id, "target_lang") if head else ""
+    said = text_note(getattr(an, "study", None), head[0].run_id, "target_lang") if head else ""
     if said:
         sec.text.append(f"Evaluation text of each direction (the target's language; data.split's first lines): {said}. "
                         "Every verdict of this section is about that text.")
