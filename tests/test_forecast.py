@@ -388,3 +388,27 @@ def test_the_forecast_studies_compose_their_families(compose_cfg):
     assert [f.base for f in fams] == ["zoo-multi-llama", "zoo-multi-neox", "smollm2-135m"]
     assert fams[2].revisions == ("step16", "step48") and "native.nll_sentences=48" in fams[2].overrides
     assert real.tracking.experiment == toy.tracking.experiment == "forecast"
+
+
+def test_a_penalty_is_never_chosen_on_folds_that_split_a_pair(monkeypatch):
+    """One training family: the inner folds hold whole pairs (each pair's merges, several operators on the same two
+    models, on one side of every fold); a row split would put a pair's other merges beside it. Planted: rows that are
+    near-copies within a pair, so a row split rewards no penalty at all while pair folds do not."""
+    from mergescope.forecast import fit as ff
+
+    pairs = np.repeat([f"p{i}" for i in range(10)], 6)
+    folds = ff.inner_folds(np.zeros(60), pairs)
+    assert len(folds) == 5 and np.all(np.sum(folds, axis=0) == 1)
+    for test in folds:
+        assert not set(pairs[test]) & set(pairs[~test])
+    seen = []
+    real = ff.fit_lasso
+    monkeypatch.setattr(ff, "fit_lasso", lambda X, y, lam, *a: (seen.append(len(y)), real(X, y, lam, *a))[1])
+    rng = np.random.default_rng(0)
+    per_pair = rng.normal(size=(10, 4))
+    X = np.repeat(per_pair, 6, axis=0) + rng.normal(0, 1e-3, (60, 4))
+    y = np.repeat(rng.normal(size=10), 6) + rng.normal(0, 1e-3, 60)   # y unrelated to X across pairs
+    lam_rows = ff.choose_lambda(X, y, np.zeros(60), ff.LAMBDAS)
+    lam_pairs = ff.choose_lambda(X, y, np.zeros(60), ff.LAMBDAS, pairs)
+    assert lam_pairs > lam_rows  # split rows, a pair's copies vouch for it; whole pairs, the noise is penalised
+    assert set(seen) == {48}     # every inner fit on 8 whole pairs (48 rows)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import rankdata
 
-__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "best_feature",
+__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "inner_folds", "best_feature",
            "calibration", "Validation", "validate", "LAMBDAS", "MIN_CLASS"]
 
 LAMBDAS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # penalties on standardised features and a centred target
@@ -126,11 +126,23 @@ def cluster_bootstrap(stat, clusters: np.ndarray, arrays: tuple[np.ndarray, ...]
     return float(np.percentile(out, 2.5)), float(np.percentile(out, 97.5))
 
 
-def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMBDAS) -> float:
-    """The penalty with the lowest leave-one-group-out squared error on these (training) rows only; with a single
-    group, the 5-fold split of the rows."""
+def inner_folds(groups: np.ndarray, pairs: np.ndarray | None = None, k: int = 5) -> list[np.ndarray]:
+    """The folds a penalty is chosen on: leave one group out; with a single group, ``k`` folds of whole pairs (the
+    merges of one pair, several operators on the same two models, never on both sides of a fold: a row split would
+    let a pair's other merges vouch for it and drive the penalty to 0); without pairs, of rows."""
     uniq = np.unique(groups)
-    folds = [groups == g for g in uniq] if len(uniq) > 1 else [np.arange(len(y)) % 5 == k for k in range(5)]
+    if len(uniq) > 1:
+        return [groups == g for g in uniq]
+    if pairs is None:
+        return [np.arange(len(groups)) % k == i for i in range(k)]
+    _, which = np.unique(np.asarray(pairs).astype(str), return_inverse=True)
+    return [which.reshape(-1) % k == i for i in range(k)]
+
+
+def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMBDAS, pairs: np.ndarray | None = None) -> float:
+    """The penalty with the lowest leave-one-group-out squared error on these (training) rows only; with a single
+    group, folds of whole pairs (:func:`inner_folds`)."""
+    folds = inner_folds(groups, pairs)
     best, best_err = lambdas[0], np.inf
     for lam in lambdas:
         err = 0.0
@@ -152,7 +164,7 @@ def best_feature(X: np.ndarray, y: np.ndarray) -> tuple[int, float]:
 
 
 def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.ndarray, features: list[str],
-                    lambdas=LAMBDAS, strata: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                    lambdas=LAMBDAS, strata: np.ndarray | None = None, pairs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Held-out predictions of every row: for each group, the lasso (penalty chosen on the other groups by their own
     ``inner`` groups) and the single best feature (chosen on the other groups) fitted without it. With ``strata`` (a
     route per row) each held-out row is predicted by a model of its own stratum's training rows only (a row whose
@@ -166,7 +178,7 @@ def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.
             train = (groups != g) & (levels == s_)
             if train.sum() < 3:
                 continue
-            lam = choose_lambda(X[train], y[train], inner[train], lambdas)
+            lam = choose_lambda(X[train], y[train], inner[train], lambdas, None if pairs is None else pairs[train])
             pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
             j, s = best_feature(X[train], y[train])
             base[test] = s * X[test, j]
@@ -225,7 +237,7 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     leave-group-out fits made on them, their held-out predictions scored against the true targets: must sit near 0
     within a route)."""
     strata = routes if by_route and routes is not None else None
-    held = leave_group_out(X, y, groups, inner, features, lambdas, strata)
+    held = leave_group_out(X, y, groups, inner, features, lambdas, strata, clusters)
     pred = held["lasso"]
     ok = np.isfinite(pred)
     rho = spearman(pred[ok], y[ok])
@@ -246,7 +258,7 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
             for r in np.unique(strata):
                 idx = np.flatnonzero(strata == r)
                 yp[idx] = y[idx[rng.permutation(len(idx))]]
-        p = leave_group_out(X, yp, groups, inner, features, lambdas, strata)["lasso"]
+        p = leave_group_out(X, yp, groups, inner, features, lambdas, strata, clusters)["lasso"]
         k = np.isfinite(p)
         shuffled.append(spearman(p[k], y[k]))
         if strata is not None:

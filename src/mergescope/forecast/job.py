@@ -28,9 +28,11 @@ from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, ben
 
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
 
-EVIDENCE = 5  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
+EVIDENCE = 6  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
 #              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
-#              4 = the final models per route (finals) in validation.json; 5 = each held-out family alone (by_group)
+#              4 = the final models per route (finals) in validation.json; 5 = each held-out family alone (by_group);
+#              6 = the penalty chosen on folds of whole pairs when one training family is left, predictions logged at
+#              full precision
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 
@@ -89,7 +91,7 @@ def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
     finals = {}
     for route in sorted(set(routes.tolist())) if split else ["all"]:
         rows = routes == route if split else np.ones(len(bench), dtype=bool)
-        lam = choose_lambda(X[rows], bench.y[rows], bench.family[rows], fs.lambdas)
+        lam = choose_lambda(X[rows], bench.y[rows], bench.family[rows], fs.lambdas, bench.pair[rows])
         finals[route] = fit_lasso(X[rows], bench.y[rows], lam, names)
     return {"lofo": lofo, "looo": looo, "avg": avg, "finals": finals, "names": names}
 
@@ -107,6 +109,7 @@ def final_for(finals: dict[str, Lasso], route: str) -> Lasso:
 def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
     out = {"n_merges": float(len(bench)), "n_pairs": float(len(set(bench.pair))), "n_families": float(len(set(bench.family))),
            "n_operators": float(len(set(bench.operator))), "n_dropped": float(bench.dropped),
+           "n_repeats": float(bench.repeats),
            "beats_rate": float(bench.beats.mean()), "n_routes": float(len(set(_routes(bench).tolist()))),
            **{f"final_lambda{'' if r == 'all' else '.' + r}": m.lam for r, m in v["finals"].items()},
            **{f"final_nonzero{'' if r == 'all' else '.' + r}": float((m.coef != 0).sum()) for r, m in v["finals"].items()}}
@@ -128,9 +131,9 @@ def _predictions_csv(bench: Benchmark, v: dict[str, Any]) -> str:
     from mergescope.analysis.tables import csv_text
 
     route = bench.route if bench.route is not None else np.full(len(bench), "checkpoint", dtype=object)
-    rows = [[bench.run_ids[i], bench.pair[i], bench.family[i], route[i], bench.operator[i], f"{bench.y[i]:.6g}", f"{bench.lo[i]:.6g}",
-             f"{bench.hi[i]:.6g}", int(bench.beats[i]), f"{bench.avg_gain[i]:.6g}", f"{v['lofo'].predictions[i]:.6g}",
-             f"{v['looo'].predictions[i]:.6g}"]
+    rows = [[bench.run_ids[i], bench.pair[i], bench.family[i], route[i], bench.operator[i], repr(float(bench.y[i])), repr(float(bench.lo[i])),
+             repr(float(bench.hi[i])), int(bench.beats[i]), repr(float(bench.avg_gain[i])), repr(float(v["lofo"].predictions[i])),
+             repr(float(v["looo"].predictions[i]))]
             for i in range(len(bench))]
     return csv_text(["merge_run", "pair", "family", "route", "operator", TARGET, "lo", "hi", "beats", "avg_gain", "predicted_lofo",
                      "predicted_looo"], rows)

@@ -70,7 +70,10 @@ def _intro(sec: Section, r, rows: list[dict], split: bool) -> None:
                     + (f" ({'; '.join(parts)})" if parts else "") + f", {r.m('n_families'):.0f} families in all (a family: "
                     "one training run, or one fine-tune base); the target is each merge's gain over the better "
                     "expert (nats/token, the first token apart); beats = its paired 95% interval lies above 0 "
-                    f"({r.m('beats_rate'):.0%} of the merges).")
+                    f"({r.m('beats_rate'):.0%} of the merges)."
+                    + (f" One row per distinct merge: {r.m('n_repeats'):.0f} merges that are another operator's on "
+                       "the same pair (task arithmetic at weight 1/2 is the linear average) are left out."
+                       if r.m("n_repeats") > 0 else ""))
 
 
 def _finding(sec: Section, r, lofo: dict, looo: dict) -> None:

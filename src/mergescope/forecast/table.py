@@ -52,6 +52,8 @@ class Benchmark:
     native_ids: list[str]
     dropped: int
     route: np.ndarray | None = None  # per row: checkpoint (two revisions of one run) or fine-tune (two experts of one base)
+    repeats: int = 0  # merges left out because they are another operator's merge on the pair (tag same_as: task
+    #                   arithmetic at weight 1/2 is the linear average): one row per distinct merge
 
     @property
     def beats(self) -> np.ndarray:
@@ -67,7 +69,7 @@ class Benchmark:
         pick = lambda a: None if a is None else a[keep]  # noqa: E731
         return Benchmark(self.features, self.X[keep], self.y[keep], self.lo[keep], self.hi[keep], self.avg_gain[keep],
                          self.family[keep], self.pair[keep], self.operator[keep], [self.run_ids[i] for i in idx],
-                         [self.native_ids[i] for i in idx], self.dropped, pick(self.route))
+                         [self.native_ids[i] for i in idx], self.dropped, pick(self.route), self.repeats)
 
     def digest(self) -> str:
         """What the fit's numbers depend on: the merge and native runs it reads (their ids)."""
@@ -94,8 +96,9 @@ def _finite(*vals: float) -> bool:
 
 def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
     """The benchmark's rows from the experiment's FINISHED runs (:class:`mergescope.analysis.records.Rec`, newest
-    first): the latest run per cfg_hash; merges whose pair has no native run (or, for a :data:`PREMERGE` feature, no
-    premerge run on the same outcome), or a diagnostic missing, are dropped (counted)."""
+    first): the latest run per cfg_hash; one row per distinct merge (an operator whose merge on the pair is another's,
+    tag ``same_as``, is left out and counted in ``repeats``); merges whose pair has no native run (or, for a
+    :data:`PREMERGE` feature, no premerge run on the same outcome), or a diagnostic missing, are dropped (counted)."""
     seen, merges, natives, pre = set(), [], {}, {}
     for r in recs:
         h = r.tags.get("cfg_hash")
@@ -111,6 +114,8 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
         elif r.kind == "measure" and r.tags.get("metric") == "premerge":
             pre.setdefault((r.tags.get("pair"), r.tags.get("outcome")), r)
     rows, dropped = [], 0
+    repeats = [m for m in merges if m.tags.get("same_as") not in (None, "", "None")]  # the same merge as another's
+    merges = [m for m in merges if m not in repeats]
     for m in merges:
         n = natives.get(m.tags.get("pair"))
         p = pre.get((m.tags.get("pair"), m.tags.get("outcome")))  # measured on the languages this merge is scored on
@@ -127,4 +132,4 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
     col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
     X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
     return Benchmark(list(features), X, col(1), col(2), col(3), col(4), col(5, object), col(6, object), col(7, object),
-                     [r[8] for r in rows], [r[9] for r in rows], dropped, col(10, object))
+                     [r[8] for r in rows], [r[9] for r in rows], dropped, col(10, object), len(repeats))

@@ -252,15 +252,21 @@ def depth_sweep(s: SharedSettings, job, per_model, labels, last: list | None = N
     return rows
 
 
-def dim_sweep(s: SharedSettings, job, Xs) -> list[dict]:
-    """Retrieval against the requested D. The D a fold's space really has is capped at its rank limit
-    (``effective_dim``); a requested D above the cap repeats the capped numbers, so its row says ``capped = 1``
-    and carries the effective D, and only the first row at each effective D is logged as a metric step."""
+def dim_sweep(s: SharedSettings, job, Xs, cfg: DictConfig | None = None, entries=None) -> list[dict]:
+    """Retrieval against the requested D, each D with GPA minus pairwise and its paired 95% interval over the
+    sentences' articles (:func:`gpa_vs_pairwise`; with ``cfg`` and ``entries``). The D a fold's space really has is
+    capped at its rank limit (``effective_dim``); a requested D above the cap repeats the capped numbers, so its row
+    says ``capped = 1`` and carries the effective D, and only the first row at each effective D is logged as a metric
+    step."""
     rows, seen = [], set()
     for D in (int(x) for x in s.dims):
         res = retrieval_eval(Xs, D, s.folds, [32], s.seed, s.ridges)
         row = {"dim": D, "dim_effective": res.dim, "capped": int(res.dim < D),
                "gpa_p1_32": off_diagonal_mean(res.mats["gpa@32"]), "pairwise_p1_32": off_diagonal_mean(res.mats["pairwise@32"])}
+        if cfg is not None and entries is not None:
+            d = gpa_vs_pairwise(cfg, entries, res)
+            row.update({k: d.get(f"gpa_minus_pairwise_p1_32{k[len('diff'):]}", float("nan"))
+                        for k in ("diff", "diff_lo", "diff_hi", "diff_groups")})
         if res.dim not in seen:
             seen.add(res.dim)
             job.log_metrics({f"{k_}_by_dim": row[k_] for k_ in ("gpa_p1_32", "pairwise_p1_32")}, step=res.dim)
@@ -332,7 +338,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
         main = s.pooling
         finals = [r[main][-1] for r in per_model]
         last: list = []
-        tables = {"retrieval": depth_sweep(s, job, per_model, labels, last), "dim_sweep": dim_sweep(s, job, finals)}
+        tables = {"retrieval": depth_sweep(s, job, per_model, labels, last), "dim_sweep": dim_sweep(s, job, finals, cfg, entries)}
         dom = domains(cfg.data, str(entries[0].lang), len(sides[0].sentences))
         if dom is not None:
             tables["transfer"] = domain_transfer(finals, dom, s.dim, s.transfer_pool, seed=s.seed)
@@ -352,7 +358,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
 
     tags = models_tags(cfg, s, "shared_space", labels)
     return run_once(cfg, JobSpec(f"shared_space {len(labels)} models", tags, task="shared_space", keys=SPACE_KEYS,
-                                 reads=tuple(refs), extra={"evidence": 1}), body, overrides)
+                                 reads=tuple(refs), extra={"evidence": 2}), body, overrides)  # 2: the D sweep's intervals
 
 
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]

@@ -132,8 +132,14 @@ def _space_figures(study, r: Rec):
         ax.set_ylabel("query model", fontsize=7)
         ax.set_title(f"{'GPA shared space' if method == 'gpa' else 'pairwise linear maps'}: P@1, pool 32", fontsize=8)
     d = [int(x["dim"]) for x in dims]
-    axes[2].plot(d, [float(x["gpa_p1_32"]) for x in dims], "o-", label="GPA")
-    axes[2].plot(d, [float(x["pairwise_p1_32"]) for x in dims], "s--", label="pairwise")
+    g, pw = np.array([float(x["gpa_p1_32"]) for x in dims]), np.array([float(x["pairwise_p1_32"]) for x in dims])
+    lo, hi = (np.array([_num(x.get(k)) for x in dims]) for k in ("diff_lo", "diff_hi"))
+    if np.isfinite(lo).all() and np.isfinite(hi).all():  # GPA with the paired interval of its difference from pairwise
+        axes[2].errorbar(d, g, yerr=[np.maximum(g - (pw + lo), 0), np.maximum(pw + hi - g, 0)], fmt="o-", capsize=3,
+                         label="GPA (bar: its paired 95% interval against pairwise)")
+    else:
+        axes[2].plot(d, g, "o-", label="GPA (no interval logged)")
+    axes[2].plot(d, pw, "s--", label="pairwise")
     axes[2].axhline(1 / 32, color="grey", lw=0.8, ls=":", label="chance")
     axes[2].set_xscale("log", base=2)
     axes[2].set_xlabel("D (common PCA dimension)", fontsize=7)
