@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import rankdata
 
-__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "inner_folds", "best_feature",
+__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "inner_folds", "paired_spearman_gap", "best_feature",
            "calibration", "Validation", "validate", "LAMBDAS", "MIN_CLASS"]
 
 LAMBDAS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # penalties on standardised features and a centred target
@@ -164,13 +164,16 @@ def best_feature(X: np.ndarray, y: np.ndarray) -> tuple[int, float]:
 
 
 def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.ndarray, features: list[str],
-                    lambdas=LAMBDAS, strata: np.ndarray | None = None, pairs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                    lambdas=LAMBDAS, strata: np.ndarray | None = None, pairs: np.ndarray | None = None,
+                    operators: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Held-out predictions of every row: for each group, the lasso (penalty chosen on the other groups by their own
     ``inner`` groups) and the single best feature (chosen on the other groups) fitted without it. With ``strata`` (a
     route per row) each held-out row is predicted by a model of its own stratum's training rows only (a row whose
     stratum has fewer than 3 training rows stays NaN)."""
     pred = np.full(len(y), np.nan)
     base = np.full(len(y), np.nan)
+    nodiag = np.full(len(y), np.nan)  # reads no diagnostic: the training rows' mean gain of the row's operator
+    ops = np.zeros(len(y), dtype=object) if operators is None else np.asarray(operators, dtype=object)
     levels = np.zeros(len(y), dtype=int) if strata is None else np.unique(strata, return_inverse=True)[1]
     for g in np.unique(groups):
         for s_ in np.unique(levels[groups == g]):
@@ -182,7 +185,21 @@ def leave_group_out(X: np.ndarray, y: np.ndarray, groups: np.ndarray, inner: np.
             pred[test] = fit_lasso(X[train], y[train], lam, features).predict(X[test])
             j, s = best_feature(X[train], y[train])
             base[test] = s * X[test, j]
-    return {"lasso": pred, "single": base}
+            for op in set(ops[test].tolist()):
+                same = train & (ops == op)
+                nodiag[test & (ops == op)] = y[same].mean() if same.any() else y[train].mean()
+    return {"lasso": pred, "single": base, "nodiag": nodiag}
+
+
+def paired_spearman_gap(a: np.ndarray, b: np.ndarray, y: np.ndarray, clusters: np.ndarray, n_boot: int = 2000,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """Spearman(a, y) minus Spearman(b, y) over the same rows, with its 95% interval over resamples of whole clusters
+    (pairs): two forecasts compared on the same merges."""
+    ok = np.isfinite(a) & np.isfinite(b) & np.isfinite(y)
+    gap = lambda p, q, t: spearman(p, t) - spearman(q, t)  # noqa: E731
+    est = gap(a[ok], b[ok], y[ok])
+    lo, hi = cluster_bootstrap(gap, clusters[ok], (a[ok], b[ok], y[ok]), n_boot, seed)
+    return float(est), lo, hi
 
 
 def calibration(pred: np.ndarray, y: np.ndarray, bins: int = 5) -> list[dict[str, float]]:
@@ -218,6 +235,10 @@ class Validation:
     by_route: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # (only with two routes or more)
     by_route_operator: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # "route|operator"
     shuffled_by_route: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # (mean, 2.5%, 97.5%) per route
+    nodiag_spearman: float = float("nan")  # the forecast that reads no diagnostic (each operator's training mean)
+    nodiag_ci: tuple[float, float] = (float("nan"), float("nan"))
+    lasso_minus_nodiag: tuple[float, float, float] = (float("nan"), float("nan"), float("nan"))  # paired, over pairs
+    lasso_minus_single: tuple[float, float, float] = (float("nan"), float("nan"), float("nan"))
     by_group: dict[str, tuple[float, float, float, int, float, float]] = field(default_factory=dict)
     """Each held-out group alone: (Spearman within it, 95% interval over its pairs, rows, mean prediction, mean
     measured): the ranking inside a group the model never saw, apart from whether its level was foreseen."""
@@ -237,7 +258,7 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     leave-group-out fits made on them, their held-out predictions scored against the true targets: must sit near 0
     within a route)."""
     strata = routes if by_route and routes is not None else None
-    held = leave_group_out(X, y, groups, inner, features, lambdas, strata, clusters)
+    held = leave_group_out(X, y, groups, inner, features, lambdas, strata, clusters, operators)
     pred = held["lasso"]
     ok = np.isfinite(pred)
     rho = spearman(pred[ok], y[ok])
@@ -280,8 +301,15 @@ def validate(scheme: str, X: np.ndarray, y: np.ndarray, beats: np.ndarray, group
     by_group = {str(g): (*by(np.where(groups == g, "in", "out").astype(object)).get("in", (np.nan, np.nan, np.nan, 0)),
                          float(np.nanmean(pred[groups == g])) if ok[groups == g].any() else np.nan, float(np.mean(y[groups == g])))
                 for g in sorted(set(groups.tolist()))}
+    nd = held["nodiag"]
+    nok = np.isfinite(nd)
+    extra = {"nodiag_spearman": spearman(nd[nok], y[nok]),
+             "nodiag_ci": cluster_bootstrap(spearman, clusters[nok], (nd[nok], y[nok]), n_boot, seed),
+             "lasso_minus_nodiag": paired_spearman_gap(pred, nd, y, clusters, n_boot, seed),
+             "lasso_minus_single": paired_spearman_gap(pred, single, y, clusters, n_boot, seed)}
     return Validation(scheme, int(ok.sum()), rho, ci, auc, auc_ci, s_rho, s_ci, float(np.nanmean(sh)),
                       (float(np.nanpercentile(sh, 2.5)), float(np.nanpercentile(sh, 97.5))), by(operators),
                       calibration(pred, y), pred, int(np.asarray(beats, dtype=bool)[ok].sum()),
                       *((by(routes), by(np.array([f"{r}|{o}" for r, o in zip(routes, operators)], dtype=object)))
-                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})), shuffled_by_route, by_group)
+                        if routes is not None and len(set(routes.tolist())) > 1 else ({}, {})), shuffled_by_route,
+                      by_group=by_group, **extra)

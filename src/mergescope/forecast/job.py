@@ -32,7 +32,7 @@ EVIDENCE = 6  # in the fit's identity: 2 = the count of positive merges logged (
 #              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
 #              4 = the final models per route (finals) in validation.json; 5 = each held-out family alone (by_group);
 #              6 = the penalty chosen on folds of whole pairs when one training family is left, predictions logged at
-#              full precision
+#              full precision, the no-diagnostic baseline and both baselines' paired gaps
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 
@@ -118,7 +118,11 @@ def _metrics(v: dict[str, Any], bench: Benchmark) -> dict[str, float]:
         out.update({f"{key}_spearman": val.spearman, f"{key}_spearman_lo": val.spearman_ci[0], f"{key}_spearman_hi": val.spearman_ci[1],
                     f"{key}_auroc": val.auroc, f"{key}_auroc_lo": val.auroc_ci[0], f"{key}_auroc_hi": val.auroc_ci[1],
                     f"{key}_single_spearman": val.single_spearman, f"{key}_n_positive": float(val.n_positive), f"{key}_shuffled_spearman": val.shuffled_mean,
-                    f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1]})
+                    f"{key}_shuffled_lo": val.shuffled_range[0], f"{key}_shuffled_hi": val.shuffled_range[1],
+                    f"{key}_nodiag_spearman": val.nodiag_spearman, f"{key}_nodiag_spearman_lo": val.nodiag_ci[0],
+                    f"{key}_nodiag_spearman_hi": val.nodiag_ci[1],
+                    **{f"{key}_lasso_minus_{b}{sfx}": x for b in ("nodiag", "single")
+                       for sfx, x in zip(("", "_lo", "_hi"), getattr(val, f"lasso_minus_{b}"))}})
         for op, (rho, lo, hi, n) in val.by_operator.items():
             out.update({f"{key}_spearman.{op}": rho, f"{key}_spearman_lo.{op}": lo, f"{key}_spearman_hi.{op}": hi})
         for route, (rho, lo, hi, n) in val.by_route.items():

@@ -9,6 +9,8 @@ import io
 import json
 import math
 
+import numpy as np
+
 from mergescope.analysis.context import Analysis
 from mergescope.analysis.tables import RTable, Section, f3, short
 from mergescope.forecast.fit import MIN_CLASS
@@ -29,10 +31,21 @@ def _auroc(val: dict) -> str:
     return _ci(val["auroc"], *val["auroc_ci"])
 
 
+def _gap(val: dict, key: str) -> str:
+    """The forecast's Spearman minus a baseline's on the same merges, paired, with its interval and what it says."""
+    g = val.get(key)
+    if not g or not all(np.isfinite(g)):
+        return "—"
+    said = "forecast better" if g[1] > 0 else "baseline better" if g[2] < 0 else "cannot be told apart"
+    return f"{g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]: {said}"
+
+
 def _scores(val: dict, name: str) -> list[str]:
     lo, hi = val["spearman_ci"]
+    nodiag = _ci(val["nodiag_spearman"], *val["nodiag_ci"]) if "nodiag_spearman" in val else "—"
     return [name, str(val["n"]), _ci(val["spearman"], lo, hi), _auroc(val),
-            _ci(val["single_spearman"], *val["single_ci"]),
+            _ci(val["single_spearman"], *val["single_ci"]), _gap(val, "lasso_minus_single"), nodiag,
+            _gap(val, "lasso_minus_nodiag"),
             f"{val['shuffled_mean']:+.3f} [{val['shuffled_range'][0]:+.3f}, {val['shuffled_range'][1]:+.3f}]"]
 
 
@@ -169,12 +182,16 @@ def section(an: Analysis, number: str) -> Section | None:
     _finding(sec, r, lofo, looo)
     sec.text.append(sec.finding)
     sec.tables.append(RTable("Held-out scores (95% intervals: bootstrap over pairs)", [
-        "validation", "merges", "Spearman", "AUROC (beats)", "single best feature", "shuffled-target control"],
+        "validation", "merges", "Spearman", "AUROC (beats)", "single best feature", "forecast minus it",
+        "no diagnostic", "forecast minus it", "shuffled-target control"],
         [_scores(lofo, "leave one family out"), _scores(looo, "leave one operator out"),
          *([_scores(v["avg"], "leave one family out, gain over the endpoints' mean (AUROC: gain > 0)")] if "avg" in v else []),
-         ["anchor (Zhou et al., ViT-B)", "190 task pairs", "0.26-0.50 pooled by method", "—", "about -0.44 (gradient L2)", "—"]],
+         ["anchor (Zhou et al., ViT-B)", "190 task pairs", "0.26-0.50 pooled by method", "—", "about -0.44 (gradient L2)",
+          "—", "—", "—", "—"]],
         note="Spearman of held-out predictions against measured gains, pooled over the held-out groups; the single best "
-             "feature is chosen on the training groups by |Spearman|; the control refits on permuted targets "
+             "feature is chosen on the training groups by |Spearman|; the no-diagnostic forecast reads no diagnostic at "
+             "all (each operator's mean gain over the training rows); \"forecast minus it\": the paired difference of "
+             "the two Spearmans on the same merges, 95% interval over pairs; the control refits on permuted targets "
              f"({lofo.get('n', 0)} rows, mean and 95% range over the refits). {v['anchor']}."))
     _operators(sec, lofo, looo)
     _families_and_models(sec, v, lofo)
