@@ -332,7 +332,7 @@ def test_report_sections_and_numbers(built):
     assert role[("target", "m-pt")][2] == "2" and role[("donor", "m-pt")][2] == "2" and role[("target", "m-it")][2] == "1"
     ad = _md_table(md, "Post-fusion adaptation")
     assert len(ad) == 1 + 4 and all(r[9] == "-0.0500 (no interval)" and r[7] == "—" and r[2] == "residual_frozen" for r in ad[1:])
-    # beside the seed: the same numbers as the sections they come from, the seed's quoted
+    # beside the spec documents: the same numbers as the sections they come from, the documents' quoted
     bs = {r[0]: r for r in _md_table(md, "This study beside the spec documents")[1:]}
     cka_row = bs["matched last-layer CKA, each model on its own language"]
     assert cka_row[1].split(",")[0] in md.split("## 3.")[1].split("\n## ")[0] and cka_row[2].startswith("0.488-0.800 (median 0.587)")

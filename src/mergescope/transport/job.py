@@ -226,7 +226,7 @@ def eval_documents(d: Direction) -> dict[str, tuple[list[str] | None, str]]:
 def _released_probe(cfg: DictConfig, s: TransportSettings, lm: models.LoadedModel, sentences: tuple[str, ...], lang: str,
                     lay: rel.Layout) -> fus.Probe:
     """The released method's probe: the sites its modules read, pooled as ``merge.released.pooling`` says (cached
-    apart from the seed's probes: the sites and the pooling are in the key)."""
+    apart from mergescope's probes: the sites and the pooling are in the key)."""
     ad = lay.adapter(rel.SUBLAYER_ROLES[s.released.sublayers])
     skip = s.released.pooling == "skip_leading_special"
     extra = {"sites": sorted(f"{k}={p}:{side}" for k, (p, side) in ad.sites.items()), "skip_special": skip}

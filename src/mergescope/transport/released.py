@@ -405,7 +405,7 @@ def _layer_cost(st: _State, tv: str, dv: str, budget_bytes: int = 1 << 28) -> np
 
 def _layer_weights(st: _State, P_post: torch.Tensor, P_pre: torch.Tensor) -> np.ndarray:
     """The donor-layer weights of one module over the full (L_A, L_B) grid: L_eff sqrt(P_post) sqrt(P_pre) (top-k with
-    the row mass kept when ``p_topk``); ``pruned``: the top ``layer_topk`` per row, renormalised to 1 (the seed's)."""
+    the row mass kept when ``p_topk``); ``pruned``: the top ``layer_topk`` per row, renormalised to 1 (mergescope's)."""
     r = st.s.released
     P = torch.sqrt(P_post.clamp_min(0)) * torch.sqrt(P_pre.clamp_min(0))
     if r.layer_pairs == "pruned":

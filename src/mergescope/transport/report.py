@@ -109,7 +109,7 @@ def _shrink(rs: list[Rec]) -> tuple[int, int]:
 
 def variant(r: Rec) -> str:
     """A transport run's setting (``transport_variant``: the preset and every switch it changes); runs before the tag:
-    the seed's method."""
+    mergescope's method."""
     return r.tags.get("transport_variant") or "seed"
 
 
@@ -148,7 +148,7 @@ def _nll_key(name: str) -> str:
 
 
 def main_variant(head: list[Rec]) -> str:
-    """The study's main transport setting: the one run on the most directions (the seed's on a tie); the others are
+    """The study's main transport setting: the one run on the most directions (mergescope's on a tie); the others are
     the ablation's settings, run on fewer directions."""
     dirs: dict[str, set[str]] = {}
     for r in head:
@@ -173,7 +173,7 @@ def alpha_choice(rs: list[Rec]) -> tuple[str, str, str, str]:
 
 
 def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
-    """Per direction with more than one setting, per setting (the released method, each switch alone, the seed's full
+    """Per direction with more than one setting, per setting (the released method, each switch alone, mergescope's full
     set ...) at its headline alpha: each column, and whether the OT plan beat each control; with ``runs`` (every alpha's
     run) the alpha chosen on the selection split and the alpha best on the evaluation (:func:`alpha_choice`)."""
     groups, every = _by_setting(head), _by_setting(runs or [])
@@ -189,7 +189,7 @@ def ablation_table(head: list[Rec], runs: list[Rec] | None = None) -> RTable:
                      if any(np.isfinite(x.m(claims.metric(c) if c in INTERVAL_COLS else c)) for x in rs) else float("nan"), 4))
                  for c in ABLATION_COLS]
         rows.append([d, v, *means, f"{beats_r}/{len(rs)}", f"{beats_s}/{n_s}" if n_s else "—", *alpha_choice(every.get((d, v), []))])
-    return RTable("Transport settings: the released method, each deviation, the seed's set (headline alpha)",
+    return RTable("Transport settings: the released method, each deviation, mergescope's set (headline alpha)",
                   ["direction", "setting", *ABLATION_COLS, "beats random plan", "beats shrink only", "alpha chosen on dev",
                    "delta_target_lang at it", "alpha best on the evaluation", "delta_target_lang at that"], rows,
                   note="setting: the preset (seed = merge=transport; released:code / released:paper = merge=transport_released "

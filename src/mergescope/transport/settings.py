@@ -24,7 +24,7 @@ from mergescope.transport import interfaces as itf
 
 PLAN_SCALES = ("row_stochastic", "raw")
 SCALE_MATCH = ("none", "rms")  # rms: the transported term from each donor weight scaled by rms(W_target) / rms(W_donor)
-TRANSPORT_NAMES = ("transport", "transport_released")  # the seed's method | the released code's (conf/merge/<name>.yaml)
+TRANSPORT_NAMES = ("transport", "transport_released")  # mergescope's method | the released code's (conf/merge/<name>.yaml)
 FOLLOW = ("code", "paper")
 RELEASED_CHOICES = {"layer_pairs": ("zipped", "all", "pruned"), "sublayers": ("qkvo", "qkvo_mlp", "mlp_attn_out"),
                     "plan_dtype": ("bfloat16", "float64"), "column_mask": ("output", "input"), "solver": ("released", "checked"),
@@ -130,8 +130,8 @@ class ReleasedSettings:
     ``follow`` says). See ``transport/released.py`` and docs/transport.md."""
 
     follow: str           # code | paper
-    layer_pairs: str      # zipped (layer i <-> i, the deeper model cut) | all (every pair) | pruned (the seed's)
-    sublayers: str        # qkvo | qkvo_mlp | mlp_attn_out (the seed's)
+    layer_pairs: str      # zipped (layer i <-> i, the deeper model cut) | all (every pair) | pruned (mergescope's)
+    sublayers: str        # qkvo | qkvo_mlp | mlp_attn_out (mergescope's)
     plan_dtype: str       # bfloat16 (the released plans' storage) | float64
     sigma_rescale: bool   # Q[i, j] * sigma_target[i] / (sigma_donor[j] + 1e-6) (the released notes; never applied in its code)
     q_topr: int           # keep each plan row's then column's top-r entries (0 = off; defined, never called, in its code)
@@ -200,7 +200,7 @@ class TransportSettings:
     control_seed: int        # the random-plan control's row shuffles and the layer-cost subsample
     adapt: AdaptSettings | None  # None when merge.adapt.enabled is false
     scale_match: str = "none"    # none | rms (rms(W_target) / rms(W_donor) on each donor weight's transported term)
-    name: str = "transport"      # transport (the seed's method) | transport_released
+    name: str = "transport"      # transport (mergescope's method) | transport_released
     released: ReleasedSettings | None = None  # merge=transport_released's own switches
     select_sentences: int = 0    # the alpha-selection split's sentences (0 = none): probe-split lines after the probes
     control_seeds: int = 1       # random-plan controls, seeds control_seed, +1, ...: every interval includes their spread

@@ -2,8 +2,8 @@
 its order key ``(section, subsection)``, numbered from those keys.
 
 Sections are numbered by the rank of their first key among every key declared (the analysis' own: 10 the config
-check, 20 coverage, 40 the pair matrix, 40.2 the precision check, 80.2 the cross-model correlations, 90 beside the seed
-reports, 100 the figure index); subsection 0 is the section itself, the others are lettered in order (``4a``; ``8a``,
+check, 20 coverage, 40 the pair matrix, 40.2 the precision check, 80.2 the cross-model correlations, 90 beside the spec
+documents, 100 the figure index); subsection 0 is the section itself, the others are lettered in order (``4a``; ``8a``,
 ``8b``), and a section may have subsections only. A builder takes the
 :class:`~mergescope.analysis.context.Analysis` and its number and returns a section, a list of them (all under that
 number), or None (its runs do not exist in this study, e.g. no epsilon sweep). Adding a section is one function and
