@@ -20,11 +20,12 @@ TEXT = (".md", ".py", ".yaml", ".yml", ".toml", ".cfg", ".txt", ".sh", "Makefile
 
 def _tracked() -> list[str]:
     out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in out if f.endswith(TEXT) and f != "tests/test_manual.py"]
+    return [f for f in out if f.endswith(TEXT) and f != "tests/test_manual.py"]  # its own pattern, spelled out
 
 
 def test_no_process_words_in_any_tracked_text_file():
-    assert PROCESS.search("measured at stop 49") and PROCESS.search("issue 38's ablation")  # the pattern bites
+    word, ticket = "st" + "op", "iss" + "ue"  # spelled apart so that this file says no such phrase itself
+    assert PROCESS.search(f"measured at {word} 49") and PROCESS.search(f"{ticket} 38's ablation")  # the pattern bites
     found = []
     for f in _tracked():
         if not (REPO / f).is_file():
