@@ -94,3 +94,16 @@ def test_the_ratio_figure_is_scaled_to_the_merges_not_to_the_broken_end(monkeypa
     assert [list(line.get_xdata()) for line in fig.axes[1].lines if line.get_gid() != "zero"][0] == [0.96]
     ctl_x = {round(float(line.get_xdata()[0]), 9) for line in ax.lines if line.get_gid() != "zero" and len(line.get_xdata()) == 1}
     assert ctl_x and not ctl_x & {0.02, 0.04}  # no control marker on a merge point
+
+
+def test_the_collapse_band_is_the_ratios_worse_than_both_ends_by_their_intervals(monkeypatch):
+    """Planted changes against the ends: 0.3 worse than both (in the band), 0.5 worse than one end only, 0.7 worse than
+    both by a raw margin whose interval covers 0 (not in the band)."""
+    import mergescope.adapt.report as ar
+
+    planted = {(0.3, 0.0): (0.2, 0.1, 0.3, 1e-4, 30), (0.3, 1.0): (0.1, 0.05, 0.15, 1e-4, 30),
+               (0.5, 0.0): (0.2, 0.1, 0.3, 1e-4, 30), (0.5, 1.0): (-0.1, -0.2, -0.05, 1e-4, 30),
+               (0.7, 0.0): (0.01, -0.02, 0.04, 0.5, 30), (0.7, 1.0): (0.01, -0.02, 0.04, 0.5, 30)}
+    monkeypatch.setattr(ar, "_change", lambda study, a, b: planted[(a.m("ratio"), b.m("ratio"))])
+    pts = [Rec(f"{i:032d}", i, {}, {"ratio": x}, {}) for i, x in enumerate((0.0, 0.3, 0.5, 0.7, 1.0))]
+    assert ar.collapse_band(None, pts) == "0.3"

@@ -152,8 +152,8 @@ def compare_strata(name: str, a: Mapping[str, Scores], b: Mapping[str, Scores] |
                    scopes: Sequence[str] = SCOPES) -> dict[str, float]:
     """``a - b`` where each arm is a mean over strata (languages: the same keys in both) of its nats per token, in
     ``scopes`` (both by default), resampled by document with a document drawn in every language at once (parallel
-    text). ``b`` may be a list of arms, one per control seed: its seeds are resampled with the documents (the
-    interval includes their spread) and its number is their mean."""
+    text). ``b`` may be a list of arms, one per control seed: it is a distribution (its number is
+    their mean; the interval also covers its seeds' spread: :mod:`mergescope.intervals`)."""
     keys = list(a)
     bs = [b] if isinstance(b, Mapping) else list(b)
     if any(docs.get(k) is None for k in keys):

@@ -272,7 +272,7 @@ def summary_intervals(cfg, points, controls, compares, best: float, domains: dic
     with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
     (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
     control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it; a control
-    of several seeds is their mean, its seeds resampled with the articles so the interval includes their spread). Runs
+    of several seeds is their mean, a distribution: the interval also covers its seeds' prediction interval). Runs
     recorded without the tables give nothing (the summary's differences then carry no interval). ``table``: a run id
     -> its parsed table (the report's reader); the runs' artifacts through ``cfg`` by default."""
     def test_of(run):

@@ -71,24 +71,13 @@ def collapse_band(study, pts: list[Rec]) -> str:
     """The grid ratios worse than both ends: each interior point's test NLL minus each end's, with its paired interval
     over FLORES articles (a mean over languages, an article drawn in every language at once), BH across the
     grid's comparisons; a ratio is in the band where both differences are "higher". Runs without tables: not told."""
-    from mergescope.evidence import compare_strata
-
     ends = {r.m("ratio"): r for r in pts if r.m("ratio") in (0.0, 1.0)}
     inner = [r for r in pts if 0 < r.m("ratio") < 1]
     if len(ends) < 2 or not inner:
         return "none in grid" if not inner else "no ends measured"
-    tabs = {r.run_id: _test_tables(study, r) for r in [*ends.values(), *inner]}
-    if any(t is None for t in tabs.values()):
+    rows = [_change(study, r, ends[end]) for r in inner for end in (0.0, 1.0)]
+    if any(row is None for row in rows):
         return "not told (runs without per-sentence tables)"
-    scope = claims.SCOPE["value"]
-    rows = []
-    for r in inner:
-        a, docs = tabs[r.run_id]
-        what = "article" if all(d is not None for d in docs.values()) else "sentence"
-        for end in (0.0, 1.0):
-            m = compare_strata("x", a, tabs[ends[end].run_id][0], docs, what, scopes=(scope,))
-            k = "x" if scope == "all" else "x_rest"
-            rows.append((m[k], m[f"{k}_lo"], m[f"{k}_hi"], m[f"{k}_p"], m[f"{k}_groups"]))
     said = claims.table_verdicts(rows)
     band = [f"{r.m('ratio'):g}" for i, r in enumerate(inner) if said[2 * i] == said[2 * i + 1] == "higher"]
     return ", ".join(band) or "none in grid"
@@ -291,9 +280,9 @@ def _gap_table(sec: Section, groups) -> None:
                                     r.m(claims.metric("gain_vs_small"))) for r in best]))
 
 
-def _change(study, a: Rec, b: Rec | list[Rec]) -> tuple[float, float, float] | None:
-    """``a`` minus ``b`` on the test split (b: one run, or a control's seed runs) with its paired 95% interval, in the
-    report's scope, from the runs' per-sentence tables (None without them)."""
+def _change(study, a: Rec, b: Rec | list[Rec]) -> tuple[float, float, float, float, float] | None:
+    """``a`` minus ``b`` on the test split (b: one run, or a control's seed runs) in the report's scope, from the runs'
+    per-sentence tables: ``(estimate, lo, hi, p, groups)`` of its paired 95% interval (None without the tables)."""
     from mergescope.evidence import compare_strata
 
     ta = _test_tables(study, a)
@@ -304,7 +293,7 @@ def _change(study, a: Rec, b: Rec | list[Rec]) -> tuple[float, float, float] | N
     what = "article" if all(d is not None for d in ta[1].values()) else "sentence"
     m = compare_strata("x", ta[0], [t[0] for t in tb] if len(tb) > 1 else tb[0][0], ta[1], what, scopes=(scope,))
     k = "x" if scope == "all" else "x_rest"
-    return m[k], m[f"{k}_lo"], m[f"{k}_hi"]
+    return m[k], m[f"{k}_lo"], m[f"{k}_hi"], m[f"{k}_p"], m[f"{k}_groups"]
 
 
 def figure_points(study, runs: list[Rec]) -> tuple[list[tuple], list[tuple], tuple | None]:
@@ -315,7 +304,7 @@ def figure_points(study, runs: list[Rec]) -> tuple[list[tuple], list[tuple], tup
     r0 = next((r for r in pts if r.m("ratio") == 0.0), None)
     if r0 is None:
         return [], [], None
-    inner = [(r.m("ratio"), *c) for r in pts if 0 < r.m("ratio") < 1 and (c := _change(study, r, r0)) is not None]
+    inner = [(r.m("ratio"), *c[:3]) for r in pts if 0 < r.m("ratio") < 1 and (c := _change(study, r, r0)) is not None]
     ctl: dict[tuple[str, float], list[Rec]] = {}
     for r in runs:
         if r.tags.get("control") in ("scaling", "noise"):

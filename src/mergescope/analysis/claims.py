@@ -1,7 +1,7 @@
 """Comparative claims as the report makes them: a difference counts as a finding only where its paired interval
 (:mod:`mergescope.intervals`, recomputed from the run's per-sentence table when the report is built, else as the job
 logged it: ``<name>_lo`` / ``<name>_hi`` / ``<name>_p`` / ``<name>_groups``) excludes zero and, among the rows of one
-table or count (``among``), its Benjamini-Hochberg q-value is at most 0.05.
+table or count (:func:`verdicts`, :func:`family`), its Benjamini-Hochberg q-value is at most 0.05.
 
 Every NLL difference is read in one scope (:data:`SCOPE`): ``rest`` (the first token, predicted from the start token
 alone, apart; the default) or ``all`` (every token). :func:`metric` names the logged metric of a difference in that
@@ -65,12 +65,9 @@ def family(items: list[tuple[Rec, str]], scope: str | None = None) -> list[str]:
     return table_verdicts([_row(r, name, scope) for r, name in items])
 
 
-def verdict(r: Rec, name: str, scope: str | None = None, among: list[Rec] | None = None) -> str:
-    """The verdict of difference ``name`` of run ``r``, alone or as one row of ``among`` (its table: BH across it)."""
-    if among:
-        ids = [x.run_id for x in among]
-        if r.run_id in ids:
-            return verdicts(among, name, scope)[ids.index(r.run_id)]
+def verdict(r: Rec, name: str, scope: str | None = None) -> str:
+    """The verdict of difference ``name`` of run ``r`` alone (a row of a table: :func:`verdicts` or :func:`family`,
+    with BH across the table)."""
     e, lo, hi, _, g = _row(r, name, scope)
     return _verdict(e, lo, hi, g)
 

@@ -141,7 +141,7 @@ def native_pair_tables(sec: Section, n: Rec, merges: list[Rec], curve: list[tupl
                                                                         "run", *(ev_names and [*ev_names, "eval run"])], mrows,
                                  note="nll over every token; merge_gain = the better endpoint's NLL minus the merge's, in "
                                       f"nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}, with its paired 95% interval over "
-                                      "the sentences' FLORES articles (a stochastic merge's seeds resampled too)"
+                                      "the sentences' FLORES articles (a stochastic merge's seeds read as a distribution)"
                                       + ("; lm-eval columns: eval=lm_eval on the merged model (kind=eval runs); — = not evaluated"
                                          if ev_names else "")))
     if n.tags.get("transplant"):
