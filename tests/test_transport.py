@@ -1299,3 +1299,52 @@ def test_control_seeds_keep_the_first_control_and_each_seed_is_a_control_of_its_
     assert not torch.equal(three.control_of(1)[name], three.control_of(2)[name])
     with pytest.raises(MergescopeError, match="merge.control_seeds must be a whole number >= 1"):
         TransportSettings.defaults(control_seeds=0)
+
+
+def test_tested_at_the_selected_alpha_one_run_scores_the_grid_on_dev_and_only_the_chosen_alpha_on_the_evaluation(
+        tiny_models, compose_cfg):
+    """merge.test_at=selected: the OT fusion at every alpha on the selection split, the alpha with the lowest NLL there
+    (first token apart) chosen before the evaluation is read, and only it scored on the evaluation with its controls:
+    its numbers are those of the same alpha's run of the every-alpha protocol."""
+    from test_e2e import runs
+
+    from mergescope.transport.job import run_transport, select_alpha
+
+    grid = ("merge.alphas=[0.05,0.3,0.9]", "merge.select_sentences=12", "merge.adapt.enabled=false")
+    cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=(*grid, "merge.test_at=selected",
+                                                                        "merge.headline_alpha=null")))
+    res = run_transport(cfg, ov)
+    tr = [x for x in runs(cfg.paths.root) if x.data.tags["kind"] == "transport"]
+    assert len(tr) == 1 and tr[0].data.tags["test_at"] == "selected"
+    m = tr[0].data.metrics
+    curve = {a: m[f"select_curve_nll_rest_at_{a:g}"] for a in (0.05, 0.3, 0.9)}
+    assert m["alpha"] == m["alpha_selected"] == min(curve, key=curve.get) and tr[0].data.tags["headline_alpha"] == f"{m['alpha']:g}"
+    assert m["select_nll_rest_target_lang"] == pytest.approx(curve[m["alpha"]], abs=1e-12)
+    # the every-alpha protocol at the same grid: the chosen alpha's run has the same evaluation numbers
+    cfg2, ov2 = compose_cfg(transport_job(tiny_models, target="b", extra=(*grid, "merge.headline_alpha=0.05")))
+    cfg2.paths.root  # noqa: B018
+    run_transport(cfg2, ov2)
+    every = {x.data.metrics["alpha"]: x.data.metrics for x in runs(cfg2.paths.root)
+             if x.data.tags["kind"] == "transport" and x.data.tags.get("test_at") != "selected"}
+    assert set(every) == {0.05, 0.3, 0.9}
+    same = every[m["alpha"]]
+    for k in ("nll_target_lang", "rand_nll_target_lang", "shrink_nll_target_lang", "delta_target_lang_rest_lo",
+              "ot_minus_rand_donor_lang_rest"):
+        assert m[k] == pytest.approx(same[k], abs=1e-9), k
+    assert min(every, key=lambda a: every[a]["select_nll_rest_target_lang"]) == m["alpha"]  # the same choice both ways
+    assert not res.skipped and run_transport(*compose_cfg(transport_job(
+        tiny_models, target="b", extra=(*grid, "merge.test_at=selected", "merge.headline_alpha=null")))).skipped
+
+
+def test_select_alpha_takes_the_lowest_selection_nll_the_first_token_apart():
+    from mergescope.scoring.bpb import Scores
+    from mergescope.transport.job import select_alpha
+
+    def sc(total, first):  # two sentences of 5 tokens: the first token's nats apart
+        return Scores(np.array([total, total]), np.array([5.0, 5.0]), np.array([20.0, 20.0]), np.zeros(2, bool),
+                      np.array([first, first]), np.array([4.0, 4.0]))
+
+    base = sc(10.0, 2.0)
+    # alpha 0.1 is lower with every token but higher without the first one: the rest decides
+    assert select_alpha(base, {0.1: sc(9.0, 0.5), 0.3: sc(9.5, 2.0)}) == 0.3
+    assert select_alpha(base, {0.1: sc(9.0, 2.0), 0.3: sc(9.0, 2.0)}) == 0.1  # a tie: the smaller alpha

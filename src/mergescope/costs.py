@@ -188,16 +188,21 @@ class Counter:
         return len(sents), sum(len(x.encode("utf-8")) for x in sents) / float(self.k.bytes_per_token)
 
     def extraction(self, cfg: DictConfig, entry: Any, s: Shape | None, w: Work, data: Any = None, key: tuple = ()) -> None:
-        """A representation of one model on one side of the data: charged once per plan."""
+        """A representation of one model on one side of the data: charged once per plan. Under
+        ``represent.one_forward`` every arm's read of one model and side (scores, states of any pooling) is the one
+        forward, with the LM head: charged once whatever ``key`` the arm gives."""
+        from mergescope.represent.one_forward import enabled
+
         data = cfg.data if data is None else data
+        one = enabled(cfg)
         ident = (str(entry.get("name_or_path")), str(entry.get("revision")), str(data.get("name")), str(data.get("split")),
-                 data.get("max_sentences"), *key)
+                 data.get("max_sentences"), str(entry.get("lang")), *(("one",) if one else key))
         if ident in self.seen or s is None:
             return
         self.seen.add(ident)
         _, tok = self.tokens(data, entry.lang, data.get("max_sentences"))
         w.add_load(s)
-        w.add_forward(s, tok, logits=False)
+        w.add_forward(s, tok, logits=one)
 
 
 def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:

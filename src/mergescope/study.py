@@ -13,6 +13,7 @@ Every job is composed from its own override list, and that list is what its run 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,7 @@ class Plan:
         self.cfg = compose(config_name="config", overrides=overrides)
         use_compose_cache(Path(str(self.cfg.paths.cache)) / "compose")
         self.arms = study_arms(self.cfg)
+        self._stage = stage_selection(self.cfg)  # a bad stage= is refused before anything runs
         self.base = without(overrides, "task")
         combos = sweep_jobs(params, list(self.cfg.get("models") or []))
         self.measures = [sweep_job(self.base + with_languages(self.cfg, c)) for c in combos]  # the sweep's own task
@@ -88,7 +90,7 @@ class Plan:
             for side in ("a", "b"):
                 self.entries.setdefault(model_label(c.pair[side]), c.pair[side])
         one = self.cfg.get("one_language")  # the second protocol: every side of the sweep on one language, tagged
-        self.measures += [sweep_job(self.base + with_languages(self.cfg, c, one)) for c in combos] if one else []
+        self.one_language = [sweep_job(self.base + with_languages(self.cfg, c, one)) for c in combos] if one else []
         for arm in sorted((a for a in arms() if a.models is not None), key=lambda a: a.models_order):
             for e in arm.models(self):  # the arms' own models: trained when missing, scored like the sweep's
                 self.entries.setdefault(model_label(e), e)
@@ -109,14 +111,66 @@ class Plan:
 
     def phases(self) -> list[tuple[str, str, Callable[[], list[StudyJob]]]]:
         """(arm, phase, its jobs when asked) in the order the study runs them: training, then every declared arm's
-        phases by the arm's ``order`` (none when the study does not run the arm). What ``plan=true`` lists and
-        :func:`_run_jobs` runs (the same lists). Lazy: which pairs share a parameter space is read from the models'
-        configs, which exist only once the zoo models are trained."""
+        phases by the arm's ``order`` (none when the study does not run the arm), each cut to the launch's stage
+        (:func:`stage_selection`). What ``plan=true`` lists and :func:`_run_jobs` runs (the same lists). Lazy: which
+        pairs share a parameter space is read from the models' configs, which exist only once the zoo models are
+        trained."""
         out = [("training", "training", self.training_jobs)]
         for arm in arms():
             on = arm.name in self.arms
-            out += [(arm.row, p.name, (lambda p=p: p.jobs(self)) if on else list) for p in arm.phases]
+            out += [(arm.row, p.name, (lambda p=p: self.in_stage(p.name, p.jobs(self))) if on else list) for p in arm.phases]
         return out
+
+    def in_stage(self, phase: str, jobs: list[StudyJob]) -> list[StudyJob]:
+        """The jobs of ``phase`` that the launch's stage runs (all of them without ``stage=``)."""
+        if self.stage is None:
+            return jobs
+        cut = self.stage.get(phase)
+        return [] if cut is None else jobs[cut]
+
+    @property
+    def stage(self) -> dict[str, slice] | None:
+        if not hasattr(self, "_stage"):
+            self._stage = stage_selection(self.cfg)
+        return self._stage
+
+
+STAGE_ENTRY = re.compile(r"^(?P<phase>[^\[\]]+?)\s*(?:\[(?P<lo>-?\d*):(?P<hi>-?\d*)\])?$")
+
+
+def stages(cfg: DictConfig) -> dict[str, dict[str, slice]]:
+    """The study's named stages (``stages:`` in the study file: stage -> the phases it runs, in the study's order;
+    ``"<phase>[i:j]"`` runs the slice i:j of that phase's job list, so a long phase can be split over two stages).
+    Every phase the study runs belongs to some stage; the stages' union is the whole study. Checked in one line."""
+    raw = cfg.get("stages")
+    if not raw:
+        return {}
+    names = {p.name for a in arms() for p in a.phases} | {"training"}
+    out: dict[str, dict[str, slice]] = {}
+    for name, entries in raw.items():
+        sel: dict[str, slice] = {}
+        for e in entries or []:
+            m = STAGE_ENTRY.match(str(e).strip())
+            if m is None or m["phase"] not in names:
+                phase = m["phase"] if m else str(e)
+                raise MergescopeError(f"stages.{name}: unknown phase '{phase}': {did_you_mean(phase, sorted(names))}")
+            lo, hi = m["lo"], m["hi"]
+            sel[m["phase"]] = slice(int(lo) if lo else None, int(hi) if hi else None)
+        out[str(name)] = sel
+    return out
+
+
+def stage_selection(cfg: DictConfig) -> dict[str, slice] | None:
+    """The phases (and slices of them) of the launch's ``stage=<name>``; None without one (the whole study)."""
+    name = cfg.get("stage")
+    if name is None:
+        return None
+    every = stages(cfg)
+    if not every:
+        raise MergescopeError(f"stage={name}: this study defines no stages (stages: in its study file); drop stage=")
+    if str(name) not in every:
+        raise MergescopeError(f"stage={name}: unknown stage: {did_you_mean(str(name), list(every))}")
+    return every[str(name)]
 
 
 def training_waves(jobs: list[StudyJob]) -> list[list[StudyJob]]:
@@ -166,12 +220,28 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
     client = Tracker(cfg).client
     rates, gpu = costs.fit(), costs.constants().gpu
     counter = costs.Counter(costs.constants())
+    every = stages(plan.cfg)
+    if plan.stage is not None or not every:
+        return _plan_rows(plan, client, rates, gpu, counter, str(cfg.get("stage") or ""))
+    rows = []  # a staged study, every stage: in order, one counter (a forward an earlier stage pays is not paid again)
+    try:
+        for i, (name, sel) in enumerate(every.items()):
+            plan._stage = sel
+            rows += [r for r in _plan_rows(plan, client, rates, gpu, counter, name) if i == 0 or r["phase"] != "training"]
+    finally:
+        plan._stage = None
+    return rows
+
+
+def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str) -> list[dict[str, Any]]:
+    from mergescope import costs
+
     rows = []
     for arm, phase, of in plan.phases():
         try:
             jobs = of()
         except MergescopeError as exc:  # decided from files that do not exist yet (a zoo model not trained, not downloaded)
-            rows.append({"arm": arm, "phase": phase, "jobs": 0, "done": 0, "todo": 0, "done_s": 0.0, "todo_s": None, "peak_gb": None,
+            rows.append({"stage": stage, "arm": arm, "phase": phase, "jobs": 0, "done": 0, "todo": 0, "done_s": 0.0, "todo_s": None, "peak_gb": None,
                          "cpu_s": None, "gpu_s": None, "cpu_peak_gb": None, "gpu_peak_gb": None,
                          "todo_jobs": [], "note": f"decided from the models' files ({str(exc)[:80]})"})
             continue
@@ -187,7 +257,7 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
         works = [(j, costs.count(counter, j.task, j.cfg)) for j in jobs]  # in order: an extraction is paid once
         counted = [w for j, w in works if id(j) in left]
         known = counted and all(w is not None and not w.missing for w in counted)
-        rows.append({"arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
+        rows.append({"stage": stage, "arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
                      "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
                      "cpu_s": (sum(costs.cpu_seconds(w, rates) for w in counted) if known else None) if todo else 0.0,
@@ -219,17 +289,20 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     t = Table(title=f"study {cfg.tracking.experiment}: the plan (nothing runs)")
     t.caption = (f"to run, s: store = the phase's median run here x jobs left; CPU, GPU = counted (GPU: one {gpu.name}, "
                  f"{float(gpu.memory_gib):.0f} GiB). GiB: one job's peak (measured here, else counted)")
-    cols = ("arm", "phase", "jobs", "done", "to run", "done s", "store s", "CPU s", "CPU GiB", "GPU s", "GPU GiB")
+    staged = any(r["stage"] for r in rows)
+    cols = (("stage",) if staged else ()) + ("arm", "phase", "jobs", "done", "to run", "done s", "store s", "CPU s", "CPU GiB",
+                                              "GPU s", "GPU GiB")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("arm", "phase") else "right")
+        t.add_column(c, justify="left" if c in ("stage", "arm", "phase") else "right")
     num = lambda v, f="{:.0f}": "—" if v is None else f.format(v)  # noqa: E731
-    for r in rows:
+    for i, r in enumerate(rows):
+        first = ([r["stage"] if i == 0 or rows[i - 1]["stage"] != r["stage"] else ""] if staged else [])
         if r["note"]:
-            t.add_row(r["arm"], r["phase"], "?", "", "", "", r["note"], "", "", "", "")
+            t.add_row(*first, r["arm"], r["phase"], "?", "", "", "", r["note"], "", "", "", "")
             continue
         peak = r["peak_gb"] if r["peak_gb"] is not None else r["cpu_peak_gb"]
         gpk = r["gpu_peak_gb"]
-        t.add_row(r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", num(r["todo_s"]),
+        t.add_row(*first, r["arm"], r["phase"], str(r["jobs"]), str(r["done"]), str(r["todo"]), f"{r['done_s']:.0f}", num(r["todo_s"]),
                   num(r["cpu_s"]), num(peak, "{:.2f}") + ("" if r["peak_gb"] is not None or peak is None else " c"),
                   num(r["gpu_s"]), "—" if gpk is None else f"{gpk:.1f}" + (" (over)" if gpk > float(gpu.memory_gib) else ""))
     status.print(t)
@@ -248,6 +321,13 @@ def show_plan(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
         + "). Peak GiB: the largest resident set of one of the phase's done jobs in this store, else the counted peak "
         "of its jobs left (c: the models a job holds at once in float32 times the factor fitted for its kind); GPU: those "
         "models plus 20%.", soft_wrap=True)
+    if staged:  # per stage: what is left of it, counted on this CPU (each stage is one launch: stage=<name>)
+        for name in dict.fromkeys(r["stage"] for r in rows):
+            left = [r for r in rows if r["stage"] == name and not r["note"] and r["todo"]]
+            cpu = sum(r["cpu_s"] or 0.0 for r in left)
+            unknown = [r["phase"] for r in rows if r["stage"] == name and (r["note"] or (r["todo"] and r["cpu_s"] is None))]
+            status.print(f"  stage {name}: {sum(r['todo'] for r in left)} jobs to run, {cpu / 60:.0f} min counted on this CPU"
+                         + (f" (not counted: {', '.join(unknown)})" if unknown else ""), soft_wrap=True)
     for why in sorted({w for r in rows for w in r.get("unknown", [])}):
         status.print(escape(f"  not checked for a run (counted as to run): {why}"), soft_wrap=True)
     for why in sorted({w for r in rows for w in r.get("uncounted", [])}):
@@ -278,13 +358,19 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     parent = None
     with recording() as ledger:
         try:
-            with tracker.start(cfg, f"study {cfg.tracking.experiment}", {"kind": "study", "study": cfg.tracking.experiment,
-                                                                           "arms": ",".join(plan.arms)}, overrides) as parent:
+            stage = {"stage": str(cfg.stage)} if cfg.get("stage") is not None else {}
+            name = f"study {cfg.tracking.experiment}" + (f" stage {cfg.stage}" if stage else "")
+            with tracker.start(cfg, name, {"kind": "study", "study": cfg.tracking.experiment, "arms": ",".join(plan.arms),
+                                           **stage}, overrides) as parent:
                 os.environ[PARENT_ENV] = parent.run_id
                 peaks: dict[str, float] = {}
                 with tracker.finished_index():  # the done-checks from one search of the store as the study found it
                     times = _run_jobs(plan, peaks)
                 times["all jobs"] = time.perf_counter() - started
+                if plan.stage is not None:  # the report reads the whole study as far as its stages are done
+                    ledger_ids = {r.run_id for r in ledger}
+                    earlier = [r.run_id for r in study_runs(Plan(without(overrides, "stage")))]
+                    ledger.extend(_Reused(i) for i in earlier if i not in ledger_ids)
                 peaks = {k: v for k, v in peaks.items() if k in times}
                 peaks["all jobs"] = max(peaks.values(), default=0.0)
                 parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
@@ -303,6 +389,32 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
             else:
                 os.environ[PARENT_ENV] = previous
     return result
+
+
+class _Reused:
+    """A run of the study done by an earlier launch (another stage's), as the ledger lists it."""
+
+    def __init__(self, run_id: str):
+        self.run_id, self.skipped = run_id, True
+
+
+def study_runs(plan: Plan) -> list[Any]:
+    """The FINISHED runs of every job of the whole study that this store holds (found as a launch finds them, nothing
+    run): what the report of a staged study reads besides the launch's own stage."""
+    was_quiet = not verbose()
+    set_quiet(True)
+    try:
+        out = []
+        for _, _, of in plan.phases():
+            try:
+                jobs = of()
+            except MergescopeError:  # decided from files a later stage makes (a zoo model not trained yet)
+                continue
+            done, _ = done_pass(jobs, [])
+            out += [r for _, r in done]
+        return out
+    finally:
+        set_quiet(was_quiet)
 
 
 def _print_times(times: dict[str, float], peaks: dict[str, float]) -> None:

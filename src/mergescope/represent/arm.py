@@ -24,7 +24,12 @@ def _quality_text(j, r) -> str:
 
 def _w_quality(c, cfg, w) -> None:
     s = c.shape(cfg.model, w)
-    if s:
+    from mergescope.represent.one_forward import enabled
+
+    if s and enabled(cfg):  # the study's one forward of this model and side, paid once
+        c.extraction(cfg, cfg.model, s, w)
+        w.held = [s]
+    elif s:
         w.add_load(s)
         w.add_forward(s, c.tokens(cfg.data, cfg.model.lang, cfg.data.get("max_sentences"))[1], logits=True)
         w.held = [s]
@@ -51,6 +56,7 @@ ARMS = [Arm(
     work={"quality": _w_quality, "measure": _w_measure, "typology": _w_none}, peak_kind={"measure": "quality"},
     phases=(Phase("quality", lambda plan: plan.model_jobs("quality"), _quality_text),
             Phase("measure", lambda plan: plan.measures, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)}"),
+            Phase("measure one language", lambda plan: plan.one_language, lambda j, r: f"{j.cfg.metric.name} {_pair_text(j)} (one language)"),
             Phase("typology", lambda plan: plan.pair_jobs("typology"), lambda j, r: f"typology {_pair_text(j)}")),
     report=Report(sections={(30, 0): f"{_R}:cka_section", (30, 1): f"{_R}:one_language_section", (40, 1): f"{_R}:per_model_quality"},
                   pair_rows=f"{_R}:pair_rows", pair_tables=f"{_R}:pair_tables", beside=f"{_R}:beside",

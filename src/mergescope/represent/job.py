@@ -22,6 +22,7 @@ from mergescope.scoring.bpb import token_nll
 from mergescope.errors import MergescopeError
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent.cache import ReprCache, ReprKey, cache_enabled, representation_problem
+from mergescope.represent import one_forward
 from mergescope.represent.forward import POOLINGS, embed
 from mergescope.represent.layers import LayersKey, embed_layers
 from mergescope.runs import JobResult, JobSpec, finite_or_fail, model_label, pair_label, pair_tags, pair_text, run_once
@@ -108,6 +109,14 @@ def representations(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: dat
     always a forward pass, nothing written). Representations that are not finite, or the same for every
     sentence, are an error and are never cached. With ``pending`` (a list) a fresh entry is not written but
     appended as a callable, so a job writes its entries only once every side has succeeded."""
+    if one_forward.enabled(cfg):  # the study's one forward per model and side (represent.one_forward)
+        r = cfg.represent
+        _, layers, meta = one_forward.one_forward(cfg, entry, ref, side, pending=pending)
+        every = layers[str(r.pooling)]
+        if not -every.shape[0] <= int(r.layer) < every.shape[0]:
+            raise MergescopeError(f"layer={r.layer} is out of range for a model with {every.shape[0]} hidden states "
+                                  f"(0..{every.shape[0] - 1}, or -1)")
+        return every[int(r.layer)], meta
     key, cache, use = repr_key(cfg, entry, ref, side), repr_cache(cfg), cache_enabled(cfg)
     hit = cache.get(key) if use else None
     if hit is not None:
@@ -214,7 +223,7 @@ def run_measure(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     tags = {"kind": "measure", **pair_tags(cfg), "metric": cfg.metric.name, "route": "representation",
             "seed": cfg.control.seed, "data": cfg.data.name, "split": cfg.data.split}
     return run_once(cfg, JobSpec(f"measure {cfg.metric.name} {pair_text(cfg)}", tags, task="measure", keys=MEASURE_KEYS,
-                                 reads=(ref_a, ref_b), prepare=prepare), body, overrides)
+                                 reads=(ref_a, ref_b), prepare=prepare, extra=one_forward.identity(cfg) or None), body, overrides)
 
 
 def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
@@ -226,13 +235,26 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     side = data_mod.load_side(cfg.data, str(entry.lang))
     models.hub_kwargs(ref)
     loaded: list[models.LoadedModel] = []  # loaded before the run exists: bad weights fail there
+    shared: dict[str, Any] = {}
+
+    def load() -> None:
+        if one_forward.enabled(cfg):  # the scores of the study's one forward (its states serve the measure arm)
+            scores, _, meta = one_forward.one_forward(cfg, entry, ref, side)
+            shared["res"] = {**scores.summary(), "n_tokens": int(scores.tokens.sum()), "n_truncated": scores.n_truncated}
+            shared["true"] = meta.get("true_config")
+        else:
+            loaded.append(models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref))
 
     def body(job) -> dict[str, float]:
-        lm = loaded[0]
-        job.log_params({"model.true": lm.true_config})
-        with precision.active(cfg):
-            res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
-                            max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
+        if shared:
+            job.log_params({"model.true": shared["true"]})
+            res = shared["res"]
+        else:
+            lm = loaded[0]
+            job.log_params({"model.true": lm.true_config})
+            with precision.active(cfg):
+                res = token_nll(lm.model, lm.tokenizer, side.sentences, batch_tokens=cfg.represent.batch_tokens,
+                                max_length=int(cfg.represent.max_length), progress=bool(cfg.progress), label=f"nll {ref.label}")
         keys = ("nll", "bits_per_byte", "nll_rest", "bits_per_byte_rest", "first_token_nll")
         return finite_or_fail({**{k: res[k] for k in keys}, "n_tokens": float(res["n_tokens"]),
                                "n_truncated": float(res["n_truncated"])},
@@ -241,6 +263,5 @@ def run_quality(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
     tags = {"kind": "quality", "model": model_label(entry), "lang": entry.lang, "data": cfg.data.name,
             "split": cfg.data.split, "seed": cfg.seed}
     return run_once(cfg, JobSpec(f"quality {model_label(entry)}", tags, task="quality", keys=QUALITY_KEYS, reads=(ref,),
-                                 extra={"evidence": 1},  # 1: the first token apart (nll_rest, first_token_nll)
-                                 prepare=lambda: loaded.append(models.load(precision.forward_entry(cfg, entry), cfg.device,
-                                                                           ref=ref))), body, overrides)
+                                 extra={"evidence": 1, **one_forward.identity(cfg)},  # 1: the first token apart
+                                 prepare=load), body, overrides)

@@ -34,6 +34,7 @@ from mergescope.errors import MergescopeError
 from mergescope.metrics import linear_cka
 from mergescope.plotting import pyplot as plt
 from mergescope.registry import metrics as metric_registry
+from mergescope.represent import one_forward
 from mergescope.represent.job import check_represent
 from mergescope.runs import JobResult, JobSpec, pair_tags, pair_text, run_once
 from mergescope.shared_space.agreement import agreement, nn_match_null, permutations, rsa
@@ -200,7 +201,7 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     tags = {"kind": "agreement", **pair_tags(cfg), **model_types(ref_a, ref_b), "route": "representation", "seed": s.seed,
             "data": cfg.data.name, "split": cfg.data.split}
     return run_once(cfg, JobSpec(f"agreement {pair_text(cfg)}", tags, task="agreement", keys=AGREEMENT_KEYS,
-                                 reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs}), body, overrides)  # conf/metric/*.yaml it read
+                                 reads=(ref_a, ref_b), extra={"metric_kwargs": metric_kwargs, **one_forward.identity(cfg)}), body, overrides)  # conf/metric/*.yaml it read
 
 
 SPACE_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
@@ -358,7 +359,7 @@ def run_shared_space(cfg: DictConfig, overrides: list[str] | None = None) -> Job
 
     tags = models_tags(cfg, s, "shared_space", labels)
     return run_once(cfg, JobSpec(f"shared_space {len(labels)} models", tags, task="shared_space", keys=SPACE_KEYS,
-                                 reads=tuple(refs), extra={"evidence": 2}), body, overrides)  # 2: the D sweep's intervals
+                                 reads=tuple(refs), extra={"evidence": 2, **one_forward.identity(cfg)}), body, overrides)  # 2: the D sweep's intervals
 
 
 ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "shared"]
@@ -366,6 +367,8 @@ ROUTING_KEYS = ["data", "represent.max_length", "represent.padding_side", "share
 
 def score_all(cfg, entries, refs, sides) -> list[Scores]:
     """Every sentence under every model (:mod:`mergescope.scoring.bpb`)."""
+    if one_forward.enabled(cfg):  # the scores of the study's one forward (its states serve the space)
+        return [one_forward.one_forward(cfg, e, r, side)[0] for e, r, side in zip(entries, refs, sides)]
     out = []
     for e, r, side in zip(entries, refs, sides):
         lm = models.load(precision.forward_entry(cfg, e), cfg.device, ref=r)
@@ -413,4 +416,4 @@ def run_routing(cfg: DictConfig, overrides: list[str] | None = None) -> JobResul
 
     tags = models_tags(cfg, s, "routing", labels)
     return run_once(cfg, JobSpec(f"routing {len(labels)} models", tags, task="routing", keys=ROUTING_KEYS, reads=tuple(refs),
-                                 extra={"evidence": 1}), body, overrides)
+                                 extra={"evidence": 1, **one_forward.identity(cfg)}), body, overrides)

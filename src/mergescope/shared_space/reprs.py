@@ -12,6 +12,7 @@ from mergescope import precision
 from mergescope import data as data_mod
 from mergescope import models
 from mergescope.errors import MergescopeError
+from mergescope.represent import one_forward
 from mergescope.represent.job import repr_cache
 from mergescope.represent.layers import LayersKey, cached_layers, embed_layers
 from mergescope.shared_space.settings import SharedSettings
@@ -20,6 +21,9 @@ from mergescope.shared_space.settings import SharedSettings
 def layer_reprs(cfg: DictConfig, s: SharedSettings, entry: Any, ref: models.ModelRef,
                 side: data_mod.Side) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """{pooling: (L+1, n, d)} of one model on one side, for every pooling of the arm, cached per pooling."""
+    if one_forward.enabled(cfg):  # the study's one forward per model and side (represent.one_forward)
+        _, layers, meta = one_forward.one_forward(cfg, entry, ref, side, poolings=list(s.all_poolings))
+        return layers, meta
     r = cfg.represent
     keys = {p: LayersKey(model=models.fingerprint(ref), data=side.digest, lang=side.lang, split=str(cfg.data.split),
                          pooling=p, dtype=precision.dtype_tag(cfg, entry), max_length=int(r.max_length)) for p in s.all_poolings}

@@ -32,6 +32,7 @@ from mergescope import models
 from mergescope.scoring.bpb import Scores
 from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.documents import documents
+from mergescope.errors import MergescopeError
 from mergescope.evidence import sentence_csv
 from mergescope import precision
 from mergescope.progress import console
@@ -65,6 +66,10 @@ def check(cfg: DictConfig) -> tuple[DictConfig, TransportSettings]:
             job.merge.pop("scale_match")
         if not job.merge.get("select_sentences"):  # likewise (no selection split)
             job.merge.pop("select_sentences", None)
+        if str(job.merge.get("test_at") or "every") == "every":  # likewise (every alpha tested)
+            job.merge.pop("test_at", None)
+        else:  # the selected alpha is the headline: merge.headline_alpha does not change the run
+            job.merge.headline_alpha = None
         ad = job.merge.get("adapt") or {}
         if ad.get("mode", "residual_frozen") == "residual_frozen":  # mergescope's adaptation: the released SFT's keys left out
             for k in ("mode", "freeze", "train_alpha", "warmup_ratio"):
@@ -104,14 +109,14 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     tracker = Tracker(cfg)
     reads = [target, donor]
     saving = {"save": True} if cfg.get("save") else {}  # save=true: each alpha's fused model written (its own runs)
-    hashes = _alpha_hashes(cfg, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
-    done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
     adapt_hash = job_hash("transport_adapt", cfg, TRANSPORT_KEYS, reads, adapt_controls=ADAPT_CONTROLS) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
     lm_eval = cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"
     if lm_eval:
         from mergescope.scoring.lmeval import check_lm_eval
 
+        if s.test_at == "selected":
+            raise MergescopeError("eval=lm_eval scores every alpha of the grid: use merge.test_at=every with it")
         check_lm_eval()  # before any plan is fitted
     fitted: list[Fitted] = []
 
@@ -120,6 +125,10 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
             fitted.append(_fit(d))
         return fitted[0]
 
+    if s.test_at == "selected":
+        return _run_selected(d, tracker, reads, saving, fit, adapt_hash, adapt_done)
+    hashes = _alpha_hashes(cfg, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
+    done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
     if all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None):
         if s.adapt is not None:  # the reused adaptation's no-fusion baseline is one of the study's runs too
             finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
@@ -135,6 +144,55 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     if lm_eval:
         _lm_evals(d, results, fit)
     return _summary(results, adapt_done, s.headline_alpha, skipped=False)
+
+
+def _selected_cfg(cfg: DictConfig) -> DictConfig:
+    """The run config of a direction tested at its selected alpha: the whole grid (what the choice is made over), no
+    adaptation (its own run)."""
+    c = plain_copy(cfg)
+    with open_dict(c):
+        c.merge.headline_alpha = None
+        c.merge.adapt = {"enabled": False}
+    return c
+
+
+def select_alpha(base: Scores, curve: dict[float, Scores]) -> float:
+    """The alpha of the grid whose OT fusion has the lowest NLL on the selection split, the first token apart (the
+    smaller alpha on a tie); chosen before any evaluation sentence is scored."""
+    return min(curve, key=lambda a: (curve[a].rest().nats_per_token, a))
+
+
+def _run_selected(d: Direction, tracker: Tracker, reads: list[Any], saving: dict, fit, adapt_hash, adapt_done) -> JobResult:
+    """``merge.test_at=selected``: ONE run per direction. The OT fusion at every alpha of the grid is scored on the
+    selection split alone (``select_curve_nll[_rest]_at_<alpha>``); the alpha with the lowest NLL there (first token
+    apart) is the run's alpha and headline, and only it is scored on the evaluation sentences, with the random-plan
+    control over every seed and the shrink-only control, as an alpha run of ``test_at=every`` is."""
+    cfg, s = d.cfg, d.s
+    run_cfg = _selected_cfg(cfg)
+    h = job_hash("transport", run_cfg, TRANSPORT_KEYS, reads, **saving, test_at="selected")
+    done = finished(cfg, tracker, h)
+    if done is not None and (s.adapt is None or adapt_done is not None):
+        if s.adapt is not None:
+            finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
+        return _summary({float(done.metrics.get("alpha", math.nan)): done}, adapt_done, float(done.metrics.get("alpha", math.nan)),
+                        skipped=True)
+    would_run()
+    f = fit()
+    if done is None:
+        curve: dict[float, Scores] = {}
+        for a in s.alphas:
+            f.host.set(f.fusion.weights(a, control=False))
+            curve[a] = f.host.scores(d.texts.select_t, f"fused a={a:g} selection split")
+        f.host.set(f.fusion.original)
+        chosen = select_alpha(f.base_scores["select"], curve)
+        extra = {"alpha_selected": chosen, "n_grid": float(len(curve))}
+        for a, sc in curve.items():
+            extra[f"select_curve_nll_at_{a:g}"] = sc.nats_per_token
+            extra[f"select_curve_nll_rest_at_{a:g}"] = sc.rest().nats_per_token
+        done = _alpha_run(d, f, chosen, h, run_cfg=run_cfg, extra=extra, known_select=curve[chosen])
+    if s.adapt and adapt_done is None:
+        adapt_done = adapt_direction(d, f, adapt_hash, None)
+    return _summary({float(done.metrics["alpha"]): done}, adapt_done, float(done.metrics["alpha"]), skipped=False)
 
 
 def _lm_evals(d: Direction, results: dict[float, JobResult], fit) -> None:
@@ -304,14 +362,18 @@ def _layer_diagonal(P, kept) -> dict[str, float]:
             "plan_layer_diagonal_kept": float(np.mean(kept[idx, idx] > 0)), "plan_layer_chance": 1.0 / P.shape[0]}
 
 
-def _alpha_run(d: Direction, f: Fitted, a: float, h: str) -> JobResult:
+def _alpha_run(d: Direction, f: Fitted, a: float, h: str, run_cfg: DictConfig | None = None, extra: dict | None = None,
+               known_select: Scores | None = None) -> JobResult:
     """One alpha's run: the fused target and the random-plan control, each on both languages, with the fused
-    tensors' weight-space distance to the target's originals (aggregate metrics, per tensor as an artifact)."""
+    tensors' weight-space distance to the target's originals (aggregate metrics, per tensor as an artifact). A direction
+    tested at its selected alpha passes its run config (the grid), the selection curve (``extra``) and the chosen
+    alpha's selection-split scores (``known_select``: not scored twice)."""
     host = f.host
 
     def body(job: Job) -> dict[str, float]:
         base = f.base_scores
-        values = {"alpha": a, **_named(base["target_lang"], "base_", "target_lang"), **_named(base["donor_lang"], "base_", "donor_lang")}
+        values = {"alpha": a, **(extra or {}), **_named(base["target_lang"], "base_", "target_lang"),
+                  **_named(base["donor_lang"], "base_", "donor_lang")}
         per_tensor = {}
         sc: dict[tuple[str, str], Scores] = {("base", k): v for k, v in base.items()}
         # the OT plan, the random-plan control, and the shrink-only control (the same alpha and mask, T = 0)
@@ -322,7 +384,7 @@ def _alpha_run(d: Direction, f: Fitted, a: float, h: str) -> JobResult:
                 sc[(arm, lang)] = host.scores(sents, f"{prefix}fused a={a:g} {what}")
                 values.update(_named(sc[(arm, lang)], prefix, lang))
             if not prefix and d.texts.select_t:  # the alpha-selection split: the OT fusion only (what is chosen)
-                sc[("ot", "select")] = host.scores(d.texts.select_t, f"fused a={a:g} selection split")
+                sc[("ot", "select")] = known_select or host.scores(d.texts.select_t, f"fused a={a:g} selection split")
                 values["select_nll_target_lang"] = sc[("ot", "select")].nats_per_token
                 values["select_nll_rest_target_lang"] = sc[("ot", "select")].rest().nats_per_token
             agg, per_tensor[arm] = f.fusion.weight_stats(a, control=ctl, shrink=shrink)
@@ -350,8 +412,9 @@ def _alpha_run(d: Direction, f: Fitted, a: float, h: str) -> JobResult:
         job.log_text(json.dumps(per_tensor, indent=1), "transport/fused_weights.json")
         return values
 
-    tags = d.tags("transport", alpha=a, headline_alpha=d.s.headline_alpha)
-    r = run_once(_alpha_cfg(d.cfg, a), JobSpec(f"transport a={a:g} {d.label}", tags, keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
+    selected = {"test_at": "selected"} if run_cfg is not None else {}
+    tags = d.tags("transport", alpha=a, headline_alpha=a if selected else d.s.headline_alpha, **selected)
+    r = run_once(run_cfg if run_cfg is not None else _alpha_cfg(d.cfg, a), JobSpec(f"transport a={a:g} {d.label}", tags, keys=TRANSPORT_KEYS, cfg_hash=h), body, d.overrides)
     v = r.metrics
     console.print(f"  {d.label} alpha={a:g}: delta target {v['delta_target_lang']:+.4f} "
                   f"(random plan {v['rand_delta_target_lang']:+.4f}, shrink only {v.get('shrink_delta_target_lang', math.nan):+.4f}), "

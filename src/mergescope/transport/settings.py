@@ -204,6 +204,8 @@ class TransportSettings:
     released: ReleasedSettings | None = None  # merge=transport_released's own switches
     select_sentences: int = 0    # the alpha-selection split's sentences (0 = none): probe-split lines after the probes
     control_seeds: int = 1       # random-plan controls, seeds control_seed, +1, ...: every interval includes their spread
+    test_at: str = "every"       # every: each alpha scored on the evaluation with its controls | selected: the grid scored on
+                                 # the selection split (OT fusion only), the evaluation and controls at the alpha chosen there
 
     def variant(self) -> str:
         """The setting in words, for the ablation table: the preset (``seed``, ``released:code``, ``released:paper``)
@@ -262,7 +264,14 @@ class TransportSettings:
         if m.get("qkv"):
             raise MergescopeError("merge.qkv was removed: q/k/v need head-level plans (q.k pairs within a head, RoPE pairs, v "
                                   "tied to o_proj), which are not implemented; q/k/v keep the target's values")
-        headline = _headline(m.get("headline_alpha"), alphas)
+        test_at = str(m.get("test_at") or "every")
+        if test_at not in TEST_AT:
+            raise MergescopeError(f"merge.test_at must be every or selected, got '{test_at}'")
+        if test_at == "selected" and not select:
+            raise MergescopeError("merge.test_at=selected chooses alpha on the selection split: set merge.select_sentences "
+                                  "(e.g. 64 FLORES dev lines after the probes)")
+        headline = (None if test_at == "selected" and m.get("headline_alpha") is None
+                    else _headline(m.get("headline_alpha"), alphas))
         ad = m.get("adapt")
         return cls(
             target=str(m.target), probe_split=str(m.probe_split), probe_set=str(m.get("probe_set") or "flores200"),
@@ -273,7 +282,7 @@ class TransportSettings:
             headline_alpha=headline, control_seed=int(m.control_seed), control_seeds=_control_seeds(m.get("control_seeds", 1)),
             adapt=AdaptSettings.from_node(ad) if ad is not None and ad.get("enabled") else None,
             scale_match=scale_match, name=name, released=ReleasedSettings.from_node(m) if name == "transport_released" else None,
-            select_sentences=int(select),
+            select_sentences=int(select), test_at=test_at,
         )
 
     @classmethod
@@ -333,6 +342,9 @@ def check_probe_set(cfg: DictConfig, s: TransportSettings) -> None:
     if missing:
         raise MergescopeError(f"merge.probe_set={s.probe_set} ({pdata.root}) has no {', '.join(missing)} side (it has: "
                               f"{', '.join(langs)}); use merge.probe_set=flores200")
+
+
+TEST_AT = ("every", "selected")
 
 
 def _headline(value: Any, alphas: list) -> float:

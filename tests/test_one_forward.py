@@ -1,0 +1,183 @@
+"""represent.one_forward: one forward per model and side gives the scorer's NLL and every layer's pooled states, equal
+to the separate paths; quality, the measure arm, the shared space and routing all read it; its cache is checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import FLORES, make_model, make_tokenizer
+
+from mergescope.represent.one_forward import forward_all
+
+
+@pytest.fixture(scope="module")
+def english_tok():
+    from mergescope.zoo import sample_lines
+
+    lines = sample_lines("eng_Latn")
+    return make_tokenizer(lines, 300), lines
+
+
+def _reference_states(model, tok, sentence_ids: list[int]) -> list[torch.Tensor]:
+    """One sentence alone (no batch, no padding): every layer's states, laid out as the all-layer path lays them."""
+    from mergescope.represent.layers import all_hidden
+
+    x = torch.tensor([sentence_ids])
+    with torch.inference_mode():
+        return all_hidden(model, x, torch.ones_like(x), torch.arange(x.shape[1])[None])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_one_pass_gives_the_scorers_nll_and_each_sentences_states_read_alone(english_tok, family):
+    from mergescope.represent.forward import pool
+    from mergescope.scoring.bpb import prepare, score_sentences
+
+    tok, lines = english_tok
+    model = make_model(family, len(tok), 0)
+    sents = lines[:37]
+    scores, layers, stats = forward_all(model, tok, sents, poolings=("sgpt", "mean", "last"), batch_tokens=256, progress=False)
+    ref = score_sentences(model, tok, sents, batch_tokens=100)  # the separate scoring path, other batches
+    assert np.allclose(scores.nll, ref.nll, rtol=0, atol=1e-5) and np.array_equal(scores.tokens, ref.tokens)
+    assert np.allclose(scores.first_nll, ref.first_nll, atol=1e-5) and np.array_equal(scores.bytes, ref.bytes)
+    assert scores.summary()["nll_rest"] == pytest.approx(ref.summary()["nll_rest"], abs=1e-6)
+    ids = prepare(tok, sents).ids
+    n_layers = model.config.num_hidden_layers + 1
+    assert {p: a.shape for p, a in layers.items()} == {p: (n_layers, 37, model.config.hidden_size) for p in layers}
+    for i in (0, 5, 36):  # the start token fed, never pooled: pooled over positions 1.. of the sentence read alone
+        hs = _reference_states(model, tok, ids[i])
+        mask = torch.ones(1, len(ids[i]), dtype=torch.long)
+        mask[0, 0] = 0
+        for p in ("sgpt", "mean", "last"):
+            want = torch.stack([pool(h, mask, p) for h in hs]).numpy()[:, 0]
+            assert np.allclose(layers[p][:, i], want, atol=1e-5), (p, i)
+    assert stats["n_leading_special"] == 37 and stats["start_token"] == "scoring"
+
+
+def test_where_the_tokenizer_puts_the_start_token_first_the_states_equal_the_separate_path(english_tok):
+    """A tokenizer whose own BOS is its start token (Gemma's, Llama's ``<s>``): the separate all-layer path feeds the
+    same ids, so the one forward's states are the separate path's."""
+    from tokenizers.processors import TemplateProcessing
+
+    from mergescope.represent.layers import embed_layers
+    from mergescope.scoring.bpb import start_id
+
+    tok, lines = english_tok
+    import copy
+
+    bos = copy.deepcopy(tok)
+    bos.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    assert bos("a")["input_ids"][0] == 0 == start_id(bos)
+    model = make_model("llama", len(bos), 1)
+    _, layers, _ = forward_all(model, bos, lines[:30], poolings=("sgpt", "mean"), progress=False)
+    sep, _ = embed_layers(model, bos, lines[:30], poolings=("sgpt", "mean"), progress=False)
+    for p in ("sgpt", "mean"):
+        assert np.allclose(layers[p], sep[p], atol=1e-5)
+
+
+def _cfg(compose_cfg, extra):
+    return compose_cfg(["represent.one_forward=true", "control.calibration_permutations=0", *extra])
+
+
+@pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
+def test_quality_measure_shared_space_and_routing_read_one_forward_per_model_and_side(tiny_models, compose_cfg, monkeypatch):
+    from test_e2e import pair_args
+
+    from mergescope.represent import job as rjob
+    from mergescope.represent import one_forward as of
+    from mergescope.shared_space import job as sjob
+    from mergescope.shared_space import reprs
+
+    calls: list[tuple[str, int]] = []
+    real = of.forward_all
+    monkeypatch.setattr(of, "forward_all", lambda m, t, s, **k: (calls.append((type(m).__name__, len(s))), real(m, t, s, **k))[1])
+    for mod, name in ((rjob, "embed"), (rjob, "embed_layers"), (rjob, "token_nll"), (reprs, "embed_layers"),
+                      (sjob, "score_sentences")):
+        monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("a separate forward ran"))
+    pair = pair_args(tiny_models)
+    cfg, ov = _cfg(compose_cfg, ["task=measure", "metric=cka", *pair, "data.max_sentences=60"])
+    m = rjob.run_measure(cfg, ov)
+    assert len(calls) == 2  # one forward per side of the pair
+    a, b = cfg.pair.a, cfg.pair.b
+    model_a = f"{{name:a,name_or_path:'{a.name_or_path}',revision:null,lang:{a.lang},dtype:float32}}"
+    model_b = f"{{name:b,name_or_path:'{b.name_or_path}',revision:null,lang:{b.lang},dtype:float32}}"
+    quality = ["task=quality", "model=custom", f"model.name_or_path={a.name_or_path}", f"model.lang={a.lang}", "data.max_sentences=60"]
+    qcfg, qov = _cfg(compose_cfg, quality)
+    q = rjob.run_quality(qcfg, qov)
+    scfg, sov = _cfg(compose_cfg, ["task=shared_space", f"shared.models=[{model_a},{model_b}]", "data.max_sentences=60",
+                                   "shared.dims=[4,8]", "shared.dim=8", "shared.folds=3"])
+    sjob.run_shared_space(scfg, sov)
+    routed = sjob.run_routing(scfg, sov)
+    assert len(calls) == 2  # quality, the space and routing: the same two forwards' entries, no new pass
+    assert routed.metrics["bpb_oracle"] <= routed.metrics["bpb_always_best"] + 1e-12
+    # the separate path's quality on the same model and sentences: equal to float noise
+    monkeypatch.undo()
+    sep_cfg, sep_ov = compose_cfg(quality)
+    sep = rjob.run_quality(sep_cfg, sep_ov)
+    for k in ("nll", "nll_rest", "bits_per_byte", "first_token_nll"):
+        assert q.metrics[k] == pytest.approx(sep.metrics[k], abs=1e-6)
+    assert q.run_id != sep.run_id  # the two paths are two jobs: the one forward is in the identity
+    assert 0 < m.metrics["cka"] <= 1
+
+
+@pytest.mark.skipif(not FLORES.is_dir(), reason="FLORES data not found")
+def test_a_damaged_or_misfiled_entry_is_recomputed_never_used(tiny_models, compose_cfg, monkeypatch):
+    from mergescope import data as data_mod
+    from mergescope import models
+    from mergescope.represent import one_forward as of
+
+    cfg, _ = _cfg(compose_cfg, ["task=measure", "data.max_sentences=20"])
+    entry = {"name": "a", "name_or_path": str(tiny_models["llama_pt"]), "revision": None, "lang": "por_Latn", "dtype": "float32"}
+    from omegaconf import OmegaConf
+
+    entry = OmegaConf.create(entry)
+    ref, side = models.resolve(entry), data_mod.load_side(cfg.data, "por_Latn")
+    calls = []
+    real = of.forward_all
+    monkeypatch.setattr(of, "forward_all", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    s1, l1, m1 = of.one_forward(cfg, entry, ref, side)
+    s2, l2, m2 = of.one_forward(cfg, entry, ref, side)
+    assert len(calls) == 1 and m2["cache"] == "hit" and np.array_equal(s1.nll, s2.nll)
+    assert all(np.array_equal(l1[p], l2[p]) for p in l1)
+    ks = of.keys(cfg, entry, ref, side, of.poolings_of(cfg))
+    from mergescope.represent.job import repr_cache
+
+    cache = repr_cache(cfg)
+    npy = cache.root / f"{ks['scores'].digest}.npy"
+    raw = bytearray(npy.read_bytes())
+    raw[-8:] = b"\x00" * 8  # the last score changed: its checksum no longer holds
+    npy.write_bytes(bytes(raw))
+    s3, _, m3 = of.one_forward(cfg, entry, ref, side)
+    assert len(calls) == 2 and m3["cache"] == "miss" and np.allclose(s3.nll, s1.nll, atol=1e-9)
+    # another model's entry copied under this key's name: its metadata names the other key, so it is recomputed
+    other = of.ForwardKey(**{**ks["scores"].__dict__, "lang": "ita_Latn"})
+    cache.put(other, np.arange(120.0).reshape(20, 6), {})
+    for suffix in (".npy", ".json"):
+        (cache.root / f"{ks['scores'].digest}{suffix}").write_bytes((cache.root / f"{other.digest}{suffix}").read_bytes())
+    _, _, m4 = of.one_forward(cfg, entry, ref, side)
+    assert len(calls) == 3 and m4["cache"] == "miss"
+
+
+def test_stages_parse_cut_phases_and_refuse_unknown_names(compose_cfg):
+    from mergescope.errors import MergescopeError
+    from mergescope.study import stage_selection, stages
+
+    cfg, _ = compose_cfg(["study=crossarch_real"])
+    every = stages(cfg)
+    assert list(every) == ["represent", "english", "transport", "ablation_a", "ablation_b", "merges"]
+    assert every["ablation_a"] == {"transport settings": slice(0, 5)} and every["ablation_b"] == {"transport settings": slice(5, None)}
+    jobs = list(range(9))  # the two ablation stages cut one phase into disjoint parts that cover it
+    assert jobs[every["ablation_a"]["transport settings"]] + jobs[every["ablation_b"]["transport settings"]] == jobs
+    from mergescope.arm import arms
+
+    ran = {p.name for a in arms() if a.name in cfg.arms for p in a.phases}
+    assert ran <= {p for sel in every.values() for p in sel}  # every phase the study runs is in a stage
+    cfg, _ = compose_cfg(["study=crossarch_real", "stage=english"])
+    assert set(stage_selection(cfg)) == {"measure one language", "shared space"}
+    for bad, says in ((["study=crossarch_real", "stage=englsh"], "did you mean 'english'"),
+                      (["study=toy", "stage=english"], "defines no stages"),
+                      (["study=crossarch_real", "+stages.x=[measure,trasport]", "stage=x"], "unknown phase 'trasport'")):
+        cfg, _ = compose_cfg(bad)
+        with pytest.raises(MergescopeError, match=says):
+            stage_selection(cfg)
