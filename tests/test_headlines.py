@@ -107,3 +107,27 @@ def test_the_collapse_band_is_the_ratios_worse_than_both_ends_by_their_intervals
     monkeypatch.setattr(ar, "_change", lambda study, a, b: planted[(a.m("ratio"), b.m("ratio"))])
     pts = [Rec(f"{i:032d}", i, {}, {"ratio": x}, {}) for i, x in enumerate((0.0, 0.3, 0.5, 0.7, 1.0))]
     assert ar.collapse_band(None, pts) == "0.3"
+
+
+def test_a_transport_section_tested_at_the_chosen_alpha_says_where_alpha_was_chosen_not_a_fixed_headline():
+    """Directions tested at the alpha their selection split chose (merge.test_at=selected): the section names the chosen
+    alpha per direction with the grid's edge, never calls it a headline alpha fixed in the config."""
+    from types import SimpleNamespace
+
+    from mergescope.transport.report import _fusion_table
+
+    def run(i, target, donor, alpha, delta):
+        curve = {f"select_curve_nll_rest_at_{a:g}": 4.0 + abs(a - alpha) for a in (0.003, 0.01, 0.03, 0.1, 0.3)}
+        m = {"alpha": alpha, "delta_target_lang": delta, "delta_target_lang_rest": delta, "delta_target_lang_rest_lo": delta - 0.01,
+             "delta_target_lang_rest_hi": delta + 0.01, "delta_target_lang_rest_groups": 84.0, **curve}
+        return Rec(f"{i:032d}", i, {"kind": "transport", "direction": f"{target} <- {donor}", "alpha": f"{alpha:g}",
+                                    "headline_alpha": f"{alpha:g}", "test_at": "selected", "transport_variant": "seed",
+                                    "target": target, "donor": donor}, m, {})
+
+    runs = [run(1, "smol", "qwen", 0.01, -0.05), run(2, "gemma", "smol", 0.003, 0.02)]
+    an = SimpleNamespace(metrics={}, csv={}, study=None, figures=[], console_tables=[])
+    sec = Section("transport", "7. Transport")
+    _fusion_table(an, sec, runs)
+    text = " ".join(sec.text)
+    assert "At the alpha each direction chose on its selection split" in text and "fixed in the config" not in text
+    assert "smol <- qwen: 0.01;" in text and "gemma <- smol: 0.003 (at the grid's lower edge 0.003" in text

@@ -181,3 +181,40 @@ def test_stages_parse_cut_phases_and_refuse_unknown_names(compose_cfg):
         cfg, _ = compose_cfg(bad)
         with pytest.raises(MergescopeError, match=says):
             stage_selection(cfg)
+
+
+def test_a_pass_killed_midway_resumes_from_its_checkpoint_with_the_same_numbers(english_tok, tmp_path):
+    """The batches done before a kill are saved; the rerun computes only the rest and gives the uninterrupted numbers.
+    A checkpoint of another batching is not used."""
+    from mergescope.represent.one_forward import Checkpoint
+
+    tok, lines = english_tok
+    model = make_model("llama", len(tok), 2)
+    sents = lines[:40]
+    whole_s, whole_l, _ = forward_all(model, tok, sents, poolings=("sgpt", "mean"), batch_tokens=128, progress=False)
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("killed")
+        return real_forward(*a, **k)
+
+    ck = Checkpoint(tmp_path / "part.npz", "entry:sgpt,mean:128", every_s=0.0)
+    model.forward = dying
+    with pytest.raises(KeyboardInterrupt):
+        forward_all(model, tok, sents, poolings=("sgpt", "mean"), batch_tokens=128, progress=False, checkpoint=ck)
+    saved = ck.load(40, ("sgpt", "mean"))
+    assert saved is not None and saved["done"].sum() > 0 and not saved["done"].all()
+    calls["n"], model.forward = 0, (lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real_forward(*a, **k))[1])
+    s, layers, _ = forward_all(model, tok, sents, poolings=("sgpt", "mean"), batch_tokens=128, progress=False, checkpoint=ck)
+    from mergescope.scoring.batching import length_batches
+    from mergescope.scoring.bpb import prepare
+
+    lengths = np.array([len(x) for x in prepare(tok, sents).ids])
+    left = sum(1 for b in length_batches(lengths, 128) if not saved["done"][b].all())
+    assert calls["n"] == left  # only the batches the kill left undone
+    assert np.array_equal(s.nll, whole_s.nll) and all(np.array_equal(layers[p], whole_l[p]) for p in layers)
+    other = Checkpoint(tmp_path / "part.npz", "entry:sgpt,mean:256", every_s=0.0)  # another batching: ignored
+    assert other.load(40, ("sgpt", "mean")) is None

@@ -1308,7 +1308,7 @@ def test_tested_at_the_selected_alpha_one_run_scores_the_grid_on_dev_and_only_th
     its numbers are those of the same alpha's run of the every-alpha protocol."""
     from test_e2e import runs
 
-    from mergescope.transport.job import run_transport, select_alpha
+    from mergescope.transport.job import run_transport
 
     grid = ("merge.alphas=[0.05,0.3,0.9]", "merge.select_sentences=12", "merge.adapt.enabled=false")
     cfg, ov = compose_cfg(transport_job(tiny_models, target="b", extra=(*grid, "merge.test_at=selected",

@@ -24,9 +24,12 @@ never used), and written only once the whole pass has succeeded.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -101,13 +104,54 @@ class _Final:
         self.handle.remove()
 
 
+class Checkpoint:
+    """A long forward's partial results on disk, so that a killed launch resumes where it stopped: the sentences done
+    so far with their scores and states, written at most every ``every_s`` seconds (atomically, checksummed:
+    :mod:`mergescope.integrity`) under the entry's own key, and deleted once the entry is written. A checkpoint that
+    is damaged, or of another batching (another ``batch_tokens``), is ignored and the pass starts over."""
+
+    def __init__(self, path: Path, ident: str, every_s: float = 300.0):
+        self.path, self.ident, self.every_s = Path(path), ident, float(every_s)
+        self.last = time.monotonic()
+
+    def load(self, n: int, poolings: Sequence[str]) -> dict[str, np.ndarray] | None:
+        from mergescope.integrity import read_entry
+
+        payload = read_entry(self.path) if self.path.is_file() else None
+        if payload is None:
+            return None
+        try:
+            got = dict(np.load(io.BytesIO(payload), allow_pickle=False))
+        except (ValueError, OSError, EOFError):
+            return None
+        if str(got.get("ident", np.array(""))) != self.ident or got["done"].shape != (n,) or \
+                any(f"layers:{p}" not in got for p in poolings):
+            return None
+        return got
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.every_s
+
+    def save(self, state: dict[str, np.ndarray]) -> None:
+        from mergescope.integrity import write_entry
+
+        buf = io.BytesIO()
+        np.savez(buf, ident=np.array(self.ident), **state)
+        write_entry(self.path, buf.getvalue())
+        self.last = time.monotonic()
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 @torch.inference_mode()
 def forward_all(model, tokenizer, sentences: Sequence[str], poolings: Sequence[str] = ("sgpt",), batch_tokens="auto",
-                max_length: int = 512, progress: bool = True,
-                label: str = "forward") -> tuple[Scores, dict[str, np.ndarray], dict[str, Any]]:
+                max_length: int = 512, progress: bool = True, label: str = "forward",
+                checkpoint: Checkpoint | None = None) -> tuple[Scores, dict[str, np.ndarray], dict[str, Any]]:
     """One pass: :class:`~mergescope.scoring.bpb.Scores` of ``sentences`` (equal to
     :func:`~mergescope.scoring.bpb.score_sentences`) and ``{pooling: (L+1, n, d) float64}`` of the same forward, the
-    start token left out of every pooling; plus stats."""
+    start token left out of every pooling; plus stats. With ``checkpoint`` the batches done are saved as it goes and
+    a pass killed midway resumes from them (the same numbers: each batch is computed alone)."""
     bad = [p for p in poolings if p not in POOLINGS]
     if bad:
         raise MergescopeError(f"unknown pooling '{bad[0]}': choose one of {', '.join(POOLINGS)}")
@@ -119,9 +163,20 @@ def forward_all(model, tokenizer, sentences: Sequence[str], poolings: Sequence[s
     nll, nll0 = np.zeros(n), np.zeros(n)
     layers: dict[str, np.ndarray] = {}
     batches = length_batches(lengths, batch_token_budget(batch_tokens, device))
+    done = np.zeros(n, dtype=bool)
+    resumed = checkpoint.load(n, poolings) if checkpoint is not None else None
+    if resumed is not None:
+        done, nll, nll0 = resumed["done"].astype(bool), resumed["nll"], resumed["nll0"]
+        layers = {p: resumed[f"layers:{p}"] for p in poolings}
+
+    def state() -> dict[str, np.ndarray]:
+        return {"done": done, "nll": nll, "nll0": nll0, **{f"layers:{p}": a for p, a in layers.items()}}
+
     with bar() as pb:
-        task = pb.add_task(label, total=n, visible=progress)
+        task = pb.add_task(label, total=n, visible=progress, completed=int(done.sum()))
         for b in batches:
+            if done[b].all():  # a resumed pass: this batch was computed before the kill
+                continue
             x, m, p = pad_batch([prep.ids[i] for i in b], pad_id(tokenizer), "right", device)
             targets = torch.nn.functional.pad(x[:, 1:], (0, 1), value=0)
             scored = torch.nn.functional.pad(m[:, 1:], (0, 1), value=0)
@@ -143,7 +198,10 @@ def forward_all(model, tokenizer, sentences: Sequence[str], poolings: Sequence[s
                     layers[name] = np.empty((pooled.shape[0], n, pooled.shape[2]), dtype=np.float64)
                 layers[name][:, b] = pooled
             kept.clear()
+            done[b] = True
             pb.advance(task, len(b))
+            if checkpoint is not None and checkpoint.due() and not done.all():
+                checkpoint.save(state())
     scores = Scores(nll, (lengths - 1).astype(np.float64), prep.bytes, prep.truncated, nll0, prep.first_bytes)
     return scores, layers, {"n_tokens": int(lengths.sum()), "n_truncated": int(prep.truncated.sum()),
                             "n_batches": len(batches), "n_leading_special": n, "start_token": "scoring"}
@@ -208,10 +266,15 @@ def one_forward(cfg: DictConfig, entry: Any, ref, side, poolings: Sequence[str] 
     r = cfg.represent
     lm = models.load(precision.forward_entry(cfg, entry), cfg.device, ref=ref)
     every = [name for name in ks if name != "scores"]
+    ck = None
+    if use:  # a killed pass resumes: its batches so far, under the scores entry's key, the poolings and the batching
+        ident = f"{ks['scores'].digest}:{','.join(every)}:{r.batch_tokens}:{cfg.device}"
+        ck = Checkpoint(cache.root / "partial" / f"{ks['scores'].digest}.npz", ident)
     with precision.active(cfg):
         scores, layers, stats = forward_all(lm.model, lm.tokenizer, side.sentences, poolings=every,
                                             batch_tokens=r.batch_tokens, max_length=int(r.max_length),
-                                            progress=bool(cfg.get("progress", True)), label=f"forward {ref.label}")
+                                            progress=bool(cfg.get("progress", True)), label=f"forward {ref.label}",
+                                            checkpoint=ck)
     for name, arr in layers.items():
         problem = representation_problem(arr[-1])
         if problem:
@@ -225,6 +288,7 @@ def one_forward(cfg: DictConfig, entry: Any, ref, side, poolings: Sequence[str] 
     if use:
         writes = [lambda: cache.put(ks["scores"], scores_array(scores), meta)]
         writes += [(lambda k=ks[name], a=layers[name]: cache.put(k, a, meta)) for name in every]
+        writes.append(ck.clear)  # the entry written: its partial pass is no longer needed
         for w in writes:
             w() if pending is None else pending.append(w)
     return scores, {p: layers[p] for p in poolings}, {**meta, "cache": "miss" if use else "off"}

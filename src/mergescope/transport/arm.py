@@ -135,6 +135,7 @@ def run_sweep(plan, jobs: list) -> None:
 def _w_transport(c, cfg, w) -> None:
     from mergescope.costs import transport_plans
     from mergescope.transport.identity import sides
+    from mergescope.transport.settings import TransportSettings
 
     t_entry, d_entry = sides(cfg)
     st, sd = c.shape(t_entry, w), c.shape(d_entry, w)
@@ -142,10 +143,20 @@ def _w_transport(c, cfg, w) -> None:
         return
     m = cfg.merge
     transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
-    _, tok = c.tokens(cfg.data, t_entry.lang, None)
+    n_eval = cfg.native.get("nll_sentences")
+    tok = sum(c.tokens(cfg.data, lang, n_eval)[1] for lang in dict.fromkeys([t_entry.lang, d_entry.lang]))  # both languages
     alphas = len(m.get("alphas") or [])
     seeds = int(m.get("control_seeds") or 1)
-    w.add_forward(st, tok, logits=True, passes=1 + alphas * (2 + seeds))  # baseline; OT, shrink-only and each control seed
+    select = int(m.get("select_sentences") or 0)
+    if select:  # the selection split: FLORES dev lines after the probes, the OT fusion at each alpha and the unfused target
+        from mergescope.transport.settings import probe_data
+
+        probe_set = probe_data(cfg, TransportSettings.from_node(m))
+        _, sel = c.tokens(probe_set, t_entry.lang, int(m.probe_sentences) + select)
+        _, probes = c.tokens(probe_set, t_entry.lang, int(m.probe_sentences))
+        w.add_forward(st, sel - probes, logits=True, passes=1 + alphas)
+    tested = 1 if str(m.get("test_at") or "every") == "selected" else alphas
+    w.add_forward(st, tok, logits=True, passes=1 + tested * (2 + seeds))  # baseline; OT, shrink-only and each control seed
     ad = m.get("adapt") or {}
     if ad.get("enabled"):
         w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)

@@ -156,6 +156,12 @@ def main_variant(head: list[Rec]) -> str:
     return max(dirs, key=lambda v: (len(dirs[v]), v == "seed")) if dirs else "seed"
 
 
+def selection_grid(r: Rec) -> list[float]:
+    """The alphas a run tested at its selected alpha chose among (its ``select_curve_nll_rest_at_<alpha>`` metrics)."""
+    head = "select_curve_nll_rest_at_"
+    return sorted(float(k[len(head):]) for k in r.metrics if k.startswith(head))
+
+
 def alpha_choice(rs: list[Rec]) -> tuple[str, str, str, str]:
     """One (direction, setting)'s runs over its alphas: (the alpha with the lowest NLL on the selection split, its delta
     on the evaluation sentences; the alpha with the lowest delta on the evaluation itself, that delta). The first is a
@@ -163,6 +169,10 @@ def alpha_choice(rs: list[Rec]) -> tuple[str, str, str, str]:
     protocol (the best alpha read off the reported numbers), optimistic by construction. "—" where no run has a
     selection split."""
     sel, dk = _nll_key("select_nll_target_lang"), claims.metric("delta_target_lang")
+    if rs and all(r.tags.get("test_at") == "selected" for r in rs):  # one run: the alpha chosen on dev, tested alone
+        r = rs[-1]
+        return (f"{r.m('alpha'):g}" + claims.edge_note(r.m("alpha"), selection_grid(r)), claims.cell(r, "delta_target_lang"),
+                "— (only the chosen alpha is tested)", "—")
     have = [r for r in rs if np.isfinite(r.m(sel))]
     dev = min(have, key=lambda r: (r.m(sel), r.m("alpha"))) if len(have) == len(rs) and have else None
     ev = min(rs, key=lambda r: (r.m(dk), r.m("alpha"))) if rs else None
@@ -254,9 +264,12 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     med = median(x.m(dk) for x in head)
     top = min(head, key=lambda x: x.m(dk)) if head else None
     at = ", ".join(sorted({x.tags["headline_alpha"] for x in head})) or "— (no run carries a headline_alpha tag)"
+    chosen = bool(head) and all(x.tags.get("test_at") == "selected" for x in head)
+    where = (f"At the alpha each direction chose on its selection split (FLORES dev lines after the probes; {at}), the "
+             "only alpha its evaluation sentences score," if chosen else
+             f"At the headline alpha {at} (merge.headline_alpha, fixed in the config, never chosen on the evaluation sentences),")
     sec.text.append(f"{len(by_dir)} directions fused" + (f" (setting {main}; the others: the ablation table)" if several else "")
-                    + f". At the headline alpha {at} (merge.headline_alpha, fixed in the config, never "
-                    f"chosen on the evaluation sentences), fusion improves the target on its own language in {helped}/{len(head)} "
+                    + f". {where} fusion improves the target on its own language in {helped}/{len(head)} "
                     f"directions and makes it worse in {hurt}/{len(head)} (median delta {f3(med, 4)} nats/token); the OT "
                     "plan beats its shuffled-plan control on the "
                     f"target's language in {beats}/{len(head)}{shrink_txt}; {CLAIM_RULE}; nats/token "
@@ -270,11 +283,16 @@ def _fusion_table(an: Analysis, sec: Section, runs: list[Rec]) -> None:
     per_alpha = {}
     for r in (x for x in runs if variant(x) == main):
         per_alpha.setdefault(float(r.tags.get("alpha", r.m("alpha"))), []).append(r)
-    sec.finding = (f"At the headline alpha {at}, fusion helps the target in {helped}/{len(head)} directions, hurts it in "
+    sec.finding = ((f"At the alpha chosen on dev ({at})" if chosen else f"At the headline alpha {at}") + f", fusion helps the target in {helped}/{len(head)} directions, hurts it in "
                    f"{hurt}/{len(head)} and cannot be told in the rest (median delta {f3(med, 4)} nats/token; {claims.BH_NOTE}); "
                    f"the OT plan beats its shuffled-plan control in {beats}/{len(head)}{shrink_txt}. " + control_reading(head))
-    sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
-                                               for a, v in sorted(per_alpha.items())) + ".")
+    if chosen:  # the grid on the selection split: where each direction's choice fell
+        sec.text.append("Alpha chosen on the selection split, per direction: " + "; ".join(
+            f"{direction(x)}: {x.m('alpha'):g}{claims.edge_note(x.m('alpha'), selection_grid(x))}" for x in head)
+            + f" (grid {', '.join(f'{a:g}' for a in selection_grid(head[0]))}).")
+    else:
+        sec.text.append("Every alpha: " + "; ".join(f"alpha {a:g}: helped {_counts(v)[0]}/{len(v)}, beats its control {_counts(v)[1]}/{len(v)}"
+                                                   for a, v in sorted(per_alpha.items())) + ".")
     an.metrics.update({"transport_directions": float(len(by_dir)), "transport_helped": float(helped),
                        "transport_hurt": float(hurt), "transport_beats_control": float(beats),
                        "transport_beats_shrink": float(beats_s)})
