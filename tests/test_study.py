@@ -119,3 +119,18 @@ def test_default_study_on_micro_zoo(tmp_path: Path):
     assert kinds2.count("study") == 2 and "report reused" in p2.stdout + p2.stderr
     assert kinds2.count("adapt") == 23 and kinds2.count("merge") == 35 and kinds2.count("transport") == 20 and kinds2.count("transport_adapt") == 25
     assert kinds2.count("agreement") == 10 and kinds2.count("shared_space") == 1
+
+    # a stage of the same study (stages named on the command line here): its own jobs, all reused; the report reads
+    # every job of every stage, so it is the same report (reused); the stage's study run says the stage and its count
+    staged = ["+stages={first:[quality,measure],rest:[typology,native,checkpoints,transport,shared space,adapt]}"]
+    p3 = launch([*MICRO, *staged, "stage=first"], tmp_path)
+    assert p3.returncode == 0, p3.stderr[-3000:]
+    rs3 = runs(tmp_path, "toy")
+    stage_run = next(r for r in rs3 if r.data.tags["kind"] == "study" and r.data.tags.get("stage") == "first")
+    first = next(r for r in rs3 if r.data.tags["kind"] == "study" and r.info.run_id == parent)
+    m = stage_run.data.metrics
+    assert m["jobs_run"] == 0 and m["jobs"] == first.data.metrics["jobs"]  # the whole study's runs, as the first launch
+    assert m["stage_counted_cpu_s"] == 0 and m["machine_f32_gflops"] > 0 and stage_run.data.tags["cpu"]
+    assert [r.data.tags["kind"] for r in rs3].count("analysis") == 1 and "report reused" in p3.stdout + p3.stderr
+    bad = launch([*MICRO, *staged, "stage=firts"], tmp_path)
+    assert bad.returncode == 2 and "did you mean 'first'" in bad.stderr and len(runs(tmp_path, "toy")) == len(rs3)

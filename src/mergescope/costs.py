@@ -376,3 +376,40 @@ def gpu_seconds(w: Work, r: Rates, g: DictConfig) -> float:
 def gpu_peak_gib(w: Work) -> float:
     """The models the job holds at once (float32) plus 20% for activations and the allocator."""
     return 1.2 * held_gib(w)
+
+
+def matmul_gflops(seconds: float = 2.0, n: int = 1024) -> float:
+    """This machine's float32 matrix-multiply rate now (GFLOP/s): n x n products on torch's threads for about
+    ``seconds``, the best of three timed rounds (what a stage's counted FLOPs are divided by to give its floor)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(3):
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            a @ b
+            reps += 1
+        best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def machine() -> dict[str, str]:
+    """The CPU a stage ran on and how busy the machine was when it started (tags of the stage's study run)."""
+    import os
+
+    name, flags = "unknown", set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name") and name == "unknown":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    units = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["none"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return {"cpu": name, "cpu_bf16_units": ",".join(units), "cpus": str(os.cpu_count()), "load_at_start": f"{load:.2f}"}

@@ -260,6 +260,7 @@ def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str) -> list[dict
         rows.append({"stage": stage, "arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
                      "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
+                     "gflop": (sum(w.flops for w in counted) / 1e9 if known else None) if todo else 0.0,
                      "cpu_s": (sum(costs.cpu_seconds(w, rates) for w in counted) if known else None) if todo else 0.0,
                      "gpu_s": (sum(costs.gpu_seconds(w, rates, gpu) for w in counted) if known else None) if todo else 0.0,
                      "cpu_peak_gb": max(costs.cpu_peak_gib(w, rates) for w in counted) if known else None,
@@ -350,6 +351,7 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     plan = Plan(overrides)
     if cfg.get("plan"):
         return show_plan(plan, cfg)
+    counted = _stage_count(plan, cfg) if plan.stage is not None else {}
     tracker = Tracker(cfg)
     was_quiet = not verbose()
     set_quiet(not cfg.get("verbose"))  # the jobs' own lines with -v only; the phase bars and the findings always
@@ -358,7 +360,7 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     parent = None
     with recording() as ledger:
         try:
-            stage = {"stage": str(cfg.stage)} if cfg.get("stage") is not None else {}
+            stage = {"stage": str(cfg.stage), **counted.pop("tags", {})} if cfg.get("stage") is not None else {}
             name = f"study {cfg.tracking.experiment}" + (f" stage {cfg.stage}" if stage else "")
             with tracker.start(cfg, name, {"kind": "study", "study": cfg.tracking.experiment, "arms": ",".join(plan.arms),
                                            **stage}, overrides) as parent:
@@ -376,6 +378,13 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                 parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
                 parent.log_metrics({f"peak_rss_gb.{k.replace(' ', '_')}": float(v) for k, v in peaks.items()})
                 parent.log_metrics({"jobs": float(len(ledger)), "jobs_run": float(sum(not r.skipped for r in ledger))})
+                if counted:  # a stage: its counted work beside its wall time, at the rate this machine measured now
+                    wall = times["all jobs"]
+                    floor = counted["stage_counted_gflop"] / counted["machine_f32_gflops"]
+                    counted.update({"stage_wall_over_counted": wall / counted["stage_counted_cpu_s"]
+                                    if counted["stage_counted_cpu_s"] > 0 else float("nan"),
+                                    "stage_flop_floor_s": floor, "stage_wall_over_floor": wall / floor if floor > 0 else float("nan")})
+                    parent.log_metrics(counted)
                 _print_times(times, peaks)
                 result = run_analyze(cfg, plan.base, job_runs=[r.run_id for r in ledger], timings=times, peaks=peaks)
         except MergescopeError:
@@ -415,6 +424,25 @@ def study_runs(plan: Plan) -> list[Any]:
         return out
     finally:
         set_quiet(was_quiet)
+
+
+def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
+    """A stage's counted work before it runs (its jobs left: plan=true's counts) and this machine's float32
+    matrix-multiply rate measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the
+    count's accuracy; ``stage_wall_over_floor``: how far the stage runs from the machine's limit)."""
+    from mergescope import costs
+
+    was_quiet = not verbose()
+    set_quiet(True)
+    try:
+        rows = plan_rows(plan, cfg)
+    finally:
+        set_quiet(was_quiet)
+    left = [r for r in rows if not r["note"] and r["todo"]]
+    return {"stage_counted_cpu_s": float(sum(r["cpu_s"] or 0.0 for r in left)),
+            "stage_counted_gflop": float(sum(r["gflop"] or 0.0 for r in left)),
+            "stage_jobs_counted": float(sum(r["todo"] for r in left)),
+            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine()}
 
 
 def _print_times(times: dict[str, float], peaks: dict[str, float]) -> None:
