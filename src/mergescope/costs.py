@@ -191,10 +191,8 @@ class Counter:
         """A representation of one model on one side of the data: charged once per plan. Under
         ``represent.one_forward`` every arm's read of one model and side (scores, states of any pooling) is the one
         forward, with the LM head: charged once whatever ``key`` the arm gives."""
-        from mergescope.represent.one_forward import enabled
-
         data = cfg.data if data is None else data
-        one = enabled(cfg)
+        one = bool((cfg.get("represent") or {}).get("one_forward"))  # represent.one_forward: one pass with the head
         ident = (str(entry.get("name_or_path")), str(entry.get("revision")), str(data.get("name")), str(data.get("split")),
                  data.get("max_sentences"), str(entry.get("lang")), *(("one",) if one else key))
         if ident in self.seen or s is None:
