@@ -771,7 +771,7 @@ def test_settings_are_the_yaml_validated_once_and_frozen(tiny_models, compose_cf
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.epsilon = 0.1
     # the job config hashes the settings node as configured (not the dataclass)
-    want = {k: v for k, v in OmegaConf.to_container(cfg.merge, resolve=True).items() if k not in ("probe_set", "scale_match", "select_sentences")}
+    want = {k: v for k, v in OmegaConf.to_container(cfg.merge, resolve=True).items() if k not in ("probe_set", "scale_match", "select_sentences", "test_at")}
     want["adapt"] = {k: v for k, v in want["adapt"].items() if k not in ("mode", "freeze", "train_alpha", "warmup_ratio")}
     assert OmegaConf.to_container(job.merge) == want  # defaults left out (earlier hashes hold): mergescope's adaptation
     # an alpha run's logged config (what reproduce replays): that alpha alone, adaptation off
