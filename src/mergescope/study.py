@@ -494,7 +494,7 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     for arm in arms():
         on = arm.name in plan.arms
         for p in arm.phases:
-            jobs = p.jobs(plan) if on else []
+            jobs = plan.in_stage(p.name, p.jobs(plan)) if on else []  # the launch's stage only (all without stage=)
             if p.run is not None:
                 p.run(plan, jobs)
             else:
