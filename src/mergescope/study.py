@@ -369,10 +369,9 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                 with tracker.finished_index():  # the done-checks from one search of the store as the study found it
                     times = _run_jobs(plan, peaks)
                 times["all jobs"] = time.perf_counter() - started
-                if plan.stage is not None:  # the report reads the whole study as far as its stages are done
+                if counted:  # the report reads the whole study as far as its stages are done
                     ledger_ids = {r.run_id for r in ledger}
-                    earlier = [r.run_id for r in study_runs(Plan(without(overrides, "stage")))]
-                    ledger.extend(_Reused(i) for i in earlier if i not in ledger_ids)
+                    ledger.extend(_Reused(i) for i in dict.fromkeys(counted.pop("earlier")) if i not in ledger_ids)
                 peaks = {k: v for k, v in peaks.items() if k in times}
                 peaks["all jobs"] = max(peaks.values(), default=0.0)
                 parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
@@ -407,42 +406,53 @@ class _Reused:
         self.run_id, self.skipped = run_id, True
 
 
-def study_runs(plan: Plan) -> list[Any]:
-    """The FINISHED runs of every job of the whole study that this store holds (found as a launch finds them, nothing
-    run): what the report of a staged study reads besides the launch's own stage."""
-    was_quiet = not verbose()
-    set_quiet(True)
-    try:
-        out = []
-        for _, _, of in plan.phases():
-            try:
-                jobs = of()
-            except MergescopeError:  # decided from files a later stage makes (a zoo model not trained yet)
-                continue
-            done, _ = done_pass(jobs, [])
-            out += [r for _, r in done]
-        return out
-    finally:
-        set_quiet(was_quiet)
-
-
 def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
-    """A stage's counted work before it runs (its jobs left: plan=true's counts) and this machine's float32
-    matrix-multiply rate measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the
-    count's accuracy; ``stage_wall_over_floor``: how far the stage runs from the machine's limit)."""
+    """One pass over the whole study before a stage runs (found exactly as a launch finds its jobs, nothing run): the
+    FINISHED runs of every stage's jobs (``earlier``: what the report of the whole study reads besides this launch),
+    the counted work of this stage's jobs left (plan=true's counts) and this machine's float32 matrix-multiply rate
+    measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the count's accuracy;
+    ``stage_wall_over_floor``: how far the stage runs from the machine's limit)."""
     from mergescope import costs
+    from mergescope.tracking import Tracker
 
+    sel, rates = plan.stage or {}, costs.fit()
+    counter = costs.Counter(costs.constants())
+    earlier: list[str] = []
+    gflop = cpu_s = 0.0
+    n = 0
     was_quiet = not verbose()
     set_quiet(True)
+    plan._stage = None  # every phase of the study, the stage's selection applied below
     try:
-        rows = plan_rows(plan, cfg)
+        with Tracker(cfg).finished_index():
+            phases = [(phase, of) for _, phase, of in plan.phases()]
+            found = _found(phases, sel)
+        for phase, jobs, mine, done, todo in found:
+            earlier += [r.run_id for _, r in done]
+            left = {id(j) for j in todo}
+            for j in jobs:  # in order: a forward an earlier job pays is not paid again
+                w = costs.count(counter, j.task, j.cfg)
+                if id(j) in mine and id(j) in left and w is not None:
+                    gflop, cpu_s, n = gflop + w.flops / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
     finally:
+        plan._stage = sel
         set_quiet(was_quiet)
-    left = [r for r in rows if not r["note"] and r["todo"]]
-    return {"stage_counted_cpu_s": float(sum(r["cpu_s"] or 0.0 for r in left)),
-            "stage_counted_gflop": float(sum(r["gflop"] or 0.0 for r in left)),
-            "stage_jobs_counted": float(sum(r["todo"] for r in left)),
-            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine()}
+    return {"stage_counted_cpu_s": cpu_s, "stage_counted_gflop": gflop, "stage_jobs_counted": float(n),
+            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine(), "earlier": earlier}
+
+
+def _found(phases, sel: dict[str, slice]) -> list[tuple[str, list, set, list, list]]:
+    """Per phase with jobs: (phase, its jobs, the ids of the stage's own, the done (job, run) pairs, the jobs left)."""
+    out = []
+    for phase, of in phases:
+        try:
+            jobs = of()
+        except MergescopeError:  # decided from files a later stage makes (a zoo model not trained yet)
+            continue
+        if jobs:
+            done, todo = done_pass(jobs, [])
+            out.append((phase, jobs, {id(j) for j in jobs[sel[phase]]} if phase in sel else set(), done, todo))
+    return out
 
 
 def _print_times(times: dict[str, float], peaks: dict[str, float]) -> None:
