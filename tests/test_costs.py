@@ -162,6 +162,14 @@ def test_the_crossarch_plan_counts_each_models_extraction_once_and_sums_its_jobs
         _, tok = c.tokens(cfg.data, e.lang)
         want_m += (4 * s.params / (r.load_gbps * 1e9) + 2 * s.body * tok / r.flops)
         want_q += r.overhead_s["quality"] + 4 * s.params / (r.load_gbps * 1e9) + 2 * (s.body + s.head) * tok / r.flops
+    from mergescope.represent.arm import metric_flops
+
+    for j in plan.measures:  # each job's metric: matched, every control seed and every permutation of its null
+        (sa, _), (sb, _) = costs.shape_of(j.cfg.pair.a), costs.shape_of(j.cfg.pair.b)
+        n, _ = c.tokens(j.cfg.data, j.cfg.pair.a.lang, j.cfg.data.get("max_sentences"))
+        evals = 1 + int(j.cfg.control.seeds) + int(j.cfg.control.calibration_permutations)
+        want_m += evals * 2.0 * n * (sa.hidden * sb.hidden + n * (sa.hidden + sb.hidden)) / r.flops
+        assert metric_flops(n, sa.hidden, sb.hidden) == 2.0 * n * (sa.hidden * sb.hidden + n * (sa.hidden + sb.hidden))
     assert m["cpu_s"] == pytest.approx(want_m, rel=1e-9)
     assert q["cpu_s"] == pytest.approx(want_q, rel=1e-9)
     assert 0 < q["gpu_s"] < q["cpu_s"] and rows["transport"]["cpu_s"] > 10 * rows["transport"]["gpu_s"]

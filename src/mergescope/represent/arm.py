@@ -40,7 +40,19 @@ def _w_measure(c, cfg, w) -> None:
     key = (str(cfg.represent.pooling), str(cfg.represent.layer))
     c.extraction(cfg, cfg.pair.a, sa, w, key=key)
     c.extraction(cfg, cfg.pair.b, sb, w, key=key)
+    if sa and sb:  # the metric itself, on the matched pairs, each control seed and each permutation of its null
+        n, _ = c.tokens(cfg.data, cfg.pair.a.lang, cfg.data.get("max_sentences"))
+        ctl = cfg.get("control") or {}
+        evals = 1 + int(ctl.get("seeds") or 1) + int(ctl.get("calibration_permutations") or 0)
+        w.flops += evals * metric_flops(n, sa.hidden, sb.hidden)
     w.held = [s for s in (sa, sb) if s][:1]  # one model at a time
+
+
+def metric_flops(n: int, da: int, db: int) -> float:
+    """One evaluation of a representation metric on n sentences of widths da and db: the cross-product of the two
+    sides (n da db, CKA's and Procrustes' matrix) and the n x n similarity of each side (the kNN metrics', retrieval's),
+    at two FLOPs a multiply-add."""
+    return 2.0 * n * (da * db + n * (da + db))
 
 
 def _w_none(c, cfg, w) -> None:
