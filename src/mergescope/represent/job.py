@@ -170,7 +170,15 @@ def layers_key(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod
 
 def needs_model(cfg: DictConfig, entry: Any, ref: models.ModelRef, side: data_mod.Side) -> None:
     """Fail before a run starts if a hub model would be needed and cannot be had."""
-    if not ref.local and (not cache_enabled(cfg) or repr_cache(cfg).get(repr_key(cfg, entry, ref, side)) is None):
+    if ref.local:
+        return
+    if one_forward.enabled(cfg):  # every part of the one forward's entry cached: the hub is not needed
+        cache = repr_cache(cfg)
+        ks = one_forward.keys(cfg, entry, ref, side, one_forward.poolings_of(cfg))
+        cached = cache_enabled(cfg) and all(cache.get(k) is not None for k in ks.values())
+    else:
+        cached = cache_enabled(cfg) and repr_cache(cfg).get(repr_key(cfg, entry, ref, side)) is not None
+    if not cached:
         models.hub_kwargs(ref)  # raises one line when the hub is unreachable and nothing is cached
 
 
