@@ -1,0 +1,58 @@
+"""A staged study's launches, read from the store: per stage launch its wall time beside what plan=true counted for it
+and beside its floating-point floor at the float32 matrix-multiply rate the same launch measured at its start, with
+its peak resident set, the CPU, whether it had bfloat16 units and the load average when it started (how idle the
+machine was). Nothing runs.
+
+    python benchmarks/stages.py [--experiment crossarch_real] [--root .]
+
+Ratios: ``wall / counted`` is the count's accuracy (the target: within 1.5x); ``wall / floor`` is how far the stage
+runs from the machine's limit (the counted FLOPs over the measured rate; the target: within 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from pathlib import Path
+
+
+def rows(root: Path, experiment: str) -> list[list[str]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SystemExit(f"no experiment '{experiment}' in {root / 'mlruns'}: run a stage first")
+    out = []
+    runs = client.search_runs([exp.experiment_id], "tags.kind = 'study' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time ASC"], max_results=1000)
+    for r in runs:
+        t, m = r.data.tags, r.data.metrics
+        if "stage" not in t or "stage_counted_cpu_s" not in m:
+            continue
+        wall = m.get("wall_s.all_jobs", float("nan"))
+        counted, floor = m["stage_counted_cpu_s"], m.get("stage_flop_floor_s", float("nan"))
+        when = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        out.append([t["stage"], when, f"{m.get('jobs_run', 0):.0f}", f"{wall / 60:.1f}", f"{counted / 60:.1f}",
+                    f"{wall / counted:.2f}" if counted > 0 else "—", f"{floor / 60:.1f}",
+                    f"{wall / floor:.2f}" if floor > 0 else "—", f"{m.get('machine_f32_gflops', float('nan')):.0f}",
+                    f"{m.get('peak_rss_gb.all_jobs', float('nan')):.2f}", t.get("cpu", "?"), t.get("cpu_bf16_units", "?"),
+                    t.get("load_at_start", "?"), r.info.run_id[:8]])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experiment", default="crossarch_real")
+    ap.add_argument("--root", default=".")
+    a = ap.parse_args()
+    head = ["stage", "started (UTC)", "jobs run", "wall min", "counted min", "wall / counted", "FLOP floor min",
+            "wall / floor", "f32 GFLOP/s", "peak GiB", "CPU", "bf16 units", "load at start", "run"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows(Path(a.root).resolve(), a.experiment):
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
