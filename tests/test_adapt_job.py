@@ -266,3 +266,32 @@ def _load(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_a_grid_scored_on_validation_alone_tests_only_the_chosen_ratio_with_the_same_numbers(scale, compose_cfg):
+    """adaptation.grid_scored=val: the interior ratios are scored on the validation split alone, the one chosen there is
+    then scored on both, and the summary's test numbers are those of the protocol that scores every ratio on both."""
+    from mergescope.adapt.job import run_adapt
+
+    grid = [*_pair(scale["s"], scale["l"]), *FAST, "adaptation.intersection_grid=[0.05,0.1,0.3]", "adapt=truncate"]
+    cfg, ov = compose_cfg(["task=adapt", *grid, "adaptation.grid_scored=val"])
+    res = run_adapt(cfg, ov)
+    pts = _runs(cfg, kind="adapt", control="none")
+    val_only = [r for r in pts if r.data.tags.get("scored") == "val"]
+    assert sorted(r.data.tags["ratio"] for r in val_only) == ["0.05", "0.1", "0.3"]
+    assert all("test_nll" not in r.data.metrics and "val_nll" in r.data.metrics for r in val_only)
+    chosen = min(val_only, key=lambda r: r.data.metrics["val_nll_rest"]).data.tags["ratio"]
+    full = [r for r in pts if r.data.tags["ratio"] == chosen and r.data.tags.get("scored") is None]
+    assert len(full) == 1 and res.metrics["best_ratio"] == float(chosen)
+    assert full[0].data.metrics["val_nll"] == pytest.approx(
+        next(r for r in val_only if r.data.tags["ratio"] == chosen).data.metrics["val_nll"], abs=1e-12)
+    # the every-ratio protocol in a store of its own: the same choice and the same test numbers
+    cfg2, ov2 = compose_cfg(["task=adapt", *grid, f"paths.root={cfg.paths.root}/both"])
+    both = run_adapt(cfg2, ov2)
+    for k in ("best_ratio", "best_test_nll", "gain_vs_small_rest", "gain_vs_small_rest_lo", "best_minus_noise_rest",
+              "best_minus_ties_rest"):
+        assert res.metrics[k] == pytest.approx(both.metrics[k], abs=1e-12), k
+    with pytest.raises(MergescopeError, match="set adaptation.at=best"):
+        from mergescope.adapt.setup import check_adapt
+
+        check_adapt(compose_cfg(["task=adapt", *grid, "adaptation.grid_scored=val", "adaptation.at=grid"])[0])

@@ -77,19 +77,27 @@ def _w_adapt(c, cfg, w) -> None:
     sa, sb = c.shape(cfg.pair.a, w), c.shape(cfg.pair.b, w)
     if not (sa and sb):
         return
-    big = max(sa, sb, key=lambda s: s.params)
+    small, big = sorted((sa, sb), key=lambda s: s.params)
     ad = cfg.adaptation
     n = int(ad.get("nll_sentences") or 200)
     for s in (sa, sb):
         w.add_load(s)
-    langs = 2
+    named = ad.get("langs")  # null: every training language of both models (zoo.train_langs, else the entry's lang)
+    langs = len(named) if named else len({str(l) for e in (cfg.pair.a, cfg.pair.b)
+                                          for l in ((e.get("zoo") or {}).get("train_langs") or [e.get("lang")])})
     _, tok = c.tokens(cfg.data, cfg.pair.a.lang, n)
     union = str(cfg.get("adapt", {}).get("operator", "expand")) == "expand"
+    merged = big if union else small  # union merges in the large model's shape, intersection in the small one's
     grid = len(ad.get("union_grid" if union else "intersection_grid") or [1])
     ctl = sum(int(ad.get("noise_seeds") or 1) if k == "noise" else 1 for k in (ad.get("controls") or []))
     compare = 0 if union else len(ad.get("compare") or [])
-    # val and test, every grid point, the ends, each control seed and comparison operator at the chosen ratio
-    w.add_forward(big, tok, logits=True, passes=2.0 * langs * (grid + 2 + ctl + compare))
+    val_only = str(ad.get("grid_scored") or "both") == "val"
+    # per language: the ends, the controls and comparisons at the chosen ratio on both splits; the grid on both, or on
+    # the validation split with the chosen ratio then on both; the two source models as themselves on both
+    passes = 2 * 2 + grid * (1 if val_only else 2) + (2 if val_only else 0) + 2 * ctl + 2 * compare
+    w.add_forward(merged, tok, logits=True, passes=float(langs * passes))
+    w.add_forward(small, tok, logits=True, passes=2.0 * langs)
+    w.add_forward(big, tok, logits=True, passes=2.0 * langs)
     w.held = [sa, sb]
 
 

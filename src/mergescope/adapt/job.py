@@ -52,11 +52,12 @@ seesaw per task with intervals; 3 = the ratio chosen on the validation NLL witho
 
 __all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
 
-def _score(cfg: DictConfig, loaded: Loaded, job) -> dict[str, float]:
+def _score(cfg: DictConfig, loaded: Loaded, job, only: str | None = None) -> dict[str, float]:
     ends = loaded.ends
     kept: dict = {}
-    values = score(ends.host, ends.tokenizer, loaded.texts, cfg.represent.batch_tokens, int(cfg.represent.max_length), kept)
-    log_scores(job, loaded.texts, kept)
+    texts = [t for t in loaded.texts if only is None or t.split == only]
+    values = score(ends.host, ends.tokenizer, texts, cfg.represent.batch_tokens, int(cfg.represent.max_length), kept)
+    log_scores(job, texts, kept)
     n = loaded.setup.settings.diag_sentences or 0
     if n:
         diag = attention_diagnostics(ends.host, ends.tokenizer, loaded.texts[0].sentences[:n], int(cfg.represent.max_length))
@@ -92,21 +93,24 @@ def _tags(cfg: DictConfig, setup: Setup, ratio: str, control: str, kind: str = "
 
 
 def run_point(cfg: DictConfig, setup: Setup, loaded: Loaded, ratio: float, control: str, overrides,
-              seed: int | None = None) -> JobResult:
+              seed: int | None = None, only: str | None = None) -> JobResult:
     """One scored model: the merge (``control='none'``) or a control at ``ratio`` (the noise control: of ``seed``,
-    by default ``adaptation.control_seed``)."""
+    by default ``adaptation.control_seed``); ``only='val'``: scored on the validation split alone (a grid ratio of
+    ``adaptation.grid_scored=val``: its own job)."""
     seed = setup.settings.control_seed if seed is None else int(seed)
 
     def body(job) -> dict[str, float]:
         loaded.ensure()
         loaded.ends.set(ratio, control, seed)
-        values = _score(cfg, loaded, job)
+        values = _score(cfg, loaded, job, only)
         loaded.ends.set(0.0)
         return {**values, "ratio": float(ratio)}
 
-    name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}"
-    extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None, "evidence": EVIDENCE}
-    tags = {**_tags(cfg, setup, f"{ratio:g}", control), "seed": seed}
+    name = f"adapt {setup.protocol} {control} r={ratio:g} {setup.small_label} x {setup.large_label}" + (
+        f" ({only} only)" if only else "")
+    extra = {"ratio": float(ratio), "control": control, "seed": seed if control == "noise" else None, "evidence": EVIDENCE,
+             **({"scored": only} if only else {})}
+    tags = {**_tags(cfg, setup, f"{ratio:g}", control), "seed": seed, **({"scored": only} if only else {})}
     spec = JobSpec(name + (f" seed {seed}" if control == "noise" else ""), tags, task="adapt", keys=CHILD_KEYS,
                    reads=setup.refs, extra=extra)
     return run_once(cfg, spec, body, overrides)
@@ -310,11 +314,14 @@ def run_adapt(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult:
     loaded = Loaded(cfg, setup)
     grid = setup.grid
     points = {}
+    val_only = setup.settings.grid_scored == "val"  # the interior ratios on the validation split: what the choice reads
     for r in sorted({0.0, 1.0, *grid}):
-        points[r] = run_point(cfg, setup, loaded, r, "none", overrides)
+        points[r] = run_point(cfg, setup, loaded, r, "none", overrides, only="val" if val_only and 0 < r < 1 else None)
         console.print(f"  {setup.protocol} ratio {r:g}: val {points[r].metrics['val_nll']:.4f} "
-                      f"test {points[r].metrics['test_nll']:.4f}{' (done before)' if points[r].skipped else ''}")
+                      f"test {points[r].metrics.get('test_nll', float('nan')):.4f}{' (done before)' if points[r].skipped else ''}")
     best = best_ratio(points, grid)
+    if val_only:  # the chosen ratio scored on both splits (its test numbers are the arm's)
+        points[best] = run_point(cfg, setup, loaded, best, "none", overrides)
     controls = {(k, r): [run_point(cfg, setup, loaded, r, k, overrides, seed) for seed in control_seeds(setup, k)]
                 for r in _at(setup, grid, best) for k in setup.settings.controls}
     compares = {}

@@ -32,9 +32,16 @@ def _groups(runs: list[Rec]) -> dict[tuple[str, str, str], list[Rec]]:
     return out
 
 
-def _points(runs: list[Rec]) -> list[Rec]:
-    pts = [r for r in runs if r.tags.get("control") == "none" and r.tags.get("ratio") != "best"]
-    return sorted(pts, key=lambda r: r.m("ratio"))
+def _points(runs: list[Rec], tested: bool = False) -> list[Rec]:
+    """The merge's point runs by ratio, one per ratio: where a ratio was scored on the validation split alone and then
+    on both (``adaptation.grid_scored=val``, the chosen ratio), the run scored on both. ``tested``: only the ratios
+    scored on the test split."""
+    by: dict[float, Rec] = {}
+    for r in (r for r in runs if r.tags.get("control") == "none" and r.tags.get("ratio") != "best"):
+        k = r.m("ratio")
+        if k not in by or (math.isnan(by[k].m("test_nll")) and not math.isnan(r.m("test_nll"))):
+            by[k] = r
+    return [by[k] for k in sorted(by) if not tested or not math.isnan(by[k].m("test_nll"))]
 
 
 def _curve_table(key, pts: list[Rec]) -> RTable:
@@ -75,6 +82,8 @@ def collapse_band(study, pts: list[Rec]) -> str:
     inner = [r for r in pts if 0 < r.m("ratio") < 1]
     if len(ends) < 2 or not inner:
         return "none in grid" if not inner else "no ends measured"
+    if any(r.tags.get("scored") == "val" for r in inner):
+        return "not measured (adaptation.grid_scored=val: the grid scored on the validation split alone)"
     rows = [_change(study, r, ends[end]) for r in inner for end in (0.0, 1.0)]
     if any(row is None for row in rows):
         return "not told (runs without per-sentence tables)"
@@ -300,7 +309,7 @@ def figure_points(study, runs: list[Rec]) -> tuple[list[tuple], list[tuple], tup
     """What the ratio figure draws for one pair: each interior grid ratio's test NLL change against ratio 0 with its
     interval ``(ratio, e, lo, hi)``, each control at its ratio ``(name, ratio, e, lo, hi)`` (a control over seeds: its
     seeds' distribution), and ratio 1's change (drawn off the scale when it is far)."""
-    pts = _points(runs)
+    pts = _points(runs, tested=True)
     r0 = next((r for r in pts if r.m("ratio") == 0.0), None)
     if r0 is None:
         return [], [], None
@@ -491,7 +500,7 @@ def adapt_section(an: Analysis, number: str) -> Section:
     if parts:
         sec.finding = " ".join(x for x in (sec.finding, "; ".join(parts) + ".") if x)
     for key, rs in groups.items():
-        pts = _points(rs)
+        pts = _points(rs, tested=True)  # the ratios scored on the test split (all of them unless grid_scored=val)
         grid = [f"{r.m('ratio'):g}" for r in pts if r.m("ratio") > 0]
         rows = per_ratio_rows(key, pts)
         if rows:

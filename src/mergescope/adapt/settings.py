@@ -35,6 +35,8 @@ class AdaptationSettings(ArmSettings):
     noise_seeds: int = 5                     # the noise control's seeds: control_seed, +1, ... (the interval includes their spread)
     compare: tuple[str, ...] = ()
     at: str = "best"                         # best | grid
+    grid_scored: str = "both"                # both | val: the interior grid ratios scored on the validation split alone
+                                             # (the chosen ratio then scored on both; at=best only)
     pairs: tuple[Any, ...] = ()              # a study's [[small, large], ...]
     operators: tuple[str, ...] = ("expand", "truncate")  # a study's adapt arm: which of union / intersection per pair
     operator_overrides: dict[str, Any] | None = None
@@ -48,6 +50,11 @@ class AdaptationSettings(ArmSettings):
                 raise MergescopeError(f"adaptation.{key} must hold ratios strictly between 0 and 1 (the anchors are always scored)")
         if self.at not in ("best", "grid"):
             raise MergescopeError(f"adaptation.at={self.at!r}: choose best or grid")
+        if self.grid_scored not in ("both", "val"):
+            raise MergescopeError(f"adaptation.grid_scored={self.grid_scored!r}: choose both or val")
+        if self.grid_scored == "val" and self.at != "best":
+            raise MergescopeError("adaptation.grid_scored=val scores the grid on the validation split alone, so the controls "
+                                  "can only be read at the chosen ratio: set adaptation.at=best")
         if int(self.noise_seeds) < 1:
             raise MergescopeError(f"adaptation.noise_seeds must be >= 1 (the noise control's seeds), got {self.noise_seeds}")
         if self.sample not in ("spread", "first"):
