@@ -273,7 +273,8 @@ def test_a_grid_scored_on_validation_alone_tests_only_the_chosen_ratio_with_the_
     then scored on both, and the summary's test numbers are those of the protocol that scores every ratio on both."""
     from mergescope.adapt.job import run_adapt
 
-    grid = [*_pair(scale["s"], scale["l"]), *FAST, "adaptation.intersection_grid=[0.05,0.1,0.3]", "adapt=truncate"]
+    grid = [*_pair(scale["l"], scale["s"]), *FAST, "adaptation.intersection_grid=[0.05,0.1,0.3]", "adapt=truncate",
+            "adapt.untied_into_tied=true"]
     cfg, ov = compose_cfg(["task=adapt", *grid, "adaptation.grid_scored=val"])
     res = run_adapt(cfg, ov)
     pts = _runs(cfg, kind="adapt", control="none")
