@@ -330,7 +330,7 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     plan = study_mod.Plan(base)
     own = {"smollm2-135m": "eng_Latn", "gemma3-270m": "pol_Latn", "qwen2.5-coder-0.5b": "por_Latn", "qwen2.5-coder-1.5b": "zho_Hans"}
     mine = [m for m in plan.measures if not m.cfg.tags.get("protocol")]
-    one = [m for m in plan.measures if m.cfg.tags.get("protocol") == "one_language"]
+    one = [m for m in plan.one_language if m.cfg.tags.get("protocol") == "one_language"]  # its own phase (own stage)
     assert len(mine) == len(one) == 6
     assert all(m.cfg.pair[s].lang == own[m.cfg.pair[s].name] for m in mine for s in "ab")
     assert all(m.cfg.pair[s].lang == "eng_Latn" for m in one for s in "ab")
@@ -352,7 +352,7 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert len(sweep) == len(plan.cfg.transport_sweep.settings)
     assert [name(j) for j in sweep].count("qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b") == 2
     assert {name(j) for j in sweep} == {"smollm2-135m<-qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b<-qwen2.5-coder-1.5b"}
-    assert all(j.cfg.merge.select_sentences == 16 for j in sweep)
+    assert all(j.cfg.merge.select_sentences == 64 and j.cfg.merge.test_at == "selected" for j in sweep)  # the main arm's protocol
     assert sum(j.cfg.merge.name == "transport" and j.cfg.merge.scale_match == "rms" for j in sweep) == 1
     OmegaConf.update(plan.cfg, "transport_sweep.settings", [{"overrides": ["merge.epsilon=0.05"], "directions": ["gemma3-270m<-nope"]}])
     with pytest.raises(MergescopeError, match=r"transport_sweep.settings\[0\].directions names 'gemma3-270m<-nope'"):

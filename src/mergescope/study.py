@@ -417,18 +417,17 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
 
     sel, rates = plan.stage or {}, costs.fit()
     counter = costs.Counter(costs.constants())
-    earlier: list[str] = []
     gflop = cpu_s = 0.0
     n = 0
     was_quiet = not verbose()
     set_quiet(True)
     plan._stage = None  # every phase of the study, the stage's selection applied below
     try:
-        with Tracker(cfg).finished_index():
+        with Tracker(cfg).finished_index(), recording() as seen:  # every done job's runs, its nested runs included
             phases = [(phase, of) for _, phase, of in plan.phases()]
             found = _found(phases, sel)
+        earlier = [r.run_id for r in seen]
         for phase, jobs, mine, done, todo in found:
-            earlier += [r.run_id for _, r in done]
             left = {id(j) for j in todo}
             for j in jobs:  # in order: a forward an earlier job pays is not paid again
                 w = costs.count(counter, j.task, j.cfg)
