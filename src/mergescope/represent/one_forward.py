@@ -41,7 +41,7 @@ from mergescope.progress import bar
 from mergescope.represent.cache import ReprCache
 from mergescope.represent.forward import POOLINGS, pool, pooling_mask
 from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id
-from mergescope.scoring.bpb import Head, Scores, prepare, real_vocab, window_scores
+from mergescope.scoring.bpb import Head, Scores, _Hidden, prepare, real_vocab, window_scores
 
 VERSION = 1
 SCORE_COLUMNS = ("nll", "tokens", "bytes", "truncated", "first_nll", "first_bytes")
@@ -85,23 +85,6 @@ def hidden_states(model, out, ids: torch.Tensor, last: torch.Tensor) -> list[tor
     if hs[0].shape == emb.shape and torch.equal(hs[0], emb):
         return [emb, *hs[1:-1], last]
     return [emb, *hs[:-2], last]
-
-
-class _Final:
-    """The base model's final hidden state (the head's input), read during the causal LM's own forward."""
-
-    def __init__(self, model):
-        self.value: torch.Tensor | None = None
-        self.handle = model.base_model.register_forward_hook(self._keep)
-
-    def _keep(self, module, args, out) -> None:
-        self.value = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
 
 
 class Checkpoint:
@@ -183,7 +166,7 @@ def forward_all(model, tokenizer, sentences: Sequence[str], poolings: Sequence[s
             kept: dict[str, Any] = {}
 
             def call(**kw):  # the scorer's own forward, asked for every hidden state as well
-                with _Final(model) as fin:
+                with _Hidden(model) as fin:
                     kept["out"] = model(**kw, output_hidden_states=True)
                 kept["last"] = fin.value
                 return kept["out"]
