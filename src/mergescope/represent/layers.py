@@ -47,11 +47,14 @@ def all_hidden(model, ids, mask, pos) -> list[torch.Tensor]:
     """The L+1 hidden states of one batch: embeddings, blocks 1..L-1, the final post-norm state."""
     base = model.base_model
     out = base(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False)
-    hs = list(out.hidden_states)
-    emb = base.get_input_embeddings()(ids)
+    return layout(list(out.hidden_states), out.last_hidden_state, base.get_input_embeddings()(ids))
+
+
+def layout(hs: list[torch.Tensor], last: torch.Tensor, emb: torch.Tensor) -> list[torch.Tensor]:
+    """A forward's hidden states as L+1 layers: the embeddings, blocks 1..L-1, the final post-norm state ``last``."""
     if hs[0].shape == emb.shape and torch.equal(hs[0], emb):
-        return [emb, *hs[1:-1], out.last_hidden_state]
-    return [emb, *hs[:-2], out.last_hidden_state]  # Mamba: no embeddings among its hidden states
+        return [emb, *hs[1:-1], last]
+    return [emb, *hs[:-2], last]  # Mamba: no embeddings among its hidden states
 
 
 @torch.inference_mode()

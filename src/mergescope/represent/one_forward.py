@@ -77,14 +77,11 @@ def identity(cfg: DictConfig) -> dict[str, str]:
 
 
 def hidden_states(model, out, ids: torch.Tensor, last: torch.Tensor) -> list[torch.Tensor]:
-    """The L+1 states of one batch from a causal LM's output with ``output_hidden_states``: embeddings, blocks
-    1..L-1, the final post-norm state ``last`` (the LM head's input), laid out as
-    :func:`mergescope.represent.layers.all_hidden` lays them out (Mamba: its embeddings from the input layer)."""
-    hs = list(out.hidden_states)
-    emb = model.get_input_embeddings()(ids)
-    if hs[0].shape == emb.shape and torch.equal(hs[0], emb):
-        return [emb, *hs[1:-1], last]
-    return [emb, *hs[:-2], last]
+    """The L+1 states of one batch from a causal LM's output with ``output_hidden_states``, laid out as the all-layer
+    path lays them (:func:`mergescope.represent.layers.layout`)."""
+    from mergescope.represent.layers import layout
+
+    return layout(list(out.hidden_states), last, model.get_input_embeddings()(ids))
 
 
 class Checkpoint:
