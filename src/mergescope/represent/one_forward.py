@@ -41,7 +41,7 @@ from mergescope.progress import bar
 from mergescope.represent.cache import ReprCache
 from mergescope.represent.forward import POOLINGS, pool, pooling_mask
 from mergescope.scoring.batching import batch_token_budget, length_batches, pad_batch, pad_id
-from mergescope.scoring.bpb import Head, Scores, _Hidden, prepare, real_vocab, window_scores
+from mergescope.scoring.bpb import Head, Scores, FinalHidden, prepare, real_vocab, window_scores
 
 VERSION = 1
 SCORE_COLUMNS = ("nll", "tokens", "bytes", "truncated", "first_nll", "first_bytes")
@@ -163,7 +163,7 @@ def forward_all(model, tokenizer, sentences: Sequence[str], poolings: Sequence[s
             kept: dict[str, Any] = {}
 
             def call(**kw):  # the scorer's own forward, asked for every hidden state as well
-                with _Hidden(model) as fin:
+                with FinalHidden(model) as fin:
                     kept["out"] = model(**kw, output_hidden_states=True)
                 kept["last"] = fin.value
                 return kept["out"]

@@ -209,7 +209,7 @@ class Head:
         return out
 
 
-class _Hidden:
+class FinalHidden:
     """Reads the final hidden state (the LM head's input) off the base model during the model's own forward."""
 
     def __init__(self, model):
@@ -264,7 +264,7 @@ def window_scores(model, head: Head, x: torch.Tensor, m: torch.Tensor, p: torch.
     if top >= head.vocab:
         raise MergescopeError(f"token id {top} is beyond the {head.vocab} rows scored (of the head's {head.rows}): "
                               "the tokenizer does not belong to this model")
-    with _Hidden(model) as hid:
+    with FinalHidden(model) as hid:
         out = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False, logits_to_keep=1)
     h = hid.value
     if h is None or h.shape[:2] != x.shape:
