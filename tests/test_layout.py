@@ -216,7 +216,7 @@ def test_every_arm_is_declared_once_with_its_task_and_settings_configs():
 
     declared = arms()
     assert [a.name for a in declared] == ["representation", "native", "checkpoints", "transport", "transport_sweep",
-                                          "shared_space", "adapt", "expansion", "forecast"]
+                                          "shared_space", "adapt", "expansion", "forecast", "advise"]
     phases = [p.name for a in declared for p in a.phases]
     assert len(phases) == len(set(phases))
     for task in arm_tasks():

@@ -334,6 +334,9 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     assert len(mine) == len(one) == 6
     assert all(m.cfg.pair[s].lang == own[m.cfg.pair[s].name] for m in mine for s in "ab")
     assert all(m.cfg.pair[s].lang == "eng_Latn" for m in one for s in "ab")
+    agree = [j for j in plan.jobs("shared space") if j.task == "agreement"]  # beside the space: the space's sides (English)
+    assert len(agree) == 12 and all(j.cfg.pair[s].lang == "eng_Latn" for j in agree for s in "ab")
+    assert {j.cfg.data.name for j in agree} == {"flores200", "pud"}
     ty = plan.pair_jobs("typology")  # the pair jobs read the own protocol's languages
     assert {(j.cfg.pair.a.lang, j.cfg.pair.b.lang) for j in ty} == {(own[j.cfg.pair.a.name], own[j.cfg.pair.b.name]) for j in ty}
     assert [j.cfg.pair.a.name + "__" + j.cfg.pair.b.name for j in plan.jobs("native")] == ["smollm2-135m-pt__smollm2-135m-it"]
@@ -375,3 +378,15 @@ def test_study_crossarch_real_languages_protocols_directions_and_native_family(c
     with pytest.raises(MergescopeError, match="languages names 'nope', not one of the study's models"):
         study_mod.with_languages(plan.cfg, ["pair=a__b"])
     assert study_mod.with_languages(plan.cfg, ["metric=cka"]) == ["metric=cka"]  # no pair: unchanged
+
+
+def test_the_toy_studys_agreement_jobs_are_its_pair_jobs_unchanged(compose_cfg):
+    """Where the sweep's sides already are the shared space's (every model on its own conf language), the agreement
+    jobs are the plain pair jobs: the same overrides, so the same identities as before the sides were read apart."""
+    import mergescope.study as study_mod
+
+    compose_cfg([])
+    plan = study_mod.Plan(["study=toy", "hydra.sweeper.params.metric=cka"])
+    agree = [j for j in plan.jobs("shared space") if j.task == "agreement"]
+    plain = plan.pair_jobs("agreement", ["data=flores200"])
+    assert [j.overrides for j in agree] == [j.overrides for j in plain] and len(agree) == 10

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["routes", "ROUTES", "ALL_TENSORS", "EMBEDDINGS_EXCLUDED", "TRANSPLANTED"]
+__all__ = ["routes", "adapt_protocols", "ROUTES", "ALL_TENSORS", "EMBEDDINGS_EXCLUDED", "TRANSPLANTED"]
 
 ROUTES = ("native", "transport", "adapt", "transplant")  # the routes routes() decides, in the coverage table's order
 EMBEDDINGS_EXCLUDED = "transformer blocks (embeddings excluded)"
@@ -44,6 +44,9 @@ def _vocab_difference(a: dict, b: dict) -> str | None:
     rb = b.get("embedding_rows", b.get("vocab"))
     if ra != rb or a.get("vocab") != b.get("vocab"):
         return f"vocabulary rows differ ({ra} vs {rb})"
+    ta, tb = a.get("tokenizer"), b.get("tokenizer")  # a digest of each token -> id map, where the caller read it
+    if ta is not None and tb is not None and ta != tb:
+        return f"tokenizers differ ({ra} rows each, other tokens)"
     return None
 
 
@@ -89,7 +92,8 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
       tokens: the adapt job refuses such a pair (one tokenizer needed), and one whose axes disagree,
       so both are ``defined: False`` here, as the job decides. Equal scale and vocabulary make both maps
       the identity (adapt coincides with native). Note that two *different* tokenizers of the
-      same size cannot be told apart from the true config; the caller must know.
+      same size cannot be told apart from the true config: a caller that has read both tokenizers gives each dict a
+      ``tokenizer`` key (a digest of its token -> id map) and a difference there counts as a vocabulary difference.
     - ``transplant`` (the native route on every tensor after a vocabulary transplant,
       :mod:`mergescope.native.vocab`): defined iff the native route is and the vocabularies differ
       (one vocabulary: nothing to transplant); scope ``TRANSPLANTED``.
@@ -174,6 +178,32 @@ def routes(true_a: dict, true_b: dict) -> dict[str, dict[str, Any]]:
         transplant = {"defined": True, "scope": TRANSPLANTED, "blocked_by": None,
                       "note": f"{vocab}: new tokens' rows by OMP over the shared tokens (native.transplant), a control beside it"}
     return {"native": native, "transport": transport, "adapt": adapt, "transplant": transplant}
+
+
+def adapt_protocols(true_a: dict, true_b: dict) -> dict[str, Any]:
+    """The adapt route's two protocols apart, from the true configs: ``{"small": "a"|"b"|None, "union": [reasons],
+    "intersection": [reasons]}`` (an empty list: defined). Expand small->large is the union, Truncate large->small the
+    intersection; both carry the route's own blockers (another family, another tokenizer, axes that disagree)."""
+    family = _family_difference(true_a, true_b)
+    if family:
+        return {"small": None, "union": [family], "intersection": [family]}
+    za, zb = _axis_sizes(true_a), _axis_sizes(true_b)
+    larger_a = [k for k in za if _gt(za[k], zb[k])]
+    larger_b = [k for k in za if _gt(zb[k], za[k])]
+    vocab = _vocab_difference(true_a, true_b)
+    common = [f"{vocab}: weighted averaging after Expand/Truncate needs one tokenizer"] if vocab else []
+    if larger_a and larger_b:
+        common.append("the axes disagree: Expand/Truncate need one model no larger than the other on every axis")
+        return {"small": None, "union": common, "intersection": common}
+    small = "b" if larger_a else "a"
+    ss, sl = (_adapt_shape(true_b), _adapt_shape(true_a)) if small == "b" else (_adapt_shape(true_a), _adapt_shape(true_b))
+    if ss is None or sl is None:
+        why = common + [f"the adapt operators do not map a {true_a.get('model_type')} model"]
+        return {"small": small, "union": why, "intersection": why}
+    from mergescope.shapes import protocols
+
+    p = protocols(ss, sl)
+    return {"small": small, "union": common + list(p["union"]), "intersection": common + list(p["intersection"])}
 
 
 def _axis_sizes(c: dict) -> dict[str, Any]:

@@ -6,6 +6,21 @@ from __future__ import annotations
 from mergescope.arm import Arm, Phase, Report
 
 
+def agreement_sides(plan) -> dict[str, list[str]]:
+    """Each pair's selection for the agreement jobs, with each side on the language the shared space reads it in (its
+    ``shared.models`` entry's): where a study puts the sweep's sides on other languages (``languages:``, each model on
+    its own), the agreement beside the space still reads the space's sides (unchanged where the two agree)."""
+    from mergescope.runs import model_label
+
+    space = {model_label(e): str(e.lang) for e in shared_models(plan)}
+    out = {}
+    for label, sel in plan.pairs.items():
+        extra = [f"pair.{side}.lang={space[name]}" for side, name in zip("ab", label.split("__", 1))
+                 if name in space and name in plan.entries and str(plan.entries[name].lang) != space[name]]
+        out[label] = [*sel, *extra]
+    return out
+
+
 def shared_jobs(plan) -> list:
     from mergescope.jobs import job
 
@@ -13,8 +28,9 @@ def shared_jobs(plan) -> list:
     if "shared_space" not in plan.arms:
         return []
     out = []
+    sides = agreement_sides(plan)
     for k, data in enumerate(s.data_sets):
-        out += plan.pair_jobs("agreement", [f"data={data}"])
+        out += [job("agreement", [*plan.base, *sel, f"data={data}"]) for sel in sides.values()]
         out += [job(t, [*plan.base, f"data={data}"]) for t in (["shared_space", "routing"] if k == 0 else ["shared_space"])]
     return out
 

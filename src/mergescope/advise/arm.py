@@ -1,0 +1,76 @@
+"""The advisor's arm: in a study (``study=routes``), every pair's pre-merge diagnostics (``task=pairdev``) after the
+transport arm's merges, then one forecast per route the study built (``task=route_forecast``); ``task=advise`` runs
+alone on any pair."""
+
+from __future__ import annotations
+
+from mergescope.arm import Arm, Phase, Report
+
+
+def pair_jobs(plan) -> list:
+    if "advise" not in plan.arms:
+        return []
+    return plan.pair_jobs("pairdev")
+
+
+def route_jobs(plan) -> list:
+    """One fit per route the study's merges build: transport, and transport+adapt where the transport arm adapts."""
+    from mergescope.jobs import composed, job, key_of
+
+    if "advise" not in plan.arms:
+        return []
+    user_merge = any(key_of(o) == "merge" for o in plan.base)  # as the transport arm composes its directions
+    merge = composed([*plan.base, *([] if user_merge else ["merge=transport"])]).merge
+    adapt = bool((merge.get("adapt") or {}).get("enabled"))
+    return [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in ("transport", *(["transport+adapt"] if adapt else []))]
+
+
+def _pair_text(j, r) -> str:
+    from mergescope.jobs import pair_text
+
+    m = r.metrics
+    return (f"pairdev {pair_text(j)}: dev CKA {m.get('dev_cka', float('nan')):.3f} (calibrated "
+            f"{m.get('dev_cka_calibrated', float('nan')):.3f}), bits/byte {m.get('dev_bpb_a', float('nan')):.3f} / "
+            f"{m.get('dev_bpb_b', float('nan')):.3f}")
+
+
+def _route_text(j, r) -> str:
+    m = r.metrics
+    return (f"{j.cfg.advise.route} forecast on {m.get('n_merges', 0):.0f} merges: held-out Spearman "
+            f"{m.get('member_spearman', float('nan')):+.3f} [{m.get('member_spearman_lo', float('nan')):+.3f}, "
+            f"{m.get('member_spearman_hi', float('nan')):+.3f}] with both models unseen, "
+            f"{m.get('family_spearman', float('nan')):+.3f} with the target unseen")
+
+
+def _w_pairdev(c, cfg, w) -> None:
+    """Each model loaded and read once over its language's dev lines."""
+    from mergescope.config import plain_copy
+
+    a = cfg.get("advise") or {}
+    data = plain_copy(cfg.data)
+    data.split = str(a.get("split") or "dev")
+    n = int(a.get("sentences") or 64)
+    held = []
+    for side in (cfg.pair.a, cfg.pair.b):
+        s = c.shape(side, w)
+        if s:
+            w.add_load(s)
+            w.add_forward(s, c.tokens(data, side.lang, n)[1], logits=True, passes=1.0)
+            held = [s]
+    w.held = held
+
+
+def _w_none(c, cfg, w) -> None:
+    """Reads the store's runs and fits a linear model: seconds."""
+
+
+ARMS = [Arm(
+    "advise", order=97, uses=("forecast", "represent"), settings=("advise",),
+    tasks={"pairdev": "mergescope.advise.job:run_pairdev", "route_forecast": "mergescope.advise.job:run_route_forecast",
+           "advise": "mergescope.advise.job:run_advise"},
+    work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev},
+    phases=(Phase("route diagnostics", pair_jobs, _pair_text, workers=True), Phase("route forecasts", route_jobs, _route_text)),
+    report=Report(kinds={"pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",
+                         "route_forecast": "a route's forecast fitted and validated on the experiment's merges of that route",
+                         "advise": "every route of a pair with its forecast gain, before any merge"}),
+)]

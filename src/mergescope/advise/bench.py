@@ -1,0 +1,131 @@
+"""The route benchmark as rows, one route at a time: every FINISHED merge of that route in an experiment, its outcome
+and its pair's pre-merge diagnostics (:mod:`mergescope.advise.diagnostics`, the pair's ``task=pairdev`` run: configs,
+tokenizers and FLORES dev, never the outcome's sentences).
+
+Routes and outcomes (nats/token on the target's own language, the first token apart, > 0 helps; each with its paired
+95% interval over articles as the run logged it):
+
+- ``transport`` (kind=transport, one run per direction and alpha): the target's NLL minus the fused target's
+  (``-delta_target_lang_rest``): the gain over the target, which on its own language is the better of the two (the
+  donor reads it through another tokenizer, or not at all);
+- ``transport+adapt`` (kind=transport_adapt): the fused-then-trained target against the target trained alike without
+  fusion (``-fusion_effect_after_adapt_rest``): what fusion adds beyond the training.
+
+A row's family is its target model (a held-out family: every merge into that model unseen); its pair is the unordered
+pair of models (a cluster: both directions share its diagnostics, flipped); its operator is the alpha it was fused
+at (``log10_alpha`` a feature too: the forecast is asked per alpha).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mergescope.advise.diagnostics import FEATURES as PAIR_FEATURES
+from mergescope.advise.diagnostics import flip
+
+__all__ = ["ROUTE_KINDS", "OUTCOMES", "RouteBench", "route_bench", "pair_key", "PLAN_FEATURES", "features_for"]
+
+ROUTE_KINDS = {"transport": "transport", "transport+adapt": "transport_adapt"}
+"""route -> the run kind that holds its merges."""
+OUTCOMES = {"transport": "delta_target_lang_rest", "transport+adapt": "fusion_effect_after_adapt_rest"}
+"""route -> the logged metric whose negative is the gain (its ``_lo`` / ``_hi`` the interval)."""
+PLAN_FEATURES = ("plan_entropy_gap", "plan_cost_ratio")
+"""The transport plan's own diagnostics (fitted on dev probes before any scoring), read from the merge's run: off by
+default, since the advisor would have to fit the plans to know them."""
+
+
+def features_for(route: str, plan: bool = False) -> tuple[str, ...]:
+    return (*PAIR_FEATURES, "log10_alpha", *(PLAN_FEATURES if plan and route.startswith("transport") else ()))
+
+
+def pair_key(a: str, b: str) -> str:
+    """The unordered pair of two models (by name and revision)."""
+    return "__".join(sorted((a, b)))
+
+
+@dataclass
+class RouteBench:
+    """One route's rows (as :class:`mergescope.forecast.table.Benchmark`, plus each row's two models)."""
+
+    route: str
+    features: list[str]
+    X: np.ndarray
+    y: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    family: np.ndarray
+    pair: np.ndarray
+    operator: np.ndarray
+    target: np.ndarray
+    donor: np.ndarray
+    run_ids: list[str]
+    diag_ids: list[str]
+    dropped: int = 0
+    why_dropped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def beats(self) -> np.ndarray:
+        return self.lo > 0
+
+    def digest(self) -> str:
+        return hashlib.sha256("\n".join(sorted(self.run_ids) + sorted(set(self.diag_ids))).encode()).hexdigest()[:24]
+
+
+def _finite(*vals) -> bool:
+    return all(v is not None and math.isfinite(v) for v in vals)
+
+
+def _model_name(r, side: str) -> str:
+    return str(r.tags.get(side, ""))
+
+
+def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> RouteBench:
+    """The route's rows from an experiment's FINISHED runs (newest first: the latest run per cfg_hash)."""
+    if route not in ROUTE_KINDS:
+        raise ValueError(f"no route benchmark for {route!r}: one of {', '.join(ROUTE_KINDS)}")
+    features = tuple(features or features_for(route))
+    kind, metric = ROUTE_KINDS[route], OUTCOMES[route]
+    seen, merges, diags = set(), [], {}
+    for r in recs:
+        h = r.tags.get("cfg_hash")
+        if h is not None and h in seen:
+            continue
+        seen.add(h)
+        if r.kind == kind and r.tags.get("stage") in (None, "fused"):
+            merges.append(r)
+        elif r.kind == "measure" and r.tags.get("metric") == "pair_dev":
+            diags.setdefault(pair_key(r.tags["model_a"], r.tags["model_b"]), r)
+    rows, why = [], {}
+    for m in merges:
+        t, d = _model_name(m, "target"), _model_name(m, "donor")
+        p = diags.get(pair_key(t, d))
+        if p is None:
+            why["no pair diagnostics (task=pairdev)"] = why.get("no pair diagnostics (task=pairdev)", 0) + 1
+            continue
+        vals = {k: p.m(k) for k in PAIR_FEATURES}
+        vals["dev_bpb_target"] = p.m("dev_bpb_a")
+        if p.tags["model_a"] != t:  # the diagnostics were logged with the other model as the target
+            vals = flip(vals, p.m("dev_bpb_b"))
+        alpha = m.m("alpha")
+        vals["log10_alpha"] = math.log10(alpha) if alpha and alpha > 0 else float("nan")
+        for k in PLAN_FEATURES:
+            vals[k] = m.m(k)
+        x = [vals.get(f, float("nan")) for f in features]
+        y, lo, hi = -m.m(metric), -m.m(f"{metric}_hi"), -m.m(f"{metric}_lo")
+        if not _finite(*x, y, lo, hi):
+            why["a diagnostic or the outcome not finite"] = why.get("a diagnostic or the outcome not finite", 0) + 1
+            continue
+        rows.append((x, y, lo, hi, t.split("@")[0], pair_key(t, d), f"alpha={alpha:g}", t, d, m.run_id, p.run_id))
+    rows.sort(key=lambda r: (r[4], r[5], r[7], r[6]))
+    col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
+    X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
+    return RouteBench(route, list(features), X, col(1), col(2), col(3), col(4, object), col(5, object), col(6, object),
+                      col(7, object), col(8, object), [r[9] for r in rows], [r[10] for r in rows],
+                      sum(why.values()), why)

@@ -1,0 +1,234 @@
+"""The route advisor: its pre-flight from configs and tokenizers, its pair diagnostics, the route benchmark's rows,
+the route forecast's held-out validation and the advise task on tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+QWEN05 = dict(model_type="qwen2", hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, ffn=4864, vocab=151936)
+QWEN15 = dict(model_type="qwen2", hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
+LLAMA = dict(model_type="llama", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152)
+
+
+def _routes(ca, cb, ta=None, tb=None):
+    from mergescope.advise.preflight import preflight
+
+    return {r.name: r for r in preflight(ca, cb, ta, tb, ("a", "b"))}
+
+
+def test_the_preflight_opens_the_qwen_pairs_intersection_and_closes_its_union_with_why():
+    r = _routes(QWEN05, QWEN15, {"digest": "q"}, {"digest": "q"})
+    assert not r["native"].open and "hidden size differs (896 vs 1536)" in r["native"].why_closed
+    assert r["adapt intersection"].open and r["adapt intersection"].target == "a"  # Truncate the 1.5B to the 0.5B
+    assert not r["adapt union"].open
+    assert "head_dim differs (64 vs 128)" in r["adapt union"].why_closed
+    assert all(r[n].open for n in ("transport a<-b", "transport b<-a", "transport+adapt a<-b", "transport+adapt b<-a"))
+    assert r["transport b<-a"].target == "b"
+
+
+def test_two_tokenizers_of_one_size_are_told_apart_by_the_preflight_and_not_by_the_configs_alone():
+    same = _routes(QWEN05, QWEN05, {"digest": "x"}, {"digest": "x"})
+    assert same["native"].open and not same["transplant"].open and same["adapt union"].open
+    other = _routes(QWEN05, QWEN05, {"digest": "x"}, {"digest": "y"})
+    assert other["native"].open and "embeddings" in other["native"].note
+    assert other["transplant"].open
+    assert not other["adapt union"].open and "needs one tokenizer" in other["adapt union"].why_closed
+    blind = _routes(QWEN05, QWEN05)  # without the tokenizers: a config cannot tell
+    assert not blind["transplant"].open
+
+
+def test_another_family_closes_native_transplant_and_adapt_and_leaves_transport_open():
+    r = _routes(LLAMA, QWEN05, {"digest": "l"}, {"digest": "q"})
+    for name in ("native", "transplant", "adapt union", "adapt intersection"):
+        assert not r[name].open and "architecture family differs (llama vs qwen2)" in r[name].why_closed
+    assert r["transport a<-b"].open
+
+
+def test_vocab_jaccard_reads_word_start_marks_as_one_space():
+    from mergescope.advise.preflight import vocab_jaccard
+
+    a = {"tokens": frozenset({" the", "a", "b"})}
+    b = {"tokens": frozenset({" the", "a", "c", "d"})}
+    assert vocab_jaccard(a, b) == pytest.approx(2 / 5)
+
+    class Tok:
+        def __init__(self, v):
+            self.v = v
+
+        def get_vocab(self):
+            return self.v
+
+    from mergescope.advise.preflight import tokenizer_facts
+
+    fa, fb = tokenizer_facts(Tok({"\u0120the": 0, "x": 1})), tokenizer_facts(Tok({"\u2581the": 0, "x": 1}))
+    assert vocab_jaccard(fa, fb) == 1.0 and fa["digest"] != fb["digest"]  # one token set, two id maps
+
+
+def test_the_dev_cka_recovers_a_planted_rotation_and_calibrates_noise_to_zero():
+    from mergescope.advise.diagnostics import flip, pair_values
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 12))
+    q, _ = np.linalg.qr(rng.standard_normal((12, 12)))
+    rot = pair_values(1.0, 1.5, x, x @ q * 3.0, permutations=100, label="rot")
+    assert rot["dev_cka"] == pytest.approx(1.0, abs=1e-12) and rot["dev_cka_calibrated"] == pytest.approx(1.0, abs=1e-12)
+    assert rot["dev_bpb_gap"] == pytest.approx(0.5) and rot["dev_cka_p"] == pytest.approx(1 / 101)
+    noise = pair_values(1.0, 1.0, x, rng.standard_normal((64, 20)), permutations=100, label="noise")
+    assert noise["dev_cka_calibrated"] == 0.0 and noise["dev_cka_p"] > 0.05
+    vals = {"log2_width_ratio": 1.0, "log2_depth_ratio": -0.5, "dev_bpb_gap": 0.3, "dev_bpb_target": 2.0, "dev_cka": 0.4}
+    back = flip(flip(vals, 2.3), 2.0)
+    assert back == vals and flip(vals, 2.3)["dev_bpb_target"] == 2.3 and flip(vals, 2.3)["log2_width_ratio"] == -1.0
+
+
+class _Rec:
+    def __init__(self, run_id, kind, tags, metrics):
+        self.run_id, self.kind, self.tags, self.metrics = run_id, kind, {"kind": kind, **tags}, metrics
+
+    def m(self, k):
+        return float(self.metrics.get(k, float("nan")))
+
+
+def _diag(a, b, **kw):
+    base = {"log2_width_ratio": 1.0, "log2_depth_ratio": 0.0, "same_family": 0.0, "vocab_jaccard": 0.2,
+            "dev_bpb_gap": 0.4, "dev_bpb_a": 2.0, "dev_bpb_b": 2.4, "dev_cka": 0.5, "dev_cka_calibrated": 0.3}
+    return _Rec(f"d-{a}-{b}", "measure", {"metric": "pair_dev", "model_a": a, "model_b": b, "cfg_hash": f"d{a}{b}"}, {**base, **kw})
+
+
+def _merge(t, d, alpha, delta, h, kind="transport", metric="delta_target_lang_rest"):
+    return _Rec(f"m-{t}-{d}-{alpha}", kind, {"target": t, "donor": d, "cfg_hash": h},
+                {"alpha": alpha, metric: delta, f"{metric}_lo": delta - 0.01, f"{metric}_hi": delta + 0.01})
+
+
+def test_the_route_rows_read_the_gain_as_minus_delta_and_flip_the_diagnostics_for_the_other_direction():
+    from mergescope.advise.bench import route_bench
+
+    recs = [_diag("x", "y"), _merge("x", "y", 0.1, 0.02, "h1"), _merge("y", "x", 0.1, -0.03, "h2"),
+            _merge("x", "z", 0.1, 0.0, "h3")]  # no pair diagnostics for x, z: dropped and said
+    b = route_bench(recs, "transport")
+    assert len(b) == 2 and b.dropped == 1 and "no pair diagnostics (task=pairdev)" in b.why_dropped
+    i, j = list(b.target).index("x"), list(b.target).index("y")
+    assert b.y[i] == pytest.approx(-0.02) and (b.lo[i], b.hi[i]) == pytest.approx((-0.03, -0.01))
+    assert b.y[j] == pytest.approx(0.03) and b.beats[j] and not b.beats[i]
+    f = b.features
+    assert b.X[i, f.index("log2_width_ratio")] == 1.0 and b.X[j, f.index("log2_width_ratio")] == -1.0
+    assert b.X[i, f.index("dev_bpb_target")] == 2.0 and b.X[j, f.index("dev_bpb_target")] == 2.4
+    assert b.X[j, f.index("dev_bpb_gap")] == pytest.approx(-0.4) and b.X[i, f.index("log10_alpha")] == pytest.approx(-1.0)
+    assert set(b.pair) == {"x__y"} and b.operator[0] == "alpha=0.1"
+    ad = route_bench([_diag("x", "y"), _merge("x", "y", 0.1, 0.05, "h9", "transport_adapt", "fusion_effect_after_adapt_rest")],
+                     "transport+adapt")
+    assert len(ad) == 1 and ad.y[0] == pytest.approx(-0.05)
+
+
+def _planted(n_models=8, alphas=(0.01, 0.1), noise=0.002, seed=0, leak=0.0):
+    """A route benchmark whose gain is a linear function of two diagnostics plus noise (``leak``: a per-model offset
+    that only a fit that has seen the model can know)."""
+    from mergescope.advise.bench import RouteBench, features_for, pair_key
+
+    rng = np.random.default_rng(seed)
+    names = [f"m{i}" for i in range(n_models)]
+    width = {m: rng.normal() for m in names}
+    offset = {m: leak * rng.normal() for m in names}
+    feats = list(features_for("transport"))
+    rows = []
+    for t in names:
+        for d in names:
+            if t == d:
+                continue
+            cka = rng.uniform(0.1, 0.9)
+            for a in alphas:
+                x = {f: rng.normal() for f in feats}
+                x.update(log2_width_ratio=width[d] - width[t], dev_cka=cka, log10_alpha=math.log10(a))
+                y = 0.03 * cka - 0.01 * x["log2_width_ratio"] + offset[t] + offset[d] + noise * rng.normal()
+                rows.append(([x[f] for f in feats], y, t, d, pair_key(t, d), f"alpha={a:g}"))
+    col = lambda i: np.array([r[i] for r in rows], dtype=object)  # noqa: E731
+    y = np.array([r[1] for r in rows])
+    return RouteBench("transport", feats, np.array([r[0] for r in rows]), y, y - 0.005, y + 0.005, col(2), col(4), col(5),
+                      col(2), col(3), [f"r{i}" for i in range(len(rows))], [f"d{i}" for i in range(len(rows))])
+
+
+def test_a_planted_route_is_forecast_held_out_by_member_and_its_shuffled_control_sits_near_zero():
+    from mergescope.advise.fit import validate_route
+
+    b = _planted()
+    v = validate_route(b, n_boot=200, n_shuffles=5)
+    for scheme in ("family", "pair", "member"):
+        assert v["scores"][scheme]["spearman"] > 0.9, scheme
+        assert v["scores"][scheme]["pearson"] > 0.9, scheme
+        assert v["scores"][scheme]["spearman_lo"] > 0.8
+    assert abs(v["family"].shuffled_mean) < 0.3
+    coef = dict(zip(v["final"].features, v["final"].coef))
+    assert coef["dev_cka"] > 0 and coef["log2_width_ratio"] < 0  # the planted signs recovered
+
+
+def test_holding_out_both_members_fits_on_no_row_that_involves_either_model(monkeypatch):
+    """Every fit made for a held-out pair sees only rows without either of its models (a row id in column 0 spies on
+    what each fit and each penalty choice is given)."""
+    import mergescope.advise.fit as af
+
+    b = _planted(n_models=6, alphas=(0.1,))
+    b.X[:, 0] = np.arange(len(b))
+    seen: list[np.ndarray] = []
+    real_fit, real_choose = af.fit_lasso, af.choose_lambda
+    monkeypatch.setattr(af, "fit_lasso", lambda X, y, lam, *a, **k: (seen.append(X[:, 0].copy()), real_fit(X, y, lam, *a, **k))[1])
+    monkeypatch.setattr(af, "choose_lambda", lambda X, y, *a, **k: (seen.append(X[:, 0].copy()), real_choose(X, y, *a, **k))[1])
+    pred = af.leave_members_out(b.X, b.y, b.target, b.donor, b.family, b.pair)
+    pairs = sorted(set(b.pair))
+    assert np.isfinite(pred).all() and len(seen) == 2 * len(pairs)
+    for k, p in enumerate(pairs):  # the calls come in pair order: choose, then fit
+        members = set(p.split("__"))
+        for ids in seen[2 * k: 2 * k + 2]:
+            rows = ids.astype(int)
+            assert not (set(b.target[rows]) | set(b.donor[rows])) & members, p
+            assert len(rows) == sum(1 for t, d in zip(b.target, b.donor) if t not in members and d not in members)
+
+
+def test_the_forecast_interval_is_the_held_out_residuals_quantiles_around_the_prediction():
+    from mergescope.advise.job import forecast_route
+
+    fit = {"final": {"coef": [0.5, 0.0, 0.1], "intercept": 0.01, "mu": [0.0, 0.0, 0.0], "sd": [1.0, 1.0, 1.0], "lambda": 0.0,
+                     "features": ["dev_cka", "log10_alpha", "operator=alpha=0.1"]},
+           "residuals": list(np.linspace(-0.1, 0.1, 201)), "operators": ["alpha=0.01", "alpha=0.1"]}
+    out = {r["operator"]: r for r in forecast_route(fit, {"dev_cka": 0.2}, 0.9)}
+    assert out["alpha=0.01"]["predicted"] == pytest.approx(0.01 + 0.1 + 0.0)
+    assert out["alpha=0.1"]["predicted"] == pytest.approx(0.01 + 0.1 + 0.1)
+    assert out["alpha=0.1"]["lo"] == pytest.approx(0.21 - 0.09) and out["alpha=0.1"]["hi"] == pytest.approx(0.21 + 0.09)
+    assert list(out["alpha=0.1"]["carried_by"])[0] in ("dev_cka", "operator=alpha=0.1")
+
+
+def test_advise_on_two_tiny_models_of_two_architectures_logs_one_run_with_its_routes(tiny_models, compose_cfg):
+    import json
+
+    from mergescope.advise.job import run_advise
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    cfg, ov = compose_cfg(["task=advise", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+                           f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "advise.sentences=16",
+                           "advise.permutations=20", "tracking.experiment=advise_test"])
+    res = run_advise(cfg, ov)
+    client = Tracker(cfg).client
+    run = client.get_run(res.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["kind"] == "advise"
+    table = json.loads(read_artifact_text(client, res.run_id, "advise/routes.json"))
+    by = {r["route"]: r for r in table["routes"]}
+    assert not by["native"]["open"] and "architecture family differs" in by["native"]["why_closed"]
+    assert sum(r["open"] for r in table["routes"]) == 4 and all("no_forecast" in r for r in table["routes"] if r["open"])
+    d = table["diagnostics"]
+    assert d["log2_width_ratio"] == pytest.approx(math.log2(48 / 32)) and d["log2_depth_ratio"] == pytest.approx(math.log2(3 / 2))
+    assert 0 <= d["dev_cka"] <= 1 and d["dev_sentences"] == 16 and d["same_family"] == 0.0
+
+
+def test_advise_refuses_a_split_that_is_the_scored_one_with_no_run(compose_cfg, tiny_models):
+    from mergescope.advise.job import run_advise
+    from mergescope.errors import MergescopeError
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=advise", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.lang=eng_Latn",
+                           f"pair.b.name_or_path={tiny_models['llama_pt']}", "pair.b.lang=por_Latn", "advise.split=devtest",
+                           "tracking.experiment=advise_bad"])
+    with pytest.raises(MergescopeError, match="advise.split=dev with data.split=devtest"):
+        run_advise(cfg, ov)
+    assert Tracker(cfg).client.get_experiment_by_name("advise_bad") is None or not Tracker(cfg).client.search_runs(
+        [Tracker(cfg).client.get_experiment_by_name("advise_bad").experiment_id])
