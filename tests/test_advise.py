@@ -232,3 +232,48 @@ def test_advise_refuses_a_split_that_is_the_scored_one_with_no_run(compose_cfg, 
         run_advise(cfg, ov)
     assert Tracker(cfg).client.get_experiment_by_name("advise_bad") is None or not Tracker(cfg).client.search_runs(
         [Tracker(cfg).client.get_experiment_by_name("advise_bad").experiment_id])
+
+
+def _write_csv(b, path, with_ci=True):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["pair", "member_a", "member_b", "operator", "outcome", *(["lo", "hi"] if with_ci else []), *b.features])
+        for i in range(len(b)):
+            w.writerow([b.pair[i], b.target[i], b.donor[i], b.operator[i], repr(float(b.y[i])),
+                        *([repr(float(b.lo[i])), repr(float(b.hi[i]))] if with_ci else []), *(repr(float(x)) for x in b.X[i])])
+    return path
+
+
+def test_a_benchmark_from_elsewhere_is_fitted_and_validated_as_the_stores_would_be(compose_cfg, tmp_path):
+    from mergescope.advise.bench import from_csv
+    from mergescope.advise.fit import validate_route
+    from mergescope.advise.job import run_route_forecast
+    from mergescope.tracking import Tracker
+
+    b = _planted(n_models=6)
+    path = _write_csv(b, tmp_path / "outside.csv")
+    back = from_csv(path, "transport")
+    assert np.array_equal(back.X, b.X) and np.array_equal(back.y, b.y) and list(back.family) == list(b.target)
+    cfg, ov = compose_cfg(["task=route_forecast", f"advise.table={path}", "advise.route=outside", "advise.n_boot=200",
+                           "advise.n_shuffles=3", "tracking.experiment=outside"])
+    res = run_route_forecast(cfg, ov)
+    m = Tracker(cfg).client.get_run(res.run_id).data.metrics
+    v = validate_route(b, n_boot=200, n_shuffles=3)
+    for scheme in ("family", "pair", "member"):
+        assert m[f"{scheme}_spearman"] == pytest.approx(v["scores"][scheme]["spearman"], abs=1e-12)
+        assert m[f"{scheme}_pearson"] == pytest.approx(v["scores"][scheme]["pearson"], abs=1e-12)
+    assert m["member_spearman"] > 0.9 and m["n_merges"] == len(b)
+
+
+def test_a_table_from_elsewhere_missing_a_column_is_one_line_naming_it(tmp_path):
+    from mergescope.advise.bench import from_csv
+    from mergescope.errors import MergescopeError
+
+    (tmp_path / "t.csv").write_text("pair,member_a,operator,outcome,x\np,a,op,0.1,1\n")
+    with pytest.raises(MergescopeError, match="missing column\\(s\\) member_b"):
+        from_csv(tmp_path / "t.csv")
+    (tmp_path / "u.csv").write_text("pair,member_a,member_b,operator,outcome,x\np,a,b,op,0.1,oops\n")
+    with pytest.raises(MergescopeError, match="row 2, column 'x': 'oops' is not a number"):
+        from_csv(tmp_path / "u.csv")

@@ -27,7 +27,8 @@ import numpy as np
 from mergescope.advise.diagnostics import FEATURES as PAIR_FEATURES
 from mergescope.advise.diagnostics import flip
 
-__all__ = ["ROUTE_KINDS", "OUTCOMES", "RouteBench", "route_bench", "pair_key", "PLAN_FEATURES", "features_for"]
+__all__ = ["ROUTE_KINDS", "OUTCOMES", "RouteBench", "route_bench", "pair_key", "PLAN_FEATURES", "features_for", "from_csv",
+           "CSV_COLUMNS"]
 
 ROUTE_KINDS = {"transport": "transport", "transport+adapt": "transport_adapt"}
 """route -> the run kind that holds its merges."""
@@ -129,3 +130,54 @@ def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> Ro
     return RouteBench(route, list(features), X, col(1), col(2), col(3), col(4, object), col(5, object), col(6, object),
                       col(7, object), col(8, object), [r[9] for r in rows], [r[10] for r in rows],
                       sum(why.values()), why)
+
+
+CSV_COLUMNS = ("pair", "member_a", "member_b", "operator", "outcome")
+"""The columns a benchmark from elsewhere must have (:func:`from_csv`); ``family``, ``lo`` and ``hi`` are optional, and
+every other column is a diagnostic."""
+
+
+def from_csv(path, route: str = "outside") -> RouteBench:
+    """A benchmark from elsewhere: one row per merge, the columns :data:`CSV_COLUMNS` (``member_a`` the target, whose
+    held-out family it is unless a ``family`` column says otherwise; ``outcome`` the gain, > 0 helps), optional ``lo`` /
+    ``hi`` (its interval; without them "beats" is outcome > 0) and every other column a numeric diagnostic, measured
+    before the merge. A missing column, a non-number or an empty file is one line naming the fix."""
+    import csv
+    from pathlib import Path
+
+    from mergescope.errors import MergescopeError
+
+    path = Path(path)
+    if not path.is_file():
+        raise MergescopeError(f"advise.table={path}: no such file (a CSV with columns {', '.join(CSV_COLUMNS)}, then diagnostics)")
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        cols = list(reader.fieldnames or [])
+        rows = list(reader)
+    missing = [c for c in CSV_COLUMNS if c not in cols]
+    if missing:
+        raise MergescopeError(f"advise.table={path}: missing column(s) {', '.join(missing)} (needed: {', '.join(CSV_COLUMNS)}; "
+                              "optional: family, lo, hi; every other column is a diagnostic)")
+    feats = [c for c in cols if c not in (*CSV_COLUMNS, "family", "lo", "hi")]
+    if not feats or not rows:
+        raise MergescopeError(f"advise.table={path}: {'no diagnostic column' if not feats else 'no rows'} (a row per merge: "
+                              f"{', '.join(CSV_COLUMNS)}, then one column per diagnostic)")
+
+    def num(r: dict, c: str, i: int) -> float:
+        try:
+            return float(r[c])
+        except (TypeError, ValueError):
+            raise MergescopeError(f"advise.table={path}: row {i + 2}, column {c!r}: {r[c]!r} is not a number") from None
+
+    X = np.array([[num(r, c, i) for c in feats] for i, r in enumerate(rows)], dtype=np.float64)
+    y = np.array([num(r, "outcome", i) for i, r in enumerate(rows)])
+    has_ci = "lo" in cols and "hi" in cols
+    lo = np.array([num(r, "lo", i) for i, r in enumerate(rows)]) if has_ci else y.copy()
+    hi = np.array([num(r, "hi", i) for i, r in enumerate(rows)]) if has_ci else y.copy()
+    ok = np.isfinite(X).all(axis=1) & np.isfinite(y) & np.isfinite(lo) & np.isfinite(hi)
+    col = lambda c: np.array([r[c] for r, k in zip(rows, ok) if k], dtype=object)  # noqa: E731
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+    fam = col("family") if "family" in cols else col("member_a")
+    return RouteBench(route, feats, X[ok], y[ok], lo[ok], hi[ok], fam, col("pair"), col("operator"), col("member_a"),
+                      col("member_b"), [f"{digest}:{i}" for i in np.flatnonzero(ok)], [digest] * int(ok.sum()),
+                      int((~ok).sum()), {"a value not finite": int((~ok).sum())} if (~ok).any() else {})

@@ -113,8 +113,16 @@ def _route_metrics(v: dict[str, Any], bench) -> dict[str, float]:
                     **{f"{scheme}_minus_{b}{sfx}": x for b in ("nodiag", "single")
                        for sfx, x in zip(("", "_lo", "_hi"), getattr(val, f"lasso_minus_{b}"))}})
         for op, (rho, lo, hi, n) in val.by_operator.items():
+            op = _metric_safe(op)
             out.update({f"{scheme}_spearman.{op}": rho, f"{scheme}_spearman_lo.{op}": lo, f"{scheme}_spearman_hi.{op}": hi})
     return {k: float(x) for k, x in out.items()}
+
+
+def _metric_safe(name: str) -> str:
+    """An operator's name as a metric name may hold it (``alpha=0.01`` -> ``alpha_0.01``)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.\- :/]", "_", str(name))
 
 
 def _predictions_csv(bench, v: dict[str, Any]) -> str:
@@ -135,20 +143,28 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
     from mergescope.runs import JobSpec, run_once
 
     s = AdviseSettings.from_cfg(cfg)
-    if s.route is None:
-        raise MergescopeError("task=route_forecast needs advise.route (transport or transport+adapt)")
+    if s.route is None and s.table is None:
+        raise MergescopeError("task=route_forecast needs advise.route (transport or transport+adapt) or advise.table (a CSV)")
     experiment = str(cfg.tracking.experiment)
-    bench = _bench(cfg, s.route, experiment, s.plan_features)
+    if s.table is not None:  # merges from elsewhere: the same fit and validation
+        from mergescope.advise.bench import from_csv
+
+        bench = from_csv(s.table, s.route or "outside")
+        experiment = f"the table {s.table}"
+    else:
+        bench = _bench(cfg, s.route, experiment, s.plan_features)
     if bench is None or len(bench) < s.min_rows or len(set(bench.family)) < 3:
         n = 0 if bench is None else len(bench)
         fams = 0 if bench is None else len(set(bench.family))
         why = "" if bench is None or not bench.dropped else "; dropped: " + ", ".join(f"{k} ({v})" for k, v in bench.why_dropped.items())
-        raise MergescopeError(f"the {s.route} benchmark of experiment '{experiment}' holds {n} merges of {fams} target models "
-                              f"({s.min_rows} merges and 3 targets needed{why}): build it first (python launch.py study=routes)")
+        where = experiment if s.table is not None else f"experiment '{experiment}'"
+        raise MergescopeError(f"the {bench.route if bench is not None else s.route} benchmark of {where} holds {n} merges of {fams} "
+                              f"families ({s.min_rows} merges and 3 families needed{why}): "
+                              + ("add rows to the table" if s.table is not None else "build it first (python launch.py study=routes)"))
 
     def body(job) -> dict[str, float]:
         v = validate_route(bench, s.n_boot, s.n_shuffles, s.seed, s.lambdas)
-        job.log_params({"features": list(bench.features), "route": s.route})
+        job.log_params({"features": list(bench.features), "route": bench.route, **({"table": s.table} if s.table else {})})
         job.log_text(json.dumps({"family": v["family"].as_dict(), "pair": v["pair"].as_dict(), "scores": v["scores"],
                                  "final": v["final"].as_dict(), "residuals": [float(x) for x in v["residuals"]],
                                  "operators": sorted(set(bench.operator.tolist()))}, indent=1, default=float),
@@ -156,7 +172,8 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         job.log_text(_predictions_csv(bench, v), "forecast/predictions.csv")
         return _route_metrics(v, bench)
 
-    spec = JobSpec(f"route_forecast {s.route} on {len(bench)} merges", {"kind": "route_forecast", "route": s.route}, task="route_forecast",
+    spec = JobSpec(f"route_forecast {bench.route} on {len(bench)} merges", {"kind": "route_forecast", "route": bench.route},
+                   task="route_forecast",
                    keys=["advise.route", "advise.plan_features", "advise.lambdas", "advise.n_boot", "advise.n_shuffles",
                          "advise.seed"], extra={"benchmark": bench.digest(), "evidence": EVIDENCE})
     return run_once(cfg, spec, body, overrides)

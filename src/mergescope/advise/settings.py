@@ -18,7 +18,8 @@ class AdviseSettings(ArmSettings):
     """``split`` / ``sentences``: the dev lines the pair diagnostics read (each model on its own language; refused when
     the split is the one merges are scored on); ``permutations``: the calibrated CKA's null draws; ``benchmark``: the
     experiment whose route forecasts the advisor reads (``study=routes`` builds it); ``route``: the route a
-    ``task=route_forecast`` fits; ``plan_features``: the transport plan's entropy and cost among its features (the
+    ``task=route_forecast`` fits (any name with ``table``); ``table``: a CSV of merges from elsewhere to fit and validate
+    instead of the experiment's (:func:`mergescope.advise.bench.from_csv`); ``plan_features``: the transport plan's entropy and cost among its features (the
     advisor would then fit the plans); ``interval``: the forecast interval's level; the rest as the merge forecast's."""
 
     section: ClassVar[str] = "advise"
@@ -29,6 +30,7 @@ class AdviseSettings(ArmSettings):
     seed: int = 0
     benchmark: str = "routes"
     route: str | None = None
+    table: str | None = None
     plan_features: bool = False
     interval: float = 0.9
     lambdas: tuple[float, ...] = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
@@ -46,7 +48,7 @@ class AdviseSettings(ArmSettings):
             raise MergescopeError(f"advise.sentences={self.sentences}: a CKA on fewer than 8 dev lines says nothing; give 8 or more")
         if not 0 < self.interval < 1:
             raise MergescopeError(f"advise.interval must lie in (0, 1), got {self.interval}")
-        if self.route is not None and self.route not in ROUTE_KINDS:
+        if self.route is not None and self.route not in ROUTE_KINDS and self.table is None:
             raise MergescopeError(f"advise.route={self.route!r}: a route with a benchmark is one of {', '.join(ROUTE_KINDS)}")
         if any(x < 0 for x in self.lambdas) or not self.lambdas:
             raise MergescopeError(f"advise.lambdas must be non-negative penalties, got {list(self.lambdas)}")
