@@ -277,3 +277,34 @@ def test_a_table_from_elsewhere_missing_a_column_is_one_line_naming_it(tmp_path)
     (tmp_path / "u.csv").write_text("pair,member_a,member_b,operator,outcome,x\np,a,b,op,0.1,oops\n")
     with pytest.raises(MergescopeError, match="row 2, column 'x': 'oops' is not a number"):
         from_csv(tmp_path / "u.csv")
+
+
+def test_the_native_route_of_two_checkpoints_reads_the_merge_forecasts_fit_or_says_there_is_none(tiny_models, compose_cfg,
+                                                                                                  monkeypatch):
+    import json
+
+    import mergescope.forecast.job as fj
+    from mergescope.advise.job import run_advise
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    base = ["task=advise", "pair=custom", f"pair.a.name_or_path={tiny_models['neox_en']}", "pair.a.revision=step1",
+            "pair.a.lang=eng_Latn", f"pair.b.name_or_path={tiny_models['neox_en']}", "pair.b.revision=step2",
+            "pair.b.lang=eng_Latn", "advise.sentences=16", "advise.permutations=20"]
+    cfg, ov = compose_cfg([*base, "tracking.experiment=advise_native"])
+    res = run_advise(cfg, ov)
+    routes = {r["route"]: r for r in json.loads(read_artifact_text(Tracker(cfg).client, res.run_id, "advise/routes.json"))["routes"]}
+    assert routes["native"]["open"] and "no fitted merge forecast in experiment 'forecast'" in routes["native"]["no_forecast"]
+    assert not routes["transplant"]["open"] and routes["transplant"]["why_closed"] == "one vocabulary: nothing to transplant"
+
+    monkeypatch.setattr(fj, "latest_fit", lambda cfg, exp: "fit0")
+    monkeypatch.setattr("mergescope.advise.job._native_label", lambda cfg: "m@step1__m@step2")
+    monkeypatch.setattr(fj, "pair_features", lambda cfg, ov, label, fs: (label, {"x": 1.0}))
+    fake = {"linear": {"predicted": -0.01, "lo": -0.03, "hi": 0.01, "carried_by": {"x": -0.01}, "route": "checkpoint"},
+            "ties": {"predicted": 0.02, "lo": 0.005, "hi": 0.04, "carried_by": {"x": 0.02}, "route": "checkpoint"}}
+    monkeypatch.setattr(fj, "forecast_from_fit", lambda cfg, run_id, label, feats, fs, level: fake)
+    cfg, ov = compose_cfg([*base, "tracking.experiment=advise_native2"])
+    res = run_advise(cfg, ov)
+    client = Tracker(cfg).client
+    native = {r["route"]: r for r in json.loads(read_artifact_text(client, res.run_id, "advise/routes.json"))["routes"]}["native"]
+    assert (native["at"], native["forecast"], native["lo"], native["hi"]) == ("ties", 0.02, 0.005, 0.04)
+    assert client.get_run(res.run_id).data.metrics["forecast.native"] == 0.02

@@ -222,12 +222,47 @@ def _with_alpha(feats: dict[str, float], op: str) -> dict[str, float]:
     return out
 
 
+def _native_label(cfg: DictConfig) -> str | None:
+    """The pair as the merge forecast names it (``name@rev__name@rev``), or None when a side is not a conf/model entry."""
+    from mergescope.config import conf_options
+
+    out = []
+    for side in (cfg.pair.a, cfg.pair.b):
+        name = side.get("name")
+        if not name or name not in conf_options("model"):
+            return None
+        out.append(f"{name}@{side.get('revision') or 'main'}")
+    return "__".join(out)
+
+
+def native_forecast(cfg: DictConfig, overrides: list[str], level: float, experiment: str) -> dict[str, Any]:
+    """The native route's forecast from the merge forecast's newest fit in ``experiment`` (two checkpoints of one run,
+    or two fine-tunes of one base): {"forecast": {operator: ...}} or {"no_forecast": why}."""
+    from mergescope.forecast.job import forecast_from_fit, latest_fit, pair_features
+    from mergescope.forecast.settings import ForecastSettings
+
+    run_id = latest_fit(cfg, experiment)
+    if run_id is None:
+        return {"no_forecast": f"no fitted merge forecast in experiment '{experiment}' (python launch.py study=forecast builds one)"}
+    label = _native_label(cfg)
+    if label is None:
+        return {"no_forecast": "the merge forecast reads two conf/model entries (two checkpoints of one run, or two "
+                               "fine-tunes of one base)"}
+    fs = ForecastSettings.from_cfg(cfg)
+    try:
+        label, feats = pair_features(cfg, overrides, label, fs)
+        return {"forecast": forecast_from_fit(cfg, run_id, label, feats, fs, level), "fit_run": run_id}
+    except MergescopeError as e:
+        return {"no_forecast": f"the merge forecast does not cover this pair: {e}"}
+
+
 def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
     """Every route of ``pair``: the pre-flight from configs and tokenizers, then each open route's diagnostics on dev
     and forecast; a table and one run (kind=advise)."""
     from mergescope.advise.diagnostics import flip
     from mergescope.advise.preflight import preflight
     from mergescope.advise.settings import AdviseSettings
+    from mergescope.forecast.job import latest_fit
     from mergescope.progress import status
     from mergescope.runs import JobSpec, pair_tags, pair_text, run_once
 
@@ -248,7 +283,17 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
         for r in routes:
             row = {"route": r.name, "open": r.open, "why_closed": r.why_closed, "note": r.note}
             fit = fits.get(r.kind)
-            if r.open and fit is not None:
+            if r.open and r.kind == "native":
+                nf = native_forecast(cfg, list(overrides or []), s.interval, s.native_benchmark)
+                if "forecast" in nf:
+                    op, best = max(nf["forecast"].items(), key=lambda kv: kv[1]["predicted"])
+                    row.update({"forecast": best["predicted"], "lo": best["lo"], "hi": best["hi"], "at": op,
+                                "carried_by": best["carried_by"], "per_operator": nf["forecast"], "fit_run": nf["fit_run"]})
+                    metrics.update({"forecast.native": best["predicted"], "forecast_lo.native": best["lo"],
+                                    "forecast_hi.native": best["hi"]})
+                else:
+                    row["no_forecast"] = nf["no_forecast"]
+            elif r.open and fit is not None:
                 feats = ab if r.target == "a" else ba
                 per_op = forecast_route(fit[1], feats, s.interval)
                 best = max(per_op, key=lambda p: p["predicted"])
@@ -274,9 +319,10 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
 
     spec = JobSpec(f"advise {pair_text(cfg)}", {"kind": "advise", "route": "advise", **pair_tags(cfg)}, task="advise",
                    keys=["pair", "data", "advise.split", "advise.sentences", "advise.permutations", "advise.seed",
-                         "advise.interval", "advise.benchmark", "represent.max_length"],
-                   reads=(a.ref, b.ref), extra={"evidence": EVIDENCE, "fits": {k: (v[0].info.run_id if v else None)
-                                                                              for k, v in fits.items()}})
+                         "advise.interval", "advise.benchmark", "advise.native_benchmark", "forecast", "represent.max_length"],
+                   reads=(a.ref, b.ref), extra={"evidence": EVIDENCE, "fits": {**{k: (v[0].info.run_id if v else None)
+                                                                                 for k, v in fits.items()},
+                                                                              "native": latest_fit(cfg, s.native_benchmark)}})
     result = run_once(cfg, spec, body, overrides)
     table = holder.get("table")
     if table is None:  # a reused run: its table as it logged it

@@ -26,7 +26,7 @@ from mergescope.forecast.fit import Lasso, choose_lambda, fit_lasso, validate
 from mergescope.forecast.settings import ForecastSettings
 from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, benchmark
 
-__all__ = ["run_forecast", "load_benchmark", "ANCHOR"]
+__all__ = ["run_forecast", "load_benchmark", "ANCHOR", "latest_fit", "forecast_from_fit", "pair_features", "pair_route"]
 
 EVIDENCE = 6  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
 #              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
@@ -225,6 +225,46 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
                    "carried_by": dict(list(final.contributions(x).items())[:3])}
     measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
     return {"pair": label, "forecast": out, "measured": measured}
+
+
+def latest_fit(cfg: DictConfig, experiment: str) -> str | None:
+    """The newest FINISHED merge-forecast fit (kind=forecast) of ``experiment``: its run id, or None."""
+    from mergescope.tracking import Tracker
+
+    client = Tracker(cfg).client
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED' and tags.kind = 'forecast'",
+                              max_results=1, order_by=["attributes.start_time DESC"])
+    return runs[0].info.run_id if runs else None
+
+
+def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str, float], fs: ForecastSettings,
+                      level: float = 0.9) -> dict[str, dict[str, Any]]:
+    """A logged fit's forecast of one pair (``label``, its diagnostics ``feats``) per operator of its benchmark: the
+    prediction of the pair's route's final model, its split-conformal interval at ``level`` from that route's held-out
+    residuals, and the three features that carry it."""
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    finals, resid, routes = _logged_fit(cfg, run_id)
+    route = pair_route(label)
+    final = final_for(finals, route)
+    missing = [f for f in final.features if not f.startswith("operator=") and f not in feats]
+    if missing:
+        raise MergescopeError(f"the fit {run_id[:8]} reads {', '.join(missing)}, which this pair's diagnostics lack: set "
+                              "forecast.features to the fit's")
+    r = resid if "all" in finals else resid[routes == route]
+    r = r[np.isfinite(r)]
+    q_lo, q_hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    rows = csv.DictReader(io.StringIO(read_artifact_text(Tracker(cfg).client, run_id, "forecast/predictions.csv")))
+    out = {}
+    for op in sorted({row["operator"] for row in rows}):
+        x = np.array([feats[f] if not f.startswith("operator=") else float(f == f"operator={op}") for f in final.features])
+        pred = float(final.predict(x[None, :])[0])
+        out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi), "route": route,
+                   "carried_by": dict(list(final.contributions(x).items())[:3])}
+    return out
 
 
 def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
