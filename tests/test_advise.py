@@ -308,3 +308,12 @@ def test_the_native_route_of_two_checkpoints_reads_the_merge_forecasts_fit_or_sa
     native = {r["route"]: r for r in json.loads(read_artifact_text(client, res.run_id, "advise/routes.json"))["routes"]}["native"]
     assert (native["at"], native["forecast"], native["lo"], native["hi"]) == ("ties", 0.02, 0.005, 0.04)
     assert client.get_run(res.run_id).data.metrics["forecast.native"] == 0.02
+
+
+def test_a_held_out_scheme_with_nothing_left_to_fit_on_scores_nan_not_a_crash():
+    from mergescope.advise.fit import validate_route
+
+    b = _planted(n_models=3)  # holding out two of three models leaves no training row
+    v = validate_route(b, n_boot=50, n_shuffles=2)
+    assert v["scores"]["member"]["n"] == 0 and math.isnan(v["scores"]["member"]["spearman"])
+    assert v["scores"]["pair"]["n"] == len(b)

@@ -59,6 +59,8 @@ def scores(pred: np.ndarray, y: np.ndarray, clusters: np.ndarray, n_boot: int, s
     """Spearman and Pearson of held-out predictions against outcomes, pooled, each with its interval over pairs."""
     ok = np.isfinite(pred) & np.isfinite(y)
     out = {"n": float(ok.sum())}
+    if ok.sum() < 3:  # e.g. holding out both members of a pair among three models leaves nothing to fit on
+        return {**out, **{f"{n}{s}": float("nan") for n in ("spearman", "pearson") for s in ("", "_lo", "_hi")}}
     for name, fn in (("spearman", spearman), ("pearson", pearson)):
         est = fn(pred[ok], y[ok])
         lo, hi = cluster_bootstrap(fn, clusters[ok], (pred[ok], y[ok]), n_boot, seed)

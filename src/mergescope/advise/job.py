@@ -300,7 +300,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                 row.update({"forecast": best["predicted"], "lo": best["lo"], "hi": best["hi"], "at": best["operator"],
                             "carried_by": best["carried_by"], "per_operator": per_op, "fit_run": fit[0].info.run_id,
                             "fit_n": fit[0].data.metrics.get("n_merges"),
-                            "held_out_spearman": fit[0].data.metrics.get("member_spearman")})
+                            "held_out": {k: fit[0].data.metrics.get(f"member_spearman{k}") for k in ("", "_lo", "_hi")}})
                 key = r.name.replace(" ", "_").replace("<-", "_from_")
                 metrics.update({f"forecast.{key}": best["predicted"], f"forecast_lo.{key}": best["lo"],
                                 f"forecast_hi.{key}": best["hi"]})
@@ -340,8 +340,13 @@ def _print_table(table: list[dict[str, Any]], level: float) -> None:
     pct = f"{level:.0%}"
     for i, t in enumerate(ranked, 1):
         carried = ", ".join(f"{k} {c:+.4f}" for k, c in t["carried_by"].items()) or "the intercept alone"
+        ho = t.get("held_out") or {}
+        trust = ""
+        if ho.get("") is not None and math.isfinite(ho[""]):
+            trust = (f"; the route's forecast ranks merges of unseen pairs at Spearman {ho['']:+.2f} "
+                     f"[{ho['_lo']:+.2f}, {ho['_hi']:+.2f}] on {t.get('fit_n') or 0:.0f} merges")
         status.print(f"  {i}. {t['route']}: forecast gain {t['forecast']:+.4f} nats/token at {t['at']}, {pct} interval "
-                     f"[{t['lo']:+.4f}, {t['hi']:+.4f}] (carried by {carried})", soft_wrap=True)
+                     f"[{t['lo']:+.4f}, {t['hi']:+.4f}] (carried by {carried}{trust})", soft_wrap=True)
     for t in table:
         if t["open"] and "forecast" not in t:
             status.print(f"  {t['route']}: {t['no_forecast']}", soft_wrap=True)
