@@ -70,7 +70,8 @@ ARMS = [Arm(
            "advise": "mergescope.advise.job:run_advise"},
     work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev},
     phases=(Phase("route diagnostics", pair_jobs, _pair_text, workers=True), Phase("route forecasts", route_jobs, _route_text)),
-    report=Report(kinds={"pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",
+    report=Report(sections={(80, 4): "mergescope.advise.report:section"}, summary={"route_forecast": "Forecasting a route"},
+                  kinds={"pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",
                          "route_forecast": "a route's forecast fitted and validated on the experiment's merges of that route",
                          "advise": "every route of a pair with its forecast gain, before any merge"}),
 )]
