@@ -375,18 +375,21 @@ def test_premerge_diagnostics_match_a_plain_per_sentence_computation(tiny_models
 
 
 def test_the_forecast_studies_compose_their_families(compose_cfg):
-    """study=forecast holds the two toy fine-tune families (scored on both languages); study=forecast_real adds the
-    SmolLM2 family with its own smaller settings, in the same experiment."""
+    """study=forecast holds six toy fine-tune families of five architectures (scored on both languages: no route's
+    held-out score is one family against another) and six checkpoint runs; study=forecast_real adds the SmolLM2 family
+    with its own smaller settings, in the same experiment."""
     from mergescope.forecast.settings import ForecastSettings
 
     toy, _ = compose_cfg(["study=forecast"])
     fams = ForecastSettings.from_cfg(toy).family_list()
-    assert [f.base for f in fams] == ["zoo-multi-llama", "zoo-multi-neox"] and all(len(f.experts) == 4 for f in fams)
+    toy_bases = ["zoo-multi-llama", "zoo-multi-neox", "zoo-multi-mistral", "zoo-multi-qwen2", "zoo-multi-olmo", "zoo-multi-llama-s"]
+    assert [f.base for f in fams] == toy_bases and all(len(f.experts) == 4 for f in fams)
+    assert len(toy.checkpoints.models) >= 6
     assert "+native.outcome=both" in ForecastSettings.from_cfg(toy).family_overrides
     real, _ = compose_cfg(["study=forecast_real"])
     fams = ForecastSettings.from_cfg(real).family_list()
-    assert [f.base for f in fams] == ["zoo-multi-llama", "zoo-multi-neox", "smollm2-135m"]
-    assert fams[2].revisions == ("step16", "step48") and "native.nll_sentences=48" in fams[2].overrides
+    assert [f.base for f in fams] == [*toy_bases, "smollm2-135m"]
+    assert fams[-1].revisions == ("step16", "step48") and "native.nll_sentences=48" in fams[-1].overrides
     assert real.tracking.experiment == toy.tracking.experiment == "forecast"
 
 
