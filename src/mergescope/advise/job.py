@@ -269,10 +269,9 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
     s = AdviseSettings.from_cfg(cfg)
     a, b = Side(cfg.pair.a), Side(cfg.pair.b)  # configs and tokenizers: no weight file read yet
     routes = preflight(a.config, b.config, a.tok, b.tok, (a.label, b.label))
-    status.print(f"[bold]pre-flight[/] {a.label} x {b.label} (configs and tokenizers only):", soft_wrap=True)
-    for r in routes:
-        status.print(f"  {r.name}: " + ("open" + (f" ({r.note})" if r.note else "") if r.open else f"closed: {r.why_closed}"),
-                     soft_wrap=True)
+    status.print(f"[bold]pre-flight[/] {a.label} x {b.label} (configs and tokenizers only): "
+                 f"{sum(r.open for r in routes)} of {len(routes)} routes open; "
+                 + "; ".join(f"{r.name} closed" for r in routes if not r.open), soft_wrap=True)
     fits = {kind: _latest_fit(cfg, s.benchmark, kind) for kind in ("transport", "transport+adapt")}
     holder: dict[str, Any] = {}
 
@@ -334,23 +333,37 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
 
 
 def _print_table(table: list[dict[str, Any]], level: float) -> None:
+    """The routes as one table: each open route's forecast (ranked), each closed one with why; then the verdict line."""
+    from rich.table import Table
+
     from mergescope.progress import status
 
     ranked = sorted([t for t in table if "forecast" in t], key=lambda t: -t["forecast"])
+    rank = {id(t): i for i, t in enumerate(ranked, 1)}
     pct = f"{level:.0%}"
-    for i, t in enumerate(ranked, 1):
-        carried = ", ".join(f"{k} {c:+.4f}" for k, c in t["carried_by"].items()) or "the intercept alone"
-        ho = t.get("held_out") or {}
-        trust = ""
-        if ho.get("") is not None and math.isfinite(ho[""]):
-            trust = (f"; the route's forecast ranks merges of unseen pairs at Spearman {ho['']:+.2f} "
-                     f"[{ho['_lo']:+.2f}, {ho['_hi']:+.2f}] on {t.get('fit_n') or 0:.0f} merges")
-        status.print(f"  {i}. {t['route']}: forecast gain {t['forecast']:+.4f} nats/token at {t['at']}, {pct} interval "
-                     f"[{t['lo']:+.4f}, {t['hi']:+.4f}] (carried by {carried}{trust})", soft_wrap=True)
-    for t in table:
-        if t["open"] and "forecast" not in t:
-            status.print(f"  {t['route']}: {t['no_forecast']}", soft_wrap=True)
+    out = Table(title="routes, before merging (gain in nats/token on the target's language, first token apart; > 0 helps)")
+    for col, just in (("#", "right"), ("route", "left"), ("forecast gain", "right"), (f"{pct} interval", "right"),
+                      ("at", "left"), ("carried by / why not", "left")):
+        out.add_column(col, justify=just)
+    order = ranked + [t for t in table if t["open"] and "forecast" not in t] + [t for t in table if not t["open"]]
+    for t in order:
+        if "forecast" in t:
+            carried = ", ".join(f"{k} {c:+.4f}" for k, c in t["carried_by"].items()) or "the intercept alone"
+            ho = t.get("held_out") or {}
+            if ho.get("") is not None and math.isfinite(ho[""]):
+                carried += (f" (this route's forecast ranks unseen pairs at Spearman {ho['']:+.2f} "
+                            f"[{ho['_lo']:+.2f}, {ho['_hi']:+.2f}], {t.get('fit_n') or 0:.0f} merges)")
+            out.add_row(str(rank[id(t)]), t["route"], f"{t['forecast']:+.4f}", f"[{t['lo']:+.4f}, {t['hi']:+.4f}]", t["at"], carried)
+        elif t["open"]:
+            out.add_row("", t["route"], "—", "—", "", t["no_forecast"])
+        else:
+            out.add_row("", t["route"], "closed", "", "", t["why_closed"] or "")
+    status.print(out)
     if ranked and all(t["hi"] < 0 for t in ranked):
-        status.print("  No route is forecast to help: every forecast interval lies below zero.", soft_wrap=True)
+        status.print("No route is forecast to help: every forecast interval lies below zero.", soft_wrap=True)
     elif ranked and not any(t["lo"] > 0 for t in ranked):
-        status.print(f"  No route is forecast to help with {pct} confidence: every interval reaches zero or below.", soft_wrap=True)
+        status.print(f"No route is forecast to help with {pct} confidence: every interval reaches zero or below.", soft_wrap=True)
+    elif ranked:
+        best = ranked[0]
+        status.print(f"Best forecast: {best['route']} at {best['at']}, {best['forecast']:+.4f} [{best['lo']:+.4f}, "
+                     f"{best['hi']:+.4f}].", soft_wrap=True)
