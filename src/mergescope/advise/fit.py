@@ -90,4 +90,6 @@ def validate_route(bench: RouteBench, n_boot: int = 2000, n_shuffles: int = 20, 
                       "member": scores(member, bench.y, bench.pair, n_boot, seed)},
            "final": final_model(bench, lambdas), "names": names}
     out["residuals"] = bench.y - fam.predictions
+    out["member_by_operator"] = {str(op): scores(np.where(bench.operator == op, member, np.nan), bench.y, bench.pair, n_boot, seed)
+                                 for op in sorted(set(bench.operator.tolist()))}  # the ranking within one alpha
     return out

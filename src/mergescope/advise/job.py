@@ -15,7 +15,7 @@ from mergescope.errors import MergescopeError
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
 
-EVIDENCE = 1
+EVIDENCE = 2  # 2: the held-out ranking with both models unseen within each alpha (member_spearman.<alpha>)
 
 
 class Side:
@@ -105,6 +105,8 @@ def _route_metrics(v: dict[str, Any], bench) -> dict[str, float]:
            "final_nonzero": float((v["final"].coef != 0).sum())}
     for scheme, sc in v["scores"].items():
         out.update({f"{scheme}_{k}": x for k, x in sc.items()})
+    for op, sc in v.get("member_by_operator", {}).items():
+        out.update({f"member_{k}.{_metric_safe(op)}": x for k, x in sc.items() if k.startswith("spearman")})
     for scheme in ("family", "pair"):
         val = v[scheme]
         out.update({f"{scheme}_shuffled_spearman": val.shuffled_mean, f"{scheme}_shuffled_lo": val.shuffled_range[0],
@@ -166,6 +168,7 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         v = validate_route(bench, s.n_boot, s.n_shuffles, s.seed, s.lambdas)
         job.log_params({"features": list(bench.features), "route": bench.route, **({"table": s.table} if s.table else {})})
         job.log_text(json.dumps({"family": v["family"].as_dict(), "pair": v["pair"].as_dict(), "scores": v["scores"],
+                                 "member_by_operator": v["member_by_operator"],
                                  "final": v["final"].as_dict(), "residuals": [float(x) for x in v["residuals"]],
                                  "operators": sorted(set(bench.operator.tolist()))}, indent=1, default=float),
                      "forecast/validation.json")

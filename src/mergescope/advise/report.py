@@ -30,6 +30,15 @@ def _gap(g) -> str:
     return f"{g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]: {said}"
 
 
+def _within(m: dict) -> str:
+    """The both-unseen ranking within each alpha: what the forecast says beyond which alpha was used."""
+    within = {k.split(".", 1)[1]: x for k, x in m.items() if k.startswith("member_spearman.") and math.isfinite(x)}
+    if not within:
+        return ""
+    return (" Within one alpha (what it says beyond the alpha): " + ", ".join(f"{k} {x:+.2f}" for k, x in sorted(within.items()))
+            + ".")
+
+
 def _verdict(route: str, m: dict, n_fam: int) -> str:
     rho, lo = m.get("member_spearman", float("nan")), m.get("member_spearman_lo", float("nan"))
     n = int(m.get("n_merges", 0))
@@ -40,7 +49,7 @@ def _verdict(route: str, m: dict, n_fam: int) -> str:
     return (f"{route}: on {n} merges, the forecast ranks the merges of pairs whose two models it never saw at Spearman "
             f"{rho:+.3f} [{lo:+.3f}, {m.get('member_spearman_hi', float('nan')):+.3f}] (Pearson "
             f"{m.get('member_pearson', float('nan')):+.3f}); it {reach} the goal of {GOAL} (lower bound said); shuffled-"
-            f"target control {m.get('family_shuffled_spearman', float('nan')):+.3f}.")
+            f"target control {m.get('family_shuffled_spearman', float('nan')):+.3f}." + _within(m))
 
 
 def section(an: Analysis, number: str) -> Section | None:
