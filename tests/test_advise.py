@@ -328,3 +328,14 @@ def test_the_reports_verdict_reads_the_both_members_unseen_score_and_its_lower_b
     assert "meets the goal of 0.55" in _verdict("transport", {**m, "member_spearman_lo": 0.56}, 8)
     assert "falls short of" in _verdict("transport", {**m, "member_spearman": 0.3, "member_spearman_lo": 0.1}, 8)
     assert "no verdict" in _verdict("transport", {**m, "member_spearman": float("nan")}, 3)
+
+
+def test_every_route_name_is_a_valid_metric_name():
+    from mlflow.utils.validation import _validate_metric_name
+
+    from mergescope.advise.job import route_key
+    from mergescope.advise.preflight import route_names
+
+    for name in route_names("smollm2-135m", "qwen2.5-coder-0.5b@step16"):
+        _validate_metric_name(f"forecast.{route_key(name)}")
+    assert route_key("transport+adapt a<-b") == "transport_adapt_a_from_b"

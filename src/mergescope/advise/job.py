@@ -120,6 +120,11 @@ def _route_metrics(v: dict[str, Any], bench) -> dict[str, float]:
     return {k: float(x) for k, x in out.items()}
 
 
+def route_key(name: str) -> str:
+    """A route's name as a metric name holds it: ``transport+adapt a<-b`` -> ``transport_adapt_a_from_b``."""
+    return _metric_safe(name.replace("+", "_").replace("<-", "_from_").replace(" ", "_"))
+
+
 def _metric_safe(name: str) -> str:
     """An operator's name as a metric name may hold it (``alpha=0.01`` -> ``alpha_0.01``)."""
     import re
@@ -303,7 +308,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                             "carried_by": best["carried_by"], "per_operator": per_op, "fit_run": fit[0].info.run_id,
                             "fit_n": fit[0].data.metrics.get("n_merges"),
                             "held_out": {k: fit[0].data.metrics.get(f"member_spearman{k}") for k in ("", "_lo", "_hi")}})
-                key = r.name.replace(" ", "_").replace("<-", "_from_")
+                key = route_key(r.name)
                 metrics.update({f"forecast.{key}": best["predicted"], f"forecast_lo.{key}": best["lo"],
                                 f"forecast_hi.{key}": best["hi"]})
             elif r.open:
