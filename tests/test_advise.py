@@ -339,3 +339,15 @@ def test_every_route_name_is_a_valid_metric_name():
     for name in route_names("smollm2-135m", "qwen2.5-coder-0.5b@step16"):
         _validate_metric_name(f"forecast.{route_key(name)}")
     assert route_key("transport+adapt a<-b") == "transport_adapt_a_from_b"
+
+
+def test_a_forecast_far_outside_its_benchmark_says_it_extrapolates():
+    from mergescope.advise.job import forecast_route
+
+    fit = {"final": {"coef": [0.5, 0.0], "intercept": 0.0, "mu": [1.0, 0.0], "sd": [0.1, 1.0], "lambda": 0.0,
+                     "features": ["dev_bpb_target", "dev_cka"]},
+           "residuals": [-0.01, 0.01], "operators": ["alpha=0.1"]}
+    near = forecast_route(fit, {"dev_bpb_target": 1.1, "dev_cka": 9.0}, 0.9)[0]
+    assert near["extrapolated"] == {}  # dev_cka is far, but carries nothing (coefficient 0)
+    far = forecast_route(fit, {"dev_bpb_target": 0.3, "dev_cka": 0.0}, 0.9)[0]
+    assert far["extrapolated"] == {"dev_bpb_target": pytest.approx(-7.0)}

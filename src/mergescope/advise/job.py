@@ -15,6 +15,7 @@ from mergescope.errors import MergescopeError
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
 
+EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # 2: the held-out ranking with both models unseen within each alpha (member_spearman.<alpha>)
 
 
@@ -218,8 +219,11 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
         at = _with_alpha(feats, op)
         x = np.array([float(n == f"operator={op}") if n.startswith("operator=") else at[n] for n in model.features])
         pred = float(model.predict(x[None, :])[0])
+        z = (x - model.mu) / model.sd
+        far = {n: float(z[i]) for i, n in enumerate(model.features)
+               if model.coef[i] != 0 and not n.startswith("operator=") and abs(z[i]) > EXTRAPOLATION_SD}
         out.append({"operator": op, "predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                    "carried_by": dict(list(model.contributions(x).items())[:3])})
+                    "carried_by": dict(list(model.contributions(x).items())[:3]), "extrapolated": far})
     return out
 
 
@@ -305,7 +309,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                 per_op = forecast_route(fit[1], feats, s.interval)
                 best = max(per_op, key=lambda p: p["predicted"])
                 row.update({"forecast": best["predicted"], "lo": best["lo"], "hi": best["hi"], "at": best["operator"],
-                            "carried_by": best["carried_by"], "per_operator": per_op, "fit_run": fit[0].info.run_id,
+                            "carried_by": best["carried_by"], "extrapolated": best["extrapolated"], "per_operator": per_op, "fit_run": fit[0].info.run_id,
                             "fit_n": fit[0].data.metrics.get("n_merges"),
                             "held_out": {k: fit[0].data.metrics.get(f"member_spearman{k}") for k in ("", "_lo", "_hi")}})
                 key = route_key(r.name)
@@ -361,6 +365,9 @@ def _print_table(table: list[dict[str, Any]], level: float) -> None:
             if ho.get("") is not None and math.isfinite(ho[""]):
                 carried += (f" (this route's forecast ranks unseen pairs at Spearman {ho['']:+.2f} "
                             f"[{ho['_lo']:+.2f}, {ho['_hi']:+.2f}], {t.get('fit_n') or 0:.0f} merges)")
+            if t.get("extrapolated"):
+                carried += ("; EXTRAPOLATED: " + ", ".join(f"{k} {z:+.1f} sd from the benchmark's mean"
+                                                          for k, z in t["extrapolated"].items()))
             out.add_row(str(rank[id(t)]), t["route"], f"{t['forecast']:+.4f}", f"[{t['lo']:+.4f}, {t['hi']:+.4f}]", t["at"], carried)
         elif t["open"]:
             out.add_row("", t["route"], "—", "—", "", t["no_forecast"])
