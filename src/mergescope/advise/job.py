@@ -15,6 +15,7 @@ from mergescope.errors import MergescopeError
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
 
+ADVISE_EVIDENCE = 2  # 2: each forecast says where it extrapolates
 EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # 2: the held-out ranking with both models unseen within each alpha (member_spearman.<alpha>)
 
@@ -331,7 +332,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
     spec = JobSpec(f"advise {pair_text(cfg)}", {"kind": "advise", "route": "advise", **pair_tags(cfg)}, task="advise",
                    keys=["pair", "data", "advise.split", "advise.sentences", "advise.permutations", "advise.seed",
                          "advise.interval", "advise.benchmark", "advise.native_benchmark", "forecast", "represent.max_length"],
-                   reads=(a.ref, b.ref), extra={"evidence": EVIDENCE, "fits": {**{k: (v[0].info.run_id if v else None)
+                   reads=(a.ref, b.ref), extra={"evidence": ADVISE_EVIDENCE, "fits": {**{k: (v[0].info.run_id if v else None)
                                                                                  for k, v in fits.items()},
                                                                               "native": latest_fit(cfg, s.native_benchmark)}})
     result = run_once(cfg, spec, body, overrides)
