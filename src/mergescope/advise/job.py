@@ -15,7 +15,7 @@ from mergescope.errors import MergescopeError
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
 
-ADVISE_EVIDENCE = 2  # 2: each forecast says where it extrapolates
+ADVISE_EVIDENCE = 3  # 3: each forecast says where it extrapolates
 EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # 2: the held-out ranking with both models unseen within each alpha (member_spearman.<alpha>)
 
