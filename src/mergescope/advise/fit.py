@@ -21,15 +21,9 @@ import numpy as np
 
 from mergescope.advise.bench import RouteBench
 from mergescope.forecast.fit import LAMBDAS, Lasso, choose_lambda, cluster_bootstrap, fit_lasso, spearman, validate
+from mergescope.forecast.job import design
 
-__all__ = ["design", "pearson", "leave_members_out", "validate_route", "final_model", "scores"]
-
-
-def design(bench: RouteBench) -> tuple[np.ndarray, list[str]]:
-    """The columns: the diagnostics, and one indicator per operator (alpha) but the first."""
-    ops = sorted(set(bench.operator.tolist()))
-    dummies = np.stack([(bench.operator == o).astype(np.float64) for o in ops[1:]], axis=1) if len(ops) > 1 else np.zeros((len(bench), 0))
-    return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
+__all__ = ["pearson", "leave_members_out", "validate_route", "final_model", "scores"]
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> float:

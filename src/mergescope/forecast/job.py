@@ -26,7 +26,8 @@ from mergescope.forecast.fit import Lasso, choose_lambda, fit_lasso, validate
 from mergescope.forecast.settings import ForecastSettings
 from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, benchmark
 
-__all__ = ["run_forecast", "load_benchmark", "ANCHOR", "latest_fit", "forecast_from_fit", "pair_features", "pair_route"]
+__all__ = ["run_forecast", "load_benchmark", "ANCHOR", "latest_fit", "forecast_from_fit", "pair_features", "pair_route",
+           "design"]
 
 EVIDENCE = 6  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
 #              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
@@ -62,8 +63,9 @@ def load_benchmark(cfg: DictConfig, fs: ForecastSettings) -> Benchmark:
     return bench
 
 
-def _design(bench: Benchmark) -> tuple[np.ndarray, list[str]]:
-    """The pooled model's columns: the features, and one indicator per operator but the first."""
+def design(bench) -> tuple[np.ndarray, list[str]]:
+    """The model's columns: the features, and one indicator per operator but the first (any benchmark with ``X``,
+    ``features`` and ``operator``: the native merges', or a route's)."""
     ops = sorted(set(bench.operator.tolist()))
     dummies = np.stack([(bench.operator == o).astype(np.float64) for o in ops[1:]], axis=1) if len(ops) > 1 else np.zeros((len(bench), 0))
     return np.hstack([bench.X, dummies]), [*bench.features, *(f"operator={o}" for o in ops[1:])]
@@ -79,7 +81,7 @@ def per_route(bench: Benchmark, fs: ForecastSettings) -> bool:
 
 
 def _validations(bench: Benchmark, fs: ForecastSettings) -> dict[str, Any]:
-    X, names = _design(bench)
+    X, names = design(bench)
     routes, split = _routes(bench), per_route(bench, fs)
     common = dict(n_boot=fs.n_boot, n_shuffles=fs.n_shuffles, seed=fs.seed, lambdas=fs.lambdas, routes=routes, by_route=split)
     lofo = validate("leave one family out", X, bench.y, bench.beats, bench.family, bench.family, bench.pair, bench.operator,
