@@ -85,6 +85,13 @@ def _check_summary_intervals(cfg, m, by, best):
     assert m["gain_vs_small_rest"] == pytest.approx(by["0"]["test_nll_rest"] - by[best]["test_nll_rest"], abs=1e-12)
     better = min(by["0"]["test_nll_rest"], by["1"]["test_nll_rest"])
     assert m["gain_vs_better_end_rest"] == pytest.approx(better - by[best]["test_nll_rest"], abs=1e-12)
+    # every grid ratio the test split scored: the route benchmark's merge, against the same better end
+    grid = [k for k in by if k not in ("0", "1", "best")]
+    assert sorted(k[len("grid_gain."):-len("_rest")] for k in m if k.startswith("grid_gain.") and k.endswith("_rest")) == sorted(grid)
+    for r in grid:
+        assert m[f"grid_gain.{r}_rest"] == pytest.approx(better - by[r]["test_nll_rest"], abs=1e-12), r
+        assert m[f"grid_gain.{r}_rest_lo"] <= m[f"grid_gain.{r}_rest"] <= m[f"grid_gain.{r}_rest_hi"]
+    assert m[f"grid_gain.{best}_rest"] == pytest.approx(m["gain_vs_better_end_rest"], abs=1e-12)
     noise = [r.data.metrics["test_nll_rest"] for r in _runs(cfg, kind="adapt", control="noise")]
     # the control's number is the mean over its seeds (each a mean over languages)
     assert m["best_minus_noise_rest"] == pytest.approx(by[best]["test_nll_rest"] - sum(noise) / len(noise), abs=1e-12)

@@ -122,6 +122,36 @@ def test_the_route_rows_read_the_gain_as_minus_delta_and_flip_the_diagnostics_fo
     assert len(ad) == 1 and ad.y[0] == pytest.approx(-0.05)
 
 
+def _adapt_summary(small, large, protocol, gains, h):
+    m = {}
+    for r, g in gains.items():
+        m.update({f"grid_gain.{r:g}_rest": g, f"grid_gain.{r:g}_rest_lo": g - 0.01, f"grid_gain.{r:g}_rest_hi": g + 0.01,
+                  f"grid_gain.{r:g}": 99.0})  # the all-tokens scope is not the route's outcome
+    return _Rec(f"s-{small}-{large}-{protocol}", "adapt", {"ratio": "best", "protocol": protocol, "small": small,
+                                                           "large": large, "cfg_hash": h}, m)
+
+
+def test_an_adapt_summary_gives_one_row_per_grid_ratio_with_the_kept_shape_as_its_target():
+    from mergescope.advise.bench import route_bench
+
+    recs = [_diag("s", "l", log2_width_ratio=-0.5),  # logged with the small model as a
+            _adapt_summary("s", "l", "union", {0.02: 0.01, 0.98: -0.02}, "u"),
+            _adapt_summary("s", "l", "intersection", {0.05: 0.03}, "i"),
+            _Rec("p", "adapt", {"ratio": "0.02", "protocol": "union", "small": "s", "large": "l", "cfg_hash": "p"},
+                 {"grid_gain.0.5_rest": 1.0})]  # a point run, not a summary: no row
+    u = route_bench(recs, "adapt union")
+    assert len(u) == 2 and list(u.operator) == ["ratio=0.02", "ratio=0.98"]
+    assert set(u.target) == {"l"} and set(u.donor) == {"s"} and set(u.family) == {"l"}
+    assert list(u.y) == pytest.approx([0.01, -0.02]) and list(u.lo) == pytest.approx([0.0, -0.03])
+    f = u.features
+    assert "ratio" in f and "log10_alpha" not in f and list(u.X[:, f.index("ratio")]) == [0.02, 0.98]
+    assert u.X[0, f.index("log2_width_ratio")] == 0.5 and u.X[0, f.index("dev_bpb_target")] == 2.4  # flipped: l is b
+    assert len(set(u.run_ids)) == 2  # one summary, two merges: two row ids
+    i = route_bench(recs, "adapt intersection")
+    assert len(i) == 1 and i.target[0] == "s" and i.y[0] == pytest.approx(0.03)
+    assert i.X[0, i.features.index("log2_width_ratio")] == -0.5 and i.X[0, i.features.index("dev_bpb_target")] == 2.0
+
+
 def _planted(n_models=8, alphas=(0.01, 0.1), noise=0.002, seed=0, leak=0.0):
     """A route benchmark whose gain is a linear function of two diagnostics plus noise (``leak``: a per-model offset
     that only a fit that has seen the model can know)."""

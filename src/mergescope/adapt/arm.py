@@ -9,7 +9,7 @@ from mergescope.arm import Arm, Phase, Report
 def adapt_jobs(plan) -> list:
     """For every ``[small, large]`` of ``adaptation.pairs``: union (adapt=expand) and intersection (adapt=truncate)."""
     from mergescope.errors import MergescopeError
-    from mergescope.jobs import composed, job, pair_override
+    from mergescope.jobs import job, pair_override
 
     out = []
     if "adapt" not in plan.arms:
@@ -18,12 +18,19 @@ def adapt_jobs(plan) -> list:
     bad = [o for o in ops if o not in ("expand", "truncate")]
     if bad:
         raise MergescopeError(f"adaptation.operators: unknown operator {bad[0]!r}: choose from expand (union), truncate (intersection)")
-    for small, large in (plan.cfg.get("adaptation") or {}).get("pairs") or []:
-        a, b = (composed([*plan.base, f"model={m}"]).model for m in (small, large))
+    for a, b in adapt_pairs(plan):
         extra = (plan.cfg.adaptation.get("operator_overrides") or {})
         out += [job("adapt", [*plan.base, *pair_override(a, b), f"adapt={op}", *(str(o) for o in extra.get(op) or [])])
                 for op in ops]
     return out
+
+
+def adapt_pairs(plan) -> list:
+    """``adaptation.pairs`` as (small, large) model entries."""
+    from mergescope.jobs import composed
+
+    return [tuple(composed([*plan.base, f"model={m}"]).model for m in (small, large))
+            for small, large in (plan.cfg.get("adaptation") or {}).get("pairs") or []]
 
 
 def adapt_models(plan) -> list:

@@ -45,9 +45,11 @@ SIDES = ("small", "large")
 EVIDENCE = 1
 """In every scored adapt run's identity: 1 = per-sentence scores kept (``scores/sentences.csv``), the first token apart
 and the summary's differences with their paired intervals (runs recorded before have none, so they run again)."""
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 """In the summary run's identity (what it computes from its children): 2 = the noise control over its seeds, the
-seesaw per task with intervals; 3 = the ratio chosen on the validation NLL without each sentence's first token."""
+seesaw per task with intervals; 3 = the ratio chosen on the validation NLL without each sentence's first token; 4 =
+every grid ratio scored on the test split against the better end (``grid_gain.<ratio>_rest``, the route forecast's
+rows)."""
 
 
 __all__ = ["run_adapt", "run_expansion", "run_point", "run_source"]
@@ -276,7 +278,9 @@ def summary_intervals(cfg, points, controls, compares, best: float, domains: dic
     with a FLORES article drawn in every language at once), from the runs' per-sentence tables: ``gain_vs_small``
     (ratio 0 minus the chosen ratio), ``gain_vs_better_end`` (the better end in each scope minus it), and for every
     control and comparison operator at the chosen ratio ``best_minus_<name>`` (negative = the merge beats it; a control
-    of several seeds is their mean, a distribution: the interval also covers its seeds' prediction interval). Runs
+    of several seeds is their mean, a distribution: the interval also covers its seeds' prediction interval), and for
+    every grid ratio the test split scored ``grid_gain.<ratio>_rest`` (the better end without first tokens minus that
+    ratio's merge: each one merge of the route benchmark, :mod:`mergescope.advise.bench`). Runs
     recorded without the tables give nothing (the summary's differences then carry no interval). ``table``: a run id
     -> its parsed table (the report's reader); the runs' artifacts through ``cfg`` by default."""
     def test_of(run):
@@ -298,6 +302,11 @@ def summary_intervals(cfg, points, controls, compares, best: float, domains: dic
     for scope in ("all", "rest"):  # the better end chosen in each scope on its own
         better = min((lo, hi), key=lambda e: strata_mean(e, scope))
         out.update(compare_strata("gain_vs_better_end", better, b, docs, what, scopes=(scope,)))
+    better = min((lo, hi), key=lambda e: strata_mean(e, "rest"))
+    for r in sorted(x for x in points if 0.0 < x < 1.0):  # every ratio the test split scored: one merge each
+        pt, _ = test_of(points[r]) if r != best else (b, None)
+        if pt is not None and set(pt) == set(b):
+            out.update(compare_strata(f"grid_gain.{r:g}", better, pt, docs, what, scopes=("rest",)))
     for (name, r), rs in [*controls.items(), *((k, [v]) for k, v in compares.items())]:
         others = [test_of(x)[0] for x in rs] if r == best else [None]
         if all(o is not None for o in others):

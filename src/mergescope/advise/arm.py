@@ -8,13 +8,26 @@ from mergescope.arm import Arm, Phase, Report
 
 
 def pair_jobs(plan) -> list:
+    """Every pair of the study's sweep, then every pair of the adapt arm's (``adaptation.pairs``) not among them."""
+    from mergescope.adapt.arm import adapt_pairs
+    from mergescope.jobs import job, pair_override
+    from mergescope.runs import model_label
+
     if "advise" not in plan.arms:
         return []
-    return plan.pair_jobs("pairdev")
+    out = plan.pair_jobs("pairdev")
+    seen = {frozenset((model_label(j.cfg.pair.a), model_label(j.cfg.pair.b))) for j in out}
+    for a, b in adapt_pairs(plan) if "adapt" in plan.arms else []:
+        key = frozenset((model_label(a), model_label(b)))
+        if key not in seen:
+            seen.add(key)
+            out.append(job("pairdev", [*plan.base, *pair_override(a, b)]))
+    return out
 
 
 def route_jobs(plan) -> list:
-    """One fit per route the study's merges build: transport, and transport+adapt where the transport arm adapts."""
+    """One fit per route the study's merges build: transport, and transport+adapt where the transport arm adapts; adapt
+    union and adapt intersection where the study runs the adapt arm (each of its operators)."""
     from mergescope.jobs import composed, job, key_of
 
     if "advise" not in plan.arms:
@@ -22,7 +35,11 @@ def route_jobs(plan) -> list:
     user_merge = any(key_of(o) == "merge" for o in plan.base)  # as the transport arm composes its directions
     merge = composed([*plan.base, *([] if user_merge else ["merge=transport"])]).merge
     adapt = bool((merge.get("adapt") or {}).get("enabled"))
-    return [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in ("transport", *(["transport+adapt"] if adapt else []))]
+    routes = ["transport", *(["transport+adapt"] if adapt else [])] if "transport" in plan.arms else []
+    if "adapt" in plan.arms:
+        ops = [str(o) for o in (plan.cfg.adaptation.get("operators") or ["expand", "truncate"])]
+        routes += [r for op, r in (("expand", "adapt union"), ("truncate", "adapt intersection")) if op in ops]
+    return [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
 
 
 def _pair_text(j, r) -> str:

@@ -9,11 +9,16 @@ Routes and outcomes (nats/token on the target's own language, the first token ap
   (``-delta_target_lang_rest``): the gain over the target, which on its own language is the better of the two (the
   donor reads it through another tokenizer, or not at all);
 - ``transport+adapt`` (kind=transport_adapt): the fused-then-trained target against the target trained alike without
-  fusion (``-fusion_effect_after_adapt_rest``): what fusion adds beyond the training.
+  fusion (``-fusion_effect_after_adapt_rest``): what fusion adds beyond the training;
+- ``adapt union`` and ``adapt intersection`` (the adapt arm's summary run of each protocol, kind=adapt ratio=best):
+  every grid ratio the test split scored is one merge, its gain the better end minus the merge on every language of
+  both models (``grid_gain.<ratio>_rest``: the better of the two models, as each is read in the merge's shape, first
+  tokens apart). Its target is the model whose shape the merge keeps (union: the larger, Expand the smaller into it;
+  intersection: the smaller), its donor the other, its operator the ratio (``ratio`` a feature too).
 
 A row's family is its target model (a held-out family: every merge into that model unseen); its pair is the unordered
-pair of models (a cluster: both directions share its diagnostics, flipped); its operator is the alpha it was fused
-at (``log10_alpha`` a feature too: the forecast is asked per alpha).
+pair of models (a cluster: both directions share its diagnostics, flipped); a transport merge's operator is the
+alpha it was fused at (``log10_alpha`` a feature too: the forecast is asked per alpha).
 """
 
 from __future__ import annotations
@@ -30,16 +35,21 @@ from mergescope.advise.diagnostics import flip
 __all__ = ["ROUTE_KINDS", "OUTCOMES", "RouteBench", "route_bench", "pair_key", "PLAN_FEATURES", "features_for", "from_csv",
            "CSV_COLUMNS"]
 
-ROUTE_KINDS = {"transport": "transport", "transport+adapt": "transport_adapt"}
+ROUTE_KINDS = {"transport": "transport", "transport+adapt": "transport_adapt", "adapt union": "adapt",
+               "adapt intersection": "adapt"}
 """route -> the run kind that holds its merges."""
 OUTCOMES = {"transport": "delta_target_lang_rest", "transport+adapt": "fusion_effect_after_adapt_rest"}
-"""route -> the logged metric whose negative is the gain (its ``_lo`` / ``_hi`` the interval)."""
+"""transport route -> the logged metric whose negative is the gain (its ``_lo`` / ``_hi`` the interval)."""
+ADAPT_GAIN = "grid_gain."
+"""An adapt summary's per-ratio gains: ``grid_gain.<ratio>_rest`` with ``_lo`` / ``_hi``."""
 PLAN_FEATURES = ("plan_entropy_gap", "plan_cost_ratio")
 """The transport plan's own diagnostics (fitted on dev probes before any scoring), read from the merge's run: off by
 default, since the advisor would have to fit the plans to know them."""
 
 
 def features_for(route: str, plan: bool = False) -> tuple[str, ...]:
+    if route.startswith("adapt"):
+        return (*PAIR_FEATURES, "ratio")
     return (*PAIR_FEATURES, "log10_alpha", *(PLAN_FEATURES if plan and route.startswith("transport") else ()))
 
 
@@ -92,44 +102,65 @@ def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> Ro
     if route not in ROUTE_KINDS:
         raise ValueError(f"no route benchmark for {route!r}: one of {', '.join(ROUTE_KINDS)}")
     features = tuple(features or features_for(route))
-    kind, metric = ROUTE_KINDS[route], OUTCOMES[route]
+    kind = ROUTE_KINDS[route]
     seen, merges, diags = set(), [], {}
     for r in recs:
         h = r.tags.get("cfg_hash")
         if h is not None and h in seen:
             continue
         seen.add(h)
-        if r.kind == kind and r.tags.get("stage") in (None, "fused"):
+        if r.kind == kind and _is_merge(r, route):
             merges.append(r)
         elif r.kind == "measure" and r.tags.get("metric") == "pair_dev":
             diags.setdefault(pair_key(r.tags["model_a"], r.tags["model_b"]), r)
     rows, why = [], {}
     for m in merges:
-        t, d = _model_name(m, "target"), _model_name(m, "donor")
-        p = diags.get(pair_key(t, d))
-        if p is None:
-            why["no pair diagnostics (task=pairdev)"] = why.get("no pair diagnostics (task=pairdev)", 0) + 1
-            continue
-        vals = {k: p.m(k) for k in PAIR_FEATURES}
-        vals["dev_bpb_target"] = p.m("dev_bpb_a")
-        if p.tags["model_a"] != t:  # the diagnostics were logged with the other model as the target
-            vals = flip(vals, p.m("dev_bpb_b"))
-        alpha = m.m("alpha")
-        vals["log10_alpha"] = math.log10(alpha) if alpha and alpha > 0 else float("nan")
-        for k in PLAN_FEATURES:
-            vals[k] = m.m(k)
-        x = [vals.get(f, float("nan")) for f in features]
-        y, lo, hi = -m.m(metric), -m.m(f"{metric}_hi"), -m.m(f"{metric}_lo")
-        if not _finite(*x, y, lo, hi):
-            why["a diagnostic or the outcome not finite"] = why.get("a diagnostic or the outcome not finite", 0) + 1
-            continue
-        rows.append((x, y, lo, hi, t.split("@")[0], pair_key(t, d), f"alpha={alpha:g}", t, d, m.run_id, p.run_id))
+        for t, d, operator, own, y, lo, hi in _merges_of(m, route):
+            p = diags.get(pair_key(t, d))
+            if p is None:
+                why["no pair diagnostics (task=pairdev)"] = why.get("no pair diagnostics (task=pairdev)", 0) + 1
+                continue
+            vals = {k: p.m(k) for k in PAIR_FEATURES}
+            vals["dev_bpb_target"] = p.m("dev_bpb_a")
+            if p.tags["model_a"] != t:  # the diagnostics were logged with the other model as the target
+                vals = flip(vals, p.m("dev_bpb_b"))
+            vals.update(own)
+            x = [vals.get(f, float("nan")) for f in features]
+            if not _finite(*x, y, lo, hi):
+                why["a diagnostic or the outcome not finite"] = why.get("a diagnostic or the outcome not finite", 0) + 1
+                continue
+            rows.append((x, y, lo, hi, t.split("@")[0], pair_key(t, d), operator, t, d,
+                         m.run_id if kind != "adapt" else f"{m.run_id}:{operator}", p.run_id))
     rows.sort(key=lambda r: (r[4], r[5], r[7], r[6]))
     col = lambda i, dt=np.float64: np.array([r[i] for r in rows], dtype=dt)  # noqa: E731
     X = np.array([r[0] for r in rows], dtype=np.float64).reshape(len(rows), len(features))
     return RouteBench(route, list(features), X, col(1), col(2), col(3), col(4, object), col(5, object), col(6, object),
                       col(7, object), col(8, object), [r[9] for r in rows], [r[10] for r in rows],
                       sum(why.values()), why)
+
+
+def _is_merge(r, route: str) -> bool:
+    if route.startswith("adapt"):
+        return r.tags.get("ratio") == "best" and r.tags.get("protocol") == route.split(" ", 1)[1]
+    return r.tags.get("stage") in (None, "fused")
+
+
+def _merges_of(m, route: str) -> list[tuple]:
+    """One run's merges as (target, donor, operator, the run's own features, gain, lo, hi): a transport run is one
+    merge, an adapt summary one per grid ratio the test split scored (its ``row`` the merge's run id + ratio)."""
+    if not route.startswith("adapt"):
+        metric, alpha = OUTCOMES[route], m.m("alpha")
+        own = {"log10_alpha": math.log10(alpha) if alpha and alpha > 0 else float("nan"),
+               **{k: m.m(k) for k in PLAN_FEATURES}}
+        return [(_model_name(m, "target"), _model_name(m, "donor"), f"alpha={alpha:g}", own, -m.m(metric),
+                 -m.m(f"{metric}_hi"), -m.m(f"{metric}_lo"))]
+    small, large = _model_name(m, "small"), _model_name(m, "large")
+    t, d = (large, small) if route == "adapt union" else (small, large)
+    out = []
+    for key in sorted(k for k in m.metrics if k.startswith(ADAPT_GAIN) and k.endswith("_rest")):
+        ratio = float(key[len(ADAPT_GAIN):-len("_rest")])
+        out.append((t, d, f"ratio={ratio:g}", {"ratio": ratio}, m.m(key), m.m(f"{key}_lo"), m.m(f"{key}_hi")))
+    return out
 
 
 CSV_COLUMNS = ("pair", "member_a", "member_b", "operator", "outcome")

@@ -11,13 +11,15 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from mergescope.advise.bench import ROUTE_KINDS
 from mergescope.errors import MergescopeError
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
 
 ADVISE_EVIDENCE = 3  # 3: each forecast says where it extrapolates
 EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
-EVIDENCE = 2  # 2: the held-out ranking with both models unseen within each alpha (member_spearman.<alpha>)
+EVIDENCE = 2  # a route forecast's: 2 = the held-out ranking with both models unseen within each operator
+PAIRDEV_EVIDENCE = 1  # a pair's diagnostics (its own number: a change of the route fit does not measure a pair again)
 
 
 class Side:
@@ -86,7 +88,7 @@ def run_pairdev(cfg: DictConfig, overrides: list[str] | None = None):
     spec = JobSpec(f"pairdev {pair_text(cfg)}", tags, task="pairdev",
                    keys=["pair", "data", "advise.split", "advise.sentences", "advise.permutations", "advise.seed",
                          "represent.max_length"],
-                   reads=(a.ref, b.ref), extra={"evidence": EVIDENCE, "dev_data": dev})
+                   reads=(a.ref, b.ref), extra={"evidence": PAIRDEV_EVIDENCE, "dev_data": dev})
     return run_once(cfg, spec, lambda job: pair_diagnostics(cfg, a, b), overrides)
 
 
@@ -153,7 +155,8 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
 
     s = AdviseSettings.from_cfg(cfg)
     if s.route is None and s.table is None:
-        raise MergescopeError("task=route_forecast needs advise.route (transport or transport+adapt) or advise.table (a CSV)")
+        raise MergescopeError("task=route_forecast needs advise.route (transport, transport+adapt, adapt union or adapt "
+                              "intersection) or advise.table (a CSV)")
     experiment = str(cfg.tracking.experiment)
     if s.table is not None:  # merges from elsewhere: the same fit and validation
         from mergescope.advise.bench import from_csv
@@ -229,9 +232,12 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
 
 
 def _with_alpha(feats: dict[str, float], op: str) -> dict[str, float]:
+    """The pair's diagnostics with the operator's own feature: a transport alpha's log10, an adapt ratio."""
     out = dict(feats)
     if op.startswith("alpha="):
         out["log10_alpha"] = math.log10(float(op.split("=", 1)[1]))
+    elif op.startswith("ratio="):
+        out["ratio"] = float(op.split("=", 1)[1])
     return out
 
 
@@ -285,7 +291,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
     status.print(f"[bold]pre-flight[/] {a.label} x {b.label} (configs and tokenizers only): "
                  f"{sum(r.open for r in routes)} of {len(routes)} routes open; "
                  + "; ".join(f"{r.name} closed" for r in routes if not r.open), soft_wrap=True)
-    fits = {kind: _latest_fit(cfg, s.benchmark, kind) for kind in ("transport", "transport+adapt")}
+    fits = {kind: _latest_fit(cfg, s.benchmark, kind) for kind in ROUTE_KINDS}
     holder: dict[str, Any] = {}
 
     def body(job) -> dict[str, float]:
@@ -354,7 +360,8 @@ def _print_table(table: list[dict[str, Any]], level: float) -> None:
     ranked = sorted([t for t in table if "forecast" in t], key=lambda t: -t["forecast"])
     rank = {id(t): i for i, t in enumerate(ranked, 1)}
     pct = f"{level:.0%}"
-    out = Table(title="routes, before merging (gain in nats/token on the target's language, first token apart; > 0 helps)")
+    out = Table(title="routes, before merging (gain in nats/token, first token apart, > 0 helps: transport over its target "
+                      "on the target's language; adapt over the better model on both models' languages)")
     for col, just in (("#", "right"), ("route", "left"), ("forecast gain", "right"), (f"{pct} interval", "right"),
                       ("at", "left"), ("carried by / why not", "left")):
         out.add_column(col, justify=just)
