@@ -381,3 +381,56 @@ def test_a_forecast_far_outside_its_benchmark_says_it_extrapolates():
     assert near["extrapolated"] == {}  # dev_cka is far, but carries nothing (coefficient 0)
     far = forecast_route(fit, {"dev_bpb_target": 0.3, "dev_cka": 0.0}, 0.9)[0]
     assert far["extrapolated"] == {"dev_bpb_target": pytest.approx(-7.0)}
+
+
+def test_the_held_out_check_covers_at_its_level_on_a_planted_route_and_picks_the_better_route():
+    """Planted: two routes per pair whose gains are the forecasts plus noise of one scale; the jackknife interval covers
+    about its level, the advised route (the higher forecast) measures more when the forecasts differ by more than the
+    noise, and a check fed forecasts that are the negatives of the truth advises the worse route."""
+    from mergescope.advise.check import Merge, held_out_check
+
+    rng = np.random.default_rng(0)
+    merges, flipped = [], []
+    for p in range(60):
+        for route in ("transport a<-b", "transport b<-a", "adapt union"):
+            for op in ("x", "y"):
+                f = rng.normal(0.0, 0.05)
+                g = f + rng.normal(0.0, 0.01)
+                merges.append(Merge(route, f"p{p}", op, f, g, g - 0.005))
+                flipped.append(Merge(route, f"p{p}", op, -f, g, g - 0.005))
+    m = held_out_check(merges, level=0.9, n_boot=200)
+    assert m["n_pairs"] == 60 and m["n_merges"] == 360
+    assert 0.85 <= m["coverage"] <= 0.95 and m["coverage_lo"] <= 0.9 <= m["coverage_hi"]
+    assert {"coverage.transport", "coverage.adapt_union"} <= set(m)
+    assert m["advised_beats_other"] > 0.7 and m["advised_minus_other_lo"] > 0
+    bad = held_out_check(flipped, level=0.9, n_boot=200)
+    assert bad["advised_beats_other"] < 0.3 and bad["advised_minus_other_hi"] < 0
+
+
+def test_a_jackknife_interval_never_reads_its_own_pairs_residual():
+    from mergescope.advise.check import jackknife_intervals
+
+    pairs = np.array([f"p{i // 2}" for i in range(24)], dtype=object)
+    pred = np.zeros(24)
+    y = np.r_[np.full(22, 0.01), 5.0, 5.0]  # the last pair is far off: its own residual must not widen its interval
+    lo, hi = jackknife_intervals(pred, y, pairs, 0.9)
+    assert hi[-1] == pytest.approx(0.01) and not (lo[-1] <= y[-1] <= hi[-1])
+    assert hi[0] > 1.0  # the others' intervals read the far pair's residuals
+
+
+def test_the_checks_verdict_says_whether_the_interval_holds_its_level_and_whether_advice_beats_a_coin():
+    from types import SimpleNamespace
+
+    from mergescope.advise.report import _check
+    from mergescope.analysis.tables import Section
+
+    m = {"level": 0.9, "coverage": 0.8, "coverage_lo": 0.72, "coverage_hi": 0.86, "n_pairs": 55, "n_merges": 700,
+         "coverage.transport": 0.8, "coverage_lo.transport": 0.7, "coverage_hi.transport": 0.9, "n_merges.transport": 224,
+         "advised_beats_other": 0.64, "advised_beats_other_lo": 0.51, "advised_beats_other_hi": 0.76}
+    sec = Section("x", "x")
+    text = _check(sec, SimpleNamespace(metrics=m, run_id="r" * 32))
+    assert "under-covers" in text and "beats a coin" in text and "55 held-out pairs" in text
+    assert sec.tables[0].rows[0][0] == "transport" and sec.tables[0].rows[-1][2] == "0.80 [0.72, 0.86]"
+    text = _check(Section("y", "y"), SimpleNamespace(metrics={**m, "coverage_hi": 0.93, "advised_beats_other_lo": 0.45},
+                                                     run_id="r" * 32))
+    assert "holds its level" in text and "cannot be told from a coin" in text

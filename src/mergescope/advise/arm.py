@@ -39,7 +39,8 @@ def route_jobs(plan) -> list:
     if "adapt" in plan.arms:
         ops = [str(o) for o in (plan.cfg.adaptation.get("operators") or ["expand", "truncate"])]
         routes += [r for op, r in (("expand", "adapt union"), ("truncate", "adapt intersection")) if op in ops]
-    return [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
+    fits = [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
+    return [*fits, job("advise_check", list(plan.base))] if fits else []
 
 
 def _pair_text(j, r) -> str:
@@ -53,6 +54,11 @@ def _pair_text(j, r) -> str:
 
 def _route_text(j, r) -> str:
     m = r.metrics
+    if j.task == "advise_check":
+        return (f"advise_check on {m.get('n_pairs', 0):.0f} held-out pairs: coverage {m.get('coverage', float('nan')):.2f} "
+                f"[{m.get('coverage_lo', float('nan')):.2f}, {m.get('coverage_hi', float('nan')):.2f}] of the nominal "
+                f"{m.get('level', float('nan')):.2f}; the advised route measured more than the runner-up in "
+                f"{m.get('advised_beats_other', float('nan')):.2f} of the pairs")
     return (f"{j.cfg.advise.route} forecast on {m.get('n_merges', 0):.0f} merges: held-out Spearman "
             f"{m.get('member_spearman', float('nan')):+.3f} [{m.get('member_spearman_lo', float('nan')):+.3f}, "
             f"{m.get('member_spearman_hi', float('nan')):+.3f}] with both models unseen, "
@@ -84,11 +90,12 @@ def _w_none(c, cfg, w) -> None:
 ARMS = [Arm(
     "advise", order=97, uses=("forecast", "represent"), settings=("advise",),
     tasks={"pairdev": "mergescope.advise.job:run_pairdev", "route_forecast": "mergescope.advise.job:run_route_forecast",
-           "advise": "mergescope.advise.job:run_advise"},
-    work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev},
+           "advise": "mergescope.advise.job:run_advise", "advise_check": "mergescope.advise.job:run_advise_check"},
+    work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev, "advise_check": _w_none},
     phases=(Phase("route diagnostics", pair_jobs, _pair_text, workers=True), Phase("route forecasts", route_jobs, _route_text)),
     report=Report(sections={(80, 4): "mergescope.advise.report:section"}, summary={"route_forecast": "Forecasting a route"},
-                  kinds={"pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",
+                  kinds={"advise_check": "the advisor against merges it did not see: coverage and advised against runner-up",
+                         "pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",
                          "route_forecast": "a route's forecast fitted and validated on the experiment's merges of that route",
                          "advise": "every route of a pair with its forecast gain, before any merge"}),
 )]

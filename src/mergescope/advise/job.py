@@ -14,11 +14,13 @@ from omegaconf import DictConfig
 from mergescope.advise.bench import ROUTE_KINDS
 from mergescope.errors import MergescopeError
 
-__all__ = ["run_pairdev", "run_route_forecast", "run_advise", "pair_diagnostics", "Side", "forecast_route"]
+__all__ = ["run_pairdev", "run_route_forecast", "run_advise", "run_advise_check", "pair_diagnostics", "Side",
+           "forecast_route"]
 
 ADVISE_EVIDENCE = 3  # 3: each forecast says where it extrapolates
 EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # a route forecast's: 2 = the held-out ranking with both models unseen within each operator
+CHECK_EVIDENCE = 1  # the held-out check's (mergescope.advise.check)
 PAIRDEV_EVIDENCE = 1  # a pair's diagnostics (its own number: a change of the route fit does not measure a pair again)
 
 
@@ -189,6 +191,52 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
                    task="route_forecast",
                    keys=["advise.route", "advise.plan_features", "advise.lambdas", "advise.n_boot", "advise.n_shuffles",
                          "advise.seed"], extra={"benchmark": bench.digest(), "evidence": EVIDENCE})
+    return run_once(cfg, spec, body, overrides)
+
+
+def held_out_merges(rows: list[dict[str, str]], route: str) -> list:
+    """A route fit's ``predictions.csv`` rows as the held-out check's merges (its leave-one-pair-out predictions)."""
+    from mergescope.advise.check import Merge
+
+    out = []
+    for r in rows:
+        name = f"{route} {r['target']}<-{r['donor']}" if route.startswith("transport") else route
+        out.append(Merge(name, r["pair"], r["operator"], float(r["predicted_pair"]), float(r["gain"]), float(r["lo"])))
+    return out
+
+
+def run_advise_check(cfg: DictConfig, overrides: list[str] | None = None):
+    """The advisor against merges it did not see (:mod:`mergescope.advise.check`): every route fit of
+    ``tracking.experiment`` (its newest per route) read at its held-out-by-pair predictions; one run
+    (kind=advise_check)."""
+    import csv
+    import io
+
+    from mergescope.advise.check import held_out_check
+    from mergescope.advise.settings import AdviseSettings
+    from mergescope.runs import JobSpec, run_once
+    from mergescope.tracking import Tracker, read_artifact_text
+
+    s = AdviseSettings.from_cfg(cfg)
+    experiment = str(cfg.tracking.experiment)
+    fits = {r: f for r in ROUTE_KINDS if (f := _latest_fit(cfg, experiment, r)) is not None}
+    if not fits:
+        raise MergescopeError(f"task=advise_check: no route forecast in experiment '{experiment}' (python launch.py "
+                              "study=routes fits them)")
+    client = Tracker(cfg).client
+
+    def body(job) -> dict[str, float]:
+        merges = []
+        for route, (run, _) in fits.items():
+            text = read_artifact_text(client, run.info.run_id, "forecast/predictions.csv")
+            merges += held_out_merges(list(csv.DictReader(io.StringIO(text))), route)
+        out = held_out_check(merges, s.interval, s.n_boot, s.seed)
+        job.log_params({"fits": {r: run.info.run_id for r, (run, _) in fits.items()}})
+        return out
+
+    spec = JobSpec(f"advise_check on {len(fits)} routes", {"kind": "advise_check", "route": "advise"}, task="advise_check",
+                   keys=["advise.interval", "advise.n_boot", "advise.seed"],
+                   extra={"fits": sorted(run.info.run_id for run, _ in fits.values()), "evidence": CHECK_EVIDENCE})
     return run_once(cfg, spec, body, overrides)
 
 

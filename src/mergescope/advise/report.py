@@ -61,7 +61,8 @@ def section(an: Analysis, number: str) -> Section | None:
         latest[r.tags.get("route")] = r
     sec = Section("route_forecast", f"{number}. Forecasting a route before merging")
     sec.text.append("Each route's forecast: a lasso on its merges' pre-merge diagnostics (configs, tokenizers and FLORES "
-                    "dev: widths, depths, vocabulary overlap, bits per byte, calibrated CKA) with one indicator per alpha, "
+                    "dev: widths, depths, vocabulary overlap, bits per byte, calibrated CKA) with one indicator per "
+                    "operator (a transport alpha, an adapt ratio), "
                     "its penalty chosen on the training families; validated with the target model unseen, the pair "
                     "unseen, and both of the pair's models unseen (the advisor's case). task=advise reads these fits.")
     verdicts = []
@@ -103,6 +104,49 @@ def section(an: Analysis, number: str) -> Section | None:
         sec.tables.append(RTable(f"{route}: the final model (standardised coefficients)", ["feature", "coefficient"],
                                  [[n, f"{c:+.4f}"] for n, c in coef if c != 0] or [["(none: the intercept alone)", "—"]],
                                  note=f"lambda {fin['lambda']:g}; intercept {fin['intercept']:+.4f}"))
+    checks = an.study.kind("advise_check")
+    if checks:
+        verdicts.append(_check(sec, checks[-1]))
     sec.finding = " ".join(verdicts)
     sec.text.insert(0, sec.finding)
     return sec
+
+
+def _check(sec: Section, r) -> str:
+    """The advisor against merges it did not see: coverage per route and pooled, the advised route against the
+    runner-up; its one-sentence verdict."""
+    m = r.metrics
+    level = m.get("level", 0.9)
+    kinds = sorted(k.split(".", 1)[1] for k in m if k.startswith("coverage.") and not k.startswith("coverage_"))
+    rows = [[k.replace("_", " ").replace("transport adapt", "transport+adapt"), f"{m.get(f'n_merges.{k}', 0):.0f}",
+             _rate(m, f"coverage.{k}", f"coverage_lo.{k}", f"coverage_hi.{k}")] for k in kinds]
+    rows.append(["all routes", f"{m.get('n_merges', 0):.0f}", _rate(m, "coverage", "coverage_lo", "coverage_hi")])
+    sec.tables.append(RTable(f"the advisor against merges it did not see: each merge's {level:.0%} interval from the fit that "
+                             f"held its pair out [{short(r.run_id)}]", ["route", "merges", f"coverage (nominal {level:.2f}) [95%]"],
+                             rows, note="interval: the held-out prediction plus the quantiles of the same route's held-out "
+                                        "residuals of the other pairs; 95% interval of the coverage: bootstrap over pairs"))
+    n = m.get("n_pairs", 0)
+    sec.tables.append(RTable(f"the advised route against the runner-up on {n:.0f} held-out pairs", ["", "share of pairs [95%]"],
+                             [["the advised merge measured the larger gain (a coin: 0.50)",
+                               _rate(m, "advised_beats_other", "advised_beats_other_lo", "advised_beats_other_hi")],
+                              ["the advised merge helped (its interval above 0)", _rate(m, "advised_helps", "advised_helps_lo", "advised_helps_hi")],
+                              ["the runner-up helped", _rate(m, "other_helps", "other_helps_lo", "other_helps_hi")],
+                              ["advised minus runner-up, mean gain (nats/token)",
+                               _ci(m.get("advised_minus_other"), m.get("advised_minus_other_lo"), m.get("advised_minus_other_hi"))],
+                              ["the oracle's gain minus the advised one (regret)", f"{m.get('regret_vs_oracle', float('nan')):+.4f}"]],
+                             note="per held-out pair, the advised merge is the route and operator with the highest held-out "
+                                  "forecast, the runner-up the best-forecast merge of the next route; intervals: bootstrap over pairs"))
+    cov, lo, hi = m.get("coverage", float("nan")), m.get("coverage_lo", float("nan")), m.get("coverage_hi", float("nan"))
+    held = "holds its level" if lo <= level <= hi else "under-covers" if hi < level else "over-covers"
+    b, b_lo, b_hi = (m.get(k, float("nan")) for k in ("advised_beats_other", "advised_beats_other_lo", "advised_beats_other_hi"))
+    pick = ("beats a coin" if b_lo > 0.5 else "loses to a coin" if b_hi < 0.5 else "cannot be told from a coin")
+    return (f"Against merges it did not see ({n:.0f} held-out pairs): the {level:.0%} interval covers {cov:.2f} [{lo:.2f}, "
+            f"{hi:.2f}] of the merges ({held}); the advised route measured more than the runner-up in {b:.2f} [{b_lo:.2f}, "
+            f"{b_hi:.2f}] of the pairs ({pick}).")
+
+
+def _rate(m: dict, k: str, lo: str, hi: str) -> str:
+    v = m.get(k)
+    if v is None or not math.isfinite(v):
+        return "—"
+    return f"{v:.2f} [{m.get(lo, float('nan')):.2f}, {m.get(hi, float('nan')):.2f}]"
