@@ -88,7 +88,7 @@ def _w_none(c, cfg, w) -> None:
 
 
 ARMS = [Arm(
-    "advise", order=97, uses=("forecast", "represent"), settings=("advise",),
+    "advise", order=97, uses=("forecast", "represent", "adapt"), settings=("advise",),
     tasks={"pairdev": "mergescope.advise.job:run_pairdev", "route_forecast": "mergescope.advise.job:run_route_forecast",
            "advise": "mergescope.advise.job:run_advise", "advise_check": "mergescope.advise.job:run_advise_check"},
     work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev, "advise_check": _w_none},
