@@ -434,3 +434,21 @@ def test_the_checks_verdict_says_whether_the_interval_holds_its_level_and_whethe
     text = _check(Section("y", "y"), SimpleNamespace(metrics={**m, "coverage_hi": 0.93, "advised_beats_other_lo": 0.45},
                                                      run_id="r" * 32))
     assert "holds its level" in text and "cannot be told from a coin" in text
+
+
+def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_checks_them(compose_cfg):
+    """The route benchmark's plan: a pair's diagnostics for every transport pair and every adapt pair (a pair in both
+    lists measured once), one fit per route, then the held-out check."""
+    from mergescope.runs import model_label
+    from mergescope.study import Plan
+
+    compose_cfg([])  # Hydra initialised on conf/
+    plan = Plan(["study=routes"])
+    dev = plan.jobs("route diagnostics")
+    keys = [frozenset((model_label(j.cfg.pair.a), model_label(j.cfg.pair.b))) for j in dev]
+    assert len(keys) == len(set(keys)) == 28 + 26  # zoo-scale-s x zoo-scale-l is a transport pair and an adapt pair
+    adapt = {frozenset(map(str, p)) for p in plan.cfg.adaptation.pairs}
+    assert adapt <= {frozenset(k.split("@")[0] for k in key) for key in keys}
+    fits = plan.jobs("route forecasts")
+    assert [j.task for j in fits] == ["route_forecast"] * 4 + ["advise_check"]
+    assert [str(j.cfg.advise.route) for j in fits[:4]] == ["transport", "transport+adapt", "adapt union", "adapt intersection"]
