@@ -152,6 +152,24 @@ def test_an_adapt_summary_gives_one_row_per_grid_ratio_with_the_kept_shape_as_it
     assert i.X[0, i.features.index("log2_width_ratio")] == -0.5 and i.X[0, i.features.index("dev_bpb_target")] == 2.0
 
 
+def test_a_transplanted_pairs_merges_are_its_rows_one_per_distinct_merge():
+    from mergescope.advise.bench import route_bench
+
+    def merge(op, gain, h, **tags):
+        return _Rec(f"n-{op}", "merge", {"route": "native", "operator": op, "model_a": "x", "model_b": "y", "cfg_hash": h,
+                                         "transplant": "union:omp", **tags},
+                    {"merge_gain_rest": gain, "merge_gain_rest_lo": gain - 0.1, "merge_gain_rest_hi": gain + 0.1})
+
+    recs = [_diag("x", "y"), merge("linear", -1.0, "1"), merge("ties", -2.0, "2"),
+            merge("task_arithmetic", -1.0, "3", same_as="linear"),  # the linear merge again: not a row of its own
+            _Rec("n-plain", "merge", {"route": "native", "operator": "slerp", "model_a": "x", "model_b": "y", "cfg_hash": "4"},
+                 {"merge_gain_rest": 0.5, "merge_gain_rest_lo": 0.4, "merge_gain_rest_hi": 0.6})]  # no transplant
+    b = route_bench(recs, "transplant")
+    assert sorted(b.operator) == ["linear", "ties"] and set(b.target) == {"x"} and set(b.donor) == {"y"}
+    assert sorted(b.y) == pytest.approx([-2.0, -1.0]) and "log10_alpha" not in b.features and "ratio" not in b.features
+    assert b.X[0, b.features.index("dev_bpb_target")] == 2.0  # model a as the target: not flipped
+
+
 def _planted(n_models=8, alphas=(0.01, 0.1), noise=0.002, seed=0, leak=0.0):
     """A route benchmark whose gain is a linear function of two diagnostics plus noise (``leak``: a per-model offset
     that only a fit that has seen the model can know)."""
@@ -446,9 +464,10 @@ def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_ch
     plan = Plan(["study=routes"])
     dev = plan.jobs("route diagnostics")
     keys = [frozenset((model_label(j.cfg.pair.a), model_label(j.cfg.pair.b))) for j in dev]
-    assert len(keys) == len(set(keys)) == 28 + 26  # zoo-scale-s x zoo-scale-l is a transport pair and an adapt pair
+    assert len(keys) == len(set(keys)) == 28 + 26 + 25  # zoo-scale-s x zoo-scale-l is a transport and an adapt pair
     adapt = {frozenset(map(str, p)) for p in plan.cfg.adaptation.pairs}
     assert adapt <= {frozenset(k.split("@")[0] for k in key) for key in keys}
     fits = plan.jobs("route forecasts")
-    assert [j.task for j in fits] == ["route_forecast"] * 4 + ["advise_check"]
-    assert [str(j.cfg.advise.route) for j in fits[:4]] == ["transport", "transport+adapt", "adapt union", "adapt intersection"]
+    assert [j.task for j in fits] == ["route_forecast"] * 5 + ["advise_check"]
+    assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union", "adapt intersection",
+                                                          "transplant"]

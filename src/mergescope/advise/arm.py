@@ -8,16 +8,20 @@ from mergescope.arm import Arm, Phase, Report
 
 
 def pair_jobs(plan) -> list:
-    """Every pair of the study's sweep, then every pair of the adapt arm's (``adaptation.pairs``) not among them."""
+    """Every pair of the study's sweep, then every pair of the adapt arm's (``adaptation.pairs``) and of the native
+    arm's outside the sweep (``native_pairs``) not among them."""
     from mergescope.adapt.arm import adapt_pairs
     from mergescope.jobs import job, pair_override
+    from mergescope.native.arm import native_outside_pairs
     from mergescope.runs import model_label
 
     if "advise" not in plan.arms:
         return []
     out = plan.pair_jobs("pairdev")
     seen = {frozenset((model_label(j.cfg.pair.a), model_label(j.cfg.pair.b))) for j in out}
-    for a, b in adapt_pairs(plan) if "adapt" in plan.arms else []:
+    extra = [*(adapt_pairs(plan) if "adapt" in plan.arms else []),
+             *(native_outside_pairs(plan) if "native" in plan.arms else [])]
+    for a, b in extra:
         key = frozenset((model_label(a), model_label(b)))
         if key not in seen:
             seen.add(key)
@@ -27,7 +31,8 @@ def pair_jobs(plan) -> list:
 
 def route_jobs(plan) -> list:
     """One fit per route the study's merges build: transport, and transport+adapt where the transport arm adapts; adapt
-    union and adapt intersection where the study runs the adapt arm (each of its operators)."""
+    union and adapt intersection where the study runs the adapt arm (each of its operators); transplant where the
+    native arm transplants (``native.transplant``); then the held-out check of them all."""
     from mergescope.jobs import composed, job, key_of
 
     if "advise" not in plan.arms:
@@ -39,6 +44,8 @@ def route_jobs(plan) -> list:
     if "adapt" in plan.arms:
         ops = [str(o) for o in (plan.cfg.adaptation.get("operators") or ["expand", "truncate"])]
         routes += [r for op, r in (("expand", "adapt union"), ("truncate", "adapt intersection")) if op in ops]
+    if "native" in plan.arms and (plan.cfg.get("native") or {}).get("transplant") is not None:
+        routes.append("transplant")
     fits = [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
     return [*fits, job("advise_check", list(plan.base))] if fits else []
 
@@ -88,7 +95,7 @@ def _w_none(c, cfg, w) -> None:
 
 
 ARMS = [Arm(
-    "advise", order=97, uses=("forecast", "represent", "adapt"), settings=("advise",),
+    "advise", order=97, uses=("forecast", "represent", "adapt", "native"), settings=("advise",),
     tasks={"pairdev": "mergescope.advise.job:run_pairdev", "route_forecast": "mergescope.advise.job:run_route_forecast",
            "advise": "mergescope.advise.job:run_advise", "advise_check": "mergescope.advise.job:run_advise_check"},
     work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev, "advise_check": _w_none},

@@ -14,7 +14,11 @@ Routes and outcomes (nats/token on the target's own language, the first token ap
   every grid ratio the test split scored is one merge, its gain the better end minus the merge on every language of
   both models (``grid_gain.<ratio>_rest``: the better of the two models, as each is read in the merge's shape, first
   tokens apart). Its target is the model whose shape the merge keeps (union: the larger, Expand the smaller into it;
-  intersection: the smaller), its donor the other, its operator the ratio (``ratio`` a feature too).
+  intersection: the smaller), its donor the other, its operator the ratio (``ratio`` a feature too);
+- ``transplant`` (the native arm's merges of a pair given one vocabulary first, kind=merge with a ``transplant`` tag):
+  the better of the two transplanted models minus the merge on model a's language (``merge_gain_rest``); its target
+  model a, its operator the merge operator (an operator that is another's merge on the pair, ``same_as``, is left
+  out: one row per distinct merge).
 
 A row's family is its target model (a held-out family: every merge into that model unseen); its pair is the unordered
 pair of models (a cluster: both directions share its diagnostics, flipped); a transport merge's operator is the
@@ -36,7 +40,7 @@ __all__ = ["ROUTE_KINDS", "OUTCOMES", "RouteBench", "route_bench", "pair_key", "
            "CSV_COLUMNS"]
 
 ROUTE_KINDS = {"transport": "transport", "transport+adapt": "transport_adapt", "adapt union": "adapt",
-               "adapt intersection": "adapt"}
+               "adapt intersection": "adapt", "transplant": "merge"}
 """route -> the run kind that holds its merges."""
 OUTCOMES = {"transport": "delta_target_lang_rest", "transport+adapt": "fusion_effect_after_adapt_rest"}
 """transport route -> the logged metric whose negative is the gain (its ``_lo`` / ``_hi`` the interval)."""
@@ -48,6 +52,8 @@ default, since the advisor would have to fit the plans to know them."""
 
 
 def features_for(route: str, plan: bool = False) -> tuple[str, ...]:
+    if route == "transplant":
+        return PAIR_FEATURES
     if route.startswith("adapt"):
         return (*PAIR_FEATURES, "ratio")
     return (*PAIR_FEATURES, "log10_alpha", *(PLAN_FEATURES if plan and route.startswith("transport") else ()))
@@ -140,6 +146,9 @@ def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> Ro
 
 
 def _is_merge(r, route: str) -> bool:
+    if route == "transplant":
+        return (r.tags.get("route") == "native" and r.tags.get("transplant") not in (None, "None", "")
+                and r.tags.get("same_as") in (None, "None", ""))
     if route.startswith("adapt"):
         return r.tags.get("ratio") == "best" and r.tags.get("protocol") == route.split(" ", 1)[1]
     return r.tags.get("stage") in (None, "fused")
@@ -148,6 +157,10 @@ def _is_merge(r, route: str) -> bool:
 def _merges_of(m, route: str) -> list[tuple]:
     """One run's merges as (target, donor, operator, the run's own features, gain, lo, hi): a transport run is one
     merge, an adapt summary one per grid ratio the test split scored (its ``row`` the merge's run id + ratio)."""
+    if route == "transplant":
+        g = "merge_gain_rest"
+        return [(_model_name(m, "model_a"), _model_name(m, "model_b"), str(m.tags.get("operator")), {}, m.m(g),
+                 m.m(f"{g}_lo"), m.m(f"{g}_hi"))]
     if not route.startswith("adapt"):
         metric, alpha = OUTCOMES[route], m.m("alpha")
         own = {"log10_alpha": math.log10(alpha) if alpha and alpha > 0 else float("nan"),

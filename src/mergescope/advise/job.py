@@ -360,7 +360,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                 else:
                     row["no_forecast"] = nf["no_forecast"]
             elif r.open and fit is not None:
-                feats = ab if r.target == "a" else ba
+                feats = ba if r.target == "b" else ab  # a transplant's (no direction): model a is the host
                 per_op = forecast_route(fit[1], feats, s.interval)
                 best = max(per_op, key=lambda p: p["predicted"])
                 row.update({"forecast": best["predicted"], "lo": best["lo"], "hi": best["hi"], "at": best["operator"],

@@ -27,6 +27,11 @@ def _outside_sweep(plan) -> dict[str, list]:
     return out
 
 
+def native_outside_pairs(plan) -> list:
+    """``native_pairs`` outside the sweep as (a, b) model entries."""
+    return [tuple(pair) for pair in _outside_sweep(plan).values()]
+
+
 def native_only_models(plan) -> list:
     """The models of ``native_pairs`` outside the sweep: trained when missing (a fine-tune of a real model), scored
     like the sweep's."""
