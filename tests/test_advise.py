@@ -3,6 +3,7 @@ the route forecast's held-out validation and the advise task on tiny models."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -471,3 +472,25 @@ def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_ch
     assert [j.task for j in fits] == ["route_forecast"] * 5 + ["advise_check"]
     assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union", "adapt intersection",
                                                           "transplant"]
+
+
+def test_the_advisor_reads_the_newest_fit_whose_features_it_measures_not_one_that_needs_the_plans(compose_cfg, tmp_path):
+    """A newer transport fit with the plan's features (which the advisor does not fit) is passed over for the newest
+    without them; asked for plan features, the other way round."""
+    from mergescope.advise.job import _latest_fit
+    from mergescope.tracking import Tracker
+
+    cfg, _ = compose_cfg(["tracking.experiment=bench"])
+    client = Tracker(cfg).client
+    exp = client.create_experiment("bench")
+    ids = {}
+    for name, feats in (("plain", '["dev_cka", "log10_alpha"]'), ("plan", '["dev_cka", "log10_alpha", "plan_entropy_gap"]')):
+        run = client.create_run(exp, tags={"kind": "route_forecast", "route": "transport"})
+        client.log_param(run.info.run_id, "features", feats)
+        client.log_text(run.info.run_id, json.dumps({"name": name}), "forecast/validation.json")
+        client.set_terminated(run.info.run_id, "FINISHED")
+        ids[name] = run.info.run_id
+    got = _latest_fit(cfg, "bench", "transport")
+    assert got[0].info.run_id == ids["plain"] and got[1] == {"name": "plain"}
+    assert _latest_fit(cfg, "bench", "transport", plan=True)[0].info.run_id == ids["plan"]
+    assert _latest_fit(cfg, "bench", "adapt union") is None

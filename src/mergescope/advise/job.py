@@ -219,7 +219,7 @@ def run_advise_check(cfg: DictConfig, overrides: list[str] | None = None):
 
     s = AdviseSettings.from_cfg(cfg)
     experiment = str(cfg.tracking.experiment)
-    fits = {r: f for r in ROUTE_KINDS if (f := _latest_fit(cfg, experiment, r)) is not None}
+    fits = {r: f for r in ROUTE_KINDS if (f := _latest_fit(cfg, experiment, r, s.plan_features)) is not None}
     if not fits:
         raise MergescopeError(f"task=advise_check: no route forecast in experiment '{experiment}' (python launch.py "
                               "study=routes fits them)")
@@ -235,13 +235,16 @@ def run_advise_check(cfg: DictConfig, overrides: list[str] | None = None):
         return out
 
     spec = JobSpec(f"advise_check on {len(fits)} routes", {"kind": "advise_check", "route": "advise"}, task="advise_check",
-                   keys=["advise.interval", "advise.n_boot", "advise.seed"],
+                   keys=["advise.interval", "advise.n_boot", "advise.seed", "advise.plan_features"],
                    extra={"fits": sorted(run.info.run_id for run, _ in fits.values()), "evidence": CHECK_EVIDENCE})
     return run_once(cfg, spec, body, overrides)
 
 
-def _latest_fit(cfg: DictConfig, experiment: str, route: str):
-    """The newest FINISHED route forecast of ``route`` in ``experiment`` (its run and its validation.json), or None."""
+def _latest_fit(cfg: DictConfig, experiment: str, route: str, plan: bool = False):
+    """The newest FINISHED route forecast of ``route`` in ``experiment`` (its run and its validation.json) whose features
+    are the ones the advisor measures: with the transport plan's own features only when ``plan`` (a fit that reads
+    them needs the plans, which the advisor does not fit); None when there is none."""
+    from mergescope.advise.bench import PLAN_FEATURES
     from mergescope.tracking import Tracker, read_artifact_text
 
     client = Tracker(cfg).client
@@ -249,10 +252,12 @@ def _latest_fit(cfg: DictConfig, experiment: str, route: str):
     if exp is None:
         return None
     runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.status = 'FINISHED' and tags.kind = 'route_forecast' "
-                              f"and tags.route = '{route}'", max_results=1, order_by=["attributes.start_time DESC"])
-    if not runs:
-        return None
-    return runs[0], json.loads(read_artifact_text(client, runs[0].info.run_id, "forecast/validation.json"))
+                              f"and tags.route = '{route}'", max_results=50, order_by=["attributes.start_time DESC"])
+    for run in runs:
+        feats = run.data.params.get("features", "")
+        if any(f in feats for f in PLAN_FEATURES) == (plan and route.startswith("transport")):
+            return run, json.loads(read_artifact_text(client, run.info.run_id, "forecast/validation.json"))
+    return None
 
 
 def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -> list[dict[str, Any]]:
