@@ -415,8 +415,7 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     from mergescope import costs
     from mergescope.tracking import Tracker
 
-    sel, rates = plan.stage or {}, costs.fit()
-    counter = costs.Counter(costs.constants())
+    sel = plan.stage or {}
     gflop = cpu_s = 0.0
     n = 0
     was_quiet = not verbose()
@@ -427,6 +426,10 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
             phases = [(phase, of) for _, phase, of in plan.phases()]
             found = _found(phases, sel)
         earlier = [r.run_id for r in seen]
+        if not any(id(j) in mine for _, _, mine, _, todo in found for j in todo):  # the stage is done: nothing to count
+            return {"stage_counted_cpu_s": 0.0, "stage_counted_gflop": 0.0, "stage_jobs_counted": 0.0,
+                    "machine_f32_gflops": float("nan"), "tags": costs.machine(), "earlier": earlier}
+        rates, counter = costs.fit(), costs.Counter(costs.constants())
         for phase, jobs, mine, done, todo in found:
             left = {id(j) for j in todo}
             for j in jobs:  # in order: a forward an earlier job pays is not paid again
