@@ -494,3 +494,37 @@ def test_the_advisor_reads_the_newest_fit_whose_features_it_measures_not_one_tha
     assert got[0].info.run_id == ids["plain"] and got[1] == {"name": "plain"}
     assert _latest_fit(cfg, "bench", "transport", plan=True)[0].info.run_id == ids["plan"]
     assert _latest_fit(cfg, "bench", "adapt union") is None
+
+
+def test_the_check_job_reads_every_route_fits_held_out_predictions_and_logs_one_run(compose_cfg):
+    """Two route fits in a store (one whose name holds a '+'): the check reads their predictions.csv, pairs the routes
+    by pair, and logs one run whose params name each fit."""
+    from mergescope.advise.job import run_advise_check
+    from mergescope.analysis.tables import csv_text
+    from mergescope.tracking import Tracker
+
+    cfg, ov = compose_cfg(["task=advise_check", "tracking.experiment=bench", "advise.n_boot=50"])
+    client = Tracker(cfg).client
+    exp = client.create_experiment("bench")
+    rng = np.random.default_rng(1)
+    cols = ["merge_run", "pair", "family", "target", "donor", "operator", "gain", "lo", "hi", "predicted_family",
+            "predicted_pair", "predicted_member"]
+    for route in ("transport+adapt", "adapt union"):
+        rows = []
+        for p in range(12):
+            for t, d in ((f"a{p}", f"b{p}"), (f"b{p}", f"a{p}")) if route.startswith("transport") else ((f"a{p}", f"b{p}"),):
+                f = rng.normal(0, 0.05)
+                g = f + rng.normal(0, 0.01)
+                rows.append(["r", f"a{p}__b{p}", t, t, d, "alpha=0.1" if route.startswith("t") else "ratio=0.1",
+                             repr(g), repr(g - 0.01), repr(g + 0.01), repr(f), repr(f), repr(f)])
+        run = client.create_run(exp, tags={"kind": "route_forecast", "route": route})
+        client.log_param(run.info.run_id, "features", '["dev_cka"]')
+        client.log_text(run.info.run_id, csv_text(cols, rows), "forecast/predictions.csv")
+        client.log_text(run.info.run_id, "{}", "forecast/validation.json")
+        client.set_terminated(run.info.run_id, "FINISHED")
+    res = run_advise_check(cfg, ov)
+    m = res.metrics
+    assert m["n_pairs"] == 12 and m["n_merges"] == 36 and 0.0 <= m["advised_beats_other"] <= 1.0
+    assert {"coverage.transport_adapt", "coverage.adapt_union"} <= set(m)
+    logged = client.get_run(res.run_id).data.params
+    assert {"fits.transport_adapt", "fits.adapt_union"} <= set(logged)

@@ -231,7 +231,7 @@ def run_advise_check(cfg: DictConfig, overrides: list[str] | None = None):
             text = read_artifact_text(client, run.info.run_id, "forecast/predictions.csv")
             merges += held_out_merges(list(csv.DictReader(io.StringIO(text))), route)
         out = held_out_check(merges, s.interval, s.n_boot, s.seed)
-        job.log_params({"fits": {r: run.info.run_id for r, (run, _) in fits.items()}})
+        job.log_params({"fits": {route_key(r): run.info.run_id for r, (run, _) in fits.items()}})
         return out
 
     spec = JobSpec(f"advise_check on {len(fits)} routes", {"kind": "advise_check", "route": "advise"}, task="advise_check",
