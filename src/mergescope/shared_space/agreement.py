@@ -112,8 +112,8 @@ def rsa_null(X: Any, Y: Any, perms: np.ndarray, batch: int = 16) -> tuple[float,
         raise MergescopeError(f"permutations of {perms.shape[1]} rows for {ra.shape[0]} sentences")
     scale = 2.0 * np.sqrt(sa * sb)
     null = np.empty(perms.shape[0])
-    for i, p in enumerate(perms):
-        null[i] = np.einsum("ij,ij->", rb.take(p, axis=0).take(p, axis=1), ra)
+    for i, p in enumerate(perms):  # columns first, then rows: the same matrix, gathered with fewer cache misses
+        null[i] = np.einsum("ij,ij->", rb.take(p, axis=1).take(p, axis=0), ra)
     return float((ra * rb).sum() / scale), null / scale
 
 
