@@ -5,7 +5,7 @@ machine was). Nothing runs.
 
     python benchmarks/stages.py [--experiment crossarch_real] [--root .]
 
-Ratios: ``wall / counted`` is the count's accuracy (the target: within 1.5x); ``wall / floor`` is how far the stage
+Ratios (over the wall time of the arms the count covers): ``wall / counted`` is the count's accuracy (the target: within 1.5x); ``wall / floor`` is how far the stage
 runs from the machine's limit (the counted FLOPs over the measured rate; the target: within 2x).
 """
 
@@ -30,7 +30,8 @@ def rows(root: Path, experiment: str) -> list[list[str]]:
         t, m = r.data.tags, r.data.metrics
         if "stage" not in t or "stage_counted_cpu_s" not in m:
             continue
-        wall = m.get("wall_s.all_jobs", float("nan"))
+        # the wall time of the arms the count covers (an arm whose jobs could not be counted before the launch is left out)
+        wall = m.get("stage_counted_wall_s", m.get("wall_s.all_jobs", float("nan")))
         counted, floor = m["stage_counted_cpu_s"], m.get("stage_flop_floor_s", float("nan"))
         when = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
         out.append([t["stage"], when, f"{m.get('jobs_run', 0):.0f}", f"{wall / 60:.1f}", f"{counted / 60:.1f}",

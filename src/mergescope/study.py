@@ -377,8 +377,11 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                 parent.log_metrics({f"wall_s.{k.replace(' ', '_')}": float(v) for k, v in times.items()})
                 parent.log_metrics({f"peak_rss_gb.{k.replace(' ', '_')}": float(v) for k, v in peaks.items()})
                 parent.log_metrics({"jobs": float(len(ledger)), "jobs_run": float(sum(not r.skipped for r in ledger))})
-                if counted:  # a stage: its counted work beside its wall time, at the rate this machine measured now
-                    wall = times["all jobs"]
+                if counted:  # a stage: its counted work beside the wall time of the arms it counted, at the rate this
+                    arms_counted = counted.pop("counted_arms")  # machine measured now
+                    wall = sum(times.get(a, 0.0) for a in arms_counted)
+                    counted["stage_counted_wall_s"] = wall
+                    counted["stage_uncounted_wall_s"] = sum(v for a, v in times.items() if a not in arms_counted and a != "all jobs")
                     floor = counted["stage_counted_gflop"] / counted["machine_f32_gflops"]
                     counted.update({"stage_wall_over_counted": wall / counted["stage_counted_cpu_s"]
                                     if counted["stage_counted_cpu_s"] > 0 else float("nan"),
@@ -411,7 +414,10 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     FINISHED runs of every stage's jobs (``earlier``: what the report of the whole study reads besides this launch),
     the counted work of this stage's jobs left (plan=true's counts) and this machine's float32 matrix-multiply rate
     measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the count's accuracy;
-    ``stage_wall_over_floor``: how far the stage runs from the machine's limit)."""
+    ``stage_wall_over_floor``: how far the stage runs from the machine's limit). The training a launch does first (the
+    zoo models it needs, when missing) is counted with the stage. An arm with a job of the stage that cannot be counted
+    before it runs (decided from files an earlier job of the launch makes) is left out of both ratios: ``counted_arms``
+    names the arms whose wall time the ratios read."""
     from mergescope import costs
     from mergescope.tracking import Tracker
 
@@ -423,37 +429,51 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     plan._stage = None  # every phase of the study, the stage's selection applied below
     try:
         with Tracker(cfg).finished_index(), recording() as seen:  # every done job's runs, its nested runs included
-            phases = [(phase, of) for _, phase, of in plan.phases()]
-            found = _found(phases, sel)
+            phases = plan.phases()
+            uncounted: set[str] = set()  # arms with a stage job decided from files an earlier job makes
+            found = _found(phases, {**sel, "training": slice(None)}, uncounted)  # the launch trains what it needs first
         earlier = [r.run_id for r in seen]
-        if not any(id(j) in mine for _, _, mine, _, todo in found for j in todo):  # the stage is done: nothing to count
+        if not any(id(j) in mine for *_, mine, _, todo in found for j in todo):  # the stage is done: nothing to count
             return {"stage_counted_cpu_s": 0.0, "stage_counted_gflop": 0.0, "stage_jobs_counted": 0.0,
-                    "machine_f32_gflops": float("nan"), "tags": costs.machine(), "earlier": earlier}
+                    "machine_f32_gflops": float("nan"), "tags": costs.machine(), "earlier": earlier, "counted_arms": []}
         rates, counter = costs.fit(), costs.Counter(costs.constants())
-        for phase, jobs, mine, done, todo in found:
+        counted: set[str] = set()
+        for arm, phase, jobs, mine, done, todo in found:
             left = {id(j) for j in todo}
             for j in jobs:  # in order: a forward an earlier job pays is not paid again
                 w = costs.count(counter, j.task, j.cfg)
-                if id(j) in mine and id(j) in left and w is not None:
+                if id(j) in mine and id(j) in left:
+                    if w is None:
+                        uncounted.add(arm)
+                        continue
                     gflop, cpu_s, n = gflop + w.flops / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
+                    counted.add(arm)
     finally:
         plan._stage = sel
         set_quiet(was_quiet)
     return {"stage_counted_cpu_s": cpu_s, "stage_counted_gflop": gflop, "stage_jobs_counted": float(n),
-            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine(), "earlier": earlier}
+            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine(), "earlier": earlier,
+            "counted_arms": sorted(counted - uncounted)}
 
 
-def _found(phases, sel: dict[str, slice]) -> list[tuple[str, list, set, list, list]]:
-    """Per phase with jobs: (phase, its jobs, the ids of the stage's own, the done (job, run) pairs, the jobs left)."""
+def _found(phases, sel: dict[str, slice], unknown: set[str]) -> list[tuple[str, str, list, set, list, list]]:
+    """Per phase with jobs: (arm, phase, its jobs, the ids of the stage's own, the done (job, run) pairs, the jobs
+    left). A phase of the stage whose jobs cannot be listed yet adds its arm to ``unknown``."""
     out = []
-    for phase, of in phases:
+    for arm, phase, of in phases:
         try:
             jobs = of()
         except MergescopeError:  # decided from files a later stage makes (a zoo model not trained yet)
+            if phase in sel:
+                unknown.add(arm)
             continue
         if jobs:
             done, todo = done_pass(jobs, [])
-            out.append((phase, jobs, {id(j) for j in jobs[sel[phase]]} if phase in sel else set(), done, todo))
+            if phase == "training":  # as the launch decides: a model on disk is not trained again
+                from mergescope.zoo import is_trained
+
+                todo = [j for j in todo if not is_trained(j.cfg.model.name_or_path)]
+            out.append((arm, phase, jobs, {id(j) for j in jobs[sel[phase]]} if phase in sel else set(), done, todo))
     return out
 
 
