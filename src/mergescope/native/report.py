@@ -241,14 +241,26 @@ def lmc_curve(study, run_id: str) -> list[tuple[float, float]]:
     return [(ts[k], nll[k]) for k in sorted(nll) if k in ts]
 
 
+def unshared_tensors(n: Rec) -> int:
+    """Model a's tensors the interpolation leaves as they are: the excluded ones, less those tied in both models to a
+    shared tensor (``excluded_reasons``: "tied to ... in both models"), which follow it."""
+    excluded = n.group("coverage").get("excluded_names")
+    if excluded is None:  # a run without its coverage group: every excluded tensor counts
+        return int(n.m("n_excluded_tensors")) if math.isfinite(n.m("n_excluded_tensors")) else 0
+    reasons = n.group("excluded_reasons")
+    return sum(1 for e in excluded if not str(reasons.get(e, "")).startswith("tied to "))
+
+
 def barrier_text(n: Rec) -> str:
     """The LMC barrier as it can be read. Where the pair shares only part of its tensors (``n_excluded_tensors`` > 0:
     the embeddings of two vocabularies, say), the t = 1 end of the path is a hybrid, model a's unshared tensors with
     model b's shared ones, not model b: the barrier is the gap above a chord to that broken end, so the sentence leads
-    with how far the path's midpoint and its end are from model a."""
+    with how far the path's midpoint and its end are from model a. A tensor tied to a shared one in both models (a
+    tied head, counted once) moves with it, so it does not make the end a hybrid."""
     bar, a, mid, end = n.m("lmc_barrier"), n.m("nll_a"), n.m("lmc_midpoint_nll"), n.m("nll_t1")
-    if n.m("n_excluded_tensors") > 0 and all(math.isfinite(v) for v in (a, mid, end)):
-        return (f"the path's t = 1 end is a hybrid (model a's {n.m('n_excluded_tensors'):.0f} unshared tensors with model "
+    unshared = unshared_tensors(n)
+    if unshared > 0 and all(math.isfinite(v) for v in (a, mid, end)):
+        return (f"the path's t = 1 end is a hybrid (model a's {unshared} unshared tensors with model "
                 f"b's shared ones), {end - a:+.3f} nats/token from model a, and its midpoint {mid - a:+.3f}: the LMC "
                 f"barrier above the chord to that end ({f3(bar)}) is not a measure of mode connectivity between the two "
                 "models")
