@@ -5,8 +5,9 @@ machine was). Nothing runs.
 
     python benchmarks/stages.py [--experiment crossarch_real] [--root .]
 
-Ratios (over the wall time of the arms the count covers): ``wall / counted`` is the count's accuracy (the target: within 1.5x); ``wall / floor`` is how far the stage
-runs from the machine's limit (the counted FLOPs over the measured rate; the target: within 2x).
+Ratios, over the wall time of the arms the count covers: ``wall / counted`` is the count's accuracy (the target: within
+1.5x); ``wall / floor`` is how far the stage runs from the machine's limit (the counted FLOPs over the measured rate;
+the target: within 2x).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def _stubs(monkeypatch, done: set[str], trained: set[str]):
 def test_the_count_covers_training_and_the_arms_it_can_count_and_names_them(monkeypatch):
     jobs = {"training": [_job("train", "ft-a"), _job("train", "ft-b")], "adapt": [_job("adapt", "x"), _job("adapt", "y")],
             "transport": [_job("transport", "t")], "odd": [_job("adapt", "o1"), _job("mystery", "o2")]}
-    _stubs(monkeypatch, done={"y"}, trained={"ft-a"})
+    # ft-b has a finished run in the store but is not on disk: the launch trains it again, so it is counted
+    _stubs(monkeypatch, done={"y", "ft-b"}, trained={"ft-a"})
     got = study._stage_count(_Plan(jobs), OmegaConf.create({}))
     # training's one model left (10 s) + adapt's one job left (100 s) + odd's countable job (100 s); transport is
     # another stage's, the done adapt job is not counted again, the uncountable job is skipped

@@ -469,10 +469,10 @@ def _found(phases, sel: dict[str, slice], unknown: set[str]) -> list[tuple[str, 
             continue
         if jobs:
             done, todo = done_pass(jobs, [])
-            if phase == "training":  # as the launch decides: a model on disk is not trained again
+            if phase == "training":  # as the launch decides (_run_jobs): a model is trained when it is not on disk
                 from mergescope.zoo import is_trained
 
-                todo = [j for j in todo if not is_trained(j.cfg.model.name_or_path)]
+                todo = [j for j in jobs if not is_trained(j.cfg.model.name_or_path)]
             out.append((arm, phase, jobs, {id(j) for j in jobs[sel[phase]]} if phase in sel else set(), done, todo))
     return out
 

@@ -104,7 +104,7 @@ def rsa(X: Any, Y: Any) -> float:
     return float((ra * rb).sum() / 2.0 / np.sqrt(sa * sb))
 
 
-def rsa_null(X: Any, Y: Any, perms: np.ndarray, batch: int = 16) -> tuple[float, np.ndarray]:
+def rsa_null(X: Any, Y: Any, perms: np.ndarray) -> tuple[float, np.ndarray]:
     """(observed RSA, RSA with B's rows reordered by each permutation)."""
     ra, sa = rank_matrix(X)
     rb, sb = rank_matrix(Y)
