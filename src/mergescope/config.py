@@ -252,6 +252,48 @@ def conf_digest() -> str:
 register_arm_confs()
 
 
+_PARSED: dict[tuple[str, int, int], Any] = {}  # (file, mtime_ns, size) -> Hydra's result for it, as parsed once
+
+
+def _memo_file_configs() -> None:
+    """Hydra parses each YAML file again for every compose (about two dozen files each; a study composes one config
+    per job): here each file of a file source is parsed once per process and each compose gets its own deep copy,
+    keyed by the file's path, modification time and size (an edited file is parsed again; the config store's and
+    Hydra's packaged configs are loaded as before). The composed configs are the same (tests/test_compose_memo.py).
+    Hydra loads its config sources as plugins (their modules executed afresh), so the repository that asks them is
+    where the memo sits."""
+    import copy
+    import os
+
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra.core.object_type import ObjectType
+
+    if getattr(ConfigRepository.load_config, "_memo", False):
+        return
+    load = ConfigRepository.load_config
+
+    def load_config(self, config_path: str):
+        source = self._find_object_source(config_path=config_path, object_type=ObjectType.CONFIG)
+        if source is None or source.scheme() != "file":
+            return load(self, config_path)
+        full = os.path.realpath(os.path.join(source.path, source._normalize_file_name(config_path)))
+        try:
+            st = os.stat(full)
+        except OSError:
+            return load(self, config_path)  # Hydra's own error for a missing file
+        key = (full, st.st_mtime_ns, st.st_size)
+        if key not in _PARSED:
+            _PARSED[key] = load(self, config_path)
+        return copy.deepcopy(_PARSED[key])
+
+    load_config._memo = True
+    load_config._unmemoized = load
+    ConfigRepository.load_config = load_config
+
+
+_memo_file_configs()
+
+
 def plain_copy(node: Any) -> DictConfig:
     """A resolved, detached copy of a config node (editable without touching the original)."""
     return OmegaConf.create(to_plain(node))

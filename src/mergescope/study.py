@@ -115,11 +115,22 @@ class Plan:
         (:func:`stage_selection`). What ``plan=true`` lists and :func:`_run_jobs` runs (the same lists). Lazy: which
         pairs share a parameter space is read from the models' configs, which exist only once the zoo models are
         trained."""
-        out = [("training", "training", self.training_jobs)]
+        out = [("training", "training", lambda: self._listed("training", self.training_jobs))]
         for arm in arms():
             on = arm.name in self.arms
-            out += [(arm.row, p.name, (lambda p=p: self.in_stage(p.name, p.jobs(self))) if on else list) for p in arm.phases]
+            out += [(arm.row, p.name, (lambda p=p: self.in_stage(p.name, self._listed(p.name, lambda: p.jobs(self)))) if on
+                     else list) for p in arm.phases]
         return out
+
+    def _listed(self, phase: str, make: Callable[[], list[StudyJob]]) -> list[StudyJob]:
+        """A phase's jobs; listed once per phase while :func:`plan_rows` goes through every stage (nothing is trained
+        meanwhile, so a phase's list cannot change), else made afresh each time."""
+        memo = getattr(self, "_memo", None)
+        if memo is None:
+            return make()
+        if phase not in memo:
+            memo[phase] = make()
+        return memo[phase]
 
     def in_stage(self, phase: str, jobs: list[StudyJob]) -> list[StudyJob]:
         """The jobs of ``phase`` that the launch's stage runs (all of them without ``stage=``)."""
@@ -224,20 +235,24 @@ def plan_rows(plan: Plan, cfg: DictConfig) -> list[dict[str, Any]]:
     if plan.stage is not None or not every:
         return _plan_rows(plan, client, rates, gpu, counter, str(cfg.get("stage") or ""))
     rows = []  # a staged study, every stage: in order, one counter (a forward an earlier stage pays is not paid again)
+    plan._memo = {}  # each phase's jobs composed once, cut to each stage in turn
     try:
         for i, (name, sel) in enumerate(every.items()):
             plan._stage = sel
-            rows += [r for r in _plan_rows(plan, client, rates, gpu, counter, name) if i == 0 or r["phase"] != "training"]
+            rows += _plan_rows(plan, client, rates, gpu, counter, name, training=i == 0)  # training: listed once
     finally:
         plan._stage = None
+        plan._memo = None
     return rows
 
 
-def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str) -> list[dict[str, Any]]:
+def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str, training: bool = True) -> list[dict[str, Any]]:
     from mergescope import costs
 
     rows = []
     for arm, phase, of in plan.phases():
+        if phase == "training" and not training:
+            continue
         try:
             jobs = of()
         except MergescopeError as exc:  # decided from files that do not exist yet (a zoo model not trained, not downloaded)
