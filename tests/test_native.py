@@ -289,6 +289,25 @@ def test_a_model_entry_as_base_and_nll_langs(tiny_models, compose_cfg):
     mid = {k: (sds["a"][k] + sds["b"][k]) / 2 if k in names else v for k, v in sds["a"].items()}
     assert lin["nll_por_Latn"] == pytest.approx(outside_nll(mid, root / "step1", pt), rel=1e-5)
     assert lin["nll_base_por_Latn"] == r.metrics["nll_base_por_Latn"]
+    # each language's gain over the better expert there, with its paired interval over that language's articles
+    from mergescope.documents import documents
+
+    best_pt = min(r.metrics["nll_a_por_Latn"], r.metrics["nll_b_por_Latn"])
+    assert lin["merge_gain_por_Latn"] == pytest.approx(best_pt - lin["nll_por_Latn"], abs=1e-12)
+    assert lin["merge_gain_por_Latn_lo"] < lin["merge_gain_por_Latn"] < lin["merge_gain_por_Latn_hi"]
+    assert lin["merge_gain_por_Latn_groups"] == len(set(documents(cfg.data, "por_Latn", N)[0])) > 1
+    assert lin["merge_gain_eng_Latn"] == pytest.approx(lin["merge_gain"], abs=1e-12)  # the host's own sentences
+    chosen_id = MlflowClient(store_uri(cfg)[0]).get_run(r.run_id).data.params["merge_chosen.run"]
+    chosen = next(x for x in merged.values() if x.info.run_id == chosen_id)
+    assert r.metrics["merge_gain_por_Latn_hi"] == chosen.data.metrics["merge_gain_por_Latn_hi"]  # the chosen merge's
+    from mergescope.evidence import gain_over_best, scores_from_csv
+
+    csv_text = (Path(merged["linear"].info.artifact_uri.replace("file://", "")) / "scores" / "sentences.csv").read_text()
+    again = gain_over_best("g", [scores_from_csv(csv_text, "a", "por_Latn"), scores_from_csv(csv_text, "b", "por_Latn")],
+                           scores_from_csv(csv_text, "merged_seed0", "por_Latn"),
+                           documents(cfg.data, "por_Latn", N)[0], "article")
+    assert (again["g"], again["g_lo"], again["g_hi"]) == pytest.approx(
+        (lin["merge_gain_por_Latn"], lin["merge_gain_por_Latn_lo"], lin["merge_gain_por_Latn_hi"]), abs=1e-9)
     # the base is model a itself: no task vector, no base-requiring merge
     cfg, ov = compose_cfg([*pair, f"native.base={{name:a,name_or_path:'{root / 'step1'}',lang:eng_Latn,dtype:float32}}",
                            "native.merges=[linear,ties]"])
@@ -393,3 +412,25 @@ def test_the_operator_is_chosen_on_the_selection_split_without_the_first_token(c
     cfg, _ = compose_cfg(["task=native"])
     out = nj._merge_values(cfg, None, SimpleNamespace(log_params=logged.update), [], ends, {})
     assert logged["merge_chosen"]["merge"] == "b" and out["chosen_merged_nll"] == 5.1
+
+
+def test_the_by_language_table_gives_each_languages_gain_with_its_interval(monkeypatch):
+    """A merge run with per-language gains shows them with their intervals (the analysis scope's); a run recorded before
+    them shows the gain over every token from its NLLs and says it has no interval."""
+    from mergescope.analysis import claims
+    from mergescope.analysis.records import Rec
+    from mergescope.native.report import _by_language
+
+    monkeypatch.setitem(claims.SCOPE, "value", "rest")
+
+    n = Rec("n", 0, {"pair": "p", "model_a": "pt", "model_b": "it"}, {"nll_a_por_Latn": 2.0, "nll_b_por_Latn": 2.5,
+                                                                      "nll_a_ita_Latn": 3.0, "nll_b_ita_Latn": 2.2}, {})
+    new = Rec("m1", 0, {"merge": "linear"}, {"nll_por_Latn": 2.1, "nll_ita_Latn": 2.3,
+                                             "merge_gain_por_Latn_rest": -0.12, "merge_gain_por_Latn_rest_lo": -0.15,
+                                             "merge_gain_por_Latn_rest_hi": -0.09, "merge_gain_ita_Latn_rest": -0.07,
+                                             "merge_gain_ita_Latn_rest_lo": -0.09, "merge_gain_ita_Latn_rest_hi": -0.05}, {})
+    old = Rec("m2", 0, {"merge": "ties"}, {"nll_por_Latn": 2.25, "nll_ita_Latn": 2.15}, {})
+    t = _by_language(n, [new, old])
+    rows = {r[0]: r for r in t.rows}
+    assert rows["linear"][3] == "ita_Latn -0.0700 [-0.0900, -0.0500]; por_Latn -0.1200 [-0.1500, -0.0900]"
+    assert rows["ties"][3] == "ita_Latn +0.0500 (every token; no interval); por_Latn -0.2500 (every token; no interval)"

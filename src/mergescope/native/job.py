@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mergescope.config import load_conf, plain_copy, to_plain
 from mergescope.errors import MergescopeError
 from mergescope.merge import resolve_preset
-from mergescope.native.merges import EVIDENCE, merge_configs, outcome_tags, preset_config, run_merge
+from mergescope.native.merges import EVIDENCE, LANG_GAINS, merge_configs, outcome_tags, preset_config, run_merge
 from mergescope.native.settings import NativeSettings
 from mergescope.native.stats import GRAM_RULE, STATS_KEYS
 from mergescope.native.pair import (Loaded, base_entry, check_pair, lang_endpoints, lmc_curve, nll_sentences,
@@ -70,10 +70,10 @@ def _lmc_values(cfg: DictConfig, loaded: Loaded, job, sentences, ends: list) -> 
 
 
 def _merge_values(cfg: DictConfig, loaded: Loaded, job, overrides, endpoints: tuple,
-                  lang_ends: dict[str, float]) -> dict[str, float]:
+                  lang_ends: dict[str, float], lang_scores: dict | None = None) -> dict[str, float]:
     merges = []
     for mc in merge_configs(cfg):
-        r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints, lang_ends=lang_ends)
+        r = run_merge(mc, overrides, loaded=loaded, endpoints=endpoints, lang_ends=lang_ends, lang_scores=lang_scores)
         merges.append((mc.merge.name, r))
         console.print(f"  merge {mc.merge.name} {pair_label(cfg)}: nll={r.metrics['nll']:.4f}{' (done before)' if r.skipped else ''}")
     job.log_params({"merge_runs": {name: r.run_id for name, r in merges}})
@@ -115,6 +115,8 @@ def hash_extra(cfg: DictConfig) -> dict:
     ns = NativeSettings.from_cfg(cfg)
     presets = ns.merges
     extra = {"merge_presets": {n: to_plain(preset_config(n)) for n in presets}, "evidence": EVIDENCE}
+    if ns.nll_langs:  # each language's gain with its interval (unset: earlier hashes unchanged)
+        extra["lang_gains"] = LANG_GAINS
     if (ts := ns.transplant_settings()) is not None:  # every setting, defaults included (unset: earlier hashes unchanged)
         extra["transplant"] = asdict(ts)
     if any(resolve_preset(preset_config(n))[0].meta.get("needs_stats") == "gram" for n in presets):
@@ -153,9 +155,10 @@ def run_native(cfg: DictConfig, overrides: list[str] | None = None) -> JobResult
         ends: list = []
         values.update(_lmc_values(cfg, loaded, job, sentences, ends))
         # native.nll_langs: each expert and the base on every language (the host's language: the LMC curve's ends)
-        lang_ends = lang_endpoints(cfg, loaded, (sentences, values["nll_a"], values["nll_t1"]))
+        lang_scores: dict = {}
+        lang_ends = lang_endpoints(cfg, loaded, (sentences, ends[0], ends[1]), kept=lang_scores)
         values.update(lang_ends)
-        values.update(_merge_values(cfg, loaded, job, overrides, tuple(ends), lang_ends))
+        values.update(_merge_values(cfg, loaded, job, overrides, tuple(ends), lang_ends, lang_scores))
         if same_run(cfg):
             values["cka"] = checkpoint_cka(cfg, overrides)
         return values

@@ -15,7 +15,8 @@ from mergescope.merge.presets import TRANSPORT_HINT, preset_config  # noqa: F401
 from mergescope.scoring.bpb import Scores
 from mergescope.evidence import sentence_csv
 from mergescope.native.comparisons import merge_comparisons
-from mergescope.native.pair import (Loaded, base_entry, check_pair, host_nll, host_scores, lang_endpoints, lang_sentences,
+from mergescope.documents import documents
+from mergescope.native.pair import (Loaded, base_entry, check_pair, host_scores, lang_endpoints, lang_gains, lang_sentences,
                                     nll_documents, nll_langs, nll_sentences, no_base_reason, outcome_langs, same_run,
                                     select_sentences)
 from mergescope.native.settings import NativeSettings
@@ -27,6 +28,9 @@ MERGE_KEYS = ["pair", "merge", "data", "native.base", "native.nll_sentences", "n
 EVIDENCE = 2
 """In every merge's and native run's identity: 1 = per-sentence scores kept, merge_gain with its paired interval and the
 first token apart (runs recorded before have none, so they run again)."""
+LANG_GAINS = 1
+"""In the identity of a merge (and native) run scored on ``native.nll_langs``: 1 = the merge's gain over the better
+expert on each of those languages with its paired interval (``merge_gain_<lang>``), their per-sentence scores kept."""
 
 def outcome_part(cfg: DictConfig) -> dict[str, str]:
     """``native.outcome`` in a merge's identity when it is not the host's language alone (unset: earlier hashes kept)."""
@@ -86,12 +90,12 @@ def same_as_linear(entry, kwargs: dict) -> bool:
 
 
 def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, job,
-                kept: list[Scores] | None = None) -> dict[str, float]:
+                kept: list[Scores] | None = None, kept_langs: dict[str, list[Scores]] | None = None) -> dict[str, float]:
     """NLL of the merged model; for a stochastic operator the mean and sd over ``native.merge_seeds`` seeds
     (seed, seed+1, ...), each seed's NLL a metric step. ``val_nll`` (``val_nll_rest``: the first token apart, what the
     native run chooses its operator on): the same on ``native.select_split``, when that split shares no line with the
-    scored one. ``kept``: each seed's
-    per-sentence scores on the host's sentences are appended to it."""
+    scored one. ``kept``: each seed's per-sentence scores on the host's sentences are appended to it; ``kept_langs``:
+    on each language of ``native.nll_langs``, under the language."""
     n = NativeSettings.from_cfg(cfg).merge_seeds if stochastic(kwargs) else 1
     texts = {lang: lang_sentences(cfg, lang) for lang in nll_langs(cfg)}  # native.nll_langs: the other languages
     val = select_sentences(cfg)
@@ -106,8 +110,11 @@ def _merged_nll(cfg: DictConfig, pair: Loaded, entry, kwargs: dict, sentences, j
         nlls.append(sc.nats_per_token)
         if kept is not None:
             kept.append(sc)
-        for lang, t in texts.items():  # the host's own sentences again: the same number, not recomputed
-            by_lang[lang].append(nlls[-1] if tuple(t) == tuple(sentences) else host_nll(cfg, pair, t, f"{what} {lang}"))
+        for lang, t in texts.items():  # the host's own sentences again: the same scores, not recomputed
+            lsc = sc if tuple(t) == tuple(sentences) else host_scores(cfg, pair, t, f"{what} {lang}")
+            by_lang[lang].append(lsc.nats_per_token)
+            if kept_langs is not None:
+                kept_langs.setdefault(lang, []).append(lsc)
         if val is not None:
             vals.append(host_scores(cfg, pair, val, f"{what} {NativeSettings.from_cfg(cfg).select_split}"))
         pair.restore()
@@ -155,9 +162,12 @@ def mergekit_text(cfg: DictConfig, pair: Loaded, entry, kwargs: dict) -> str:
 
 
 def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loaded | None = None,
-              endpoints: tuple[Scores, Scores] | None = None, lang_ends: dict[str, float] | None = None) -> JobResult:
+              endpoints: tuple[Scores, Scores] | None = None, lang_ends: dict[str, float] | None = None,
+              lang_scores: dict[tuple[str, str], Scores] | None = None) -> JobResult:
     """One merged model's NLL on the host's language (and on every language of ``native.nll_langs``, beside each
-    expert's and the base's there: ``lang_ends``, computed when not given): its own run (kind=merge, route=native).
+    expert's and the base's there: ``lang_ends``, with the experts' per-sentence scores ``lang_scores``, computed when
+    not given; the merge's gain over the better expert on each with its interval): its own run (kind=merge,
+    route=native).
     With ``+merge.models=[...]`` (or ``merge=mergekit merge.config=...``) it merges those models instead of the pair
     (:mod:`mergescope.native.multi`)."""
     from mergescope.native.multi import is_multi, run_merge_n
@@ -173,15 +183,24 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
         sentences = nll_sentences(cfg)
         s0, s1 = endpoints if endpoints is not None else _endpoints(cfg, pair, sentences)
         nll0, nll1 = s0.nats_per_token, s1.nats_per_token
-        ends = lang_ends if lang_ends is not None else lang_endpoints(cfg, pair)
+        end_scores: dict[tuple[str, str], Scores] = {}
+        if lang_ends is not None and lang_scores is not None:
+            ends, end_scores = lang_ends, lang_scores
+        else:
+            ends = lang_endpoints(cfg, pair, kept=end_scores)
         merged: list[Scores] = []
-        res = _merged_nll(cfg, pair, entry, kwargs, sentences, job, merged)
+        merged_langs: dict[str, list[Scores]] = {}
+        res = _merged_nll(cfg, pair, entry, kwargs, sentences, job, merged, merged_langs)
         docs, what = nll_documents(cfg)
         # merge_gain = the better endpoint minus the merge (seeds of a stochastic merge: the interval includes them)
-        gain = merge_comparisons(s0, s1, merged, docs, what)
-        job.log_text(sentence_csv({("a", "host"): s0, ("t1", "host"): s1,
-                                   **{(f"merged_seed{i}", "host"): m for i, m in enumerate(merged)}}, {"host": docs}),
-                     "scores/sentences.csv")
+        gain = {**merge_comparisons(s0, s1, merged, docs, what), **lang_gains(cfg, end_scores, merged_langs)}
+        tables = {("a", "host"): s0, ("t1", "host"): s1, **{(f"merged_seed{i}", "host"): m for i, m in enumerate(merged)}}
+        groups = {"host": docs}
+        for lang, ms in merged_langs.items():  # each language's rows: the two experts and each seed's merge
+            tables.update({(who, lang): end_scores[(who, lang)] for who in ("a", "b") if (who, lang) in end_scores})
+            tables.update({(f"merged_seed{i}", lang): m for i, m in enumerate(ms)})
+            groups[lang] = documents(cfg.data, lang, len(ms[0].nll))[0]
+        job.log_text(sentence_csv(tables, groups), "scores/sentences.csv")
         if pair.transplant is not None:
             job.log_params({"transplant": pair.transplant})
         job.log_text(mergekit_text(cfg, pair, entry, kwargs), "merge/mergekit.yaml")
@@ -198,7 +217,8 @@ def run_merge(cfg: DictConfig, overrides: list[str] | None = None, loaded: Loade
     tags = {"kind": "merge", "route": "native", "merge": cfg.merge.name, "operator": entry.name, **pair_tags(cfg),
             "seed": kwargs.get("seed", cfg.seed), "same_as": "linear" if same_as_linear(entry, kwargs) else None,
             "transplant": None if ts is None else f"{ts.tokenizer}:{ts.method}", **outcome_tags(cfg)}
-    extra = {"evidence": EVIDENCE, **({"nll_langs": langs} if langs else {}), **({"save": True} if cfg.get("save") else {}),
+    extra = {"evidence": EVIDENCE, **({"nll_langs": langs, "lang_gains": LANG_GAINS} if langs else {}),
+             **({"save": True} if cfg.get("save") else {}),
              **outcome_part(cfg),
              **({"transplant": asdict(ts)} if ts is not None else {}),
              **({"gram": GRAM_RULE} if entry.meta.get("needs_stats") == "gram" else {})}

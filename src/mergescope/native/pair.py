@@ -212,31 +212,51 @@ def lang_sentences(cfg: DictConfig, lang: str) -> tuple[str, ...]:
     return NativeSettings.from_cfg(cfg).sentences(data_mod.load_side(cfg.data, lang).sentences)
 
 
-def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...], float, float] | None = None) -> dict[str, float]:
+def lang_endpoints(cfg: DictConfig, loaded: Loaded, host: tuple[tuple[str, ...], Scores, Scores] | None = None,
+                   kept: dict[tuple[str, str], Scores] | None = None) -> dict[str, float]:
     """Each expert's and the base's NLL on every language of ``native.nll_langs``: ``nll_a_<lang>`` (the host),
     ``nll_b_<lang>`` (every shared tensor from b: model b itself when all its tensors are shared) and
-    ``nll_base_<lang>`` (every shared tensor from the task-vector base, when there is one).
+    ``nll_base_<lang>`` (every shared tensor from the task-vector base, when there is one). ``kept``: the two
+    experts' per-sentence scores on each language go in it as ``("a" | "b", lang)`` (each merge's gain on the
+    language is measured against them, :func:`lang_gains`).
 
-    ``host``: (sentences, NLL at t=0, NLL at t=1) already measured on the host's sentences (the LMC curve's ends);
-    a language whose sentences are exactly those takes them instead of a second forward of the same models."""
+    ``host``: (sentences, the scores at t=0 and at t=1) already measured on the host's sentences (the LMC curve's
+    ends); a language whose sentences are exactly those takes them instead of a second forward of the same models."""
     langs = nll_langs(cfg)
     if not langs:
         return {}
     texts = {lang: lang_sentences(cfg, lang) for lang in langs}
+    kept = {} if kept is None else kept
 
-    def known(t, end: int) -> float | None:
-        return host[1 + end] if host is not None and tuple(t) == tuple(host[0]) else None
+    def scores(t, end: int, who: str, lang: str) -> float:
+        known = host is not None and tuple(t) == tuple(host[0])
+        kept[(who, lang)] = host[1 + end] if known else host_scores(cfg, loaded, t, f"nll {who} {lang}")
+        return kept[(who, lang)].nats_per_token
 
-    out = {f"nll_a_{lang}": v if (v := known(t, 0)) is not None else host_nll(cfg, loaded, t, f"nll a {lang}")
-           for lang, t in texts.items()}
+    out = {f"nll_a_{lang}": scores(t, 0, "a", lang) for lang, t in texts.items()}
     loaded.interpolate(1.0)
-    out.update({f"nll_b_{lang}": v if (v := known(t, 1)) is not None else host_nll(cfg, loaded, t, f"nll b {lang}")
-                for lang, t in texts.items()})
+    out.update({f"nll_b_{lang}": scores(t, 1, "b", lang) for lang, t in texts.items()})
     if loaded.sd_base is not None:
         for n in loaded.coverage.shared:
             loaded.set_shared({n: loaded.sd_base[n]})
         out.update({f"nll_base_{lang}": host_nll(cfg, loaded, t, f"nll base {lang}") for lang, t in texts.items()})
     loaded.restore()
+    return out
+
+
+def lang_gains(cfg: DictConfig, ends: dict[tuple[str, str], Scores], merged: dict[str, list[Scores]]) -> dict[str, float]:
+    """A merge's gain over the better expert on each language of ``native.nll_langs`` (``merge_gain_<lang>``, both
+    scopes): the better of the two experts' NLL there minus the merge's, with its paired interval over that language's
+    documents (FLORES articles); a stochastic merge's seeds enter the interval as a distribution."""
+    from mergescope.evidence import gain_over_best
+
+    out: dict[str, float] = {}
+    for lang, ms in merged.items():
+        if ("a", lang) not in ends or ("b", lang) not in ends or not ms:
+            continue
+        docs, what = documents(cfg.data, lang, len(ms[0].nll))
+        out.update(gain_over_best(f"merge_gain_{lang}", [ends[("a", lang)], ends[("b", lang)]],
+                                  ms[0] if len(ms) == 1 else ms, docs, what))
     return out
 
 

@@ -226,13 +226,23 @@ def _by_language(n: Rec, merges: list[Rec]) -> RTable | None:
     for r in sorted(merges, key=lambda r: r.tags.get("merge", "")):
         if not all(f"nll_{x}" in r.metrics for x in langs):
             continue
-        gap = [r.m(f"nll_{x}") - min(n.m(f"nll_a_{x}"), n.m(f"nll_b_{x}")) for x in langs]
         rows.append([r.tags.get("merge", ""), *[f3(r.m(f"nll_{x}"), 4) for x in langs],
-                     ", ".join(f"{x} {g:+.3f}" for x, g in zip(langs, gap)), short(r.run_id)])
+                     "; ".join(f"{x} {_lang_gain(n, r, x)}" for x in langs), short(r.run_id)])
     return RTable(f"{n.tags.get('pair', '')}: NLL by language (native.nll_langs; nats/token)", ["model", *langs,
-                  "merged - better expert", "run"], rows,
-                  note="Each language's first native.nll_sentences FLORES sentences, scored by the host's tokenizer. "
-                       "merged - better expert > 0: the merge is worse there than the better of the two experts.")
+                  "gain over the better expert [95% CI]", "run"], rows,
+                  note="Each language's first native.nll_sentences FLORES sentences, scored by the host's tokenizer (NLL "
+                       "columns over every token). gain = the better of the two experts' NLL on the language minus the "
+                       f"merge's (< 0: the merge is worse there), {claims.SCOPE_NOTE[claims.SCOPE['value']]}, with its "
+                       "paired 95% interval over that language's FLORES articles; a run recorded before these intervals "
+                       "were logged shows its gain over every token and no interval.")
+
+
+def _lang_gain(n: Rec, r: Rec, lang: str) -> str:
+    """A merge's gain over the better expert on one language: with its interval where its run logged one."""
+    if claims.metric(f"merge_gain_{lang}") in r.metrics:
+        return claims.cell(r, f"merge_gain_{lang}")
+    gain = min(n.m(f"nll_a_{lang}"), n.m(f"nll_b_{lang}")) - r.m(f"nll_{lang}")
+    return f"{gain:+.4f} (every token; no interval)"
 
 
 def lmc_curve(study, run_id: str) -> list[tuple[float, float]]:
