@@ -528,3 +528,27 @@ def test_the_check_job_reads_every_route_fits_held_out_predictions_and_logs_one_
     assert {"coverage.transport_adapt", "coverage.adapt_union"} <= set(m)
     logged = client.get_run(res.run_id).data.params
     assert {"fits.transport_adapt", "fits.adapt_union"} <= set(logged)
+
+
+def test_study_forecast_builds_every_route_in_one_launch_and_transplants_only_the_transplant_pairs(compose_cfg):
+    """study=forecast holds the route benchmark (its pair diagnostics, five route fits and the check) and the native
+    merge forecast, in the experiment task=advise reads; the checkpoint and fine-tune pairs' native merges are not
+    transplanted, the transplant route's pairs are."""
+    from mergescope.advise.settings import AdviseSettings
+    from mergescope.jobs import job
+    from mergescope.study import Plan
+
+    cfg, _ = compose_cfg(["study=forecast"])
+    assert cfg.tracking.experiment == AdviseSettings.from_cfg(cfg).benchmark == AdviseSettings.from_cfg(cfg).native_benchmark
+    routes, _ = compose_cfg(["study=routes"])
+    assert routes.tracking.experiment == cfg.tracking.experiment  # the subset's runs are reused by the whole
+    plan = Plan(["study=forecast"])
+    fits = plan.jobs("route forecasts")
+    assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union",
+                                                          "adapt intersection", "transplant"]
+    assert fits[-1].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 25
+    ck, moved = plan.jobs("checkpoints"), plan.jobs("forecast merges")
+    assert len(ck) == 60 and len(moved) == 6 * 24
+    assert all(j.cfg.native.get("transplant") is None for j in [*ck, *moved])
+    transplanted = [job("native", [*plan.base, f"pair={name}"]) for name in cfg.native_pairs]
+    assert len(transplanted) == 25 and all(str(j.cfg.native.transplant) == "union" for j in transplanted)

@@ -174,7 +174,7 @@ def run_route_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         where = experiment if s.table is not None else f"experiment '{experiment}'"
         raise MergescopeError(f"the {bench.route if bench is not None else s.route} benchmark of {where} holds {n} merges of {fams} "
                               f"families ({s.min_rows} merges and 3 families needed{why}): "
-                              + ("add rows to the table" if s.table is not None else "build it first (python launch.py study=routes)"))
+                              + ("add rows to the table" if s.table is not None else "build it first (python launch.py study=forecast)"))
 
     def body(job) -> dict[str, float]:
         v = validate_route(bench, s.n_boot, s.n_shuffles, s.seed, s.lambdas)
@@ -222,7 +222,7 @@ def run_advise_check(cfg: DictConfig, overrides: list[str] | None = None):
     fits = {r: f for r in ROUTE_KINDS if (f := _latest_fit(cfg, experiment, r, s.plan_features)) is not None}
     if not fits:
         raise MergescopeError(f"task=advise_check: no route forecast in experiment '{experiment}' (python launch.py "
-                              "study=routes fits them)")
+                              "study=forecast fits them)")
     client = Tracker(cfg).client
 
     def body(job) -> dict[str, float]:
@@ -377,7 +377,7 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                                 f"forecast_hi.{key}": best["hi"]})
             elif r.open:
                 row["no_forecast"] = (f"no fitted {r.kind} forecast in experiment '{s.benchmark}' (python launch.py "
-                                      f"study=routes builds one)" if r.kind in fits else
+                                      f"study=forecast builds one)" if r.kind in fits else
                                       f"no benchmark of the {r.kind} route yet: its forecast is not fitted")
             table.append(row)
         ranked = sorted([t for t in table if "forecast" in t], key=lambda t: -t["forecast"])
