@@ -85,8 +85,9 @@ def test_the_dev_cka_recovers_a_planted_rotation_and_calibrates_noise_to_zero():
 
 
 class _Rec:
-    def __init__(self, run_id, kind, tags, metrics):
+    def __init__(self, run_id, kind, tags, metrics, params=None):
         self.run_id, self.kind, self.tags, self.metrics = run_id, kind, {"kind": kind, **tags}, metrics
+        self.params = params or {}
 
     def m(self, k):
         return float(self.metrics.get(k, float("nan")))
@@ -153,21 +154,33 @@ def test_an_adapt_summary_gives_one_row_per_grid_ratio_with_the_kept_shape_as_it
     assert i.X[0, i.features.index("log2_width_ratio")] == -0.5 and i.X[0, i.features.index("dev_bpb_target")] == 2.0
 
 
-def test_a_transplanted_pairs_merges_are_its_rows_one_per_distinct_merge():
+def test_a_transplanted_pairs_merges_are_its_rows_one_per_distinct_merge_at_its_mix():
+    """One row per distinct merge and mix; the mix (model b's weight) read from the merge config the run logged:
+    SLERP's t, the second of linear's weights; a run that logged neither is dropped, not given 0.5."""
     from mergescope.advise.bench import route_bench
 
-    def merge(op, gain, h, **tags):
-        return _Rec(f"n-{op}", "merge", {"route": "native", "operator": op, "model_a": "x", "model_b": "y", "cfg_hash": h,
-                                         "transplant": "union:omp", **tags},
-                    {"merge_gain_rest": gain, "merge_gain_rest_lo": gain - 0.1, "merge_gain_rest_hi": gain + 0.1})
+    def merge(op, gain, h, mix=0.5, **tags):
+        params = {"merge.t": str(mix)} if op == "slerp" else {"merge.weights": f"[{1 - mix}, {mix}]"}
+        return _Rec(f"n-{op}-{mix}", "merge", {"route": "native", "operator": op, "model_a": "x", "model_b": "y",
+                                               "cfg_hash": h, "transplant": "union:omp", **tags},
+                    {"merge_gain_rest": gain, "merge_gain_rest_lo": gain - 0.1, "merge_gain_rest_hi": gain + 0.1}, params)
 
-    recs = [_diag("x", "y"), merge("linear", -1.0, "1"), merge("ties", -2.0, "2"),
+    recs = [_diag("x", "y"), merge("linear", -1.0, "1"), merge("ties", -2.0, "2"), merge("linear", -0.5, "5", mix=0.3),
+            merge("slerp", -0.7, "6", mix=0.7),
             merge("task_arithmetic", -1.0, "3", same_as="linear"),  # the linear merge again: not a row of its own
             _Rec("n-plain", "merge", {"route": "native", "operator": "slerp", "model_a": "x", "model_b": "y", "cfg_hash": "4"},
-                 {"merge_gain_rest": 0.5, "merge_gain_rest_lo": 0.4, "merge_gain_rest_hi": 0.6})]  # no transplant
+                 {"merge_gain_rest": 0.5, "merge_gain_rest_lo": 0.4, "merge_gain_rest_hi": 0.6}),  # no transplant
+            _Rec("n-nomix", "merge", {"route": "native", "operator": "slerp", "model_a": "x", "model_b": "y", "cfg_hash": "7",
+                                      "transplant": "union:omp"}, {"merge_gain_rest": 0.1, "merge_gain_rest_lo": 0.0,
+                                                                    "merge_gain_rest_hi": 0.2})]  # no mix logged
     b = route_bench(recs, "transplant")
-    assert sorted(b.operator) == ["linear", "ties"] and set(b.target) == {"x"} and set(b.donor) == {"y"}
-    assert sorted(b.y) == pytest.approx([-2.0, -1.0]) and "log10_alpha" not in b.features and "ratio" not in b.features
+    assert sorted(b.operator) == ["linear mix=0.3", "linear mix=0.5", "slerp mix=0.7", "ties mix=0.5"]
+    assert set(b.target) == {"x"} and set(b.donor) == {"y"} and b.dropped == 1
+    by = dict(zip(b.operator, b.y))
+    assert by["linear mix=0.3"] == pytest.approx(-0.5) and by["ties mix=0.5"] == pytest.approx(-2.0)
+    assert "log10_alpha" not in b.features and "ratio" not in b.features
+    mix = dict(zip(b.operator, b.X[:, b.features.index("mix")]))
+    assert mix == {"linear mix=0.3": pytest.approx(0.3), "linear mix=0.5": 0.5, "slerp mix=0.7": 0.7, "ties mix=0.5": 0.5}
     assert b.X[0, b.features.index("dev_bpb_target")] == 2.0  # model a as the target: not flipped
 
 
@@ -533,7 +546,7 @@ def test_the_check_job_reads_every_route_fits_held_out_predictions_and_logs_one_
 def test_study_forecast_builds_every_route_in_one_launch_and_transplants_only_the_transplant_pairs(compose_cfg):
     """study=forecast holds the route benchmark (its pair diagnostics, five route fits and the check) and the native
     merge forecast, in the experiment task=advise reads; the checkpoint and fine-tune pairs' native merges are not
-    transplanted, the transplant route's pairs are."""
+    transplanted and are made at mix 0.5, the transplant route's pairs are transplanted and merged at three mixes."""
     from mergescope.advise.settings import AdviseSettings
     from mergescope.jobs import job
     from mergescope.study import Plan
@@ -549,6 +562,7 @@ def test_study_forecast_builds_every_route_in_one_launch_and_transplants_only_th
     assert fits[-1].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 25
     ck, moved = plan.jobs("checkpoints"), plan.jobs("forecast merges")
     assert len(ck) == 60 and len(moved) == 6 * 24
-    assert all(j.cfg.native.get("transplant") is None for j in [*ck, *moved])
+    assert all(j.cfg.native.get("transplant") is None and list(j.cfg.native.mix) == [0.5] for j in [*ck, *moved])
     transplanted = [job("native", [*plan.base, f"pair={name}"]) for name in cfg.native_pairs]
     assert len(transplanted) == 25 and all(str(j.cfg.native.transplant) == "union" for j in transplanted)
+    assert all(list(j.cfg.native.mix) == [0.3, 0.5, 0.7] for j in transplanted)

@@ -17,8 +17,8 @@ Routes and outcomes (nats/token on the target's own language, the first token ap
   intersection: the smaller), its donor the other, its operator the ratio (``ratio`` a feature too);
 - ``transplant`` (the native arm's merges of a pair given one vocabulary first, kind=merge with a ``transplant`` tag):
   the better of the two transplanted models minus the merge on model a's language (``merge_gain_rest``); its target
-  model a, its operator the merge operator (an operator that is another's merge on the pair, ``same_as``, is left
-  out: one row per distinct merge).
+  model a, its operator the merge operator at its mix (model b's weight, ``mix`` a feature too; an operator that is
+  another's merge on the pair, ``same_as``, is left out: one row per distinct merge).
 
 A row's family is its target model (a held-out family: every merge into that model unseen); its pair is the unordered
 pair of models (a cluster: both directions share its diagnostics, flipped); a transport merge's operator is the
@@ -53,7 +53,7 @@ default, since the advisor would have to fit the plans to know them."""
 
 def features_for(route: str, plan: bool = False) -> tuple[str, ...]:
     if route == "transplant":
-        return PAIR_FEATURES
+        return (*PAIR_FEATURES, "mix")
     if route.startswith("adapt"):
         return (*PAIR_FEATURES, "ratio")
     return (*PAIR_FEATURES, "log10_alpha", *(PLAN_FEATURES if plan and route.startswith("transport") else ()))
@@ -158,9 +158,9 @@ def _merges_of(m, route: str) -> list[tuple]:
     """One run's merges as (target, donor, operator, the run's own features, gain, lo, hi): a transport run is one
     merge, an adapt summary one per grid ratio the test split scored (its ``row`` the merge's run id + ratio)."""
     if route == "transplant":
-        g = "merge_gain_rest"
-        return [(_model_name(m, "model_a"), _model_name(m, "model_b"), str(m.tags.get("operator")), {}, m.m(g),
-                 m.m(f"{g}_lo"), m.m(f"{g}_hi"))]
+        g, mix = "merge_gain_rest", merge_mix(m)
+        return [(_model_name(m, "model_a"), _model_name(m, "model_b"), f"{m.tags.get('operator')} mix={mix:g}", {"mix": mix},
+                 m.m(g), m.m(f"{g}_lo"), m.m(f"{g}_hi"))]
     if not route.startswith("adapt"):
         metric, alpha = OUTCOMES[route], m.m("alpha")
         own = {"log10_alpha": math.log10(alpha) if alpha and alpha > 0 else float("nan"),
@@ -174,6 +174,22 @@ def _merges_of(m, route: str) -> list[tuple]:
         ratio = float(key[len(ADAPT_GAIN):-len("_rest")])
         out.append((t, d, f"ratio={ratio:g}", {"ratio": ratio}, m.m(key), m.m(f"{key}_lo"), m.m(f"{key}_hi")))
     return out
+
+
+def merge_mix(m) -> float:
+    """A native merge's weight of model b, from the merge config its run logged (``merge.t`` of SLERP, the second of
+    ``merge.weights``: :func:`mergescope.native.merges.with_mix`); NaN when it logged neither (the row is dropped)."""
+    import json
+
+    t = m.params.get("merge.t")
+    if t not in (None, "", "None", "null"):
+        return float(t)
+    w = m.params.get("merge.weights")
+    try:
+        weights = json.loads(w) if w else None
+    except ValueError:
+        weights = None
+    return float(weights[1]) if isinstance(weights, list) and len(weights) == 2 else float("nan")
 
 
 CSV_COLUMNS = ("pair", "member_a", "member_b", "operator", "outcome")

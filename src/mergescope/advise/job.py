@@ -285,12 +285,15 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
 
 
 def _with_alpha(feats: dict[str, float], op: str) -> dict[str, float]:
-    """The pair's diagnostics with the operator's own feature: a transport alpha's log10, an adapt ratio."""
+    """The pair's diagnostics with the operator's own feature: a transport alpha's log10, an adapt ratio, a transplanted
+    merge's mix."""
     out = dict(feats)
     if op.startswith("alpha="):
         out["log10_alpha"] = math.log10(float(op.split("=", 1)[1]))
     elif op.startswith("ratio="):
         out["ratio"] = float(op.split("=", 1)[1])
+    elif " mix=" in op:
+        out["mix"] = float(op.rsplit("mix=", 1)[1])
     return out
 
 
