@@ -470,7 +470,7 @@ def test_the_checks_verdict_says_whether_the_interval_holds_its_level_and_whethe
 
 def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_checks_them(compose_cfg):
     """The route benchmark's plan: a pair's diagnostics for every transport pair and every adapt pair (a pair in both
-    lists measured once), one fit per route, then the held-out check."""
+    lists measured once), the post-fusion adaptation at three alphas, one fit per route, then the held-out check."""
     from mergescope.runs import model_label
     from mergescope.study import Plan
 
@@ -483,6 +483,9 @@ def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_ch
     assert adapt <= {frozenset(k.split("@")[0] for k in key) for key in keys}
     fits = plan.jobs("route forecasts")
     assert [j.task for j in fits] == ["route_forecast"] * 5 + ["advise_check"]
+    more = plan.jobs("transport settings")  # the post-fusion adaptation at two more alphas, every direction
+    assert len(more) == 2 * 56 and sorted({float(j.cfg.merge.adapt.alpha) for j in more}) == [0.03, 0.3]
+    assert float(plan.jobs("transport")[0].cfg.merge.adapt.alpha) == 0.1
     assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union", "adapt intersection",
                                                           "transplant"]
 
