@@ -165,10 +165,12 @@ def test_stages_parse_cut_phases_and_refuse_unknown_names(compose_cfg):
 
     cfg, _ = compose_cfg(["study=crossarch_real"])
     every = stages(cfg)
-    assert list(every) == ["represent", "english", "transport_a", "transport_b", "ablation_a", "ablation_b", "merges"]
-    assert every["ablation_a"] == {"transport settings": slice(0, 5)} and every["ablation_b"] == {"transport settings": slice(5, None)}
-    jobs = list(range(9))  # the two ablation stages cut one phase into disjoint parts that cover it
-    assert jobs[every["ablation_a"]["transport settings"]] + jobs[every["ablation_b"]["transport settings"]] == jobs
+    assert list(every) == ["represent", "english", "transport_a", "transport_b", "ablation_a", "ablation_b", "ablation_c",
+                           "merges"]
+    assert every["ablation_a"] == {"transport settings": slice(0, 5)} and every["ablation_b"] == {"transport settings": slice(5, 7)}
+    assert every["ablation_c"] == {"transport settings": slice(7, None)}
+    jobs = list(range(9))  # the three ablation stages cut one phase into disjoint parts that cover it
+    assert [x for name in ("ablation_a", "ablation_b", "ablation_c") for x in jobs[every[name]["transport settings"]]] == jobs
     from mergescope.arm import arms
 
     ran = {p.name for a in arms() if a.name in cfg.arms for p in a.phases}

@@ -560,3 +560,37 @@ def test_bfloat16_emulated_where_there_are_no_bfloat16_units_is_close_to_the_nat
     assert between < min(to32_native, to32_emulated) and 0.5 < to32_emulated / to32_native < 2, (between, to32_native, to32_emulated)
     assert to32_emulated > 1e-4  # it does round: not float32 itself
     assert torch.equal(next(target.parameters()), next(target.parameters()).clone())  # the model itself untouched
+
+
+@pytest.mark.parametrize("sublayers,layer_pairs,extra", [("qkvo", None, {}), ("mlp_attn_out", None, {}),
+                                                         ("qkvo_mlp", "all", {}), ("qkvo_mlp", "all", {"p_topk": 1}),
+                                                         ("mlp_attn_out", "pruned", {})])
+def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, monkeypatch, sublayers, layer_pairs, extra):
+    """plan=true's count of the released method (costs.released_plans) against a spy on the fit: the entries of every
+    neuron plan it solves (layer-cost pass and fusion), each view a module shares solved once per layer pair; with
+    p_topk, between the modules agreeing on their donor layers and every paired one."""
+    from mergescope import costs
+
+    target, donor, tl, dl, tp, dp = tiny_pair
+    solved = []
+    real = rel._solve_stack
+    monkeypatch.setattr(rel, "_solve_stack", lambda st, C, what: (solved.append(C.numel()), real(st, C, what))[1])
+    released = {"sublayers": sublayers, "plan_dtype": "float64", **({"layer_pairs": layer_pairs} if layer_pairs else {}), **extra}
+    over = {"layer_subsample": 20, "layer_topk": 1} if layer_pairs == "pruned" else {}
+    s = TransportSettings.defaults("transport_released", top_k=7, released=released, **over)
+    rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)
+    w = costs.Work("transport")
+    k = costs.constants()
+    st, sd = costs._count(target.config, "t"), costs._count(donor.config, "d")
+    costs.released_plans(w, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, s.layer_subsample, s.layer_topk,
+                         s.released.p_topk)
+    counted = w.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)
+    if not s.released.p_topk:
+        assert counted == pytest.approx(sum(solved), rel=1e-12) and sum(solved) > 0
+        assert w.flops == pytest.approx(2 * 60.0 * sum(solved), rel=1e-12)
+        return
+    # p_topk: each module keeps its own top donor layers, so a target layer meets up to one per module; the count
+    # (the modules agreeing) is the least the fit can solve, every paired donor layer the most
+    every = costs.Work("transport")
+    costs.released_plans(every, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, 0, 0, 0)
+    assert counted <= sum(solved) <= every.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)

@@ -59,6 +59,8 @@ class Shape:
     ffn: int
     tied: bool
     body: int          # matrix parameters a token meets before the head (every >= 2-D weight but the embedding and head)
+    q_dim: int = 0     # the attention's query width (heads x head size; 0 = hidden) and its key/value width
+    kv_dim: int = 0
 
     @property
     def f32_bytes(self) -> int:
@@ -81,9 +83,11 @@ def _count(config, name: str) -> Shape:
     params = sum(p.numel() for p in m.parameters())  # parameters() yields a tied tensor once
     matrices = sum(p.numel() for p in m.parameters() if p.ndim >= 2) - emb.numel() - (0 if tied else head)
     s = lambda k, d=0: int(getattr(config, k, None) or d)  # noqa: E731
+    hidden, heads = s("hidden_size", s("d_model")), s("num_attention_heads", 1)
+    head_dim = s("head_dim", hidden // max(heads, 1))
     return Shape(name, str(config.model_type), int(params), int(emb.numel()), int(head), s("num_hidden_layers"),
-                 s("hidden_size", s("d_model")), s("intermediate_size", 2 * s("hidden_size", s("d_model"))), tied,
-                 int(matrices))
+                 hidden, s("intermediate_size", 2 * hidden), tied, int(matrices), heads * head_dim,
+                 s("num_key_value_heads", heads) * head_dim)
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,13 +217,18 @@ def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
         w.held = [s]
 
 
-def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int) -> None:
+def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int,
+                    released: tuple[str, str, int] | None = None) -> None:
     """Both models loaded and probed, the layer-cost pass (two subsampled neuron plans per layer pair, their cost
     matrices) and the fusion's plans (per target layer and kept donor layer: the hidden units' plan and four
-    residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration."""
+    residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration; ``released`` (its sublayers, layer pairs
+    and p_topk): the released method's plans instead (:func:`released_plans`)."""
     for s in (st, sd):
         w.add_load(s)
         w.add_forward(s, probes * float(k.probe_tokens_per_sentence), logits=False)
+    if released is not None:
+        released_plans(w, st, sd, probes, k, released[0], released[1], subsample, topk, released[2])
+        return
     kk = min(subsample, st.ffn) * min(subsample, sd.ffn)
     pairs = float(st.layers * sd.layers)
     w.ot_bytes += 2 * pairs * 2 * 8.0 * kk
@@ -227,6 +236,41 @@ def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig,
     kept = float(st.layers * min(topk, sd.layers))
     w.ot_bytes += kept * 2 * 8.0 * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
     w.flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
+
+
+RELEASED_VIEWS = {"q": (("attn_in", "hidden"), ("q_out", "q")), "k": (("attn_in", "hidden"), ("k_out", "kv")),
+                  "v": (("attn_in", "hidden"), ("v_out", "kv")), "o": (("o_in", "q"), ("o_out", "hidden")),
+                  "gate": (("mlp_in", "hidden"), ("gate_out", "ffn")), "up": (("mlp_in", "hidden"), ("up_out", "ffn")),
+                  "down": (("down_in", "ffn"), ("down_out", "hidden"))}
+"""The released method's modules (:mod:`mergescope.transport.released`): (input view, output view), each a named
+activation and its width; a view several modules share (the attention's input feeds q, k and v) is one plan."""
+RELEASED_SUBLAYERS = {"qkvo": ("q", "k", "v", "o"), "qkvo_mlp": ("q", "k", "v", "o", "gate", "up", "down"),
+                      "mlp_attn_out": ("gate", "up", "down", "o")}
+
+
+def _width(s: Shape, what: str) -> int:
+    return {"hidden": s.hidden, "ffn": s.ffn, "q": s.q_dim or s.hidden, "kv": s.kv_dim or s.hidden}[what]
+
+
+def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, sublayers: str, layer_pairs: str,
+                   subsample: int, topk: int, p_topk: int = 0) -> None:
+    """The released method's plans (``merge=transport_released``): per distinct activation view of its modules, one
+    neuron plan per paired layer pair for the layer cost (zipped: the first min(L_A, L_B) layers of each; all: every
+    pair; pruned: every pair on ``subsample`` neurons a side), then the fusion's plans per target layer and donor layer
+    it keeps (pruned: ``topk``; else ``p_topk`` when set; else every paired one). Each plan is a Pearson cost (one
+    matmul over the probes) and a log-domain Sinkhorn, counted as ``released_ot_factor`` times a checked solver's
+    passes over the plan."""
+    views = {name: (_width(st, width), _width(sd, width))
+             for r in RELEASED_SUBLAYERS[sublayers] for name, width in RELEASED_VIEWS[r]}
+    full = sum(float(t) * float(d) for t, d in views.values())
+    n_t, n_d = (float(min(st.layers, sd.layers)),) * 2 if layer_pairs == "zipped" else (float(st.layers), float(sd.layers))
+    layer = (sum(float(min(t, subsample)) * float(min(d, subsample)) for t, d in views.values())
+             if layer_pairs == "pruned" else full)
+    fused = (float(st.layers) * float(min(topk, sd.layers)) if layer_pairs == "pruned"
+             else n_t * float(min(p_topk, n_d)) if p_topk else n_t * n_d)
+    entries = n_t * n_d * layer + fused * full
+    w.ot_bytes += float(k.get("released_ot_factor", 1.0)) * 2 * 8.0 * entries
+    w.flops += 2 * probes * entries  # each plan's Pearson cost
 
 
 def work_models() -> dict[str, Callable[[Counter, DictConfig, Work], None]]:

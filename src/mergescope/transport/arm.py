@@ -142,7 +142,10 @@ def _w_transport(c, cfg, w) -> None:
     if not (st and sd):
         return
     m = cfg.merge
-    transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk))
+    ts = TransportSettings.from_node(m)
+    rel = ts.released  # the released method's own plans (None: mergescope's)
+    transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk),
+                    None if rel is None else (rel.sublayers, rel.layer_pairs, int(rel.p_topk or 0)))
     n_eval = cfg.native.get("nll_sentences")
     tok = sum(c.tokens(cfg.data, lang, n_eval)[1] for lang in dict.fromkeys([t_entry.lang, d_entry.lang]))  # both languages
     alphas = len(m.get("alphas") or [])
@@ -157,10 +160,12 @@ def _w_transport(c, cfg, w) -> None:
         w.add_forward(st, sel - probes, logits=True, passes=1 + alphas)
     tested = 1 if str(m.get("test_at") or "every") == "selected" else alphas
     w.add_forward(st, tok, logits=True, passes=1 + tested * (2 + seeds))  # baseline; OT, shrink-only and each control seed
-    ad = m.get("adapt") or {}
-    if ad.get("enabled"):
-        w.add_forward(st, float(ad.steps) * float(ad.batch_size) * c.k.probe_tokens_per_sentence, logits=True, passes=2 * 3.0)
-        w.add_forward(st, tok, logits=True, passes=2)
+    if ts.adapt is not None:  # trained: the fused model, each control seed's, the no-fusion baseline (and the released
+        # mode's damped baseline), each a forward and backward per step, then each scored before and after
+        runs = 2 + seeds + (1 if ts.adapt.mode == "released" else 0)
+        w.add_forward(st, float(ts.adapt.steps) * float(ts.adapt.batch_size) * c.k.probe_tokens_per_sentence, logits=True,
+                      passes=runs * 3.0)
+        w.add_forward(st, tok, logits=True, passes=2 * runs)
     w.held = [st]  # the donor is probed and freed before the target loads; fused from its files
 
 
