@@ -571,6 +571,7 @@ def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, m
     p_topk, between the modules agreeing on their donor layers and every paired one."""
     from mergescope import costs
 
+    assert costs.RELEASED_SUBLAYERS == rel.SUBLAYER_ROLES  # the count's copy (costs imports no torch) is the fit's
     target, donor, tl, dl, tp, dp = tiny_pair
     solved = []
     real = rel._solve_stack

@@ -1,6 +1,6 @@
-"""The advisor's arm: in a study (``study=forecast``, ``study=routes``), every pair's pre-merge diagnostics (``task=pairdev``) after the
-transport arm's merges, then one forecast per route the study built (``task=route_forecast``); ``task=advise`` runs
-alone on any pair."""
+"""The advisor's arm: in a study (``study=forecast``, ``study=routes``), every pair's pre-merge diagnostics
+(``task=pairdev``) after the transport arm's merges, then one forecast per route the study built
+(``task=route_forecast``); ``task=advise`` runs alone on any pair."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ class AdviseSettings(ArmSettings):
     """``split`` / ``sentences``: the dev lines the pair diagnostics read (each model on its own language; refused when
     the split is the one merges are scored on); ``permutations``: the calibrated CKA's null draws; ``benchmark``: the
     experiment whose route forecasts the advisor reads (``study=forecast`` builds it, every route in one launch;
-    ``study=routes`` the routes but native); ``native_benchmark``: the one whose merge forecast forecasts the native route; ``route``: the route a
-    ``task=route_forecast`` fits (any name with ``table``); ``table``: a CSV of merges from elsewhere to fit and validate
+    ``study=routes`` the routes but native); ``native_benchmark``: the one whose merge forecast forecasts the native
+    route; ``route``: the route a ``task=route_forecast`` fits (any name with ``table``); ``table``: a CSV of merges from elsewhere to fit and validate
     instead of the experiment's (:func:`mergescope.advise.bench.from_csv`); ``plan_features``: the transport plan's entropy and cost among its features (the
     advisor would then fit the plans); ``interval``: the forecast interval's level; the rest as the merge forecast's."""
 
