@@ -92,6 +92,11 @@ class _Rec:
     def m(self, k):
         return float(self.metrics.get(k, float("nan")))
 
+    def param(self, k):  # as Rec.param: a logged param parsed back to a value
+        import yaml
+
+        return None if k not in self.params else yaml.safe_load(self.params[k])
+
 
 def _diag(a, b, **kw):
     base = {"log2_width_ratio": 1.0, "log2_depth_ratio": 0.0, "same_family": 0.0, "vocab_jaccard": 0.2,

@@ -179,17 +179,10 @@ def _merges_of(m, route: str) -> list[tuple]:
 def merge_mix(m) -> float:
     """A native merge's weight of model b, from the merge config its run logged (``merge.t`` of SLERP, the second of
     ``merge.weights``: :func:`mergescope.native.merges.with_mix`); NaN when it logged neither (the row is dropped)."""
-    import json
-
-    t = m.params.get("merge.t")
-    if t not in (None, "", "None", "null"):
+    t, w = m.param("merge.t"), m.param("merge.weights")
+    if isinstance(t, (int, float)):
         return float(t)
-    w = m.params.get("merge.weights")
-    try:
-        weights = json.loads(w) if w else None
-    except ValueError:
-        weights = None
-    return float(weights[1]) if isinstance(weights, list) and len(weights) == 2 else float("nan")
+    return float(w[1]) if isinstance(w, list) and len(w) == 2 else float("nan")
 
 
 CSV_COLUMNS = ("pair", "member_a", "member_b", "operator", "outcome")

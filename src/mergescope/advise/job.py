@@ -273,7 +273,7 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
     q_lo, q_hi = np.quantile(resid, [(1 - level) / 2, (1 + level) / 2])
     out = []
     for op in fit["operators"]:
-        at = _with_alpha(feats, op)
+        at = _with_operator(feats, op)
         x = np.array([float(n == f"operator={op}") if n.startswith("operator=") else at[n] for n in model.features])
         pred = float(model.predict(x[None, :])[0])
         z = (x - model.mu) / model.sd
@@ -284,7 +284,7 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
     return out
 
 
-def _with_alpha(feats: dict[str, float], op: str) -> dict[str, float]:
+def _with_operator(feats: dict[str, float], op: str) -> dict[str, float]:
     """The pair's diagnostics with the operator's own feature: a transport alpha's log10, an adapt ratio, a transplanted
     merge's mix."""
     out = dict(feats)
