@@ -12,8 +12,8 @@ from mergescope.metrics.procrustes import procrustes_null
 from mergescope.metrics.svcca import svcca_null
 from mergescope.metrics.calibrate import calibrate, calibrate_layers, calibrated_score, draw_permutations
 from mergescope.metrics.cka import cka_null
-from mergescope.metrics.cka_debiased import debiased_cka
-from mergescope.metrics.knn import cknna, mutual_knn_null
+from mergescope.metrics.cka_debiased import debiased_cka, debiased_cka_null
+from mergescope.metrics.knn import cknna, cknna_null, mutual_knn_null
 
 
 def _related(n=60, d=12, noise=1.0, seed=0):
@@ -73,6 +73,18 @@ def test_vectorised_nulls_equal_recomputing():
     assert svcca_null(x, y, perms) == pytest.approx([svcca(x, y[p.numpy()]) for p in perms], abs=1e-12)
     assert procrustes_null(x, y, perms) == pytest.approx([procrustes_alignability(x, y[p.numpy()]) for p in perms], abs=1e-12)
     assert mutual_knn_null(x, y, perms, k=5) == pytest.approx([mutual_knn(x, y[p.numpy()], k=5) for p in perms], abs=1e-12)
+    assert debiased_cka_null(x, y, perms) == pytest.approx([debiased_cka(x, y[p.numpy()]) for p in perms], abs=1e-12)
+    assert cknna_null(x, y, perms, k=5) == pytest.approx([cknna(x, y[p.numpy()], k=5) for p in perms], abs=1e-12)
+
+
+def test_the_gathered_nulls_of_the_kernel_metrics_at_other_shapes():
+    """Debiased CKA and CKNNA nulls from gathered Grams and masks equal recomputing on the permuted rows: wider than
+    long (d > n), a neighbour count near n, and a pair with no relation at all."""
+    for n, d, k, noise in ((30, 45, 3, 0.5), (40, 6, 30, 1.0), (25, 10, 4, 1e6)):
+        x, y = _related(n=n, d=d, noise=noise, seed=n)
+        perms = draw_permutations(n, 5, seed=n)
+        assert debiased_cka_null(x, y, perms) == pytest.approx([debiased_cka(x, y[p.numpy()]) for p in perms], abs=1e-12)
+        assert cknna_null(x, y, perms, k=k) == pytest.approx([cknna(x, y[p.numpy()], k=k) for p in perms], abs=1e-12)
 
 
 def test_pure_noise_of_the_real_widths_calibrates_to_zero():
