@@ -17,8 +17,9 @@ but 0.02-0.07 at n = 1012. Calibration puts every metric on one scale:
 aggregate (max by default) of the layer-by-layer matrix taken per draw, so choosing the best layer is paid for in the
 null.
 
-A metric may give a vectorised null (``register(..., null=fn)``, ``fn(X, Y, perms, **kwargs) -> (K,)``): linear CKA
-and mutual k-NN permute precomputed n x n matrices instead of recomputing from features.
+A metric may give a vectorised null (``register(..., null=fn)``, ``fn(X, Y, perms, **kwargs) -> (K,)``): linear and
+debiased CKA, mutual k-NN and CKNNA permute precomputed n x n matrices, SVCCA and Procrustes precomputed factors,
+instead of recomputing from features.
 """
 
 from __future__ import annotations
