@@ -67,12 +67,9 @@ def _hsic_u(k: torch.Tensor, l_: torch.Tensor) -> torch.Tensor:
     return (trace + k.sum() * l_.sum() / ((n - 1) * (n - 2)) - 2.0 * cross / (n - 2)) / (n * (n - 3))
 
 
-def cknna(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
-    """Centered kernel nearest-neighbour alignment (Huh et al. 2024): the unbiased CKA of the linear kernels of the
-    L2-normalised rows (cosine), restricted to the entries (i, j) where j is among i's k nearest neighbours in BOTH
-    spaces (self excluded): HSIC_u(M*K, M*L) / sqrt(HSIC_u(M_K*K, M_K*K) HSIC_u(M_L*L, M_L*L)), each self-term with its
-    own space's neighbours. With k = n - 1 every off-diagonal entry is kept and it is the debiased CKA of the
-    normalised rows (tested)."""
+def _cknna_sides(X: Any, Y: Any, k: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(M_K, M_L, M_K*K, M_L*L, the denominator): each side's neighbour mask, its cosine kernel on its own neighbours
+    and sqrt(HSIC_u(M_K*K, M_K*K) HSIC_u(M_L*L, M_L*L))."""
     x, y = pair_f64(X, Y, device)
     n = x.shape[0]
     if n < 4:
@@ -80,11 +77,19 @@ def cknna(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
     if not 1 <= k < n:
         raise ValueError(f"k must be in [1, n-1={n - 1}], got {k}")
     zx, zy = torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1)
-    kx, ky = zx @ zx.T, zy @ zy.T
     mx, my = _knn_mask(x, k).double(), _knn_mask(y, k).double()
-    both = mx * my
-    den = torch.sqrt(_hsic_u(mx * kx, mx * kx) * _hsic_u(my * ky, my * ky))
-    return float(_hsic_u(both * kx, both * ky) / den) if float(den) > 0 else float("nan")
+    x_side, y_side = mx * (zx @ zx.T), my * (zy @ zy.T)
+    return mx, my, x_side, y_side, torch.sqrt(_hsic_u(x_side, x_side) * _hsic_u(y_side, y_side))
+
+
+def cknna(X: Any, Y: Any, k: int = 10, device: str = "auto") -> float:
+    """Centered kernel nearest-neighbour alignment (Huh et al. 2024): the unbiased CKA of the linear kernels of the
+    L2-normalised rows (cosine), restricted to the entries (i, j) where j is among i's k nearest neighbours in BOTH
+    spaces (self excluded): HSIC_u(M*K, M*L) / sqrt(HSIC_u(M_K*K, M_K*K) HSIC_u(M_L*L, M_L*L)), each self-term with its
+    own space's neighbours (M = M_K*M_L; the masks are 0/1, so M*K = (M_K*K)*M_L exactly). With k = n - 1 every
+    off-diagonal entry is kept and it is the debiased CKA of the normalised rows (tested)."""
+    mx, my, x_side, y_side, den = _cknna_sides(X, Y, k, device)
+    return float(_hsic_u(x_side * my, mx * y_side) / den) if float(den) > 0 else float("nan")
 
 
 def cknna_null(X: Any, Y: Any, perms: list[torch.Tensor], k: int = 10, device: str = "auto") -> list[float]:
@@ -92,23 +97,13 @@ def cknna_null(X: Any, Y: Any, perms: list[torch.Tensor], k: int = 10, device: s
     rows and columns gathered by p and its self-term is unchanged (HSIC_u is invariant under one permutation of both
     rows and columns), so the kernels, masks and denominator are built once and each permutation costs one gather and
     one HSIC_u (equal to recomputing, tested)."""
-    x, y = pair_f64(X, Y, device)
-    n = x.shape[0]
-    if n < 4:
-        raise ValueError(f"CKNNA needs at least 4 sentences, got {n}")
-    if not 1 <= k < n:
-        raise ValueError(f"k must be in [1, n-1={n - 1}], got {k}")
-    zx, zy = torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(y, dim=1)
-    mx, my = _knn_mask(x, k).double(), _knn_mask(y, k).double()
-    x_side, y_side = mx * (zx @ zx.T), my * (zy @ zy.T)  # each side's kernel on its own neighbours
-    den = torch.sqrt(_hsic_u(x_side, x_side) * _hsic_u(y_side, y_side))
+    mx, my, x_side, y_side, den = _cknna_sides(X, Y, k, device)
     if not float(den) > 0:
         return [float("nan")] * len(perms)
     out = []
     for p in perms:
         p = p.to(my.device)
-        my_p = my[p][:, p]  # Y[p]'s neighbours; the kept entries are those in both masks
-        out.append(float(_hsic_u(x_side * my_p, mx * y_side[p][:, p]) / den))
+        out.append(float(_hsic_u(x_side * my[p][:, p], mx * y_side[p][:, p]) / den))
     return out
 
 
