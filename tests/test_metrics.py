@@ -528,3 +528,20 @@ def test_registry():
     X, Y = related_pair(60, 6, 9, 102)
     out = entry.fn(X, Y, n_blocks=10)
     assert out == dict(zip(("cka", "cka_ci_low", "cka_ci_high"), M.cka_jackknife(X, Y, n_blocks=10)))
+
+
+def test_the_layer_by_layer_cka_matrix_equals_each_pair():
+    """Every layer of one side against every layer of the other from unit Gram matrices: equal to linear CKA per pair
+    (1e-12), 1 where a layer of b is a linear map of a layer of a plus nothing, and the pair-by-pair fallback alike."""
+    from mergescope.metrics.cka import linear_cka_matrix
+
+    rng = np.random.default_rng(7)
+    la, lb = rng.standard_normal((5, 40, 6)), rng.standard_normal((3, 40, 9))
+    q, _ = np.linalg.qr(rng.standard_normal((6, 6)))
+    lb[2, :, :6] = la[3] @ q * 2.5  # an orthogonal map and a scale of a's layer 3: CKA 1
+    lb[2, :, 6:] = 0.0
+    each = np.array([[M.linear_cka(a, b) for b in lb] for a in la])
+    m = linear_cka_matrix(la, lb, device="cpu")
+    assert m.shape == (5, 3) and np.abs(m - each).max() < 1e-12
+    assert m[3, 2] == pytest.approx(1.0, abs=1e-12) and m[np.arange(5) != 3, 2].max() < 0.9
+    assert np.abs(linear_cka_matrix(la, lb, device="cpu", max_bytes=0) - each).max() < 1e-12

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mergescope.errors import MergescopeError
-from mergescope.metrics._common import center, pair_f64
+from mergescope.metrics._common import as_f64, center, pair_f64
 from mergescope.registry import metrics
 
 Z95 = 1.959963984540054
@@ -26,6 +27,29 @@ def linear_cka(X: Any, Y: Any, device: str = "auto") -> float:
     x, y = pair_f64(X, Y, device)
     x, y = center(x), center(y)
     return float(_cka_from_moments(y.T @ x, x.T @ x, y.T @ y))
+
+
+def linear_cka_matrix(La: Sequence[Any], Lb: Sequence[Any], device: str = "auto", max_bytes: int = 2**31) -> np.ndarray:
+    """Linear CKA of every layer of one side against every layer of the other, an (LA, LB) array: each layer's centred
+    Gram matrix K = Xc Xc^T scaled to unit Frobenius norm once, then CKA = <K_a, K_b>_F, one product per layer of side a
+    against the stack of side b (n^2 per pair where the pairwise form costs n da db). Equal to :func:`linear_cka` per
+    pair (tested); looped pair by pair when side b's Grams would take more than ``max_bytes``."""
+    if len(La) == 0 or len(Lb) == 0:
+        return np.zeros((len(La), len(Lb)))
+    n = as_f64(La[0], "cpu").shape[0]
+    if len(Lb) * n * n * 8 > max_bytes:
+        return np.array([[linear_cka(a, b, device=device) for b in Lb] for a in La])
+
+    def unit_gram(X: Any) -> torch.Tensor:
+        x = center(as_f64(X, device))
+        if x.shape[0] != n:
+            raise MergescopeError(f"the layers have {x.shape[0]} and {n} rows; rows must be the same sentences")
+        k = x @ x.T
+        norm = torch.linalg.norm(k)
+        return (k / norm).reshape(-1) if float(norm) > 0 else torch.full((n * n,), float("nan"), dtype=k.dtype, device=k.device)
+
+    stack_b = torch.stack([unit_gram(Y) for Y in Lb])
+    return torch.stack([stack_b @ unit_gram(X) for X in La]).cpu().numpy()
 
 
 def linear_cka_gram(X: Any, Y: Any, device: str = "auto") -> float:

@@ -31,7 +31,7 @@ from mergescope.scoring.bpb import LN2, Scores, score_sentences
 from mergescope.documents import documents
 from mergescope.intervals import paired_difference
 from mergescope.errors import MergescopeError
-from mergescope.metrics import linear_cka
+from mergescope.metrics.cka import linear_cka_matrix
 from mergescope.plotting import pyplot as plt
 from mergescope.registry import metrics as metric_registry
 from mergescope.represent import one_forward
@@ -79,10 +79,6 @@ def metric_with_kwargs(name: str):
     path = CONF_DIR / "metric" / f"{name}.yaml"
     conf = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
     return entry, entry.check_kwargs({k: v for k, v in conf.items() if k != "name"})
-
-
-def cka_matrix(La: np.ndarray, Lb: np.ndarray, device: str) -> np.ndarray:
-    return np.array([[linear_cka(a, b, device=device) for b in Lb] for a in La])
 
 
 def pooling_rows(s: SharedSettings, reps_a, reps_b, la: list[int], lb: list[int]) -> list[dict]:
@@ -185,7 +181,7 @@ def run_agreement(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
                for side, r, c in (("a", reps_a, ca), ("b", reps_b, cb)) for l_ in range(len(r[main]))]
         for g in geo:
             job.log_metrics({f"pc2_share_{g['model']}_by_layer": g["pc2_share"]}, step=g["layer"])
-        M = cka_matrix(reps_a[main], reps_b[main], cfg.device)
+        M = linear_cka_matrix(reps_a[main], reps_b[main], cfg.device)
         cka_rows = [{"layer_a": i, **{f"layer_b_{j}": float(M[i, j]) for j in range(M.shape[1])}} for i in range(M.shape[0])]
         cent = centroid_table(cfg, s, reps_a[main], reps_b[main], la, lb)
         log_tables(job, {"depth": rows, "cka_layers": cka_rows, "pc2_share": geo, "centroids": cent,
