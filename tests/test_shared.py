@@ -66,6 +66,20 @@ def test_nulls_equal_the_statistic_recomputed_on_each_permutation():
         assert m == pytest.approx(nn_match(x, y[p]))
 
 
+def test_the_integer_rsa_null_is_exact_with_tied_distances():
+    """Rows repeated (tied distances: average ranks of .5) and the observed value: the int32 gather path equals RSA
+    recomputed in float64 on each permutation; ranks that are not half-integers take the float64 path."""
+    from mergescope.shared_space.agreement import _twice_as_int
+
+    x, y = _pair(n=24, noise=0.5)
+    x[5], y[9] = x[4], y[8]  # two pairs of identical rows: ties in both distance matrices
+    perms = permutations(24, 9, seed=4)
+    obs, null = rsa_null(x, y, perms)
+    assert obs == pytest.approx(rsa(x, y), abs=1e-12)
+    assert null == pytest.approx([rsa(x, y[p]) for p in perms], abs=1e-12)
+    assert _twice_as_int(np.array([[0.0, 1.5], [1.5, 0.0]])) is not None and _twice_as_int(np.array([[0.25]])) is None
+
+
 def test_nulls_sit_at_chance_on_shuffled_data():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((120, 8))

@@ -110,11 +110,24 @@ def rsa_null(X: Any, Y: Any, perms: np.ndarray) -> tuple[float, np.ndarray]:
     rb, sb = rank_matrix(Y)
     if perms.shape[1] != ra.shape[0]:
         raise MergescopeError(f"permutations of {perms.shape[1]} rows for {ra.shape[0]} sentences")
-    scale = 2.0 * np.sqrt(sa * sb)
+    # Centred average ranks are multiples of 1/2: twice them are integers below n^2, so the gathers move int32 (half
+    # float64's bytes) and the sums are exact in int64; the scale divides out the two factors of 2. Ranks that are
+    # not (never from rank_matrix) take the float64 path.
+    ia, ib = _twice_as_int(ra), _twice_as_int(rb)
+    a, b, acc, scale = (ia, ib, np.int64, 8.0 * np.sqrt(sa * sb)) if ia is not None and ib is not None else \
+        (ra, rb, np.float64, 2.0 * np.sqrt(sa * sb))
     null = np.empty(perms.shape[0])
     for i, p in enumerate(perms):  # columns first, then rows: the same matrix, gathered with fewer cache misses
-        null[i] = np.einsum("ij,ij->", rb.take(p, axis=1).take(p, axis=0), ra)
-    return float((ra * rb).sum() / scale), null / scale
+        null[i] = np.einsum("ij,ij->", b.take(p, axis=1).take(p, axis=0), a, dtype=acc)
+    return float(np.einsum("ij,ij->", a, b, dtype=acc) / scale), null / scale
+
+
+def _twice_as_int(r: np.ndarray) -> np.ndarray | None:
+    """2 r as int32 when that is exact (r holds multiples of 1/2 below 2^30), else None."""
+    twice = np.rint(2.0 * r)
+    if np.abs(twice).max() >= 2**31 or not np.array_equal(twice, 2.0 * r):
+        return None
+    return twice.astype(np.int32)
 
 
 def nearest_neighbours(X: Any) -> np.ndarray:

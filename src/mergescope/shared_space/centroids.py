@@ -59,8 +59,10 @@ def _upper_ranks(C: np.ndarray) -> np.ndarray:
 
 def _agreements(X: np.ndarray, Y: np.ndarray, codes: np.ndarray, k: int) -> np.ndarray:
     """Centroid agreement for each row of ``codes`` (R, m): Spearman of the two models' centroid distances."""
-    onehot = (codes[:, None, :] == np.arange(k)[None, :, None]).astype(np.float64)  # (R, K, m)
-    ra, rb = _upper_ranks(onehot @ X), _upper_ranks(onehot @ Y)
+    r, m = codes.shape
+    onehot = (codes[:, None, :] == np.arange(k)[None, :, None]).astype(np.float64).reshape(r * k, m)  # (R K, m)
+    # one 2-D product per model: numpy's broadcast (R, K, m) @ (m, d) runs about 10x slower than the same sums as one GEMM
+    ra, rb = _upper_ranks((onehot @ X).reshape(r, k, -1)), _upper_ranks((onehot @ Y).reshape(r, k, -1))
     return (ra * rb).sum(axis=1) / np.sqrt((ra * ra).sum(axis=1) * (rb * rb).sum(axis=1))
 
 
