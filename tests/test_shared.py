@@ -80,6 +80,20 @@ def test_the_integer_rsa_null_is_exact_with_tied_distances():
     assert _twice_as_int(np.array([[0.0, 1.5], [1.5, 0.0]])) is not None and _twice_as_int(np.array([[0.25]])) is None
 
 
+def test_the_float_rsa_null_path_gives_the_same_values(monkeypatch):
+    """Ranks too large for int32 take the float64 path: forced here, it equals the integer path and recomputing."""
+    import sys
+
+    agreement_mod = sys.modules["mergescope.shared_space.agreement"]  # the package re-exports a function of that name
+    x, y = _pair(n=20, noise=0.7)
+    perms = permutations(20, 6, seed=2)
+    exact = rsa_null(x, y, perms)
+    monkeypatch.setattr(agreement_mod, "_twice_as_int", lambda r: None)
+    obs, null = rsa_null(x, y, perms)
+    assert obs == pytest.approx(exact[0], abs=1e-12) and null == pytest.approx(exact[1], abs=1e-12)
+    assert null == pytest.approx([rsa(x, y[p]) for p in perms], abs=1e-12)
+
+
 def test_nulls_sit_at_chance_on_shuffled_data():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((120, 8))

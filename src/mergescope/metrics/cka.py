@@ -36,7 +36,7 @@ def linear_cka_matrix(La: Sequence[Any], Lb: Sequence[Any], device: str = "auto"
     pair (tested); looped pair by pair when side b's Grams would take more than ``max_bytes``."""
     if len(La) == 0 or len(Lb) == 0:
         return np.zeros((len(La), len(Lb)))
-    n = as_f64(La[0], "cpu").shape[0]
+    n = len(La[0])  # sentences: every layer of both sides has these rows (checked per layer below)
     if len(Lb) * n * n * 8 > max_bytes:
         return np.array([[linear_cka(a, b, device=device) for b in Lb] for a in La])
 

@@ -95,12 +95,10 @@ def debiased_cka_null(X: Any, Y: Any, perms: list[torch.Tensor], n_blocks: int =
     to :func:`debiased_cka` on the permuted rows (tested)."""
     x, y = pair_f64(X, Y, device)
     k, l_ = _zero_diag(x @ x.T), _zero_diag(y @ y.T)
+    den = torch.sqrt(unbiased_hsic(k, k) * unbiased_hsic(l_, l_))  # refuses fewer than 4 sentences
     n = k.shape[0]
-    if n < 4:
-        raise ValueError(f"the unbiased HSIC needs at least 4 sentences, got {n}")
     sums = k.sum() * l_.sum() / ((n - 1) * (n - 2))
     rows_k, rows_l = k.sum(1), l_.sum(1)
-    den = torch.sqrt(unbiased_hsic(k, k) * unbiased_hsic(l_, l_))
     out = []
     for p in perms:
         p = p.to(l_.device)
