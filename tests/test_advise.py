@@ -391,7 +391,7 @@ def test_the_reports_verdict_reads_the_both_members_unseen_score_and_its_lower_b
 
     m = {"n_merges": 224, "member_spearman": 0.62, "member_spearman_lo": 0.50, "member_spearman_hi": 0.71,
          "member_pearson": 0.58, "family_shuffled_spearman": 0.01}
-    assert "reaches it in its estimate but not its lower bound" in _verdict("transport", m, 8)
+    assert "reaches the goal of 0.55 in its estimate but not its lower bound" in _verdict("transport", m, 8)
     assert "meets the goal of 0.55" in _verdict("transport", {**m, "member_spearman_lo": 0.56}, 8)
     assert "falls short of" in _verdict("transport", {**m, "member_spearman": 0.3, "member_spearman_lo": 0.1}, 8)
     assert "no verdict" in _verdict("transport", {**m, "member_spearman": float("nan")}, 3)

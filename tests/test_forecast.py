@@ -443,3 +443,43 @@ def test_the_no_diagnostic_baseline_and_the_paired_gap():
     noise = ff.validate("lofo", np.column_stack([rng.normal(size=144), rng.normal(size=144)]), y, y > 0, fams, fams,
                         pairs, ops, ["a", "b"], n_boot=500, n_shuffles=2)
     assert noise.lasso_minus_nodiag[1] <= 0 and noise.lasso_minus_nodiag[0] < est
+
+
+def test_a_pair_whose_every_tensor_is_a_matrix_reads_its_matrices_only_diagnostics_as_its_all_tensor_ones():
+    """Models without norm gains or biases (OLMo's non-parametric norms): the matrices-only values are the all-tensor
+    values, logged for every pair now and read from the all-tensor ones in a native run logged without them."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from mergescope.forecast.table import DATA_FREE as FEATURES
+    from mergescope.forecast.table import benchmark
+    from mergescope.native.job import weight_values
+
+    g = torch.Generator().manual_seed(0)
+    sd_a = {n: torch.randn(6, 4, generator=g) for n in ("w1", "w2")}
+    sd_b = {n: v + 0.3 * torch.randn(6, 4, generator=g) for n, v in sd_a.items()}
+    cfg = OmegaConf.create({"device": "cpu", "pair": {"a": {"revision": None}, "b": {"revision": None}}})
+    cov = SimpleNamespace(shared=["w1", "w2"], shared_params=48, excluded=[])
+    v = weight_values(cfg, SimpleNamespace(coverage=cov, sd_a=sd_a, sd_b=sd_b, sd_base=None))
+    for k in ("weight_cosine", "relative_l2", "norm_ratio"):
+        assert f"{k}_matrices" in v and v[f"{k}_matrices"] == v[k]
+    a, b = torch.cat([sd_a["w1"].flatten(), sd_a["w2"].flatten()]), torch.cat([sd_b["w1"].flatten(), sd_b["w2"].flatten()])
+    assert v["weight_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(a, b, dim=0)), abs=1e-6)
+    # with a norm gain among the shared tensors the two differ
+    sd_a["g"], sd_b["g"] = torch.ones(4), torch.ones(4)
+    cov2 = SimpleNamespace(shared=["w1", "w2", "g"], shared_params=52, excluded=[])
+    v2 = weight_values(cfg, SimpleNamespace(coverage=cov2, sd_a=sd_a, sd_b=sd_b, sd_base=None))
+    assert v2["weight_cosine_matrices"] == pytest.approx(v["weight_cosine"]) and v2["weight_cosine"] > v["weight_cosine"]
+    # an older native run without them: its row reads the all-tensor values instead of being dropped
+    feats = {f: 0.1 * i for i, f in enumerate(FEATURES) if not f.endswith("_matrices")}
+    feats["n_shared_tensors"] = 2.0
+    pair = {"model_a": "fam@step16", "model_b": "fam@step64", "pair": "fam@step16__fam@step64"}
+    out = {"merge_gain_rest": 0.01, "merge_gain_rest_lo": 0.002, "merge_gain_rest_hi": 0.02, "nll_a": 3.0, "nll_t1": 3.2, "nll": 3.05}
+    recs = [_Rec("m1", "merge", {**pair, "route": "native", "merge": "ties", "cfg_hash": "h1"}, out),
+            _Rec("n1", "measure", {**pair, "metric": "native", "cfg_hash": "h2"}, feats)]
+    bench = benchmark(recs, FEATURES)
+    assert bench.dropped == 0 and len(bench) == 1
+    row = dict(zip(FEATURES, bench.X[0]))
+    assert row["weight_cosine_matrices"] == feats["weight_cosine"] and row["relative_l2_matrices"] == feats["relative_l2"]

@@ -31,12 +31,12 @@ def _gap(g) -> str:
 
 
 def _within(m: dict) -> str:
-    """The both-unseen ranking within each alpha: what the forecast says beyond which alpha was used."""
+    """The both-unseen ranking within each operator setting: what the forecast says beyond which setting was used."""
     within = {k.split(".", 1)[1]: x for k, x in m.items() if k.startswith("member_spearman.") and math.isfinite(x)}
     if not within:
         return ""
-    return (" Within one alpha (what it says beyond the alpha): " + ", ".join(f"{k} {x:+.2f}" for k, x in sorted(within.items()))
-            + ".")
+    return (" Within one operator setting (an alpha, a ratio, an operator at a mix: what it says beyond the setting): "
+            + ", ".join(f"{k} {x:+.2f}" for k, x in sorted(within.items())) + ".")
 
 
 def _verdict(route: str, m: dict, n_fam: int) -> str:
@@ -44,11 +44,12 @@ def _verdict(route: str, m: dict, n_fam: int) -> str:
     n = int(m.get("n_merges", 0))
     if not math.isfinite(rho):
         return f"{route}: with both models of a pair held out nothing is left to fit on ({n_fam} models): no verdict."
-    reach = ("meets" if lo >= GOAL else "reaches it in its estimate but not its lower bound" if rho >= GOAL
-             else "falls short of")
+    reach = (f"meets the goal of {GOAL} with its lower bound" if lo >= GOAL
+             else f"reaches the goal of {GOAL} in its estimate but not its lower bound" if rho >= GOAL
+             else f"falls short of the goal of {GOAL}")
     return (f"{route}: on {n} merges, the forecast ranks the merges of pairs whose two models it never saw at Spearman "
             f"{rho:+.3f} [{lo:+.3f}, {m.get('member_spearman_hi', float('nan')):+.3f}] (Pearson "
-            f"{m.get('member_pearson', float('nan')):+.3f}); it {reach} the goal of {GOAL} (lower bound said); shuffled-"
+            f"{m.get('member_pearson', float('nan')):+.3f}); it {reach}; shuffled-"
             f"target control {m.get('family_shuffled_spearman', float('nan')):+.3f}." + _within(m))
 
 

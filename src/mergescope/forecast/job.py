@@ -29,11 +29,12 @@ from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, ben
 __all__ = ["run_forecast", "load_benchmark", "ANCHOR", "latest_fit", "forecast_from_fit", "pair_features", "pair_route",
            "design"]
 
-EVIDENCE = 6  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
+EVIDENCE = 7  # in the fit's identity: 2 = the count of positive merges logged (an AUROC on too few is not read);
 #              3 = fine-tune pairs in the benchmark, each row's route and gain over the endpoints' mean logged;
 #              4 = the final models per route (finals) in validation.json; 5 = each held-out family alone (by_group);
 #              6 = the penalty chosen on folds of whole pairs when one training family is left, predictions logged at
-#              full precision, the no-diagnostic baseline and both baselines' paired gaps
+#              full precision, the no-diagnostic baseline and both baselines' paired gaps; 7 = a pair whose every
+#              shared tensor is a matrix reads its matrices-only diagnostics (before: its merges were dropped)
 ANCHOR = ("Zhou et al. 2026 (arXiv 2601.22285), ViT-B task pairs, leave-one-task-out, L1 linear on 28 metrics: pooled "
           "Spearman 0.26-0.50 by method (weight averaging 0.43, TIES 0.26, DARE 0.39, TSV 0.50)")
 

@@ -86,7 +86,9 @@ def _intro(sec: Section, r, rows: list[dict], split: bool) -> None:
                     f"({r.m('beats_rate'):.0%} of the merges)."
                     + (f" One row per distinct merge: {r.m('n_repeats'):.0f} merges that are another operator's on "
                        "the same pair (task arithmetic at weight 1/2 is the linear average) are left out."
-                       if r.m("n_repeats") > 0 else ""))
+                       if r.m("n_repeats") > 0 else "")
+                    + (f" {r.m('n_dropped'):.0f} merges are not in it: a diagnostic of their pair is missing (its "
+                       "native or premerge run not finished, or a value not finite)." if r.m("n_dropped") > 0 else ""))
 
 
 def _finding(sec: Section, r, lofo: dict, looo: dict) -> None:

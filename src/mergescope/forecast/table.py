@@ -90,6 +90,15 @@ def family_of(r) -> str:
     return str(r.tags["base"]) if route_of(r) == "fine-tune" else str(r.tags["model_a"]).split("@")[0]
 
 
+def _value(r, f: str) -> float:
+    """A diagnostic of a run. A native run logged without the matrices-only values (``<k>_matrices``) is one whose
+    every shared tensor is a matrix (models without norm gains or biases: they were logged only where the two lists
+    differ), so its value is the all-tensor one, computed over the same tensors."""
+    if f not in r.metrics and f.endswith("_matrices") and "n_shared_tensors" in r.metrics:
+        return r.m(f.removesuffix("_matrices"))
+    return r.m(f)
+
+
 def _finite(*vals: float) -> bool:
     return all(v is not None and math.isfinite(v) for v in vals)
 
@@ -119,8 +128,8 @@ def benchmark(recs, features: tuple[str, ...] = FEATURES) -> Benchmark:
     for m in merges:
         n = natives.get(m.tags.get("pair"))
         p = pre.get((m.tags.get("pair"), m.tags.get("outcome")))  # measured on the languages this merge is scored on
-        x = [(p if f in PREMERGE else n).m(f) for f in features] if n is not None and (p is not None or not
-                                                                                      set(features) & set(PREMERGE)) else []
+        x = [_value(p if f in PREMERGE else n, f) for f in features] if n is not None and (p is not None or not
+                                                                                       set(features) & set(PREMERGE)) else []
         y, lo, hi = m.m(TARGET), m.m(f"{TARGET}_lo"), m.m(f"{TARGET}_hi")
         if not x or not _finite(*x, y, lo, hi):
             dropped += 1

@@ -45,9 +45,10 @@ def weight_values(cfg: DictConfig, loaded: Loaded) -> dict[str, float]:
     values.update(weight_diagnostics(loaded.sd_a, loaded.sd_b, cov.shared, device=cfg.device))
     # The same on weight matrices only: in small models the norm gains (initialised at 1) carry
     # much of the total norm and make independently trained models look aligned.
+    # Logged for every pair: where every shared tensor is a matrix (no norm gains, no biases) they equal the above.
     mats = [n for n in cov.shared if loaded.sd_a[n].ndim >= 2]
-    if mats and len(mats) < len(cov.shared):
-        wm = weight_diagnostics(loaded.sd_a, loaded.sd_b, mats, device=cfg.device)
+    if mats:
+        wm = weight_diagnostics(loaded.sd_a, loaded.sd_b, mats, device=cfg.device) if len(mats) < len(cov.shared) else values
         values.update({f"{k}_matrices": wm[k] for k in ("weight_cosine", "relative_l2", "norm_ratio")})
     if loaded.sd_base is not None:
         values.update(task_vector_diagnostics(loaded.sd_a, loaded.sd_b, loaded.sd_base, cov.shared,
