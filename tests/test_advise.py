@@ -367,13 +367,16 @@ def test_the_native_route_of_two_checkpoints_reads_the_merge_forecasts_fit_or_sa
     monkeypatch.setattr("mergescope.advise.job._native_label", lambda cfg: "m@step1__m@step2")
     monkeypatch.setattr(fj, "pair_features", lambda cfg, ov, label, fs: (label, {"x": 1.0}))
     fake = {"linear": {"predicted": -0.01, "lo": -0.03, "hi": 0.01, "carried_by": {"x": -0.01}, "route": "checkpoint"},
-            "ties": {"predicted": 0.02, "lo": 0.005, "hi": 0.04, "carried_by": {"x": 0.02}, "route": "checkpoint"}}
-    monkeypatch.setattr(fj, "forecast_from_fit", lambda cfg, run_id, label, feats, fs, level: fake)
+            "ties": {"predicted": 0.02, "lo": 0.005, "hi": 0.04, "carried_by": {"x": 0.02}, "route": "checkpoint",
+                     "extrapolated": {"x": 4.2}}}
+    fake["linear"]["extrapolated"] = {}
+    monkeypatch.setattr(fj, "forecast_from_fit", lambda cfg, run_id, label, feats, fs, level, sd: fake)
     cfg, ov = compose_cfg([*base, "tracking.experiment=advise_native2"])
     res = run_advise(cfg, ov)
     client = Tracker(cfg).client
     native = {r["route"]: r for r in json.loads(read_artifact_text(client, res.run_id, "advise/routes.json"))["routes"]}["native"]
     assert (native["at"], native["forecast"], native["lo"], native["hi"]) == ("ties", 0.02, 0.005, 0.04)
+    assert native["extrapolated"] == {"x": 4.2}  # the native route says where it extrapolates, as the others do
     assert client.get_run(res.run_id).data.metrics["forecast.native"] == 0.02
 
 

@@ -17,7 +17,7 @@ from mergescope.errors import MergescopeError
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "run_advise_check", "pair_diagnostics", "Side",
            "forecast_route"]
 
-ADVISE_EVIDENCE = 3  # 3: each forecast says where it extrapolates
+ADVISE_EVIDENCE = 4  # 3: each forecast says where it extrapolates; 4: the native route's too
 EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # a route forecast's: 2 = the held-out ranking with both models unseen within each operator
 CHECK_EVIDENCE = 1  # the held-out check's (mergescope.advise.check)
@@ -276,11 +276,9 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
         at = _with_operator(feats, op)
         x = np.array([float(n == f"operator={op}") if n.startswith("operator=") else at[n] for n in model.features])
         pred = float(model.predict(x[None, :])[0])
-        z = (x - model.mu) / model.sd
-        far = {n: float(z[i]) for i, n in enumerate(model.features)
-               if model.coef[i] != 0 and not n.startswith("operator=") and abs(z[i]) > EXTRAPOLATION_SD}
         out.append({"operator": op, "predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                    "carried_by": dict(list(model.contributions(x).items())[:3]), "extrapolated": far})
+                    "carried_by": dict(list(model.contributions(x).items())[:3]),
+                    "extrapolated": model.far(x, EXTRAPOLATION_SD)})
     return out
 
 
@@ -326,7 +324,7 @@ def native_forecast(cfg: DictConfig, overrides: list[str], level: float, experim
     fs = ForecastSettings.from_cfg(cfg)
     try:
         label, feats = pair_features(cfg, overrides, label, fs)
-        return {"forecast": forecast_from_fit(cfg, run_id, label, feats, fs, level), "fit_run": run_id}
+        return {"forecast": forecast_from_fit(cfg, run_id, label, feats, fs, level, EXTRAPOLATION_SD), "fit_run": run_id}
     except MergescopeError as e:
         return {"no_forecast": f"the merge forecast does not cover this pair: {e}"}
 
@@ -362,7 +360,8 @@ def run_advise(cfg: DictConfig, overrides: list[str] | None = None):
                 if "forecast" in nf:
                     op, best = max(nf["forecast"].items(), key=lambda kv: kv[1]["predicted"])
                     row.update({"forecast": best["predicted"], "lo": best["lo"], "hi": best["hi"], "at": op,
-                                "carried_by": best["carried_by"], "per_operator": nf["forecast"], "fit_run": nf["fit_run"]})
+                                "carried_by": best["carried_by"], "extrapolated": best["extrapolated"],
+                                "per_operator": nf["forecast"], "fit_run": nf["fit_run"]})
                     metrics.update({"forecast.native": best["predicted"], "forecast_lo.native": best["lo"],
                                     "forecast_hi.native": best["hi"]})
                 else:

@@ -50,6 +50,13 @@ class Lasso:
         order = np.argsort(-np.abs(c))
         return {self.features[i]: float(c[i]) for i in order if self.coef[i] != 0}
 
+    def far(self, x: np.ndarray, limit: float) -> dict[str, float]:
+        """The kept diagnostics (operator indicators apart) that lie more than ``limit`` standard deviations from the
+        training rows' mean, each with its distance: where a prediction extrapolates."""
+        z = (np.asarray(x, dtype=np.float64) - self.mu) / self.sd
+        return {n: float(z[i]) for i, n in enumerate(self.features)
+                if self.coef[i] != 0 and not n.startswith("operator=") and abs(z[i]) > limit}
+
     def as_dict(self) -> dict[str, Any]:
         return {"features": self.features, "coef": self.coef.tolist(), "intercept": self.intercept,
                 "mu": self.mu.tolist(), "sd": self.sd.tolist(), "lambda": self.lam}

@@ -225,7 +225,7 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
         x = np.array([feats[f] for f in fs.features] + [1.0 if n == f"operator={op}" else 0.0 for n in names[len(fs.features):]])
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                   "carried_by": dict(list(final.contributions(x).items())[:3])}
+                   "carried_by": dict(list(final.contributions(x).items())[:3]), "extrapolated": final.far(x, 3.0)}
     measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
     return {"pair": label, "forecast": out, "measured": measured}
 
@@ -244,10 +244,11 @@ def latest_fit(cfg: DictConfig, experiment: str) -> str | None:
 
 
 def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str, float], fs: ForecastSettings,
-                      level: float = 0.9) -> dict[str, dict[str, Any]]:
+                      level: float = 0.9, extrapolation_sd: float = 3.0) -> dict[str, dict[str, Any]]:
     """A logged fit's forecast of one pair (``label``, its diagnostics ``feats``) per operator of its benchmark: the
     prediction of the pair's route's final model, its split-conformal interval at ``level`` from that route's held-out
-    residuals, and the three features that carry it."""
+    residuals, the three features that carry it, and the kept diagnostics more than ``extrapolation_sd`` standard
+    deviations from the benchmark's mean (the forecast extrapolates there)."""
     from mergescope.tracking import Tracker, read_artifact_text
 
     finals, resid, routes = _logged_fit(cfg, run_id)
@@ -266,7 +267,8 @@ def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str,
         x = np.array([feats[f] if not f.startswith("operator=") else float(f == f"operator={op}") for f in final.features])
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi), "route": route,
-                   "carried_by": dict(list(final.contributions(x).items())[:3])}
+                   "carried_by": dict(list(final.contributions(x).items())[:3]),
+                   "extrapolated": final.far(x, extrapolation_sd)}
     return out
 
 
@@ -316,6 +318,9 @@ def run_forecast(cfg: DictConfig, overrides: list[str] | None = None):
         for op, row in f["forecast"].items():
             carried = ", ".join(f"{k} {c:+.4f}" for k, c in row["carried_by"].items()) or "the intercept alone"
             seen = f"; measured {f['measured'][op]:+.4f}" if op in f["measured"] else ""
+            if row["extrapolated"]:
+                seen += "; EXTRAPOLATED: " + ", ".join(f"{k} {z:+.1f} sd from the benchmark's mean"
+                                                       for k, z in row["extrapolated"].items())
             status.print(f"  {f['pair']} {op}: forecast gain over the better expert {row['predicted']:+.4f} nats/token, 90% "
                          f"interval [{row['lo']:+.4f}, {row['hi']:+.4f}] (carried by {carried}){seen}", soft_wrap=True)
     return result
