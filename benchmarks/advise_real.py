@@ -10,8 +10,9 @@ with its 90% interval beside the gain the study measured at that alpha on its se
 129-192 of the target's language (after the 128 probe lines), disjoint from the advisor's first 64 dev lines; the
 gain is the unfused target's NLL minus the fused one's (nats/token, the first token apart, > 0 helps). These are the
 means the study chose its alpha on (64 sentences, no interval of their own); the devtest gain at the alpha the study
-chose (its grid's smallest, 0.003, below the advisor's grid) is printed beside, with its interval. The benchmark the forecast is fitted on is the toy zoo's (study=forecast), so a
-real pair is out of its range; the advisor marks such forecasts EXTRAPOLATED, and so does this table.
+chose (on the real models its grid's smallest, 0.003, below the advisor's grid) is printed beside, with its interval.
+The benchmark the forecast is fitted on is the toy zoo's (study=forecast), so a real pair is out of its range; the
+advisor marks such forecasts EXTRAPOLATED, and so does this table.
 """
 
 from __future__ import annotations

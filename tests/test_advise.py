@@ -370,7 +370,7 @@ def test_the_native_route_of_two_checkpoints_reads_the_merge_forecasts_fit_or_sa
             "ties": {"predicted": 0.02, "lo": 0.005, "hi": 0.04, "carried_by": {"x": 0.02}, "route": "checkpoint",
                      "extrapolated": {"x": 4.2}}}
     fake["linear"]["extrapolated"] = {}
-    monkeypatch.setattr(fj, "forecast_from_fit", lambda cfg, run_id, label, feats, fs, level, sd: fake)
+    monkeypatch.setattr(fj, "forecast_from_fit", lambda cfg, run_id, label, feats, fs, level: fake)
     cfg, ov = compose_cfg([*base, "tracking.experiment=advise_native2"])
     res = run_advise(cfg, ov)
     client = Tracker(cfg).client

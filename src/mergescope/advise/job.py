@@ -13,12 +13,12 @@ from omegaconf import DictConfig
 
 from mergescope.advise.bench import ROUTE_KINDS
 from mergescope.errors import MergescopeError
+from mergescope.forecast.fit import EXTRAPOLATION_SD  # one rule for every route's forecast, the native one included
 
 __all__ = ["run_pairdev", "run_route_forecast", "run_advise", "run_advise_check", "pair_diagnostics", "Side",
            "forecast_route"]
 
 ADVISE_EVIDENCE = 4  # 3: each forecast says where it extrapolates; 4: the native route's too
-EXTRAPOLATION_SD = 3.0  # a diagnostic this many sd from the benchmark's mean: the forecast is an extrapolation, said
 EVIDENCE = 2  # a route forecast's: 2 = the held-out ranking with both models unseen within each operator
 CHECK_EVIDENCE = 1  # the held-out check's (mergescope.advise.check)
 PAIRDEV_EVIDENCE = 1  # a pair's diagnostics (its own number: a change of the route fit does not measure a pair again)
@@ -324,7 +324,7 @@ def native_forecast(cfg: DictConfig, overrides: list[str], level: float, experim
     fs = ForecastSettings.from_cfg(cfg)
     try:
         label, feats = pair_features(cfg, overrides, label, fs)
-        return {"forecast": forecast_from_fit(cfg, run_id, label, feats, fs, level, EXTRAPOLATION_SD), "fit_run": run_id}
+        return {"forecast": forecast_from_fit(cfg, run_id, label, feats, fs, level), "fit_run": run_id}
     except MergescopeError as e:
         return {"no_forecast": f"the merge forecast does not cover this pair: {e}"}
 

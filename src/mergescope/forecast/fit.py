@@ -21,6 +21,7 @@ __all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leav
 
 LAMBDAS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # penalties on standardised features and a centred target
 MIN_CLASS = 10  # an AUROC is read only with at least this many rows of each outcome
+EXTRAPOLATION_SD = 3.0  # a kept diagnostic this many sd from the benchmark's mean: the forecast extrapolates, said
 
 
 def _standardise(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

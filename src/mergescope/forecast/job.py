@@ -22,7 +22,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from mergescope.errors import MergescopeError
-from mergescope.forecast.fit import Lasso, choose_lambda, fit_lasso, validate
+from mergescope.forecast.fit import EXTRAPOLATION_SD, Lasso, choose_lambda, fit_lasso, validate
 from mergescope.forecast.settings import ForecastSettings
 from mergescope.forecast.table import EXCLUDED, PREMERGE, TARGET, Benchmark, benchmark
 
@@ -225,7 +225,7 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
         x = np.array([feats[f] for f in fs.features] + [1.0 if n == f"operator={op}" else 0.0 for n in names[len(fs.features):]])
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                   "carried_by": dict(list(final.contributions(x).items())[:3]), "extrapolated": final.far(x, 3.0)}
+                   "carried_by": dict(list(final.contributions(x).items())[:3]), "extrapolated": final.far(x, EXTRAPOLATION_SD)}
     measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
     return {"pair": label, "forecast": out, "measured": measured}
 
@@ -244,10 +244,10 @@ def latest_fit(cfg: DictConfig, experiment: str) -> str | None:
 
 
 def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str, float], fs: ForecastSettings,
-                      level: float = 0.9, extrapolation_sd: float = 3.0) -> dict[str, dict[str, Any]]:
+                      level: float = 0.9) -> dict[str, dict[str, Any]]:
     """A logged fit's forecast of one pair (``label``, its diagnostics ``feats``) per operator of its benchmark: the
     prediction of the pair's route's final model, its split-conformal interval at ``level`` from that route's held-out
-    residuals, the three features that carry it, and the kept diagnostics more than ``extrapolation_sd`` standard
+    residuals, the three features that carry it, and the kept diagnostics more than ``EXTRAPOLATION_SD`` standard
     deviations from the benchmark's mean (the forecast extrapolates there)."""
     from mergescope.tracking import Tracker, read_artifact_text
 
@@ -268,7 +268,7 @@ def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str,
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi), "route": route,
                    "carried_by": dict(list(final.contributions(x).items())[:3]),
-                   "extrapolated": final.far(x, extrapolation_sd)}
+                   "extrapolated": final.far(x, EXTRAPOLATION_SD)}
     return out
 
 
