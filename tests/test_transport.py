@@ -1348,3 +1348,40 @@ def test_select_alpha_takes_the_lowest_selection_nll_the_first_token_apart():
     # alpha 0.1 is lower with every token but higher without the first one: the rest decides
     assert select_alpha(base, {0.1: sc(9.0, 0.5), 0.3: sc(9.5, 2.0)}) == 0.3
     assert select_alpha(base, {0.1: sc(9.0, 2.0), 0.3: sc(9.0, 2.0)}) == 0.1  # a tie: the smaller alpha
+
+
+def test_adapting_fewer_control_seeds_leaves_the_fused_model_and_its_baseline_as_they_were(tiny_models, compose_cfg):
+    """merge.adapt.control_seeds: the fused model is adapted the same however many of its random-plan control's seeds are
+    adapted beside it (0: none), the no-fusion baseline is one run for both, and a bad value is one line."""
+    from test_e2e import runs
+
+    from mergescope.errors import MergescopeError
+    from mergescope.transport.job import run_transport
+
+    for n in (0, 1):
+        run_transport(*compose_cfg(transport_job(tiny_models, extra=(f"+merge.adapt.control_seeds={n}",))))
+    ad = [x for x in runs(compose_cfg(transport_job(tiny_models))[0].paths.root) if x.data.tags["kind"] == "transport_adapt"]
+    base = [x for x in ad if x.data.tags["stage"] == "baseline"]
+    fused = {int(x.data.metrics["adapt_control_seeds"]): x.data.metrics for x in ad if x.data.tags["stage"] == "fused"}
+    assert len(base) == 1 and sorted(fused) == [0, 1]
+    none, one = fused[0], fused[1]
+    assert not any(k.startswith(("rand_", "rand1_", "ot_minus_rand")) for k in none)
+    assert "rand_nll_fused_after" in one and "rand1_nll_fused_after" not in one and "ot_minus_rand_after_adapt" in one
+    for k in ("nll_fused_after", "nll_donor_lang_fused_after", "train_loss_last", "fusion_effect_after_adapt_rest",
+              "fusion_effect_after_adapt_rest_lo", "fusion_effect_after_adapt_rest_hi"):
+        assert none[k] == one[k], k
+    # the report says which directions were adapted without their control, and draws no control verdict from them
+    from mergescope.analysis.records import finished_runs
+    from mergescope.analysis.tables import Section
+    from mergescope.tracking import Tracker
+    from mergescope.transport.report import _adapt_table
+
+    cfg = compose_cfg(transport_job(tiny_models))[0]
+    recs = [r for r in finished_runs(Tracker(cfg).client, str(cfg.tracking.uri), str(cfg.tracking.experiment))
+            if r.kind == "transport_adapt" and r.tags.get("stage") == "fused"]
+    sec = Section("transport", "7. Transport")
+    _adapt_table(sec, recs)
+    assert "1/2 adapted without their random-plan control (merge.adapt.control_seeds=0" in sec.text[0]
+    assert "the random-plan fusion, adapted the same way, helps in" in sec.text[0] and "/1," in sec.text[0]
+    with pytest.raises(MergescopeError, match="merge.adapt.control_seeds must be a whole number >= 0"):
+        run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.control_seeds=-1",))))

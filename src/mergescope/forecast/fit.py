@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import rankdata
 
-__all__ = ["Lasso", "fit_lasso", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "inner_folds", "paired_spearman_gap", "best_feature",
+__all__ = ["Lasso", "fit_lasso", "fit_lassos", "coordinate_descent", "spearman", "auroc", "cluster_bootstrap", "leave_group_out", "inner_folds", "paired_spearman_gap", "best_feature",
            "calibration", "Validation", "validate", "LAMBDAS", "MIN_CLASS"]
 
 LAMBDAS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3)  # penalties on standardised features and a centred target
@@ -67,35 +67,68 @@ def fit_lasso(X: np.ndarray, y: np.ndarray, lam: float, features: list[str] | No
               tol: float = 1e-10) -> Lasso:
     """``(1 / 2n) |y - Z w|^2 + lam |w|_1`` (Z: the standardised features, y centred): coordinate descent on the Gram
     matrix (p x p, so a sweep costs O(p^2) whatever n is); at ``lam`` = 0 the least-squares solution of least norm."""
+    return fit_lassos(X, y, [lam], features, iters, tol)[0]
+
+
+def _gram(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+    """A problem's standardised features Z, their mean and sd, the Gram matrix Z'Z / n, Z'(y - mean) / n, and the mean."""
+    Z, mu, sd = _standardise(X)
+    yc = y - y.mean()
+    n = Z.shape[0]
+    return Z, mu, sd, Z.T @ Z / n, Z.T @ yc / n, float(y.mean())
+
+
+def fit_lassos(X: np.ndarray, y: np.ndarray, lams, features: list[str] | None = None, iters: int = 5000,
+               tol: float = 1e-10) -> list[Lasso]:
+    """:func:`fit_lasso` at each penalty of ``lams`` on the same rows (one Gram matrix, the coordinate descents run
+    side by side: each the same arithmetic as alone)."""
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    Z, mu, sd = _standardise(X)
-    n, p = Z.shape
-    yc = y - y.mean()
-    names = list(features or [f"x{i}" for i in range(p)])
-    if lam == 0:
-        w = np.linalg.lstsq(Z, yc, rcond=None)[0]
-        return Lasso(w, float(y.mean()), mu, sd, 0.0, names)
-    G = Z.T @ Z / n
-    c = Z.T @ yc / n
-    diag = np.diag(G).copy()
-    w = np.zeros(p)
-    Gw = np.zeros(p)  # G @ w, kept up to date
-    for _ in range(iters):
-        biggest = 0.0
-        for j in range(p):
-            if diag[j] == 0:
-                continue
-            old = w[j]
-            rho = c[j] - Gw[j] + diag[j] * old
-            new = (rho - lam if rho > lam else rho + lam if rho < -lam else 0.0) / diag[j]
-            if new != old:
-                Gw += G[:, j] * (new - old)
-                w[j] = new
-                biggest = max(biggest, abs(new - old))
-        if biggest < tol:
-            break
-    return Lasso(w, float(y.mean()), mu, sd, float(lam), names)
+    Z, mu, sd, G, c, mean = _gram(X, y)
+    names = list(features or [f"x{i}" for i in range(Z.shape[1])])
+    lams = [float(v) for v in lams]
+    pos = [i for i, v in enumerate(lams) if v != 0]
+    W = coordinate_descent(np.broadcast_to(G, (len(pos), *G.shape)), np.broadcast_to(c, (len(pos), len(c))),
+                           np.array([lams[i] for i in pos]), iters, tol) if pos else None
+    out = []
+    for i, v in enumerate(lams):
+        w = np.linalg.lstsq(Z, y - mean, rcond=None)[0] if v == 0 else W[pos.index(i)].copy()
+        out.append(Lasso(w, mean, mu, sd, v, names))
+    return out
+
+
+def coordinate_descent(G: np.ndarray, c: np.ndarray, lam: np.ndarray, iters: int = 5000, tol: float = 1e-10) -> np.ndarray:
+    """K lasso problems ``(1/2) w'G w - c'w + lam |w|_1`` (G: K x p x p, c: K x p, lam: K) by cyclic coordinate
+    descent, each stopped at the first sweep whose largest change is below ``tol``. Returns the K x p weights.
+
+    The sweeps run on Python floats (a few hundred nanoseconds a coordinate, where indexing numpy scalars costs
+    microseconds): the same IEEE double operations in the same order as a numpy formulation, so the same bits."""
+    K, p = c.shape
+    out = np.zeros((K, p))
+    for k in range(K):
+        cols = [j for j in range(p) if G[k, j, j] != 0]  # a constant column keeps its weight 0
+        Gc = [G[k, :, j].tolist() for j in range(p)]   # column j of G as a list
+        d, ck, lk = G[k].diagonal().tolist(), c[k].tolist(), float(lam[k])
+        w, Gw = [0.0] * p, [0.0] * p  # G @ w, kept up to date
+        rows = range(p)
+        for _ in range(iters):
+            biggest = 0.0
+            for j in cols:
+                old = w[j]
+                rho = ck[j] - Gw[j] + d[j] * old
+                new = (rho - lk if rho > lk else rho + lk if rho < -lk else 0.0) / d[j]
+                if new != old:
+                    step = new - old
+                    g = Gc[j]
+                    for i in rows:
+                        Gw[i] += g[i] * step
+                    w[j] = new
+                    if abs(step) > biggest:
+                        biggest = abs(step)
+            if biggest < tol:
+                break
+        out[k] = w
+    return out
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -150,17 +183,24 @@ def inner_folds(groups: np.ndarray, pairs: np.ndarray | None = None, k: int = 5)
 def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMBDAS, pairs: np.ndarray | None = None) -> float:
     """The penalty with the lowest leave-one-group-out squared error on these (training) rows only; with a single
     group, folds of whole pairs (:func:`inner_folds`)."""
-    folds = inner_folds(groups, pairs)
+    folds = [t for t in inner_folds(groups, pairs) if t.any() and not t.all()]
+    lams = [float(v) for v in lambdas]
+    pos = [v for v in lams if v != 0]
+    probs = [_gram(X[~t], y[~t]) for t in folds]
+    W = (coordinate_descent(np.stack([np.broadcast_to(g[3], (len(pos), *g[3].shape)) for g in probs]).reshape(-1, *probs[0][3].shape),
+                            np.stack([np.broadcast_to(g[4], (len(pos), len(g[4]))) for g in probs]).reshape(-1, len(probs[0][4])),
+                            np.tile(np.array(pos), len(probs)))
+         if pos and probs else None)  # every fold's problems at every penalty, side by side (fold-major)
     best, best_err = lambdas[0], np.inf
-    for lam in lambdas:
+    for li, lam in enumerate(lams):
         err = 0.0
-        for test in folds:
-            if test.all() or not test.any():
-                continue
-            m = fit_lasso(X[~test], y[~test], lam)
+        for fi, test in enumerate(folds):
+            Z, mu, sd, _, _, mean = probs[fi]
+            w = np.linalg.lstsq(Z, y[~test] - mean, rcond=None)[0] if lam == 0 else W[fi * len(pos) + pos.index(lam)]
+            m = Lasso(w, mean, mu, sd, lam)
             err += float(((m.predict(X[test]) - y[test]) ** 2).sum())
         if err < best_err - 1e-15:
-            best, best_err = lam, err
+            best, best_err = lambdas[li], err
     return float(best)
 
 

@@ -18,7 +18,7 @@ from mergescope.transport.comparisons import adapt_comparisons
 from mergescope.transport.direction import Direction, Fitted, Host
 from mergescope.transport.identity import BASELINE_KEYS, TRANSPORT_KEYS, baseline_hash
 
-__all__ = ["adapt_direction", "finetune_host", "adapt_baseline"]
+__all__ = ["adapt_direction", "finetune_host", "adapt_baseline", "adapted_controls"]
 
 
 def finetune_host(d: Direction, host: Host, job: Job, residual, label: str, metric: str = "train_loss",
@@ -123,6 +123,14 @@ ADAPT_CONTROLS = 2
 (a distribution, like the control before adaptation), not its seed 0 alone."""
 
 
+def adapted_controls(d: Direction, f: Fitted) -> int:
+    """How many of the random-plan control's seeds are adapted: every one built (``merge.control_seeds``), or fewer
+    where ``merge.adapt.control_seeds`` says (0: the fused model against its no-fusion baseline alone, as a benchmark
+    that reads only that gain needs)."""
+    cs = d.s.adapt.control_seeds
+    return f.fusion.n_controls if cs is None else min(int(cs), f.fusion.n_controls)
+
+
 def _arm_name(prefix: str) -> str:
     """A fused-then-adapted arm's name in the run's table: ``ot_after``, ``rand_after`` (the control's seed 0),
     ``rand_after1``, ... (its seeds 1, ...), ``damped_baseline_after``."""
@@ -146,9 +154,10 @@ def adapt_direction(d: Direction, f: Fitted, h: str, fused_nll: float | None = N
         sc: dict[tuple[str, str], Scores] = {}
         v = {"alpha": a, "nll_base_before": f.base_t, "base_nll_donor_lang": f.base_d, "nll_baseline_after": base_after,
              **adapt_one(d, f, job, False, fused_nll, sc)}
-        for seed in range(f.fusion.n_controls):  # the random-plan control over its seeds, each adapted the same way
+        n = adapted_controls(d, f)
+        for seed in range(n):  # the random-plan control over its seeds, each adapted the same way
             v.update(adapt_one(d, f, job, True, None, sc, seed))
-        v["adapt_control_seeds"] = float(f.fusion.n_controls)
+        v["adapt_control_seeds"] = float(n)
         v["fusion_effect_before_adapt"] = v["nll_fused_before"] - f.base_t
         if base_scores is None:  # a baseline run recorded before per-sentence scores: the difference without an interval
             for p in ("", "rand_"):

@@ -58,9 +58,10 @@ def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
     the donor (one baseline per target, shared by every donor)."""
     target, _ = sides(cfg)
     ad = cfg.merge.get("adapt") or {}
-    if ad.get("mode") == "released":  # the released no-fusion training does not read its freeze strategy or training alpha
-        cfg = plain_copy(cfg)
+    unread = ("control_seeds",) + (("freeze", "train_alpha") if ad.get("mode") == "released" else ())
+    if any(k in ad for k in unread):  # the no-fusion training reads neither the controls adapted beside the fused model
+        cfg = plain_copy(cfg)         # nor, in the released mode, its freeze strategy or training alpha
         with open_dict(cfg):
-            for k in ("freeze", "train_alpha"):
+            for k in unread:
                 cfg.merge.adapt.pop(k, None)
     return job_hash("transport_adapt_baseline", cfg, BASELINE_KEYS, [target], target=target, adapt_text=digest(adapt_text))

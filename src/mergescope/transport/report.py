@@ -438,6 +438,7 @@ def _adapt_table(sec: Section, runs: list[Rec]) -> None:
     rand_helped = claims.count_lower(beats, "rand_fusion_effect_after_adapt")
     seeds = sorted({int(r.m("adapt_control_seeds")) for r in beats if np.isfinite(r.m("adapt_control_seeds"))})
     damped = [r for r in runs if np.isfinite(r.m("fusion_effect_vs_damped_after_adapt"))]
+    alone = [r for r in runs if r.m("adapt_control_seeds") == 0]
     sec.text.append(f"After adaptation, fusion helps in {helped}/{len(runs)} directions and hurts in {hurt}/{len(runs)}"
                     + (f" ({claims.count_lower(damped, 'fusion_effect_vs_damped_after_adapt')}/{len(damped)} against the "
                        "baseline under the same damping)" if damped else "")
@@ -447,6 +448,8 @@ def _adapt_table(sec: Section, runs: list[Rec]) -> None:
                           "OT-fused model against it is no verdict (one adapted control seed, recorded before the "
                           "control was adapted over its seeds: its spread is unknown)")
                        if beats else "")
+                    + (f"; {len(alone)}/{len(runs)} adapted without their random-plan control (merge.adapt.control_seeds=0: "
+                       "the fused model against its no-fusion baseline only)" if alone else "")
                     + f" ({CLAIM_RULE}; nats/token {claims.SCOPE_NOTE[claims.SCOPE['value']]}). "
                     + "; ".join(f"{direction(r)}: fusion effect {claims.cell(r, 'fusion_effect_after_adapt')}, OT minus random plan "
                                 f"{claims.cell(r, 'ot_minus_rand_after_adapt')}" for r in runs) + ".")

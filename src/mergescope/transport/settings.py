@@ -71,6 +71,8 @@ class AdaptSettings:
     loss: str = "sentence_mean"    # released: sentence_mean (each sentence's mean token NLL, averaged) | token_weighted (the Trainer's)
     fold: str = "dense"            # released: dense ((1 - a) W' + a R' on every row) | select (only the fused rows; W' elsewhere)
     epochs: int | None = None      # passes over the adaptation text (None: ``steps`` batches drawn at random)
+    control_seeds: int | None = None  # the random-plan control's seeds adapted beside the fused model (None: every seed of
+                                      # merge.control_seeds; 0: none, the fused model against its no-fusion baseline alone)
 
     def n_steps(self, n_sentences: int) -> int:
         """The optimiser steps over ``n_sentences``: ``steps``, or ``epochs`` passes of ceil(n / batch_size)."""
@@ -117,10 +119,14 @@ class AdaptSettings:
         ep = ad.get("epochs")
         if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
             raise MergescopeError(f"merge.adapt.epochs must be an integer >= 1 or null (= merge.adapt.steps batches), got {ep!r}")
+        cs = ad.get("control_seeds")
+        if cs is not None and (isinstance(cs, bool) or not isinstance(cs, int) or cs < 0):
+            raise MergescopeError(f"merge.adapt.control_seeds must be a whole number >= 0 or null (= every seed of "
+                                  f"merge.control_seeds), got {cs!r}")
         if mode == "residual_frozen" and (freeze != "frozen_hot" or ta is not None or loss != "sentence_mean" or fold != "dense"):
             raise MergescopeError("merge.adapt.freeze, train_alpha, loss and fold belong to merge.adapt.mode=released; "
                                   "set the mode, or leave them at frozen_hot / null / sentence_mean / dense")
-        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed), mode, freeze, ta, warm, loss, fold, ep)
+        return cls(alpha, steps, batch_size, lr, wd, clip, int(ad.seed), mode, freeze, ta, warm, loss, fold, ep, cs)
 
 
 @dataclass(frozen=True)
