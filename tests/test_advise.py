@@ -486,13 +486,18 @@ def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_ch
     plan = Plan(["study=routes"])
     dev = plan.jobs("route diagnostics")
     keys = [frozenset((model_label(j.cfg.pair.a), model_label(j.cfg.pair.b))) for j in dev]
-    assert len(keys) == len(set(keys)) == 28 + 26 + 25  # zoo-scale-s x zoo-scale-l is a transport and an adapt pair
+    assert len(keys) == len(set(keys)) == 28 + 26 + 30  # zoo-scale-s x zoo-scale-l is a transport and an adapt pair
+    # the transplant route: six target models (the family's base, four language experts, a bilingual one) x five
+    transplant = [p.split("__") for p in map(str, plan.cfg.native_pairs)]
+    assert len(transplant) == 30 and len({a for a, _ in transplant}) == 6 and len({b for _, b in transplant}) == 5
     adapt = {frozenset(map(str, p)) for p in plan.cfg.adaptation.pairs}
     assert adapt <= {frozenset(k.split("@")[0] for k in key) for key in keys}
     fits = plan.jobs("route forecasts")
     assert [j.task for j in fits] == ["route_forecast"] * 5 + ["advise_check"]
     more = plan.jobs("transport settings")  # the post-fusion adaptation at two more alphas, every direction
     assert len(more) == 2 * 56 and sorted({float(j.cfg.merge.adapt.alpha) for j in more}) == [0.03, 0.3]
+    # the fused model adapted alone (the forecast reads its gain), at every alpha
+    assert {j.cfg.merge.adapt.control_seeds for j in [*more, *plan.jobs("transport")]} == {0}
     assert float(plan.jobs("transport")[0].cfg.merge.adapt.alpha) == 0.1
     assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union", "adapt intersection",
                                                           "transplant"]
@@ -570,10 +575,10 @@ def test_study_forecast_builds_every_route_in_one_launch_and_transplants_only_th
     fits = plan.jobs("route forecasts")
     assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union",
                                                           "adapt intersection", "transplant"]
-    assert fits[-1].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 25
+    assert fits[-1].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 30
     ck, moved = plan.jobs("checkpoints"), plan.jobs("forecast merges")
     assert len(ck) == 60 and len(moved) == 6 * 24
     assert all(j.cfg.native.get("transplant") is None and list(j.cfg.native.mix) == [0.5] for j in [*ck, *moved])
     transplanted = [job("native", [*plan.base, f"pair={name}"]) for name in cfg.native_pairs]
-    assert len(transplanted) == 25 and all(str(j.cfg.native.transplant) == "union" for j in transplanted)
+    assert len(transplanted) == 30 and all(str(j.cfg.native.transplant) == "union" for j in transplanted)
     assert all(list(j.cfg.native.mix) == [0.3, 0.5, 0.7] for j in transplanted)
