@@ -1385,3 +1385,31 @@ def test_adapting_fewer_control_seeds_leaves_the_fused_model_and_its_baseline_as
     assert "the random-plan fusion, adapted the same way, helps in" in sec.text[0] and "/1," in sec.text[0]
     with pytest.raises(MergescopeError, match="merge.adapt.control_seeds must be a whole number >= 0"):
         run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.control_seeds=-1",))))
+
+
+def test_more_adapt_alphas_are_the_runs_a_job_at_each_alpha_alone_makes(tiny_models, compose_cfg):
+    """merge.adapt.more_alphas: each further adaptation has the identity of a job with that merge.adapt.alpha alone
+    (such a job then reuses it) and the same numbers (recomputed apart with rerun=true); a bad list is one line."""
+    from test_e2e import runs
+
+    from mergescope.errors import MergescopeError
+    from mergescope.transport.job import run_transport
+
+    one = ("+merge.adapt.control_seeds=0",)
+    run_transport(*compose_cfg(transport_job(tiny_models, extra=(*one, "+merge.adapt.more_alphas=[0.5]"))))
+    cfg = compose_cfg(transport_job(tiny_models))[0]
+    fused = lambda: [x for x in runs(cfg.paths.root) if x.data.tags["kind"] == "transport_adapt"  # noqa: E731
+                     and x.data.tags["stage"] == "fused"]
+    assert sorted(float(x.data.tags["alpha"]) for x in fused()) == [0.1, 0.5]
+    at = next(x for x in fused() if x.data.tags["alpha"] == "0.5")
+    assert at.data.params.get("merge.adapt.alpha") in (None, "0.5") and "merge.adapt.more_alphas" not in at.data.params
+    alone = run_transport(*compose_cfg(transport_job(tiny_models, extra=(*one, "merge.adapt.alpha=0.5"))))
+    assert alone.skipped and len(fused()) == 2  # the same identity: reused
+    run_transport(*compose_cfg(transport_job(tiny_models, extra=(*one, "merge.adapt.alpha=0.5", "rerun=true"))))
+    again = [x for x in fused() if x.data.tags["alpha"] == "0.5"]
+    assert len(again) == 2
+    for k in ("nll_fused_before", "nll_fused_after", "nll_donor_lang_fused_after", "fusion_effect_after_adapt_rest",
+              "train_loss_last"):
+        assert again[0].data.metrics[k] == again[1].data.metrics[k], k
+    with pytest.raises(MergescopeError, match="merge.adapt.more_alphas must be distinct alphas"):
+        run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.more_alphas=[0.1]",))))

@@ -163,7 +163,7 @@ def _w_transport(c, cfg, w) -> None:
     if ts.adapt is not None:  # trained: the fused model, each adapted control seed's, the no-fusion baseline (and the released
         # mode's damped baseline), each a forward and backward per step, then each scored before and after
         adapted = seeds if ts.adapt.control_seeds is None else min(ts.adapt.control_seeds, seeds)
-        runs = 2 + adapted + (1 if ts.adapt.mode == "released" else 0)
+        runs = (2 + adapted + (1 if ts.adapt.mode == "released" else 0)) * (1 + len(ts.adapt.more_alphas))
         w.add_forward(st, float(ts.adapt.steps) * float(ts.adapt.batch_size) * c.k.probe_tokens_per_sentence, logits=True,
                       passes=runs * 3.0)
         w.add_forward(st, tok, logits=True, passes=2 * runs)

@@ -12,7 +12,8 @@ from mergescope import models, precision
 from mergescope.config import hash_parts, plain_copy
 from mergescope.runs import model_parts
 
-__all__ = ["TRANSPORT_KEYS", "BASELINE_KEYS", "EVIDENCE", "sides", "probe_compute", "digest", "job_hash", "baseline_hash"]
+__all__ = ["TRANSPORT_KEYS", "BASELINE_KEYS", "EVIDENCE", "sides", "probe_compute", "digest", "job_hash", "baseline_hash",
+           "at_adapt_alpha"]
 
 TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.max_length"]
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
@@ -53,14 +54,29 @@ def job_hash(task: str, cfg: DictConfig, keys: list[str], reads: list[Any], **ex
                              **precision.identity(cfg), **probe_compute(cfg)})
 
 
+def at_adapt_alpha(cfg: DictConfig, alpha: float | None = None) -> DictConfig:
+    """The job config of one post-fusion adaptation: ``merge.adapt.more_alphas`` left out (each adaptation is
+    identified as if it were the job's only one) and, with ``alpha``, ``merge.adapt.alpha`` set to it."""
+    ad = cfg.merge.get("adapt") or {}
+    if "more_alphas" not in ad and alpha is None:
+        return cfg
+    cfg = plain_copy(cfg)
+    with open_dict(cfg):
+        cfg.merge.adapt.pop("more_alphas", None)
+        if alpha is not None:
+            cfg.merge.adapt.alpha = float(alpha)
+    return cfg
+
+
 def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
     """cfg_hash of the no-fusion baseline: the target's model entry and weights and the adaptation's inputs, not
     the donor (one baseline per target, shared by every donor)."""
     target, _ = sides(cfg)
     ad = cfg.merge.get("adapt") or {}
-    unread = ("control_seeds",) + (("freeze", "train_alpha") if ad.get("mode") == "released" else ())
-    if any(k in ad for k in unread):  # the no-fusion training reads neither the controls adapted beside the fused model
-        cfg = plain_copy(cfg)         # nor, in the released mode, its freeze strategy or training alpha
+    unread = ("control_seeds", "more_alphas") + (("freeze", "train_alpha") if ad.get("mode") == "released" else ())
+    if any(k in ad for k in unread):  # the no-fusion training reads neither the controls adapted beside the fused model,
+        cfg = plain_copy(cfg)         # nor the other alphas adapted in the same job, nor, in the released mode, its freeze
+                                      # strategy or training alpha
         with open_dict(cfg):
             for k in unread:
                 cfg.merge.adapt.pop(k, None)

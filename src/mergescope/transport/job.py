@@ -44,8 +44,8 @@ from mergescope.transport import released as rel
 from mergescope.transport.adaptation import ADAPT_CONTROLS, adapt_direction
 from mergescope.transport.comparisons import alpha_comparisons, seeds_of
 from mergescope.transport.direction import Direction, Fitted, Host
-from mergescope.transport.identity import (BASELINE_KEYS, EVIDENCE, TRANSPORT_KEYS, baseline_hash, digest, job_hash,  # noqa: F401 (re-exported)
-                                           probe_compute, sides)
+from mergescope.transport.identity import (BASELINE_KEYS, EVIDENCE, TRANSPORT_KEYS, at_adapt_alpha, baseline_hash, digest,  # noqa: F401
+                                           job_hash, probe_compute, sides)
 from mergescope.transport.settings import TransportSettings, merge_node, probe_data
 from mergescope.transport.texts import Texts, probe_cached, probe_path, texts  # noqa: F401 (re-exported)
 
@@ -109,8 +109,9 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     tracker = Tracker(cfg)
     reads = [target, donor]
     saving = {"save": True} if cfg.get("save") else {}  # save=true: each alpha's fused model written (its own runs)
-    adapt_hash = job_hash("transport_adapt", cfg, TRANSPORT_KEYS, reads, adapt_controls=ADAPT_CONTROLS) if s.adapt else None
+    adapt_hash = job_hash("transport_adapt", at_adapt_alpha(cfg), TRANSPORT_KEYS, reads, adapt_controls=ADAPT_CONTROLS) if s.adapt else None
     adapt_done = finished(cfg, tracker, adapt_hash) if adapt_hash else None
+    more = _more_adaptations(d, tracker, reads)
     lm_eval = cfg.get("eval") is not None and str(cfg.eval.get("name")) == "lm_eval"
     if lm_eval:
         from mergescope.scoring.lmeval import check_lm_eval
@@ -126,12 +127,18 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
         return fitted[0]
 
     if s.test_at == "selected":
+        if more:
+            raise MergescopeError("merge.adapt.more_alphas adapts fused models of the alpha grid: use merge.test_at=every "
+                                  "with it (test_at=selected fuses at the chosen alpha alone)")
         return _run_selected(d, tracker, reads, saving, fit, adapt_hash, adapt_done)
     hashes = _alpha_hashes(cfg, s.alphas, reads, headline_alpha=s.headline_alpha, **saving)
     done = {a: finished(cfg, tracker, h) for a, h in hashes.items()}
-    if all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None):
+    if (all(r is not None for r in done.values()) and (s.adapt is None or adapt_done is not None)
+            and all(r is not None for _, _, r in more)):
         if s.adapt is not None:  # the reused adaptation's no-fusion baseline is one of the study's runs too
             finished(cfg, tracker, baseline_hash(cfg, d.texts.adapt_t))
+        for da, _, _ in more:
+            finished(da.cfg, tracker, baseline_hash(da.cfg, d.texts.adapt_t))
         if lm_eval:
             _lm_evals(d, done, fit)
         return _summary(done, adapt_done, s.headline_alpha, skipped=True)
@@ -141,9 +148,29 @@ def run_transport(cfg: DictConfig, overrides: list[str] | None = None) -> JobRes
     if s.adapt and adapt_done is None:
         known = results.get(s.adapt.alpha)  # the fused model's NLL, when adapt.alpha is on the grid
         adapt_done = adapt_direction(d, f, adapt_hash, known.metrics.get("nll_target_lang") if known is not None else None)
+    for da, h, r in more:  # the same plans, the fused model adapted at each further alpha
+        if r is None:
+            known = results.get(da.s.adapt.alpha)
+            adapt_direction(da, f, h, known.metrics.get("nll_target_lang") if known is not None else None)
     if lm_eval:
         _lm_evals(d, results, fit)
     return _summary(results, adapt_done, s.headline_alpha, skipped=False)
+
+
+def _more_adaptations(d: Direction, tracker: Tracker, reads: list[Any]) -> list[tuple[Direction, str, JobResult | None]]:
+    """``merge.adapt.more_alphas``: per further alpha, the direction as that adaptation's own job sees it (its config
+    with ``merge.adapt.alpha`` set, identified exactly as a job run with that alpha alone), its hash and its finished
+    run (None: to run)."""
+    if d.s.adapt is None or not d.s.adapt.more_alphas:
+        return []
+    out = []
+    for a in d.s.adapt.more_alphas:
+        cfg_a = at_adapt_alpha(d.cfg, a)
+        s_a = dataclasses.replace(d.s, adapt=dataclasses.replace(d.s.adapt, alpha=a, more_alphas=()))
+        da = Direction(cfg_a, s_a, [*(d.overrides or []), f"merge.adapt.alpha={a:g}"], d.target, d.donor, d.texts)
+        h = job_hash("transport_adapt", cfg_a, TRANSPORT_KEYS, reads, adapt_controls=ADAPT_CONTROLS)
+        out.append((da, h, finished(cfg_a, tracker, h)))
+    return out
 
 
 def _selected_cfg(cfg: DictConfig) -> DictConfig:
