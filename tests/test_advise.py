@@ -127,6 +127,15 @@ def test_the_route_rows_read_the_gain_as_minus_delta_and_flip_the_diagnostics_fo
     ad = route_bench([_diag("x", "y"), _merge("x", "y", 0.1, 0.05, "h9", "transport_adapt", "fusion_effect_after_adapt_rest")],
                      "transport+adapt")
     assert len(ad) == 1 and ad.y[0] == pytest.approx(-0.05)
+    # one row per distinct merge: a newer run of the same merge (another identity, e.g. its control adapted or not)
+    # replaces the older one; another setting of the same direction and alpha is a row of its own
+    from mergescope.advise.bench import OLDER
+
+    newer = _merge("x", "y", 0.1, 0.07, "h10")
+    other = _merge("x", "y", 0.1, 0.09, "h11")
+    other.tags["transport_variant"] = "seed + epsilon=0.05"
+    b = route_bench([_diag("x", "y"), newer, other, _merge("x", "y", 0.1, 0.02, "h1")], "transport")
+    assert sorted(b.y.tolist()) == pytest.approx([-0.09, -0.07]) and b.why_dropped == {OLDER: 1}
 
 
 def _adapt_summary(small, large, protocol, gains, h):
@@ -492,8 +501,8 @@ def test_study_routes_measures_every_adapt_pair_once_and_fits_each_route_then_ch
     assert len(transplant) == 30 and len({a for a, _ in transplant}) == 6 and len({b for _, b in transplant}) == 5
     adapt = {frozenset(map(str, p)) for p in plan.cfg.adaptation.pairs}
     assert adapt <= {frozenset(k.split("@")[0] for k in key) for key in keys}
-    fits = plan.jobs("route forecasts")
-    assert [j.task for j in fits] == ["route_forecast"] * 5 + ["advise_check"]
+    fits = plan.jobs("route forecasts")  # side by side on the workers, then the check of them all
+    assert [j.task for j in fits] == ["route_forecast"] * 5 and [j.task for j in plan.jobs("route check")] == ["advise_check"]
     tr = plan.jobs("transport")  # every direction's job adapts its fused model at alpha 0.1 and two more alphas
     assert len(tr) == 56 and not plan.jobs("transport settings")
     assert {(float(j.cfg.merge.adapt.alpha), tuple(j.cfg.merge.adapt.more_alphas)) for j in tr} == {(0.1, (0.03, 0.3))}
@@ -575,7 +584,7 @@ def test_study_forecast_builds_every_route_in_one_launch_and_transplants_only_th
     fits = plan.jobs("route forecasts")
     assert [str(j.cfg.advise.route) for j in fits[:5]] == ["transport", "transport+adapt", "adapt union",
                                                           "adapt intersection", "transplant"]
-    assert fits[-1].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 30
+    assert plan.jobs("route check")[0].task == "advise_check" and len(plan.jobs("route diagnostics")) == 28 + 26 + 30
     ck, moved = plan.jobs("checkpoints"), plan.jobs("forecast merges")
     assert len(ck) == 60 and len(moved) == 6 * 24
     assert all(j.cfg.native.get("transplant") is None and list(j.cfg.native.mix) == [0.5] for j in [*ck, *moved])

@@ -32,7 +32,8 @@ def pair_jobs(plan) -> list:
 def route_jobs(plan) -> list:
     """One fit per route the study's merges build: transport, and transport+adapt where the transport arm adapts; adapt
     union and adapt intersection where the study runs the adapt arm (each of its operators); transplant where the
-    native arm transplants (``native.transplant``); then the held-out check of them all."""
+    native arm transplants (``native.transplant``). They run side by side on the study's workers; the held-out check
+    of them all is the next phase (:func:`check_jobs`)."""
     from mergescope.jobs import composed, job, key_of
 
     if "advise" not in plan.arms:
@@ -46,8 +47,14 @@ def route_jobs(plan) -> list:
         routes += [r for op, r in (("expand", "adapt union"), ("truncate", "adapt intersection")) if op in ops]
     if "native" in plan.arms and (plan.cfg.get("native") or {}).get("transplant") is not None:
         routes.append("transplant")
-    fits = [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
-    return [*fits, job("advise_check", list(plan.base))] if fits else []
+    return [job("route_forecast", [*plan.base, f"advise.route={r}"]) for r in routes]
+
+
+def check_jobs(plan) -> list:
+    """The held-out check of every route fit (``task=advise_check``), once every fit of ``route forecasts`` is done."""
+    from mergescope.jobs import job
+
+    return [job("advise_check", list(plan.base))] if route_jobs(plan) else []
 
 
 def _pair_text(j, r) -> str:
@@ -99,7 +106,8 @@ ARMS = [Arm(
     tasks={"pairdev": "mergescope.advise.job:run_pairdev", "route_forecast": "mergescope.advise.job:run_route_forecast",
            "advise": "mergescope.advise.job:run_advise", "advise_check": "mergescope.advise.job:run_advise_check"},
     work={"pairdev": _w_pairdev, "route_forecast": _w_none, "advise": _w_pairdev, "advise_check": _w_none},
-    phases=(Phase("route diagnostics", pair_jobs, _pair_text, workers=True), Phase("route forecasts", route_jobs, _route_text)),
+    phases=(Phase("route diagnostics", pair_jobs, _pair_text, workers=True),
+            Phase("route forecasts", route_jobs, _route_text, workers=True), Phase("route check", check_jobs, _route_text)),
     report=Report(sections={(80, 4): "mergescope.advise.report:section"}, summary={"route_forecast": "Forecasting a route"},
                   kinds={"advise_check": "the advisor against merges it did not see: coverage and advised against runner-up",
                          "pair_dev": "a pair's pre-merge diagnostics for every route (configs, tokenizers, FLORES dev)",

@@ -103,8 +103,16 @@ def _model_name(r, side: str) -> str:
     return str(r.tags.get(side, ""))
 
 
+SETTING_TAGS = ("transport_variant", "adapt_mode", "transplant", "merge", "protocol")
+"""The tags that tell two runs of one pair and operator apart as two settings (two rows of a benchmark); runs that
+agree on them and on the two models and the operator are one merge made again (an identity that changed with a
+setting the outcome does not read, e.g. how many of the random-plan control's seeds were adapted beside it)."""
+OLDER = "an older run of the same merge (the newest kept)"
+
+
 def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> RouteBench:
-    """The route's rows from an experiment's FINISHED runs (newest first: the latest run per cfg_hash)."""
+    """The route's rows from an experiment's FINISHED runs (newest first: the latest run per cfg_hash, and per merge:
+    :data:`SETTING_TAGS`)."""
     if route not in ROUTE_KINDS:
         raise ValueError(f"no route benchmark for {route!r}: one of {', '.join(ROUTE_KINDS)}")
     features = tuple(features or features_for(route))
@@ -119,9 +127,14 @@ def route_bench(recs, route: str, features: tuple[str, ...] | None = None) -> Ro
             merges.append(r)
         elif r.kind == "measure" and r.tags.get("metric") == "pair_dev":
             diags.setdefault(pair_key(r.tags["model_a"], r.tags["model_b"]), r)
-    rows, why = [], {}
+    rows, why, made = [], {}, set()
     for m in merges:
         for t, d, operator, own, y, lo, hi in _merges_of(m, route):
+            same = (t, d, operator, *(m.tags.get(k) for k in SETTING_TAGS))
+            if same in made:  # one row per distinct merge: the newest run of it (recs are newest first)
+                why[OLDER] = why.get(OLDER, 0) + 1
+                continue
+            made.add(same)
             p = diags.get(pair_key(t, d))
             if p is None:
                 why["no pair diagnostics (task=pairdev)"] = why.get("no pair diagnostics (task=pairdev)", 0) + 1

@@ -185,7 +185,7 @@ _R, _C = "mergescope.native.report", "mergescope.native.report_checkpoint"
 ARMS = [
     Arm("native", order=20, uses=("represent",), tasks={"native": "mergescope.native.job:run_native", "merge": "mergescope.native.job:run_merge"},
         settings=("native",), models=native_only_models, models_order=30, work={"native": _w_native, "merge": _w_merge},
-        phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}"),),
+        phases=(Phase("native", native_pairs, lambda j, r: f"native pair {_pair_text(j)}", workers=True),),
         report=Report(sections={(60, 0): f"{_R}:native_pair"}, pair_rows=f"{_R}:pair_rows", pair_tables=f"{_R}:pair_tables",
                       coverage={"native": f"{_R}:native_cell", "transplant": f"{_R}:transplant_cell"},
                       summary={"native_pair": "Native cross-model pair"}, kinds={"merge": "one merged model's NLL (native route)"},
