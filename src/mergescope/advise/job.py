@@ -263,7 +263,8 @@ def _latest_fit(cfg: DictConfig, experiment: str, route: str, plan: bool = False
 def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -> list[dict[str, Any]]:
     """A fitted route's forecast for one direction's diagnostics, per operator (alpha) of its benchmark: the prediction,
     its split-conformal interval at ``level`` (the held-out-by-family residuals' quantiles) and the three diagnostics
-    that carry it (standardised contributions: relative to the benchmark's average merge)."""
+    that carry it (standardised contributions, relative to the benchmark's average merge; the setting's indicators left
+    out: :meth:`Lasso.carried_by`)."""
     from mergescope.forecast.fit import Lasso
 
     f = fit["final"]
@@ -277,7 +278,7 @@ def forecast_route(fit: dict[str, Any], feats: dict[str, float], level: float) -
         x = np.array([float(n == f"operator={op}") if n.startswith("operator=") else at[n] for n in model.features])
         pred = float(model.predict(x[None, :])[0])
         out.append({"operator": op, "predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                    "carried_by": dict(list(model.contributions(x).items())[:3]),
+                    "carried_by": model.carried_by(x),
                     "extrapolated": model.far(x, EXTRAPOLATION_SD)})
     return out
 

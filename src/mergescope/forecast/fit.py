@@ -51,6 +51,12 @@ class Lasso:
         order = np.argsort(-np.abs(c))
         return {self.features[i]: float(c[i]) for i in order if self.coef[i] != 0}
 
+    def carried_by(self, x: np.ndarray, k: int = 3) -> dict[str, float]:
+        """The ``k`` diagnostics with the largest share of one prediction. The operator indicators are left out: they
+        say which setting the row is (an alpha, a mix), and one that is off for this row still moves it against the
+        benchmark's average merge, which reads as if another setting carried the forecast."""
+        return dict(list({n: c for n, c in self.contributions(x).items() if not n.startswith("operator=")}.items())[:k])
+
     def far(self, x: np.ndarray, limit: float) -> dict[str, float]:
         """The kept diagnostics (operator indicators apart) that lie more than ``limit`` standard deviations from the
         training rows' mean, each with its distance: where a prediction extrapolates."""

@@ -225,7 +225,7 @@ def _forecast_pair(label: str, feats: dict[str, float], fs: ForecastSettings, be
         x = np.array([feats[f] for f in fs.features] + [1.0 if n == f"operator={op}" else 0.0 for n in names[len(fs.features):]])
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi),
-                   "carried_by": dict(list(final.contributions(x).items())[:3]), "extrapolated": final.far(x, EXTRAPOLATION_SD)}
+                   "carried_by": final.carried_by(x), "extrapolated": final.far(x, EXTRAPOLATION_SD)}
     measured = {str(bench.operator[i]): float(bench.y[i]) for i in range(len(bench)) if bench.pair[i] == label}
     return {"pair": label, "forecast": out, "measured": measured}
 
@@ -267,7 +267,7 @@ def forecast_from_fit(cfg: DictConfig, run_id: str, label: str, feats: dict[str,
         x = np.array([feats[f] if not f.startswith("operator=") else float(f == f"operator={op}") for f in final.features])
         pred = float(final.predict(x[None, :])[0])
         out[op] = {"predicted": pred, "lo": pred + float(q_lo), "hi": pred + float(q_hi), "route": route,
-                   "carried_by": dict(list(final.contributions(x).items())[:3]),
+                   "carried_by": final.carried_by(x),
                    "extrapolated": final.far(x, EXTRAPOLATION_SD)}
     return out
 
