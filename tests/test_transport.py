@@ -1411,5 +1411,9 @@ def test_more_adapt_alphas_are_the_runs_a_job_at_each_alpha_alone_makes(tiny_mod
     for k in ("nll_fused_before", "nll_fused_after", "nll_donor_lang_fused_after", "fusion_effect_after_adapt_rest",
               "train_loss_last"):
         assert again[0].data.metrics[k] == again[1].data.metrics[k], k
-    with pytest.raises(MergescopeError, match="merge.adapt.more_alphas must be distinct alphas"):
-        run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.more_alphas=[0.1]",))))
+    # a run of the list replayed with its own alpha (its logged overrides): the list's alpha adapted once, all reused
+    replay = run_transport(*compose_cfg(transport_job(tiny_models, extra=(*one, "+merge.adapt.more_alphas=[0.5]",
+                                                                          "merge.adapt.alpha=0.5"))))
+    assert replay.skipped and len(fused()) == 3
+    with pytest.raises(MergescopeError, match="merge.adapt.more_alphas must be alphas in"):
+        run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.more_alphas=[1.5]",))))

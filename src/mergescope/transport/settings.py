@@ -73,8 +73,9 @@ class AdaptSettings:
     epochs: int | None = None      # passes over the adaptation text (None: ``steps`` batches drawn at random)
     control_seeds: int | None = None  # the random-plan control's seeds adapted beside the fused model (None: every seed of
                                       # merge.control_seeds; 0: none, the fused model against its no-fusion baseline alone)
-    more_alphas: tuple[float, ...] = ()  # the fused model adapted at these alphas as well, one run each (identified as
-                                         # if merge.adapt.alpha were each): the plans fitted once for all of them
+    more_alphas: tuple[float, ...] = ()  # the fused model adapted at these alphas as well (merge.adapt.alpha itself and
+                                         # repeats once), one run each, identified as if merge.adapt.alpha were each:
+                                         # the plans fitted once for all of them
 
     def n_steps(self, n_sentences: int) -> int:
         """The optimiser steps over ``n_sentences``: ``steps``, or ``epochs`` passes of ceil(n / batch_size)."""
@@ -126,9 +127,10 @@ class AdaptSettings:
             raise MergescopeError(f"merge.adapt.control_seeds must be a whole number >= 0 or null (= every seed of "
                                   f"merge.control_seeds), got {cs!r}")
         more = tuple(float(a) for a in (ad.get("more_alphas") or ()))
-        if any(not 0 < a <= 1 for a in more) or alpha in more or len(set(more)) < len(more):
-            raise MergescopeError(f"merge.adapt.more_alphas must be distinct alphas in (0, 1] besides merge.adapt.alpha "
-                                  f"({alpha:g}), got {list(more)}")
+        if any(not 0 < a <= 1 for a in more):
+            raise MergescopeError(f"merge.adapt.more_alphas must be alphas in (0, 1], got {list(more)}")
+        # merge.adapt.alpha itself (a run of the list replayed with its own alpha) and repeats are adapted once
+        more = tuple(a for a in dict.fromkeys(more) if a != alpha)
         if mode == "residual_frozen" and (freeze != "frozen_hot" or ta is not None or loss != "sentence_mean" or fold != "dense"):
             raise MergescopeError("merge.adapt.freeze, train_alpha, loss and fold belong to merge.adapt.mode=released; "
                                   "set the mode, or leave them at frozen_hot / null / sentence_mean / dense")
