@@ -86,8 +86,8 @@ def _gram(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def fit_lassos(X: np.ndarray, y: np.ndarray, lams, features: list[str] | None = None, iters: int = 5000,
                tol: float = 1e-10) -> list[Lasso]:
-    """:func:`fit_lasso` at each penalty of ``lams`` on the same rows (one Gram matrix, the coordinate descents run
-    side by side: each the same arithmetic as alone)."""
+    """:func:`fit_lasso` at each penalty of ``lams`` on the same rows: one standardisation and Gram matrix for them all,
+    each penalty's descent the same arithmetic as alone."""
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     Z, mu, sd, G, c, mean = _gram(X, y)
@@ -205,23 +205,14 @@ def choose_lambda(X: np.ndarray, y: np.ndarray, groups: np.ndarray, lambdas=LAMB
     """The penalty with the lowest leave-one-group-out squared error on these (training) rows only; with a single
     group, folds of whole pairs (:func:`inner_folds`)."""
     folds = [t for t in inner_folds(groups, pairs) if t.any() and not t.all()]
-    lams = [float(v) for v in lambdas]
-    pos = [v for v in lams if v != 0]
-    probs = [_gram(X[~t], y[~t]) for t in folds]
-    W = (coordinate_descent(np.stack([np.broadcast_to(g[3], (len(pos), *g[3].shape)) for g in probs]).reshape(-1, *probs[0][3].shape),
-                            np.stack([np.broadcast_to(g[4], (len(pos), len(g[4]))) for g in probs]).reshape(-1, len(probs[0][4])),
-                            np.tile(np.array(pos), len(probs)))
-         if pos and probs else None)  # every fold's problems at every penalty, side by side (fold-major)
+    fits = [fit_lassos(X[~t], y[~t], lambdas) for t in folds]  # one Gram matrix per fold, every penalty on it
     best, best_err = lambdas[0], np.inf
-    for li, lam in enumerate(lams):
+    for li, lam in enumerate(lambdas):
         err = 0.0
-        for fi, test in enumerate(folds):
-            Z, mu, sd, _, _, mean = probs[fi]
-            w = np.linalg.lstsq(Z, y[~test] - mean, rcond=None)[0] if lam == 0 else W[fi * len(pos) + pos.index(lam)]
-            m = Lasso(w, mean, mu, sd, lam)
-            err += float(((m.predict(X[test]) - y[test]) ** 2).sum())
+        for test, per_lambda in zip(folds, fits):
+            err += float(((per_lambda[li].predict(X[test]) - y[test]) ** 2).sum())
         if err < best_err - 1e-15:
-            best, best_err = lambdas[li], err
+            best, best_err = lam, err
     return float(best)
 
 
