@@ -533,3 +533,66 @@ def test_a_damaged_all_layer_entry_is_reported_deleted_and_recomputed(tiny_model
     err = capsys.readouterr().err
     assert again.metrics["cka"] == pytest.approx(first.metrics["cka"], abs=1e-12)
     assert err.count("is corrupt") >= 2
+
+
+def _repr_key(lang: str):
+    from mergescope.represent.cache import ReprKey
+
+    return ReprKey(model="m", data="d", lang=lang, split="dev", pooling="mean", layer=-1, dtype="float32", max_length=64)
+
+
+@pytest.mark.parametrize("written_by", ["this version", "a version before entry checksums in the metadata"])
+def test_a_representation_array_swapped_under_another_entrys_metadata_is_recomputed(written_by, tmp_path, capsys):
+    """Two intact entries; side a's array file copied over side b's (b's metadata kept). Read once, checked once: the
+    entry's own checksum against the one b's metadata recorded (or, for metadata written before it recorded one, the
+    array's bytes against the array checksum it did record). Either way b is a miss, reported and deleted."""
+    from mergescope.integrity import load_json, save_json
+    from mergescope.represent.cache import ReprCache
+
+    cache = ReprCache(tmp_path)
+    rng = np.random.default_rng(0)
+    xa, xb = rng.standard_normal((3, 9, 4)), rng.standard_normal((3, 9, 4))
+    ka, kb = _repr_key("eng_Latn"), _repr_key("por_Latn")
+    cache.put(ka, xa, {"n_tokens": 5})
+    cache.put(kb, xb, {"n_tokens": 6})
+    a_npy, _ = cache._paths(ka)
+    b_npy, b_json = cache._paths(kb)
+    if written_by != "this version":
+        meta = load_json(b_json)
+        del meta["entry_sha256"]
+        save_json(b_json, meta)
+    got, meta = cache.get(kb)  # intact: read, verified, writable, and the checksum fields are not the caller's metadata
+    assert np.array_equal(got, xb) and got.flags.writeable and meta["n_tokens"] == 6
+    assert not {"sha256", "entry_sha256", "shape"} & set(meta)
+    shutil.copyfile(a_npy, b_npy)
+    capsys.readouterr()
+    assert cache.get(kb) is None
+    err = capsys.readouterr().err
+    assert "does not match its metadata's checksum" in err and not b_npy.exists() and not b_json.exists()
+    assert np.array_equal(cache.get(ka)[0], xa)
+
+
+@pytest.mark.parametrize("value", [np.arange(24.0).reshape(2, 3, 4), np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+                                   np.arange(7, dtype=np.int32), np.zeros((0, 5)), np.array(2.5)],
+                         ids=["c-order", "fortran-order", "int32", "empty", "scalar"])
+def test_an_array_entry_reads_back_exactly_without_a_copy(value, tmp_path):
+    from mergescope import integrity
+
+    digest = integrity.save_array(tmp_path / "x", value)
+    got, read_digest = integrity.read_array(tmp_path / "x")
+    assert read_digest == digest and got.dtype == value.dtype and got.shape == value.shape
+    assert np.array_equal(got, value) and got.flags.writeable
+    got[...] = 0  # the caller's own buffer: the file is untouched
+    assert np.array_equal(integrity.load_array(tmp_path / "x"), value)
+
+
+def test_an_object_array_entry_is_never_unpickled(tmp_path, capsys):
+    import io
+
+    from mergescope import integrity
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    integrity.write_entry(tmp_path / "x", buf.getvalue())
+    assert integrity.load_array(tmp_path / "x") is None
+    assert "not a .npy array" in capsys.readouterr().err and not (tmp_path / "x").exists()

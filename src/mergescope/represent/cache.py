@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from mergescope.config import cache_enabled  # noqa: F401 (re-exported)
-from mergescope.integrity import discard, load_array, load_json, save_array, save_json
+from mergescope.integrity import discard, load_json, read_array, save_array, save_json
 
 CACHE_VERSION = 3  # 3: a leading BOS is left out of the pooling (forward.pooling_mask); 2: checksummed entries
 
@@ -42,6 +42,12 @@ def representation_problem(X: np.ndarray) -> str | None:
     return None
 
 
+def _array_sha(X: np.ndarray) -> str:
+    """SHA-256 of an array's bytes in C order (hashed in place when it is laid out so)."""
+    X = np.asarray(X)
+    return hashlib.sha256(X.data if X.flags.c_contiguous else np.ascontiguousarray(X).tobytes()).hexdigest()
+
+
 class ReprCache:
     """Pooled representations on disk by content key: <dir>/<digest>.npy and .json (metadata)."""
 
@@ -57,12 +63,16 @@ class ReprCache:
         npy, mpath = self._paths(key)
         if not (npy.is_file() and mpath.is_file()):
             return None
-        meta, X = load_json(mpath), load_array(npy)
-        if meta is None or X is None:
+        meta, got = load_json(mpath), read_array(npy)
+        if meta is None or got is None:
             for p in (npy, mpath):
                 p.unlink(missing_ok=True)
             return None
-        if meta.get("sha256") != hashlib.sha256(X.tobytes()).hexdigest() or list(X.shape) != meta.get("shape"):
+        X, entry_sha = got
+        # the array is the one its metadata was written with: the entry's own checksum (checked on the read) against
+        # the one the metadata recorded, or for an entry written before it recorded one, the array's bytes hashed
+        same = (meta["entry_sha256"] == entry_sha) if "entry_sha256" in meta else (meta.get("sha256") == _array_sha(X))
+        if not same or list(X.shape) != meta.get("shape"):
             discard(npy, "its array does not match its metadata's checksum")
             mpath.unlink(missing_ok=True)
             return None
@@ -71,12 +81,12 @@ class ReprCache:
             mpath.unlink(missing_ok=True)
             return None
         # an entry written before representations were checked may hold NaN: a miss, never a result
-        return None if representation_problem(X) else (X, {k: v for k, v in meta.items() if k not in ("sha256", "shape")})
+        return None if representation_problem(X) else (X, {k: v for k, v in meta.items() if k not in ("sha256", "shape", "entry_sha256")})
 
     def put(self, key: ReprKey, value: np.ndarray, meta: dict[str, Any]) -> None:
         if representation_problem(value):
             raise ValueError(f"not caching unusable representations: {representation_problem(value)}")
         npy, mpath = self._paths(key)
-        save_array(npy, value)
+        entry_sha = save_array(npy, value)
         save_json(mpath, {**meta, "key": key.__dict__, "created": time.time(), "shape": list(value.shape),
-                          "sha256": hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()})
+                          "sha256": _array_sha(value), "entry_sha256": entry_sha})
