@@ -79,7 +79,8 @@ def _read_view(path: Path) -> memoryview | None:
                 got += n
     except FileNotFoundError:
         return None
-    problem = entry_problem(view[:got])
+    view = view[:got]
+    problem = entry_problem(view)
     if problem:
         discard(path, problem)
         return None
