@@ -575,7 +575,7 @@ def test_a_representation_array_swapped_under_another_entrys_metadata_is_recompu
 @pytest.mark.parametrize("value", [np.arange(24.0).reshape(2, 3, 4), np.asfortranarray(np.arange(12.0).reshape(3, 4)),
                                    np.arange(7, dtype=np.int32), np.zeros((0, 5)), np.array(2.5)],
                          ids=["c-order", "fortran-order", "int32", "empty", "scalar"])
-def test_an_array_entry_reads_back_exactly_without_a_copy(value, tmp_path):
+def test_an_array_entry_reads_back_exactly_as_a_writable_array_of_its_own(value, tmp_path):
     from mergescope import integrity
 
     digest = integrity.save_array(tmp_path / "x", value)
