@@ -557,10 +557,12 @@ def test_a_representation_array_swapped_under_another_entrys_metadata_is_recompu
     cache.put(kb, xb, {"n_tokens": 6})
     a_npy, _ = cache._paths(ka)
     b_npy, b_json = cache._paths(kb)
-    if written_by != "this version":
+    if written_by != "this version":  # its metadata as written then: the array's own hash, no entry checksum
+        import hashlib
+
         meta = load_json(b_json)
         del meta["entry_sha256"]
-        save_json(b_json, meta)
+        save_json(b_json, {**meta, "sha256": hashlib.sha256(xb.tobytes()).hexdigest()})
     got, meta = cache.get(kb)  # intact: read, verified, writable, and the checksum fields are not the caller's metadata
     assert np.array_equal(got, xb) and got.flags.writeable and meta["n_tokens"] == 6
     assert not {"sha256", "entry_sha256", "shape"} & set(meta)
@@ -584,6 +586,21 @@ def test_an_array_entry_reads_back_exactly_as_a_writable_array_of_its_own(value,
     assert np.array_equal(got, value) and got.flags.writeable
     got[...] = 0  # the caller's own buffer: the file is untouched
     assert np.array_equal(integrity.load_array(tmp_path / "x"), value)
+
+
+@pytest.mark.parametrize("tail", [b"\0" * 8, b""], ids=["data past the shape", "data short of the shape"])
+def test_an_intact_entry_whose_data_disagree_with_its_npy_header_is_recomputed(tail, tmp_path, capsys):
+    """Checksummed bytes written by something else: the .npy header's shape and the data length disagree."""
+    import io
+
+    from mergescope import integrity
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(6.0), allow_pickle=False)
+    blob = buf.getvalue()
+    integrity.write_entry(tmp_path / "x", blob + tail if tail else blob[:-8])
+    assert integrity.load_array(tmp_path / "x") is None
+    assert "not a .npy array" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_an_object_array_entry_is_never_unpickled(tmp_path, capsys):

@@ -89,4 +89,4 @@ class ReprCache:
         npy, mpath = self._paths(key)
         entry_sha = save_array(npy, value)
         save_json(mpath, {**meta, "key": key.__dict__, "created": time.time(), "shape": list(value.shape),
-                          "sha256": _array_sha(value), "entry_sha256": entry_sha})
+                          "entry_sha256": entry_sha})
