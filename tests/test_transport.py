@@ -103,10 +103,42 @@ def test_the_fallback_chain_uses_the_first_solver_whose_plan_checks_out(monkeypa
     C = torch.from_numpy(1 - np.corrcoef(X.T, (X[:, rng.permutation(12)] + 0.3 * rng.normal(size=(30, 12))).T)[:12, 12:])
     Q0, _ = tot.solve(C, 1e-2)
     monkeypatch.setattr(ot, "sinkhorn", fake)
+    plain = tot.PLAIN_SOLVER["numpy"]  # plain Sinkhorn on numpy runs this copy of POT's steps: broken the same way
+    monkeypatch.setitem(tot.PLAIN_SOLVER, "numpy", lambda *args: (plain(*args)[0] * float("nan"), plain(*args)[1]))
     Q, info = tot.solve(C, 1e-2)
     assert info.solver == used and "sinkhorn: non-finite plan" in info.fallback_reason
     assert all(f"{b} (reduced cost): non-finite plan" in info.fallback_reason for b in broken)
     assert torch.allclose(Q, Q0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,m,eps", [(40, 30, 0.05), (64, 64, 0.01), (50, 70, 0.003), (12, 9, 1e-4)])
+def test_plain_sinkhorn_is_pots_to_the_bit(n, m, eps):
+    """ot.sinkhorn_knopp, what plain Sinkhorn on the CPU runs: POT's plan and iteration count exactly, on plans that
+    converge, that stop on a numerical error (the shifted cost at a small epsilon underflows the kernel) and that run
+    out of iterations."""
+    import math
+    import warnings
+
+    import ot as pot
+
+    g = torch.Generator().manual_seed(n * m)
+    X = torch.randn(128, n, generator=g, dtype=torch.float64)
+    a, b = np.full(n, 1 / n), np.full(m, 1 / m)
+    stops = []
+    for s in (0.0, 0.3, 1.0, 3.0, 10.0):
+        C = tot.pearson_cost(X, torch.randn(128, m, generator=g, dtype=torch.float64) + s * X[:, torch.arange(m) % n]).numpy()
+        for cost, iters in ((C, 20000), (C + 0.8, 20000), (C, 7)):
+            stop = 1e-5 / math.sqrt(max(n, m))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref, log = pot.sinkhorn(a, b, cost, eps, numItermax=iters, stopThr=stop, log=True, warn=False)
+            Q, it = tot.sinkhorn_knopp(a, b, cost, eps, iters, stop)
+            assert it == log["niter"] and np.array_equal(Q, ref, equal_nan=True)
+            stops.append(it)
+    if eps >= 1e-3:  # the cases stop at different iterations: not all on the first check
+        assert len(set(stops)) > 3
+    else:  # the kernel underflows: the numerical-error stop at the first iteration
+        assert 0 in stops
 
 
 @pytest.mark.parametrize("eps,iters", [(1e-4, 3), (0.01, 1)])
