@@ -247,3 +247,45 @@ def test_a_staged_launch_runs_its_stages_jobs_and_no_other(compose_cfg, monkeypa
     plan.stage = plan._stage
     study._run_jobs(plan, {})
     assert ran == ["q0", "q1", "t1", "t2"]
+
+
+def test_a_stage_trains_only_the_zoo_models_its_jobs_read(compose_cfg, monkeypatch):
+    """With stage=, the launch trains the zoo models the stage's jobs read and the ones those continue from; a stage of
+    real models alone trains nothing; a stage whose jobs cannot be listed before the models exist trains them all."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    import mergescope.study as study
+    from mergescope.arm import Arm, Phase
+    from mergescope.errors import MergescopeError
+
+    def zoo(name, init_from=None):
+        return {"name_or_path": f"/z/{name}", "zoo": {"init_from": init_from} if init_from else {"steps": 1}}
+
+    real = {"name_or_path": "/r/real"}
+    trains = [SimpleNamespace(name=n, cfg=OmegaConf.create({"model": zoo(n, i)}))
+              for n, i in (("base", None), ("ft", "/z/base"), ("other", None))]
+
+    def job(a, b):
+        return SimpleNamespace(cfg=OmegaConf.create({"pair": {"a": a, "b": b}, "merge": {"base": None}}))
+
+    def undecided(plan):
+        raise MergescopeError("model folder /z/ft does not exist; train it (task=train)")
+
+    fake = [Arm("one", order=1, phases=(
+        Phase("transport", lambda p: [job(real, real), job(zoo("ft", "/z/base"), real)], lambda j, r: ""),
+        Phase("native", undecided, lambda j, r: ""),
+        Phase("quality", lambda p: [job(real, real)], lambda j, r: "")))]
+    monkeypatch.setattr(study, "arms", lambda: fake)
+    got = {}
+    for stage in ("a", "b", "c", "d"):
+        cfg, _ = compose_cfg(["+stages={a:['transport[0:1]'],b:['transport[1:]'],c:[native],d:[quality]}", f"stage={stage}"])
+        plan = SimpleNamespace(cfg=cfg, arms=["one"], _stage=study.stage_selection(cfg), _memo=None)
+        plan.stage = plan._stage
+        plan.in_stage = lambda phase, js, plan=plan: study.Plan.in_stage(plan, phase, js)
+        plan._listed = lambda phase, make, plan=plan: study.Plan._listed(plan, phase, make)
+        plan._stage_jobs = lambda plan=plan: study.Plan._stage_jobs(plan)
+        plan.model_jobs = lambda task: trains
+        got[stage] = [j.name for j in study.Plan.training_jobs(plan)]
+    assert got == {"a": [], "b": ["base", "ft"], "c": ["base", "ft", "other"], "d": []}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mergescope.arm import arms, by_name
 from mergescope.errors import MergescopeError, did_you_mean
@@ -102,8 +102,28 @@ class Plan:
         return [job(task, [*self.base, *model_override(self.base, e), *train_steps(task, e)]) for e in self.entries.values()]
 
     def training_jobs(self) -> list[StudyJob]:
-        """The study's zoo models, to be trained when missing (a real model is never trained)."""
-        return [j for j in self.model_jobs("train") if j.cfg.model.get("zoo") is not None]
+        """The study's zoo models, to be trained when missing (a real model is never trained). With ``stage=``, only
+        those the stage's jobs read (:func:`stage_training`): a stage of real models alone trains nothing."""
+        jobs = [j for j in self.model_jobs("train") if j.cfg.model.get("zoo") is not None]
+        if self.stage is None or not jobs:
+            return jobs
+        return stage_training(jobs, self._stage_jobs())
+
+    def _stage_jobs(self) -> list[StudyJob] | None:
+        """Every job of the launch's stage, or None while a phase of it cannot list its jobs (decided from model files
+        that do not exist yet)."""
+        out: list[StudyJob] = []
+        for arm in arms():
+            if arm.name not in self.arms:
+                continue
+            for p in arm.phases:
+                if p.name not in self.stage:
+                    continue
+                try:
+                    out += self.in_stage(p.name, self._listed(p.name, lambda p=p: p.jobs(self)))
+                except MergescopeError:
+                    return None
+        return out
 
     def jobs(self, phase: str) -> list[StudyJob]:
         """One phase's jobs by its name, whether or not the study runs its arm (an arm's own checks still apply)."""
@@ -118,7 +138,8 @@ class Plan:
         out = [("training", "training", lambda: self._listed("training", self.training_jobs))]
         for arm in arms():
             on = arm.name in self.arms
-            out += [(arm.row, p.name, (lambda p=p: self.in_stage(p.name, self._listed(p.name, lambda: p.jobs(self)))) if on
+            out += [(arm.row, p.name, (lambda p=p: self.in_stage(p.name, self._listed(p.name, lambda: p.jobs(self)))
+                                       if self.stage is None or p.name in self.stage else []) if on
                      else list) for p in arm.phases]
         return out
 
@@ -182,6 +203,51 @@ def stage_selection(cfg: DictConfig) -> dict[str, slice] | None:
     if str(name) not in every:
         raise MergescopeError(f"stage={name}: unknown stage: {did_you_mean(str(name), list(every))}")
     return every[str(name)]
+
+
+def _folder(p) -> str:
+    return str(Path(str(p)).expanduser().resolve())
+
+
+def zoo_folders(node) -> set[str]:
+    """The folders of every zoo model a job's config names (a node with ``zoo`` settings and a ``name_or_path``),
+    anywhere in it: its model, its pair's two sides, a merge's base."""
+    out: set[str] = set()
+    if isinstance(node, DictConfig):
+        if node.get("zoo") is not None and node.get("name_or_path"):
+            out.add(_folder(node.name_or_path))
+        for k in node.keys():
+            try:
+                v = node[k]
+            except Exception:  # an interpolation this job does not resolve: nothing of a model there
+                continue
+            if isinstance(v, (DictConfig, ListConfig)):
+                out |= zoo_folders(v)
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            try:
+                v = node[i]
+            except Exception:
+                continue
+            if isinstance(v, (DictConfig, ListConfig)):
+                out |= zoo_folders(v)
+    return out
+
+
+def stage_training(trains: list[StudyJob], stage_jobs: list[StudyJob] | None) -> list[StudyJob]:
+    """The training jobs a stage needs: those of the zoo models its jobs read, and of the zoo models those continue
+    from (``zoo.init_from``); every one when the stage's jobs are not known yet (``None``)."""
+    if stage_jobs is None:
+        return trains
+    read = set().union(*(zoo_folders(j.cfg) for j in stage_jobs)) if stage_jobs else set()
+    by_folder = {_folder(j.cfg.model.name_or_path): j for j in trains}
+    todo = [f for f in read if f in by_folder]
+    while todo:  # a fine-tune of a zoo model needs that model first
+        base = (by_folder[todo.pop()].cfg.model.get("zoo") or {}).get("init_from")
+        if base and _folder(base) in by_folder and _folder(base) not in read:
+            read.add(_folder(base))
+            todo.append(_folder(base))
+    return [j for j in trains if _folder(j.cfg.model.name_or_path) in read]
 
 
 def training_waves(jobs: list[StudyJob]) -> list[list[StudyJob]]:
@@ -441,10 +507,15 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     n = 0
     was_quiet = not verbose()
     set_quiet(True)
+    try:
+        trains = plan.training_jobs()  # what this launch trains first: the zoo models its stage reads
+    except BaseException:
+        set_quiet(was_quiet)
+        raise
     plan._stage = None  # every phase of the study, the stage's selection applied below
     try:
         with Tracker(cfg).finished_index(), recording() as seen:  # every done job's runs, its nested runs included
-            phases = plan.phases()
+            phases = [(a, p, (lambda: trains) if p == "training" else of) for a, p, of in plan.phases()]
             uncounted: set[str] = set()  # arms with a stage job decided from files an earlier job makes
             found = _found(phases, {**sel, "training": slice(None)}, uncounted)  # the launch trains what it needs first
         earlier = [r.run_id for r in seen]
