@@ -507,8 +507,8 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     n = 0
     was_quiet = not verbose()
     set_quiet(True)
-    try:
-        trains = plan.training_jobs()  # what this launch trains first: the zoo models its stage reads
+    try:  # what this launch trains first: the zoo models its stage reads (listed while the stage is set)
+        trains = next((of for _, p, of in plan.phases() if p == "training"), list)()
     except BaseException:
         set_quiet(was_quiet)
         raise
