@@ -223,11 +223,13 @@ def test_a_pass_killed_midway_resumes_from_its_checkpoint_with_the_same_numbers(
 
 
 def test_a_staged_launch_runs_its_stages_jobs_and_no_other(compose_cfg, monkeypatch):
-    """_run_jobs with stage=: the phases outside the stage run nothing, a sliced phase runs its slice."""
+    """_run_jobs with stage=: the phases outside the stage run nothing (nor are they listed), a sliced phase runs its
+    slice."""
     from types import SimpleNamespace
 
     import mergescope.study as study
     from mergescope.arm import Arm, Phase
+    from mergescope.errors import MergescopeError
     from mergescope.runs import JobResult
 
     ran: list[str] = []
@@ -237,11 +239,15 @@ def test_a_staged_launch_runs_its_stages_jobs_and_no_other(compose_cfg, monkeypa
                                 run=lambda i=i: (ran.append(f"{prefix}{i}"), JobResult(f"{prefix}{i}", False, {}, "h"))[1])
                 for i in range(n)]
 
+    def undecided(plan):  # a phase listed from model files no job of stage b makes (the native pair's)
+        raise MergescopeError("model folder /z/ft does not exist; train it (task=train)")
+
     fake = [Arm("one", order=1, phases=(Phase("quality", lambda p: jobs("q", 2), lambda j, r: j.name),
-                                        Phase("measure", lambda p: jobs("m", 3), lambda j, r: j.name))),
+                                        Phase("measure", lambda p: jobs("m", 3), lambda j, r: j.name),
+                                        Phase("native", undecided, lambda j, r: j.name))),
             Arm("two", order=2, phases=(Phase("transport settings", lambda p: jobs("t", 4), lambda j, r: j.name),))]
     monkeypatch.setattr(study, "arms", lambda: fake)
-    cfg, _ = compose_cfg(["+stages={a:[measure],b:['transport settings[1:3]',quality]}", "stage=b"])
+    cfg, _ = compose_cfg(["+stages={a:[measure,native],b:['transport settings[1:3]',quality]}", "stage=b"])
     plan = SimpleNamespace(cfg=cfg, arms=["one", "two"], training_jobs=lambda: [], _stage=study.stage_selection(cfg))
     plan.in_stage = lambda phase, js: study.Plan.in_stage(plan, phase, js)
     plan.stage = plan._stage

@@ -612,7 +612,9 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     for arm in arms():
         on = arm.name in plan.arms
         for p in arm.phases:
-            jobs = plan.in_stage(p.name, p.jobs(plan)) if on else []  # the launch's stage only (all without stage=)
+            # the launch's stage only (all without stage=); a phase outside it is not even listed (its list may be
+            # decided from model files this stage does not make)
+            jobs = plan.in_stage(p.name, p.jobs(plan)) if on and (plan.stage is None or p.name in plan.stage) else []
             if p.run is not None:
                 p.run(plan, jobs)
             else:
