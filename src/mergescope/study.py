@@ -507,13 +507,10 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     n = 0
     was_quiet = not verbose()
     set_quiet(True)
-    try:  # what this launch trains first: the zoo models its stage reads (listed while the stage is set)
-        trains = next((of for _, p, of in plan.phases() if p == "training"), list)()
-    except BaseException:
-        set_quiet(was_quiet)
-        raise
-    plan._stage = None  # every phase of the study, the stage's selection applied below
     try:
+        # what this launch trains first: the zoo models its stage reads (listed while the stage is set)
+        trains = next((of for _, p, of in plan.phases() if p == "training"), list)()
+        plan._stage = None  # every phase of the study, the stage's selection applied below
         with Tracker(cfg).finished_index(), recording() as seen:  # every done job's runs, its nested runs included
             phases = [(a, p, (lambda: trains) if p == "training" else of) for a, p, of in plan.phases()]
             uncounted: set[str] = set()  # arms with a stage job decided from files an earlier job makes
