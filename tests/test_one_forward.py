@@ -292,6 +292,7 @@ def test_a_stage_trains_only_the_zoo_models_its_jobs_read(compose_cfg, monkeypat
         plan.in_stage = lambda phase, js, plan=plan: study.Plan.in_stage(plan, phase, js)
         plan._listed = lambda phase, make, plan=plan: study.Plan._listed(plan, phase, make)
         plan._stage_jobs = lambda plan=plan: study.Plan._stage_jobs(plan)
+        plan.phases = lambda plan=plan: study.Plan.phases(plan)
         plan.model_jobs = lambda task: trains
         got[stage] = [j.name for j in study.Plan.training_jobs(plan)]
     assert got == {"a": [], "b": ["base", "ft"], "c": ["base", "ft", "other"], "d": []}

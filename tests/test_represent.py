@@ -84,6 +84,30 @@ def test_cache_roundtrip(tmp_path):
     assert other.digest != key.digest and cache.get(other) is None
 
 
+def test_unusable_states_are_told_per_sentence_for_a_stack_of_layers(tmp_path):
+    """A (layers, sentences, dim) stack is read along its sentences: a non-finite sentence is counted once whatever
+    its layers, identical states at every layer are refused, one layer alike for every sentence is not."""
+    from mergescope.represent.cache import representation_problem
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(4, 6, 3))
+    assert representation_problem(X) is None
+    bad = X.copy()
+    bad[0, 2, 1] = np.nan
+    bad[3, 2, 0] = np.inf
+    bad[1, 5, 2] = np.nan
+    assert representation_problem(bad) == "2 of 6 sentences have NaN or infinite representations"
+    assert representation_problem(bad[0]) == "1 of 6 sentences have NaN or infinite representations"
+    alike = X.copy()
+    alike[0] = alike[0, :1]  # the embedding layer alike for every sentence: legitimate
+    assert representation_problem(alike) is None
+    same = np.broadcast_to(rng.normal(size=(4, 1, 3)), (4, 6, 3))  # every layer differs, no sentence does
+    assert representation_problem(same) == "every sentence has the same representation"
+    assert representation_problem(same[2]) == "every sentence has the same representation"
+    with pytest.raises(ValueError, match="not caching unusable"):
+        ReprCache(tmp_path).put(ReprKey("m", "d", "eng", "dev", "mean", -1, "float32", 64), np.ascontiguousarray(same), {})
+
+
 def test_control_permutations_are_per_pair_shared_by_metrics_and_replicated():
     from mergescope.metrics import linear_cka
     from mergescope.represent.job import control_permutations, shuffled_values

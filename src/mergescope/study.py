@@ -110,19 +110,16 @@ class Plan:
         return stage_training(jobs, self._stage_jobs())
 
     def _stage_jobs(self) -> list[StudyJob] | None:
-        """Every job of the launch's stage, or None while a phase of it cannot list its jobs (decided from model files
-        that do not exist yet)."""
+        """Every job of the launch's stage (the phases :meth:`phases` lists, training apart), or None while a phase of
+        it cannot list its jobs (decided from model files that do not exist yet)."""
         out: list[StudyJob] = []
-        for arm in arms():
-            if arm.name not in self.arms:
+        for _row, phase, listed in self.phases():
+            if phase == "training":
                 continue
-            for p in arm.phases:
-                if p.name not in self.stage:
-                    continue
-                try:
-                    out += self.in_stage(p.name, self._listed(p.name, lambda p=p: p.jobs(self)))
-                except MergescopeError:
-                    return None
+            try:
+                out += listed()
+            except MergescopeError:
+                return None
         return out
 
     def jobs(self, phase: str) -> list[StudyJob]:

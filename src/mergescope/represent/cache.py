@@ -34,10 +34,17 @@ class ReprKey:
 
 
 def representation_problem(X: np.ndarray) -> str | None:
-    """Why pooled representations cannot be measured (NaN/inf, or identical for every sentence); None if fine."""
-    if not np.isfinite(X).all():
-        return f"{int((~np.isfinite(X)).any(axis=1).sum())} of {X.shape[0]} sentences have NaN or infinite representations"
-    if X.shape[0] > 1 and not np.ptp(X, axis=0).any():
+    """Why pooled representations cannot be measured (NaN/inf, or identical for every sentence); None if fine.
+    ``X`` is (sentences, dim), or (layers, sentences, dim) for every layer's states: then a sentence is bad when any of
+    its layers is, and the states are unusable when every sentence has the same one at every layer (one layer alike for
+    every sentence is legitimate: the embedding layer under last-token pooling when every sentence ends alike)."""
+    X = np.asarray(X)
+    axis = 1 if X.ndim == 3 else 0
+    bad = ~np.isfinite(X)
+    if bad.any():
+        rest = tuple(a for a in range(X.ndim) if a != axis)
+        return f"{int(bad.any(axis=rest).sum())} of {X.shape[axis]} sentences have NaN or infinite representations"
+    if X.shape[axis] > 1 and not np.ptp(X, axis=axis).any():
         return "every sentence has the same representation"
     return None
 
