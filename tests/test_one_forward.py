@@ -250,6 +250,8 @@ def test_a_staged_launch_runs_its_stages_jobs_and_no_other(compose_cfg, monkeypa
     cfg, _ = compose_cfg(["+stages={a:[measure,native],b:['transport settings[1:3]',quality]}", "stage=b"])
     plan = SimpleNamespace(cfg=cfg, arms=["one", "two"], training_jobs=lambda: [], _stage=study.stage_selection(cfg))
     plan.in_stage = lambda phase, js: study.Plan.in_stage(plan, phase, js)
+    plan._listed = lambda phase, make: study.Plan._listed(plan, phase, make)
+    plan.phases = lambda: study.Plan.phases(plan)
     plan.stage = plan._stage
     study._run_jobs(plan, {})
     assert ran == ["q0", "q1", "t1", "t2"]

@@ -603,12 +603,12 @@ def _run_jobs(plan: Plan, peaks: dict[str, float]) -> dict[str, float]:
     for j in (j for j in trains if j not in todo):
         j.run()  # returns at once: the model is trained (its run is recorded)
     lap("training")
+    # each phase's jobs as plan.phases() lists them: the launch's stage only (all without stage=); a phase outside it
+    # or of an arm the study does not run is not even listed (its list may be decided from files this stage never makes)
+    listed = {name: of for _, name, of in plan.phases() if name != "training"}
     for arm in arms():
-        on = arm.name in plan.arms
         for p in arm.phases:
-            # the launch's stage only (all without stage=); a phase outside it is not even listed (its list may be
-            # decided from model files this stage does not make)
-            jobs = plan.in_stage(p.name, p.jobs(plan)) if on and (plan.stage is None or p.name in plan.stage) else []
+            jobs = listed[p.name]()
             if p.run is not None:
                 p.run(plan, jobs)
             else:
