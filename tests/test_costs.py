@@ -205,3 +205,37 @@ def test_a_fine_tune_not_trained_yet_is_counted_from_its_base(tmp_path):
     ft.zoo.init_from = str(tmp_path / "absent")
     s, why = costs.shape_of(ft)
     assert s is None and "absent" in why and "make real" in why
+
+
+
+def test_the_released_sft_is_not_charged_again_for_the_fusion_it_reuses(compose_cfg, monkeypatch):
+    """study=crossarch_real's ablation: the released SFT setting reuses the released method's fusion runs (each alpha
+    on the dev selection, the test scoring with its controls: one identity, the adaptation apart), so counted after
+    that setting it is charged its plans and its training alone; counted first it pays those forwards too. (Every
+    model counted with one small shape: the real models need not be on disk.)"""
+    import mergescope.study as study_mod
+    from mergescope.transport.identity import fusion_key, sides
+    from mergescope.transport.settings import TransportSettings, probe_data
+
+    shape, _ = costs.shape_of(_entry(False))
+    monkeypatch.setattr(costs, "shape_of", lambda entry: (shape, "test shape"))
+    cfg, overrides = compose_cfg(["study=crossarch_real"])
+    jobs = study_mod.Plan(overrides).jobs("transport settings")
+    released, sft = jobs[0], jobs[-1]
+    assert not released.cfg.merge.adapt.enabled and sft.cfg.merge.adapt.enabled
+    assert fusion_key(released.cfg) == fusion_key(sft.cfg) != fusion_key(jobs[1].cfg)  # row-stochastic plans: their own
+    k = costs.constants()
+    alone = costs.count(costs.Counter(k), sft.task, sft.cfg)
+    c = costs.Counter(k)
+    costs.count(c, released.task, released.cfg)
+    after = costs.count(c, sft.task, sft.cfg)
+    # the fusion's forwards, from the config: the unfused target and each alpha on the dev lines after the probes, then
+    # at the chosen alpha the unfused target, the OT fusion, the shrink-only control and each random-plan seed on
+    # both languages' test sentences; every one a forward of the target with its head
+    m, (t, d), st = sft.cfg.merge, sides(sft.cfg), shape
+    probes = probe_data(sft.cfg, TransportSettings.from_node(m))
+    sel = c.tokens(probes, t.lang, m.probe_sentences + m.select_sentences)[1] - c.tokens(probes, t.lang, m.probe_sentences)[1]
+    test = sum(c.tokens(sft.cfg.data, lang, sft.cfg.native.nll_sentences)[1] for lang in (t.lang, d.lang))
+    fusion = 2.0 * (st.body + st.head) * ((1 + len(m.alphas)) * sel + (1 + 2 + m.control_seeds) * test)
+    assert m.test_at == "selected" and t.lang != d.lang and fusion > 0
+    assert alone.flops - after.flops == pytest.approx(fusion, rel=1e-12)

@@ -134,7 +134,7 @@ def run_sweep(plan, jobs: list) -> None:
 
 def _w_transport(c, cfg, w) -> None:
     from mergescope.costs import transport_plans
-    from mergescope.transport.identity import sides
+    from mergescope.transport.identity import fusion_key, sides
     from mergescope.transport.settings import TransportSettings
 
     t_entry, d_entry = sides(cfg)
@@ -151,6 +151,9 @@ def _w_transport(c, cfg, w) -> None:
     alphas = len(m.get("alphas") or [])
     seeds = int(m.get("control_seeds") or 1)
     select = int(m.get("select_sentences") or 0)
+    fused = fusion_key(cfg)  # the fusion's runs, adaptation apart: a job with the same ones reuses them
+    if fused in c.seen:
+        select = 0
     if select:  # the selection split: FLORES dev lines after the probes, the OT fusion at each alpha and the unfused target
         from mergescope.transport.settings import probe_data
 
@@ -159,7 +162,9 @@ def _w_transport(c, cfg, w) -> None:
         _, probes = c.tokens(probe_set, t_entry.lang, int(m.probe_sentences))
         w.add_forward(st, sel - probes, logits=True, passes=1 + alphas)
     tested = 1 if str(m.get("test_at") or "every") == "selected" else alphas
-    w.add_forward(st, tok, logits=True, passes=1 + tested * (2 + seeds))  # baseline; OT, shrink-only and each control seed
+    if fused not in c.seen:
+        c.seen.add(fused)
+        w.add_forward(st, tok, logits=True, passes=1 + tested * (2 + seeds))  # baseline; OT, shrink-only and each control seed
     if ts.adapt is not None:  # trained: the fused model, each adapted control seed's, the no-fusion baseline (and the released
         # mode's damped baseline), each a forward and backward per step, then each scored before and after
         adapted = seeds if ts.adapt.control_seeds is None else min(ts.adapt.control_seeds, seeds)

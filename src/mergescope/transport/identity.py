@@ -9,11 +9,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mergescope import models, precision
-from mergescope.config import hash_parts, plain_copy
+from mergescope.config import hash_parts, plain_copy, to_plain
 from mergescope.runs import model_parts
 
 __all__ = ["TRANSPORT_KEYS", "BASELINE_KEYS", "EVIDENCE", "sides", "probe_compute", "digest", "job_hash", "baseline_hash",
-           "at_adapt_alpha"]
+           "fusion_key", "at_adapt_alpha"]
 
 TRANSPORT_KEYS = ["pair", "merge", "data", "native.nll_sentences", "represent.max_length"]
 BASELINE_KEYS = ["merge.adapt", "merge.probe_split", "data", "native.nll_sentences", "represent.max_length"]
@@ -66,6 +66,16 @@ def at_adapt_alpha(cfg: DictConfig, alpha: float | None = None) -> DictConfig:
         if alpha is not None:
             cfg.merge.adapt.alpha = float(alpha)
     return cfg
+
+
+def fusion_key(cfg: DictConfig) -> tuple[str, str]:
+    """What a direction's fusion runs (each alpha on the selection and test sentences, with its controls) read of its
+    config: the hashed sections with the adaptation off, as each alpha's identity reads them (``job._alpha_hashes``),
+    the models by their entries. Two jobs with one key share those runs (the released SFT reuses the released
+    method's); the plan's count charges them once."""
+    parts = {k: to_plain(OmegaConf.select(cfg, k)) for k in TRANSPORT_KEYS}
+    parts["merge"] = {**parts["merge"], "adapt": {"enabled": False}}
+    return ("transport fusion", hash_parts("transport", {**parts, "save": bool(cfg.get("save")), **precision.identity(cfg)}))
 
 
 def baseline_hash(cfg: DictConfig, adapt_text: tuple[str, ...]) -> str:
