@@ -152,9 +152,9 @@ def _w_transport(c, cfg, w) -> None:
     seeds = int(m.get("control_seeds") or 1)
     select = int(m.get("select_sentences") or 0)
     fused = fusion_key(cfg)  # the fusion's runs, adaptation apart: a job with the same ones reuses them
-    if fused in c.seen:
-        select = 0
-    if select:  # the selection split: FLORES dev lines after the probes, the OT fusion at each alpha and the unfused target
+    reused = fused in c.seen
+    c.seen.add(fused)
+    if select and not reused:  # the selection split: FLORES dev lines after the probes, the OT fusion at each alpha and the unfused target
         from mergescope.transport.settings import probe_data
 
         probe_set = probe_data(cfg, TransportSettings.from_node(m))
@@ -162,8 +162,7 @@ def _w_transport(c, cfg, w) -> None:
         _, probes = c.tokens(probe_set, t_entry.lang, int(m.probe_sentences))
         w.add_forward(st, sel - probes, logits=True, passes=1 + alphas)
     tested = 1 if str(m.get("test_at") or "every") == "selected" else alphas
-    if fused not in c.seen:
-        c.seen.add(fused)
+    if not reused:
         w.add_forward(st, tok, logits=True, passes=1 + tested * (2 + seeds))  # baseline; OT, shrink-only and each control seed
     if ts.adapt is not None:  # trained: the fused model, each adapted control seed's, the no-fusion baseline (and the released
         # mode's damped baseline), each a forward and backward per step, then each scored before and after
