@@ -217,17 +217,24 @@ def test_released_solvers_step_for_step():
     np.testing.assert_allclose(rel.released_layer_plan(torch.from_numpy(Cl), 0.1).numpy(), ref_layer_plan(Cl, 0.1), rtol=2e-6)
 
 
-def test_released_sinkhorn_scaling_domain_is_the_log_domain(monkeypatch):
+@pytest.mark.parametrize("block_bytes", [1 << 22, 3 * 3 * 55 * 8])
+def test_released_sinkhorn_scaling_domain_is_the_log_domain(monkeypatch, block_bytes):
     """The scaling-domain iterates (taken when the cost spans <= 300 epsilons) are the log-domain ones: the same stopping
-    iteration per problem, the plans to 1e-10; a cost too wide for float64 scalings takes the log domain and still solves."""
+    iteration per problem, the plans to 1e-10, whether E is read in one block or in blocks of 3 rows (its one pass an
+    iteration, the stopping check read off the next pass); a cost too wide for float64 scalings takes the log domain
+    and still solves."""
     C = correlated_costs(3, 64, 40, 55, (0.0, 0.5, 3.0))
-    for eps in (0.1, 0.01):
+    monkeypatch.setattr(rel, "SCALING_BLOCK_BYTES", block_bytes)
+    seen = set()
+    for eps in (0.1, 0.01, 0.02):
         Qs, its = rel.released_sinkhorn(C, eps)
         monkeypatch.setattr(rel, "SCALING_SPAN", -1.0)
         Ql, itl = rel.released_sinkhorn(C, eps)
-        monkeypatch.undo()
+        monkeypatch.setattr(rel, "SCALING_SPAN", 300.0)
         assert its == itl
+        seen.update(its)
         np.testing.assert_allclose(Qs.numpy(), Ql.numpy(), rtol=1e-10, atol=1e-300)
+    assert len(seen) > 2 and 199 in seen  # problems stopping at different checks, and at the cap
     wide = C[:1] * 400.0  # spans ~800 epsilons at 1.0: the kernel would underflow float64
     Q, _ = rel.released_sinkhorn(wide, 1.0)
     assert torch.isfinite(Q).all()
@@ -575,7 +582,7 @@ def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, m
     target, donor, tl, dl, tp, dp = tiny_pair
     solved = []
     real = rel._solve_stack
-    monkeypatch.setattr(rel, "_solve_stack", lambda st, C, what: (solved.append(C.numel()), real(st, C, what))[1])
+    monkeypatch.setattr(rel, "_solve_stack", lambda st, C, what, **kw: (solved.append(C.numel()), real(st, C, what, **kw))[1])
     released = {"sublayers": sublayers, "plan_dtype": "float64", **({"layer_pairs": layer_pairs} if layer_pairs else {}), **extra}
     over = {"layer_subsample": 20, "layer_topk": 1} if layer_pairs == "pruned" else {}
     s = TransportSettings.defaults("transport_released", top_k=7, released=released, **over)

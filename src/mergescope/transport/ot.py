@@ -37,8 +37,10 @@ class PlanInfo:
     extra: dict = field(default_factory=dict)
 
 
-def pearson_cost(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    """(n_x, n_y) cost 1 - Pearson correlation between columns of X (s, n_x) and Y (s, n_y), float64."""
+def pearson_cost(X: torch.Tensor, Y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(n_x, n_y) cost 1 - Pearson correlation between columns of X (s, n_x) and Y (s, n_y), float64; written into
+    ``out`` (a contiguous float64 (n_x, n_y) tensor) when given, with no other array of that size allocated: at a
+    real model's MLP width (1536 x 4864) a fresh array costs as much as the product's clamp and complement together."""
     X = X.to(torch.float64)
     Y = Y.to(Y.device if X.device == Y.device else X.device, torch.float64)
     if X.shape[0] != Y.shape[0]:
@@ -50,8 +52,8 @@ def pearson_cost(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
     tiny = torch.finfo(torch.float64).tiny ** 0.5
     Xn = torch.where(nx > tiny, Xc / nx.clamp_min(tiny), torch.zeros_like(Xc))
     Yn = torch.where(ny > tiny, Yc / ny.clamp_min(tiny), torch.zeros_like(Yc))
-    rho = (Xn.T @ Yn).clamp(-1.0, 1.0)
-    return 1.0 - rho
+    rho = Xn.T @ Yn if out is None else torch.matmul(Xn.T, Yn, out=out)
+    return rho.clamp_(-1.0, 1.0).neg_().add_(1.0)  # (-rho) + 1 is 1 - rho to the bit
 
 
 def marginal_error(Q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:

@@ -164,7 +164,8 @@ def magnitude(p: fus.Probe, lay: Layout, name: str, layer: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- its solvers
 
 
-def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: float = 1e-6) -> tuple[torch.Tensor, list[int]]:
+def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: float = 1e-6,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """The released neuron Sinkhorn on a stack of problems ``C`` (B, n, m), each stopping on its own: log-domain,
     uniform marginals, log u = log a - LSE_j(-C/eps + log v), then log v = log b - LSE_i(-C/eps + log u), from zero
     potentials; every 10th iteration (and the last) the row marginals' L1 error err, stopping when err < tol or
@@ -173,12 +174,13 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
 
     The same iterates are computed in the scaling domain when they fit float64 (:func:`_scaling_sinkhorn`: two
     batched mat-vecs an iteration instead of two log-sum-exps over the whole matrix, ~10x faster on a CPU); the
-    log domain otherwise."""
+    log domain otherwise. ``out``: a float64 buffer of C's shape the scaling domain works and returns its plans in."""
     C = C.to(torch.float64)
-    span = float((C.amax(dim=(1, 2)) - C.amin(dim=(1, 2))).max()) / float(epsilon) if C.numel() else 0.0
-    if span <= SCALING_SPAN:
-        return _scaling_sinkhorn(C, epsilon, n_iters, tol)
     B, n, m = C.shape
+    lo, hi = (C.amin(dim=(1, 2)), C.amax(dim=(1, 2))) if C.numel() else (C.new_zeros(B), C.new_zeros(B))
+    span = float((hi - lo).max()) / float(epsilon) if C.numel() else 0.0
+    if span <= SCALING_SPAN:
+        return _scaling_sinkhorn(C, lo, epsilon, n_iters, tol, out)
     K = -C / float(epsilon)
     loga, logb = -math.log(n), -math.log(m)
 
@@ -198,26 +200,54 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
 # kernel exp(-(C - min C) / eps) then lies in [e^-300, 1] and the scalings within ~e^+-330, far inside float64's e^+-708
 # (the correlation cost spans at most 2, so every epsilon >= 2 / 300 = 0.0067 takes it).
 SCALING_SPAN = 300.0
+# The scaling domain reads E in blocks of rows of at most this many bytes (the stack's problems together): each block is
+# read twice an iteration, the second time from cache.
+SCALING_BLOCK_BYTES = 1 << 22
 
 
-def _scaling_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int, tol: float) -> tuple[torch.Tensor, list[int]]:
+def _scaling_sinkhorn(C: torch.Tensor, lo: torch.Tensor, epsilon: float, n_iters: int, tol: float,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """:func:`released_sinkhorn`'s iterates in the scaling domain: with s = min C per problem, E = exp(-(C - s)/eps),
     u = exp(log u - s/eps) and v = exp(log v), the log-domain updates are u = a / (E v) and v = b / (E^T u) exactly, the
-    row marginal u * (E v) and the plan u E v; the same stopping rule on the same err."""
+    row marginal u * (E v) and the plan u E v; the same stopping rule on the same err.
+
+    One pass over E an iteration (E is memory-bound: the pass is the cost): E is read in blocks of rows small enough to
+    stay in cache, each block giving its rows' E v (hence their new u) and then, read again from cache, its share of
+    E^T u. The err checked after iteration t needs E v_t, which is the first half of iteration t + 1's pass: the check
+    is read off that pass and a problem that stops there keeps its iteration-t potentials (the iteration-(t + 1) ones
+    are dropped). A check at the last iteration changes neither the potentials nor the iteration reported, so it is not
+    made. ``lo``: each problem's min C; E (then the plan) is built in ``out`` when given."""
     B, n, m = C.shape
-    E = torch.exp(-(C - C.amin(dim=(1, 2), keepdim=True)) / float(epsilon))
+    E = torch.sub(lo[:, None, None], C, out=out) if out is not None else lo[:, None, None] - C  # s - C is -(C - s) to the bit
+    E.div_(float(epsilon)).exp_()  # -(C - s) / eps: the log domain's K - s / eps
     a, b = 1.0 / n, 1.0 / m
-
-    def update(v):
-        nu = a / torch.bmm(E, v[:, :, None])[:, :, 0]
-        return nu, b / torch.bmm(nu[:, None, :], E)[:, 0, :]
-
-    def row_error(u, v):
-        return (u * torch.bmm(E, v[:, :, None])[:, :, 0] - a).abs().sum(1)
-
-    ones = C.new_ones
-    u, v, iters = _released_loop(update, row_error, ones(B, n), ones(B, m), n_iters, tol)
-    return u[:, :, None] * E * v[:, None, :], iters
+    rows = max(1, min(n, int(SCALING_BLOCK_BYTES // max(1, B * m * E.element_size()))))
+    u, v = C.new_ones(B, n), C.new_ones(B, m)
+    s, col = C.new_empty(B, n), C.new_empty(B, m)
+    prev = C.new_full((B,), 1e9)
+    done = torch.zeros(B, dtype=torch.bool, device=C.device)
+    iters = [n_iters - 1] * B
+    check = False  # whether the iteration before this one is a check whose err this pass gives
+    for t in range(n_iters):
+        col.zero_()
+        for i0 in range(0, n, rows):
+            blk = E[:, i0:i0 + rows]
+            sb = torch.bmm(blk, v[:, :, None])[:, :, 0]
+            s[:, i0:i0 + rows] = sb
+            col.add_(torch.bmm((a / sb)[:, None, :], blk)[:, 0])
+        if check:
+            err = (u * s - a).abs().sum(1)
+            stop = ~done & ((err < tol) | ((err - prev).abs() < tol * 0.1))
+            for i in stop.nonzero().flatten().tolist():
+                iters[i] = t - 1
+            prev = torch.where(done, prev, err)
+            done = done | stop
+            if bool(done.all()):
+                break
+        u = torch.where(done[:, None], u, a / s)
+        v = torch.where(done[:, None], v, b / col)
+        check = t % 10 == 0 and t < n_iters - 1
+    return E.mul_(u[:, :, None]).mul_(v[:, None, :]), iters
 
 
 def _released_loop(update, row_error, p: torch.Tensor, q: torch.Tensor, n_iters: int, tol: float):
@@ -245,13 +275,15 @@ def _released_loop(update, row_error, p: torch.Tensor, q: torch.Tensor, n_iters:
     return p, q, iters
 
 
-def stored(Q: torch.Tensor, dtype: str) -> torch.Tensor:
+def stored(Q: torch.Tensor, dtype: str, inplace: bool = False) -> torch.Tensor:
     """A plan as the released code keeps it: cast to ``dtype``, divided by its own sum in that dtype (bfloat16: the
-    sum rounded to bfloat16 and the quotient too), back in float64. float64: Q / sum(Q)."""
+    sum rounded to bfloat16 and the quotient too), back in float64. float64: Q / sum(Q). ``inplace``: written over Q
+    (float64), the same numbers."""
     if dtype == "float64":
-        return Q / Q.sum()
+        return Q.div_(Q.sum()) if inplace else Q / Q.sum()
     q = Q.to(torch.bfloat16)
-    return (q / q.sum()).to(torch.float64)
+    q = q.div_(q.sum())
+    return Q.copy_(q) if inplace else q.to(torch.float64)
 
 
 def released_layer_plan(C: torch.Tensor, epsilon: float, max_iter: int = 1000, tol: float = 1e-7) -> torch.Tensor:
@@ -346,19 +378,29 @@ class _State:
     device: torch.device
     infos: list[tot.PlanInfo] = field(default_factory=list)
     diag: dict[str, list[float]] = field(default_factory=dict)
+    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A float64 work array kept across plans of one shape (the fit solves thousands of plans of a few shapes: a
+        fresh array of a real MLP plan's size costs about as much to fault in as a Sinkhorn iteration over it)."""
+        key = (name, tuple(shape))
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(shape, dtype=torch.float64, device=self.device)
+        return self.buffers[key]
 
 
-def _solve_stack(st: _State, C: torch.Tensor, what: str) -> list[torch.Tensor]:
-    """Plans for a stack of costs, as stored (``plan_dtype``), by the configured solver."""
+def _solve_stack(st: _State, C: torch.Tensor, what: str, keep: bool = True) -> list[torch.Tensor]:
+    """Plans for a stack of costs, as stored (``plan_dtype``), by the configured solver. ``keep=False``: the plans are
+    views of a work array, valid until the next stack of the same shape is solved."""
     s, r = st.s, st.s.released
     if r.solver == "released":
-        Q, iters = released_sinkhorn(C, s.epsilon, s.max_iter, s.marginal_tol)
+        Q, iters = released_sinkhorn(C, s.epsilon, s.max_iter, s.marginal_tol, out=st.buffer("plan", C.shape))
         out = []
         for Qi, it in zip(Q, iters):
             n, m = Qi.shape
             err = float((Qi.sum(1) - 1.0 / n).abs().sum())
             st.infos.append(tot.PlanInfo("released_sinkhorn", max(err, float((Qi.sum(0) - 1.0 / m).abs().sum())), int(it)))
-            out.append(stored(Qi, r.plan_dtype))
+            out.append(stored(Qi, r.plan_dtype) if keep else stored(Qi, r.plan_dtype, inplace=True))
         return out
     out = []
     for Ci in C:
@@ -390,16 +432,18 @@ def _layer_cost(st: _State, tv: str, dv: str, budget_bytes: int = 1 << 28) -> np
         return x if sub.get(side) is None else x[:, sub[side].to(x.device)]
 
     for a, l in enumerate(lt):
-        xt = cols(view(st.tp, st.tl, tv, l), "t")
+        xt = cols(view(st.tp, st.tl, tv, l), "t").to(st.device)
         c0, per = 0, None
         while c0 < len(ld):  # as many donor layers at a time as fit the budget (four float64 n x m arrays each)
-            costs = [tot.pearson_cost(xt, cols(view(st.dp, st.dl, dv, ld[c0]), "d")).to(st.device)]
-            per = per or max(1, int(budget_bytes // (costs[0].numel() * 8 * 4)))
-            costs += [tot.pearson_cost(xt, cols(view(st.dp, st.dl, dv, m), "d")).to(st.device) for m in ld[c0 + 1:c0 + per]]
-            C = torch.stack(costs)
-            for b, Q in enumerate(_solve_stack(st, C, f"{tv}|{dv} neuron plan (layer cost {l})")):
-                out[a, c0 + b] = float((Q * C[b]).sum())
-            c0 += len(costs)
+            xd = cols(view(st.dp, st.dl, dv, ld[c0]), "d").to(st.device)
+            per = per or max(1, int(budget_bytes // (xt.shape[1] * xd.shape[1] * 8 * 4)))
+            ms = ld[c0:c0 + per]
+            C = st.buffer("cost", (len(ms), xt.shape[1], xd.shape[1]))
+            for b, m in enumerate(ms):
+                tot.pearson_cost(xt, cols(view(st.dp, st.dl, dv, m), "d").to(st.device), out=C[b])
+            for b, Q in enumerate(_solve_stack(st, C, f"{tv}|{dv} neuron plan (layer cost {l})", keep=False)):
+                out[a, c0 + b] = float(Q.mul_(C[b]).sum())  # <C, Q>, Q's array reused for the products
+            c0 += len(ms)
     return out
 
 
@@ -424,8 +468,8 @@ def _plan(st: _State, tv: str, dv: str, l: int, m: int, diag: bool) -> tuple[tor
     """One (target layer, donor layer) plan between two views, ready to multiply: (Phi as the output side, Phi as the
     input side): sigma-rescaled, top-r cut, then row- / column-stochastic when ``plan_scale=row_stochastic``."""
     r = st.s.released
-    xt, xd = view(st.tp, st.tl, tv, l), view(st.dp, st.dl, dv, m)
-    C = tot.pearson_cost(xt, xd).to(st.device)
+    xt, xd = view(st.tp, st.tl, tv, l).to(st.device), view(st.dp, st.dl, dv, m).to(st.device)
+    C = tot.pearson_cost(xt, xd, out=st.buffer("cost", (1, xt.shape[1], xd.shape[1]))[0])
     Q = _solve_stack(st, C[None], f"{tv}|{dv} neuron plan (layer {l} <- {m})")[0]
     if diag:
         for k, v in tot.plan_diagnostics(Q, C, epsilon=st.s.epsilon, seed=st.s.control_seed).items():
