@@ -40,7 +40,7 @@ class PlanInfo:
 def pearson_cost(X: torch.Tensor, Y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(n_x, n_y) cost 1 - Pearson correlation between columns of X (s, n_x) and Y (s, n_y), float64; written into
     ``out`` (a contiguous float64 (n_x, n_y) tensor) when given, with no other array of that size allocated: at a
-    real model's MLP width (1536 x 4864) a fresh array costs as much as the product's clamp and complement together."""
+    real model's MLP width (1536 x 4864) a fresh array costs twice the in-place clamp and complement together."""
     X = X.to(torch.float64)
     Y = Y.to(Y.device if X.device == Y.device else X.device, torch.float64)
     if X.shape[0] != Y.shape[0]:
