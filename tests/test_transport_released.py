@@ -26,8 +26,9 @@ def lines(lang: str, split: str = "dev", n: int = 200) -> list[str]:
 # ----------------------------------------------------------------------------- the definitions, written out
 
 
-def ref_sinkhorn(C: np.ndarray, eps: float, n_iters: int = 200, tol: float = 1e-6) -> np.ndarray:
-    """hot_transport_chunk.sinkhorn_uniform_streaming's iteration and stopping rule, one problem, numpy float64."""
+def ref_sinkhorn(C: np.ndarray, eps: float, n_iters: int = 200, tol: float = 1e-6, with_iter: bool = False):
+    """hot_transport_chunk.sinkhorn_uniform_streaming's iteration and stopping rule, one problem, numpy float64 (and
+    the iteration it stopped at when ``with_iter``)."""
     n, m = C.shape
     K = -C / eps
     logu, logv, prev = np.zeros(n), np.zeros(m), 1e9
@@ -39,7 +40,8 @@ def ref_sinkhorn(C: np.ndarray, eps: float, n_iters: int = 200, tol: float = 1e-
             if err < tol or abs(err - prev) < tol * 0.1:
                 break
             prev = err
-    return np.exp(K + logu[:, None] + logv[None, :])
+    Q = np.exp(K + logu[:, None] + logv[None, :])
+    return (Q, t) if with_iter else Q
 
 
 def ref_store(Q: np.ndarray, dtype: str) -> np.ndarray:
@@ -209,8 +211,10 @@ def test_released_solvers_step_for_step():
     C = correlated_costs(0, 50, 9, 12, (0.0, 1.0, 5.0))
     for eps in (0.1, 0.01):
         Q, iters = rel.released_sinkhorn(C, eps)
-        for Ci, Qi in zip(C, Q):
-            np.testing.assert_allclose(Qi.numpy(), ref_sinkhorn(Ci.numpy(), eps), rtol=1e-9, atol=0)
+        for Ci, Qi, it in zip(C, Q, iters):
+            ref, ref_it = ref_sinkhorn(Ci.numpy(), eps, with_iter=True)
+            assert it == ref_it  # the iteration each problem stopped at, as the released loop counts it
+            np.testing.assert_allclose(Qi.numpy(), ref, rtol=1e-9, atol=0)
             np.testing.assert_array_equal(rel.stored(Qi, "bfloat16").numpy(), ref_store(ref_sinkhorn(Ci.numpy(), eps), "bfloat16"))
         assert eps == 0.01 or max(iters) < 199  # at the released 0.1 every problem stops before the cap
     Cl = np.random.default_rng(1).uniform(0.8, 1.0, size=(5, 4))
