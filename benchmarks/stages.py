@@ -1,13 +1,14 @@
 """A staged study's launches, read from the store: per stage launch its wall time beside what plan=true counted for it
-and beside its floating-point floor at the float32 matrix-multiply rate the same launch measured at its start, with
+and beside its floating-point floor at the matrix-multiply rates the same launch measured at its start, with
 its peak resident set, the CPU, whether it had bfloat16 units and the load average when it started (how idle the
 machine was). Nothing runs.
 
     python benchmarks/stages.py [--experiment crossarch_real] [--root .]
 
 Ratios, over the wall time of the arms the count covers: ``wall / counted`` is the count's accuracy (the target: within
-1.5x); ``wall / floor`` is how far the stage runs from the machine's limit (the counted FLOPs over the measured rate;
-the target: within 2x). A launch that shared the machine reads a lower rate at its start, which lowers its floor:
+1.5x); ``wall / floor`` is how far the stage runs from the machine's limit (the counted float32 FLOPs over the
+measured float32 rate, plus the transport fusion's float64 products over the measured float64 rate; a launch that
+logged no float64 rate counted no products; the target: within 2x). A launch that shared the machine reads a lower rate at its start, which lowers its floor:
 ``wall / floor at the CPU's best rate`` divides by the floor at the fastest rate any launch on the same CPU measured.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 from pathlib import Path
+
+from mergescope.costs import flop_floor_s
 
 
 def rows(root: Path, experiment: str) -> list[list[str]]:
@@ -28,12 +31,13 @@ def rows(root: Path, experiment: str) -> list[list[str]]:
     out = []
     runs = client.search_runs([exp.experiment_id], "tags.kind = 'study' and attributes.status = 'FINISHED'",
                               order_by=["attributes.start_time ASC"], max_results=1000)
-    best: dict[str, float] = {}  # per CPU, the fastest float32 rate any launch measured: a rate read under load is lower
-    for r in runs:
-        rate = r.data.metrics.get("machine_f32_gflops", float("nan"))
-        if rate == rate:
-            cpu = r.data.tags.get("cpu", "?")
-            best[cpu] = max(best.get(cpu, 0.0), rate)
+    best: dict[tuple[str, str], float] = {}  # per CPU and precision, the fastest rate any launch measured (a rate
+    for r in runs:                            # read under load is lower)
+        for dtype in ("f32", "f64"):
+            rate = r.data.metrics.get(f"machine_{dtype}_gflops", float("nan"))
+            if rate == rate:
+                key = (r.data.tags.get("cpu", "?"), dtype)
+                best[key] = max(best.get(key, 0.0), rate)
     for r in runs:
         t, m = r.data.tags, r.data.metrics
         if "stage" not in t or "stage_counted_cpu_s" not in m:
@@ -41,12 +45,16 @@ def rows(root: Path, experiment: str) -> list[list[str]]:
         # the wall time of the arms the count covers (an arm whose jobs could not be counted before the launch is left out)
         wall = m.get("stage_counted_wall_s", m.get("wall_s.all_jobs", float("nan")))
         counted, floor = m["stage_counted_cpu_s"], m.get("stage_flop_floor_s", float("nan"))
-        gflop, top = m.get("stage_counted_gflop", float("nan")), best.get(t.get("cpu", "?"), float("nan"))
-        floor_best = gflop / top if top > 0 else float("nan")
+        cpu = t.get("cpu", "?")
+        top, top64 = best.get((cpu, "f32"), float("nan")), best.get((cpu, "f64"), float("nan"))
+        f64 = m.get("stage_counted_f64_gflop", 0.0) if m.get("machine_f64_gflops", float("nan")) > 0 else 0.0
+        floor_best = (flop_floor_s(m.get("stage_counted_gflop", float("nan")), f64, top, top64 if f64 else float("nan"))
+                      if top > 0 else float("nan"))
         when = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
         out.append([t["stage"], when, f"{m.get('jobs_run', 0):.0f}", f"{wall / 60:.1f}", f"{counted / 60:.1f}",
                     f"{wall / counted:.2f}" if counted > 0 else "—", f"{floor / 60:.1f}",
                     f"{wall / floor:.2f}" if floor > 0 else "—", f"{m.get('machine_f32_gflops', float('nan')):.0f}",
+                    f"{m['machine_f64_gflops']:.0f}" if "machine_f64_gflops" in m else "—",
                     f"{wall / floor_best:.2f}" if floor_best > 0 else "—",
                     f"{m.get('peak_rss_gb.all_jobs', float('nan')):.2f}", t.get("cpu", "?"), t.get("cpu_bf16_units", "?"),
                     t.get("load_at_start", "?"), r.info.run_id[:8]])
@@ -59,7 +67,7 @@ def main() -> None:
     ap.add_argument("--root", default=".")
     a = ap.parse_args()
     head = ["stage", "started (UTC)", "jobs run", "wall min", "counted min", "wall / counted", "FLOP floor min",
-            "wall / floor", "f32 GFLOP/s", "wall / floor at the CPU's best rate", "peak GiB", "CPU", "bf16 units", "load at start", "run"]
+            "wall / floor", "f32 GFLOP/s", "f64 GFLOP/s", "wall / floor at the CPU's best rate", "peak GiB", "CPU", "bf16 units", "load at start", "run"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows(Path(a.root).resolve(), a.experiment):

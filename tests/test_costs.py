@@ -239,3 +239,11 @@ def test_the_released_sft_is_not_charged_again_for_the_fusion_it_reuses(compose_
     fusion = 2.0 * (st.body + st.head) * ((1 + len(m.alphas)) * sel + (1 + 2 + m.control_seeds) * test)
     assert m.test_at == "selected" and t.lang != d.lang and fusion > 0
     assert alone.flops - after.flops == pytest.approx(fusion, rel=1e-12)
+
+
+def test_a_stage_floor_takes_each_precision_at_its_own_rate():
+    """The floor: float32 FLOPs at the float32 rate plus the float64 products at the float64 rate; a launch that
+    measured no float64 rate (logged before it was measured) keeps the floor it logged: every FLOP at float32's."""
+    assert costs.flop_floor_s(1000.0, 200.0, 200.0, 50.0) == 800.0 / 200.0 + 200.0 / 50.0
+    assert costs.flop_floor_s(1000.0, 0.0, 200.0, 50.0) == 5.0
+    assert costs.flop_floor_s(1000.0, 200.0, 200.0, float("nan")) == 5.0

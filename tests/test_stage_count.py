@@ -49,13 +49,13 @@ def _stubs(monkeypatch, done: set[str], trained: set[str]):
     monkeypatch.setattr(study, "recording", lambda: contextlib.nullcontext([]))
     monkeypatch.setattr(study, "done_pass", lambda jobs, _: ([j for j in jobs if j.name in done], [j for j in jobs if j.name not in done]))
     monkeypatch.setattr("mergescope.zoo.is_trained", lambda path: path in trained)
-    work = {"train": (10.0, 1e12), "adapt": (100.0, 2e13), "transport": (1000.0, 1e14)}
+    work = {"train": (10.0, 1e12, 0.0), "adapt": (100.0, 2e13, 3e12), "transport": (1000.0, 1e14, 5e13)}
     monkeypatch.setattr(costs, "fit", lambda: None)
     monkeypatch.setattr(costs, "constants", lambda: None)
     monkeypatch.setattr(costs, "Counter", lambda c: None)
-    monkeypatch.setattr(costs, "count", lambda counter, task, cfg: None if task not in work else SimpleNamespace(task=task, flops=work[task][1]))
+    monkeypatch.setattr(costs, "count", lambda counter, task, cfg: None if task not in work else SimpleNamespace(task=task, flops=work[task][1], f64_flops=work[task][2]))
     monkeypatch.setattr(costs, "cpu_seconds", lambda w, rates: work[w.task][0])
-    monkeypatch.setattr(costs, "matmul_gflops", lambda: 200.0)
+    monkeypatch.setattr(costs, "matmul_gflops", lambda dtype="float32": {"float32": 200.0, "float64": 80.0}[dtype])
     monkeypatch.setattr(costs, "machine", lambda: {"cpu": "test"})
 
 
@@ -68,7 +68,9 @@ def test_the_count_covers_training_and_the_arms_it_can_count_and_names_them(monk
     # training's one model left (10 s) + adapt's one job left (100 s) + odd's countable job (100 s); transport is
     # another stage's, the done adapt job is not counted again, the uncountable job is skipped
     assert got["stage_counted_cpu_s"] == 210.0 and got["stage_jobs_counted"] == 3.0
-    assert math.isclose(got["stage_counted_gflop"], 1e3 + 2e4 + 2e4)
+    assert math.isclose(got["stage_counted_gflop"], 1e3 + 2e4 + 3e3 + 2e4 + 3e3)  # every FLOP, the float64 products too
+    assert math.isclose(got["stage_counted_f64_gflop"], 3e3 + 3e3)
+    assert got["machine_f32_gflops"] == 200.0 and got["machine_f64_gflops"] == 80.0
     # the ratios read training and adapt only: native could not be listed, odd has a job it could not count
     assert got["counted_arms"] == ["adapt", "training"]
 
@@ -81,3 +83,4 @@ def test_a_done_stage_counts_nothing_and_measures_no_rate(monkeypatch):
     plan.phases = lambda: [p for p in _Plan.phases(plan) if p[1] != "native"]
     got = study._stage_count(plan, OmegaConf.create({}))
     assert got["stage_counted_cpu_s"] == 0.0 and math.isnan(got["machine_f32_gflops"]) and got["counted_arms"] == []
+    assert math.isnan(got["machine_f64_gflops"]) and got["stage_counted_f64_gflop"] == 0.0

@@ -1449,3 +1449,35 @@ def test_more_adapt_alphas_are_the_runs_a_job_at_each_alpha_alone_makes(tiny_mod
     assert replay.skipped and len(fused()) == 3
     with pytest.raises(MergescopeError, match="merge.adapt.more_alphas must be alphas in"):
         run_transport(*compose_cfg(transport_job(tiny_models, extra=("+merge.adapt.more_alphas=[1.5]",))))
+
+
+def test_the_counted_float64_products_are_what_the_fusion_multiplies(monkeypatch):
+    """plan=true's count of the fusion's float64 products (costs.transport_plans' f64_flops) is exactly what torch's
+    FLOP counter sees in the fusion's matrix products, its plans solved beforehand (they are counted apart), on a NeoX
+    target (no up projection) and a Llama donor, at a top-k below one interface's width and above another's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mergescope import costs
+
+    target, donor, ta, da, tp, dp = _neox_llama_probes(40)
+    s = TransportSettings.defaults(epsilon=0.05, top_k=40, control_seeds=3, layer_topk=2)
+    align = fus.align_layers(tp, dp, s, progress=False)
+    real_plan, plans = fus._pair_plan, {}
+    monkeypatch.setattr(fus, "_pair_plan", lambda c, f, k, l, m, *a: plans.setdefault((k, l, m), real_plan(c, f, k, l, m, *a)))
+    fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s, progress=False)  # every plan, outside the counter
+    counted, real_fuse = [], fus._fuse_layer
+
+    def fuse_layer(*a):
+        with FlopCounterMode(display=False) as fc:
+            real_fuse(*a)
+        counted.append(sum(v for k, v in fc.get_flop_counts().get("Global", {}).items() if str(k) == "aten.mm"))
+
+    monkeypatch.setattr(fus, "_pair_plan", lambda c, f, k, l, m, *a: plans[(k, l, m)])
+    monkeypatch.setattr(fus, "_fuse_layer", fuse_layer)
+    fus.fuse(target, donor.state_dict(), tp, dp, ta, da, align, s, progress=False)
+    w = costs.Work("transport")
+    st, sd = costs._count(target.config, "t"), costs._count(donor.config, "d")
+    assert min(st.ffn, sd.ffn) > s.top_k > st.hidden  # k = top_k rows of the MLP's units, every row of the residual ones
+    costs.transport_plans(w, st, sd, 40.0, costs.constants(), s.layer_subsample, s.layer_topk, None, s.top_k, s.control_seeds)
+    assert int(np.count_nonzero(align.kept)) == st.layers * min(s.layer_topk, sd.layers)
+    assert w.f64_flops == sum(counted) > 0

@@ -606,3 +606,45 @@ def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, m
     every = costs.Work("transport")
     costs.released_plans(every, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, 0, 0, 0)
     assert counted <= sum(solved) <= every.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)
+
+
+@pytest.mark.parametrize("sublayers,extra", [("mlp_attn_out", {}), ("qkvo_mlp", {"layer_pairs": "all"}),
+                                             ("qkvo_mlp", {"layer_pairs": "all", "p_topk": 1})])
+def test_the_counted_float64_products_are_what_the_released_fusion_multiplies(tiny_pair, monkeypatch, sublayers, extra):
+    """plan=true's count of the released fusion's float64 products (costs.released_plans' f64_flops) is exactly what
+    torch's FLOP counter sees in its matrix products, the plans solved beforehand (counted apart): by rows (q, k, v,
+    gate, up) and by column (o, down), zipped, every pair and each module's top donor layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mergescope import costs
+
+    target, donor, tl, dl, tp, dp = tiny_pair
+    s = TransportSettings.defaults("transport_released", top_k=7, control_seeds=2, released={"sublayers": sublayers, **extra})
+    real_plan, plans = rel._plan, {}
+    monkeypatch.setattr(rel, "_plan", lambda st, tv, dv, l, m, diag: plans.setdefault((tv, dv, l, m), real_plan(st, tv, dv, l, m, diag)))
+    rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)  # every plan, outside the counter
+    counted, real_fuse = [], rel._fuse_layer
+
+    def fuse_layer(*a):
+        with FlopCounterMode(display=False) as fc:
+            real_fuse(*a)
+        counted.append(sum(v for k, v in fc.get_flop_counts().get("Global", {}).items() if str(k) == "aten.mm"))
+
+    monkeypatch.setattr(rel, "_plan", lambda st, tv, dv, l, m, diag: plans[(tv, dv, l, m)])
+    monkeypatch.setattr(rel, "_fuse_layer", fuse_layer)
+    fit = rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)
+    w = costs.Work("transport")
+    st, sd = costs._count(target.config, "t"), costs._count(donor.config, "d")
+    costs.released_plans(w, st, sd, 60.0, costs.constants(), s.released.sublayers, s.released.layer_pairs,
+                         s.layer_subsample, s.layer_topk, s.released.p_topk, s.top_k, s.control_seeds)
+    # a donor layer whose weight the layer plan left at exactly 0 is skipped: the count, made before any plan, is the
+    # most the fusion multiplies, and less by exactly those modules' products
+    n = min(st.layers, sd.layers) if s.released.layer_pairs == "zipped" else st.layers
+    fused = n * (min(s.released.p_topk, sd.layers) if s.released.p_topk else n if s.released.layer_pairs == "zipped" else sd.layers)
+    skipped = 0.0
+    for x, lw in fit.weights.items():
+        (_, pw), (_, ow) = costs.RELEASED_VIEWS[x]
+        skipped += (fused - np.count_nonzero(lw)) * costs.fused_products(
+            (costs._width(st, ow), costs._width(st, pw)), (costs._width(sd, ow), costs._width(sd, pw)), s.top_k,
+            s.control_seeds, by_column=x in costs.RELEASED_BY_COLUMN)
+    assert w.f64_flops - skipped == sum(counted) > 0

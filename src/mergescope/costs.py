@@ -152,6 +152,8 @@ class Work:
     flops: float = 0.0
     load_bytes: float = 0.0       # float32 bytes of weights loaded (read from files)
     ot_bytes: float = 0.0         # memory traffic of ONE Sinkhorn iteration of every plan (float64 kernels)
+    f64_flops: float = 0.0        # the fusion's float64 products (in a stage's floor at the float64 rate; the fitted
+                                  # estimate holds them in its Sinkhorn term, fitted on whole transport jobs)
     held: list[Shape] = field(default_factory=list)
     slow: float = 1.0             # CPU slowdown of a reference path (Mamba)
     missing: list[str] = field(default_factory=list)   # why a count is unknown (the estimate is then None)
@@ -217,17 +219,43 @@ def _w_train(c: Counter, cfg: DictConfig, w: Work) -> None:
         w.held = [s]
 
 
+def fused_products(t: tuple[int, int], d: tuple[int, int], rows: int, seeds: int, by_column: bool = False) -> float:
+    """The float64 FLOPs of fusing one donor weight of shape ``d`` (out, in) into one target weight of shape ``t`` at
+    ``rows`` masked target neurons, for T and each of ``seeds`` random-plan controls (what the fusion's matmuls do,
+    torch's FLOP counter's count): by rows, the masked rows of Phi_out (T's and each control's) times W_B, then each
+    block times Phi_in^T; by column (the released o_proj and down_proj), Phi_out W_B once over every target row, then
+    times each one's masked columns of Phi_in."""
+    (t_out, t_in), (d_out, d_in), blocks = t, d, 1 + seeds
+    if by_column:
+        return 2.0 * t_out * d_out * d_in + 2.0 * blocks * t_out * d_in * min(rows, t_in)
+    k = min(rows, t_out)
+    return 2.0 * blocks * k * d_out * d_in + 2.0 * blocks * k * d_in * t_in
+
+
+FUSED_WEIGHTS = {"mlp_act": ("ffn", "hidden"), "mlp_up": ("ffn", "hidden"), "mlp_down": ("hidden", "ffn"),
+                 "attn_o": ("hidden", "q")}
+"""mergescope's fusion (:mod:`mergescope.transport.interfaces`): each transported weight's role and its (out, in)
+widths; a model type in NO_UP_PROJ has no separate up projection."""
+NO_UP_PROJ = ("gpt_neox",)
+
+
+def _roles(st: Shape, sd: Shape, roles, absent: str) -> list[str]:
+    """The roles both models have (``absent``: the role a model type in NO_UP_PROJ lacks)."""
+    return [r for r in roles if r != absent or not ({st.model_type, sd.model_type} & set(NO_UP_PROJ))]
+
+
 def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int,
-                    released: tuple[str, str, int] | None = None) -> None:
+                    released: tuple[str, str, int] | None = None, rows: int = 0, seeds: int = 1) -> None:
     """Both models loaded and probed, the layer-cost pass (two subsampled neuron plans per layer pair, their cost
     matrices) and the fusion's plans (per target layer and kept donor layer: the hidden units' plan and four
-    residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration; ``released`` (its sublayers, layer pairs
-    and p_topk): the released method's plans instead (:func:`released_plans`)."""
+    residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration, and the fusion's float64 products at
+    ``rows`` masked neurons with ``seeds`` control seeds (:func:`fused_products`); ``released`` (its sublayers, layer
+    pairs and p_topk): the released method's plans and products instead (:func:`released_plans`)."""
     for s in (st, sd):
         w.add_load(s)
         w.add_forward(s, probes * float(k.probe_tokens_per_sentence), logits=False)
     if released is not None:
-        released_plans(w, st, sd, probes, k, released[0], released[1], subsample, topk, released[2])
+        released_plans(w, st, sd, probes, k, released[0], released[1], subsample, topk, released[2], rows, seeds)
         return
     kk = min(subsample, st.ffn) * min(subsample, sd.ffn)
     pairs = float(st.layers * sd.layers)
@@ -236,6 +264,9 @@ def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig,
     kept = float(st.layers * min(topk, sd.layers))
     w.ot_bytes += kept * 2 * 8.0 * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
     w.flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
+    for role in _roles(st, sd, FUSED_WEIGHTS, "mlp_up"):
+        o, i = FUSED_WEIGHTS[role]
+        w.f64_flops += kept * fused_products((_width(st, o), _width(st, i)), (_width(sd, o), _width(sd, i)), rows, seeds)
 
 
 RELEASED_VIEWS = {"q": (("attn_in", "hidden"), ("q_out", "q")), "k": (("attn_in", "hidden"), ("k_out", "kv")),
@@ -246,6 +277,8 @@ RELEASED_VIEWS = {"q": (("attn_in", "hidden"), ("q_out", "q")), "k": (("attn_in"
 activation and its width; a view several modules share (the attention's input feeds q, k and v) is one plan."""
 RELEASED_SUBLAYERS = {"qkvo": ("q", "k", "v", "o"), "qkvo_mlp": ("q", "k", "v", "o", "gate", "up", "down"),
                       "mlp_attn_out": ("gate", "up", "down", "o")}
+RELEASED_BY_COLUMN = ("o", "down")
+"""The released modules fused by column (their input side masked: ``released.layout``'s by_column)."""
 
 
 def _width(s: Shape, what: str) -> int:
@@ -253,15 +286,16 @@ def _width(s: Shape, what: str) -> int:
 
 
 def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, sublayers: str, layer_pairs: str,
-                   subsample: int, topk: int, p_topk: int = 0) -> None:
-    """The released method's plans (``merge=transport_released``): per distinct activation view of its modules, one
-    neuron plan per paired layer pair for the layer cost (zipped: the first min(L_A, L_B) layers of each; all: every
-    pair; pruned: every pair on ``subsample`` neurons a side), then the fusion's plans per target layer and donor layer
-    it keeps (pruned: ``topk``; else ``p_topk`` when set; else every paired one). Each plan is a Pearson cost (one
-    matmul over the probes) and a log-domain Sinkhorn, counted as ``released_ot_factor`` times a checked solver's
-    passes over the plan."""
-    views = {name: (_width(st, width), _width(sd, width))
-             for r in RELEASED_SUBLAYERS[sublayers] for name, width in RELEASED_VIEWS[r]}
+                   subsample: int, topk: int, p_topk: int = 0, rows: int = 0, seeds: int = 1) -> None:
+    """The released method's plans (``merge=transport_released``): per distinct activation view of the modules both
+    models have, one neuron plan per paired layer pair for the layer cost (zipped: the first min(L_A, L_B) layers of
+    each; all: every pair; pruned: every pair on ``subsample`` neurons a side), then the fusion's plans per target layer
+    and donor layer it keeps (pruned: ``topk``; else ``p_topk`` when set; else every paired one). Each plan is a Pearson
+    cost (one matmul over the probes) and a log-domain Sinkhorn, counted as ``released_ot_factor`` times a checked
+    solver's passes over the plan. Then each kept pair's float64 products, every module at ``rows`` masked neurons with
+    ``seeds`` control seeds (:func:`fused_products`; o_proj and down_proj by column)."""
+    roles = _roles(st, sd, RELEASED_SUBLAYERS[sublayers], "up")
+    views = {name: (_width(st, width), _width(sd, width)) for r in roles for name, width in RELEASED_VIEWS[r]}
     full = sum(float(t) * float(d) for t, d in views.values())
     n_t, n_d = (float(min(st.layers, sd.layers)),) * 2 if layer_pairs == "zipped" else (float(st.layers), float(sd.layers))
     layer = (sum(float(min(t, subsample)) * float(min(d, subsample)) for t, d in views.values())
@@ -271,6 +305,10 @@ def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, 
     entries = n_t * n_d * layer + fused * full
     w.ot_bytes += float(k.get("released_ot_factor", 1.0)) * 2 * 8.0 * entries
     w.flops += 2 * probes * entries  # each plan's Pearson cost
+    for r in roles:
+        (_, pw), (_, ow) = RELEASED_VIEWS[r]
+        w.f64_flops += fused * fused_products((_width(st, ow), _width(st, pw)), (_width(sd, ow), _width(sd, pw)), rows, seeds,
+                                              by_column=r in RELEASED_BY_COLUMN)
 
 
 def work_models() -> dict[str, Callable[[Counter, DictConfig, Work], None]]:
@@ -412,7 +450,7 @@ def gpu_seconds(w: Work, r: Rates, g: DictConfig) -> float:
     the Sinkhorn passes at the GPU's stated peaks times its stated efficiency, and the same per-job overhead."""
     eff = float(g.efficiency)
     return (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + w.load_bytes / (float(g.host_link_gbps) * 1e9)
-            + w.flops / (float(g.fp32_tflops) * 1e12 * eff) + w.ot_bytes * r.sinkhorn_iters / (float(g.memory_tbps) * 1e12 * eff))
+            + (w.flops + w.f64_flops) / (float(g.fp32_tflops) * 1e12 * eff) + w.ot_bytes * r.sinkhorn_iters / (float(g.memory_tbps) * 1e12 * eff))
 
 
 def gpu_peak_gib(w: Work) -> float:
@@ -420,14 +458,15 @@ def gpu_peak_gib(w: Work) -> float:
     return 1.2 * held_gib(w)
 
 
-def matmul_gflops(seconds: float = 2.0, n: int = 1024) -> float:
-    """This machine's float32 matrix-multiply rate now (GFLOP/s): n x n products on torch's threads for about
-    ``seconds``, the best of three timed rounds (what a stage's counted FLOPs are divided by to give its floor)."""
+def matmul_gflops(seconds: float = 2.0, n: int = 1024, dtype: str = "float32") -> float:
+    """This machine's matrix-multiply rate now (GFLOP/s) in ``dtype``: n x n products on torch's threads for about
+    ``seconds``, the best of three timed rounds (what a stage's counted FLOPs are divided by to give its floor: float32
+    for the forwards and the costs, float64 for the fusion's products)."""
     import time
 
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     a @ b  # warm-up
     best = 0.0
     for _ in range(3):
@@ -455,3 +494,11 @@ def machine() -> dict[str, str]:
     units = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["none"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return {"cpu": name, "cpu_bf16_units": ",".join(units), "cpus": str(os.cpu_count()), "load_at_start": f"{load:.2f}"}
+
+
+def flop_floor_s(gflop: float, f64_gflop: float, f32_rate: float, f64_rate: float) -> float:
+    """A stage's floor (s): its counted float32 FLOPs at the float32 matrix-multiply rate plus its float64 products at
+    the float64 rate (GFLOP and GFLOP/s, ``gflop`` the total). A float64 part with no float64 rate measured (a launch
+    before the rate was logged) is left out, as those launches' own floors left it."""
+    f64 = f64_gflop if f64_rate == f64_rate and f64_rate > 0 else 0.0
+    return (gflop - f64) / f32_rate + (f64 / f64_rate if f64 else 0.0)

@@ -338,7 +338,7 @@ def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str, training: bo
         rows.append({"stage": stage, "arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
                      "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
-                     "gflop": (sum(w.flops for w in counted) / 1e9 if known else None) if todo else 0.0,
+                     "gflop": (sum(w.flops + w.f64_flops for w in counted) / 1e9 if known else None) if todo else 0.0,
                      "cpu_s": (sum(costs.cpu_seconds(w, rates) for w in counted) if known else None) if todo else 0.0,
                      "gpu_s": (sum(costs.gpu_seconds(w, rates, gpu) for w in counted) if known else None) if todo else 0.0,
                      "cpu_peak_gb": max(costs.cpu_peak_gib(w, rates) for w in counted) if known else None,
@@ -423,6 +423,7 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     refused on bad input before any job ran leaves no run (its study run is deleted)."""
     import time
 
+    from mergescope import costs
     from mergescope.analysis import run_analyze
     from mergescope.tracking import PARENT_ENV, Tracker
 
@@ -460,7 +461,8 @@ def run_study(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                     wall = sum(times.get(a, 0.0) for a in arms_counted)
                     counted["stage_counted_wall_s"] = wall
                     counted["stage_uncounted_wall_s"] = sum(v for a, v in times.items() if a not in arms_counted and a != "all jobs")
-                    floor = counted["stage_counted_gflop"] / counted["machine_f32_gflops"]
+                    floor = costs.flop_floor_s(counted["stage_counted_gflop"], counted["stage_counted_f64_gflop"],
+                                               counted["machine_f32_gflops"], counted["machine_f64_gflops"])
                     counted.update({"stage_wall_over_counted": wall / counted["stage_counted_cpu_s"]
                                     if counted["stage_counted_cpu_s"] > 0 else float("nan"),
                                     "stage_flop_floor_s": floor, "stage_wall_over_floor": wall / floor if floor > 0 else float("nan")})
@@ -490,9 +492,10 @@ class _Reused:
 def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     """One pass over the whole study before a stage runs (found exactly as a launch finds its jobs, nothing run): the
     FINISHED runs of every stage's jobs (``earlier``: what the report of the whole study reads besides this launch),
-    the counted work of this stage's jobs left (plan=true's counts) and this machine's float32 matrix-multiply rate
-    measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the count's accuracy;
-    ``stage_wall_over_floor``: how far the stage runs from the machine's limit). The training a launch does first (the
+    the counted work of this stage's jobs left (plan=true's counts) and this machine's float32 and float64
+    matrix-multiply rates measured now: what the stage's wall time is compared with (``stage_wall_over_counted``: the
+    count's accuracy; ``stage_wall_over_floor``: how far the stage runs from the machine's limit, the floor being the
+    counted float32 FLOPs at the float32 rate and the fusion's float64 products at the float64 rate). The training a launch does first (the
     zoo models it needs, when missing) is counted with the stage. An arm with a job of the stage that cannot be counted
     before it runs (decided from files an earlier job of the launch makes) is left out of both ratios: ``counted_arms``
     names the arms whose wall time the ratios read."""
@@ -500,7 +503,7 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
     from mergescope.tracking import Tracker
 
     sel = plan.stage or {}
-    gflop = cpu_s = 0.0
+    gflop = cpu_s = f64 = 0.0
     n = 0
     was_quiet = not verbose()
     set_quiet(True)
@@ -514,8 +517,9 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
             found = _found(phases, {**sel, "training": slice(None)}, uncounted)  # the launch trains what it needs first
         earlier = [r.run_id for r in seen]
         if not any(id(j) in mine for *_, mine, _, todo in found for j in todo):  # the stage is done: nothing to count
-            return {"stage_counted_cpu_s": 0.0, "stage_counted_gflop": 0.0, "stage_jobs_counted": 0.0,
-                    "machine_f32_gflops": float("nan"), "tags": costs.machine(), "earlier": earlier, "counted_arms": []}
+            return {"stage_counted_cpu_s": 0.0, "stage_counted_gflop": 0.0, "stage_counted_f64_gflop": 0.0,
+                    "stage_jobs_counted": 0.0, "machine_f32_gflops": float("nan"), "machine_f64_gflops": float("nan"),
+                    "tags": costs.machine(), "earlier": earlier, "counted_arms": []}
         rates, counter = costs.fit(), costs.Counter(costs.constants())
         counted: set[str] = set()
         for arm, phase, jobs, mine, done, todo in found:
@@ -526,13 +530,15 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
                     if w is None:
                         uncounted.add(arm)
                         continue
-                    gflop, cpu_s, n = gflop + w.flops / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
+                    gflop, cpu_s, n = gflop + (w.flops + w.f64_flops) / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
+                    f64 += w.f64_flops / 1e9
                     counted.add(arm)
     finally:
         plan._stage = sel
         set_quiet(was_quiet)
-    return {"stage_counted_cpu_s": cpu_s, "stage_counted_gflop": gflop, "stage_jobs_counted": float(n),
-            "machine_f32_gflops": costs.matmul_gflops(), "tags": costs.machine(), "earlier": earlier,
+    return {"stage_counted_cpu_s": cpu_s, "stage_counted_gflop": gflop, "stage_counted_f64_gflop": f64,
+            "stage_jobs_counted": float(n), "machine_f32_gflops": costs.matmul_gflops(),
+            "machine_f64_gflops": costs.matmul_gflops(dtype="float64"), "tags": costs.machine(), "earlier": earlier,
             "counted_arms": sorted(counted - uncounted)}
 
 
