@@ -8,8 +8,9 @@ machine was). Nothing runs.
 Ratios, over the wall time of the arms the count covers: ``wall / counted`` is the count's accuracy (the target: within
 1.5x); ``wall / floor`` is how far the stage runs from the machine's limit (the counted float32 FLOPs over the
 measured float32 rate, plus the transport fusion's float64 products over the measured float64 rate; a launch that
-logged no float64 rate counted no products; the target: within 2x). A launch that shared the machine reads a lower rate at its start, which lowers its floor:
-``wall / floor at the CPU's best rate`` divides by the floor at the fastest rate any launch on the same CPU measured.
+logged no float64 rate counted no products; the target: within 2x). A launch that shared the machine reads a lower
+rate at its start, which lowers its floor: ``wall / floor at the CPU's best rate`` divides by the floor at the fastest
+rates any launch on the same CPU measured.
 """
 
 from __future__ import annotations

@@ -1459,6 +1459,11 @@ def test_the_counted_float64_products_are_what_the_fusion_multiplies(monkeypatch
 
     from mergescope import costs
 
+    width = {itf.HIDDEN: "ffn", "mlp_in": "hidden", "mlp_out": "hidden", "attn_out": "hidden", "attn_o_in": "q"}
+    for model_type, ad in itf.ADAPTERS.items():  # the count's table (costs imports no torch) is every adapter's weights
+        got = {r: (width[o], width[i]) for _, r, o, i in ad.weights if i is not None}
+        want = {r: v for r, v in costs.FUSED_WEIGHTS.items() if r != "mlp_up" or model_type not in costs.NO_UP_PROJ}
+        assert got == want, model_type
     target, donor, ta, da, tp, dp = _neox_llama_probes(40)
     s = TransportSettings.defaults(epsilon=0.05, top_k=40, control_seeds=3, layer_topk=2)
     align = fus.align_layers(tp, dp, s, progress=False)
