@@ -48,8 +48,8 @@ def rows(root: Path, experiment: str) -> list[list[str]]:
         counted, floor = m["stage_counted_cpu_s"], m.get("stage_flop_floor_s", float("nan"))
         cpu = t.get("cpu", "?")
         top, top64 = best.get((cpu, "f32"), float("nan")), best.get((cpu, "f64"), float("nan"))
-        f64 = m.get("stage_counted_f64_gflop", 0.0) if m.get("machine_f64_gflops", float("nan")) > 0 else 0.0
-        floor_best = (flop_floor_s(m.get("stage_counted_gflop", float("nan")), f64, top, top64 if f64 else float("nan"))
+        # a launch that measured no float64 rate counted no products (no stage_counted_f64_gflop)
+        floor_best = (flop_floor_s(m.get("stage_counted_gflop", float("nan")), m.get("stage_counted_f64_gflop", 0.0), top, top64)
                       if top > 0 else float("nan"))
         when = dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
         out.append([t["stage"], when, f"{m.get('jobs_run', 0):.0f}", f"{wall / 60:.1f}", f"{counted / 60:.1f}",
