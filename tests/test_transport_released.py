@@ -245,6 +245,49 @@ def test_released_sinkhorn_scaling_domain_is_the_log_domain(monkeypatch, block_b
     np.testing.assert_allclose(Q[0].numpy(), ref_sinkhorn(wide[0].numpy(), 1.0), rtol=1e-9, atol=0)
 
 
+@pytest.mark.parametrize("eps,scaling", [(0.1, True), (0.002, False)])
+def test_a_plan_rebuilt_from_its_potentials_is_the_solved_plan_to_the_bit(eps, scaling):
+    """Each problem of a batched solve rebuilt alone from its final potentials: the solver's plan, every bit, in the
+    scaling domain and in the log domain (a cost spanning more than 300 epsilons)."""
+    C = correlated_costs(5, 64, 40, 55, (0.0, 0.5, 3.0))
+    pots: list = []
+    Q, _ = rel.released_sinkhorn(C, eps, potentials=pots)
+    assert len(pots) == 3 and {p.scaling for p in pots} == {scaling}
+    for i, pot in enumerate(pots):
+        assert torch.equal(rel.rebuild(C[i:i + 1], eps, pot)[0], Q[i])
+        assert torch.equal(rel.rebuild(C[i:i + 1], eps, pot, out=torch.empty_like(C[:1]))[0], Q[i])
+    assert not torch.equal(rel.rebuild(C[1:2], eps, pots[0])[0], Q[1])  # a plan's potentials are its own
+
+
+def test_the_fusion_rebuilds_the_layer_cost_plans_and_fuses_what_solving_them_again_gives(tiny_pair, monkeypatch):
+    """Every fusion plan is one the layer-cost pass solved (every layer pair, the released solver): rebuilt, not solved
+    again, and the fusion, its controls, the plans' records and diagnostics are what solving each again alone gives (to
+    the last bits a batch of problems moves)."""
+    target, donor, tl, dl, tp, dp = tiny_pair
+    s = TransportSettings.defaults("transport_released", top_k=7, control_seeds=2,
+                                   released={"sublayers": "qkvo_mlp", "layer_pairs": "all", "plan_dtype": "float64"})
+    solves = []
+    real = rel.released_sinkhorn
+    monkeypatch.setattr(rel, "released_sinkhorn", lambda C, *a, **kw: (solves.append(C.shape[0]), real(C, *a, **kw))[1])
+    got = rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)
+    n_layer_pass = sum(solves)
+    monkeypatch.setattr(rel, "_reuses", lambda st: False)
+    again = rel.fit(target, donor.state_dict(), tp, dp, tl, dl, s, progress=False)
+    assert sum(solves) - 2 * n_layer_pass == len(got.infos) - n_layer_pass > 0  # solved again only without the reuse
+    assert [i.n_iter for i in got.infos] == [i.n_iter for i in again.infos]
+    np.testing.assert_allclose([i.marginal_error for i in got.infos], [i.marginal_error for i in again.infos], rtol=1e-6, atol=1e-15)
+    assert got.layer_costs.keys() == again.layer_costs.keys()
+    for k in got.layer_costs:
+        np.testing.assert_array_equal(got.layer_costs[k], again.layer_costs[k])
+    for a, b in [(got.fusion.transported, again.fusion.transported), (got.fusion.control, again.fusion.control),
+                 (got.fusion.extra_controls[0], again.fusion.extra_controls[0])]:
+        assert a.keys() == b.keys() and len(a) > 0
+        for name in a:
+            np.testing.assert_allclose(a[name].numpy(), b[name].numpy(), rtol=1e-9, atol=1e-15)
+    for k, v in got.fusion.diagnostics.items():
+        assert v == pytest.approx(again.fusion.diagnostics[k], rel=1e-9, abs=1e-12), k
+
+
 # ----------------------------------------------------------------------------- shrink-only control and switches
 
 
@@ -575,18 +618,22 @@ def test_bfloat16_emulated_where_there_are_no_bfloat16_units_is_close_to_the_nat
 
 @pytest.mark.parametrize("sublayers,layer_pairs,extra", [("qkvo", None, {}), ("mlp_attn_out", None, {}),
                                                          ("qkvo_mlp", "all", {}), ("qkvo_mlp", "all", {"p_topk": 1}),
-                                                         ("mlp_attn_out", "pruned", {})])
+                                                         ("mlp_attn_out", "pruned", {}), ("qkvo", None, {"solver": "checked"}),
+                                                         ("qkvo_mlp", "all", {"p_topk": 1, "solver": "checked"})])
 def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, monkeypatch, sublayers, layer_pairs, extra):
-    """plan=true's count of the released method (costs.released_plans) against a spy on the fit: the entries of every
-    neuron plan it solves (layer-cost pass and fusion), each view a module shares solved once per layer pair; with
-    p_topk, between the modules agreeing on their donor layers and every paired one."""
+    """plan=true's count of the released method (costs.released_plans) against spies on the fit: the entries of every
+    neuron plan it solves (the layer-cost pass; the fusion's only where it cannot rebuild them: the checked solver, or
+    pruned's subsampled layer costs) and of every cost it computes (the rebuilt plans' too), each view a module shares
+    once per layer pair; with p_topk and the fusion solving, between the modules agreeing on their donor layers and
+    every paired one."""
     from mergescope import costs
 
     assert costs.RELEASED_SUBLAYERS == rel.SUBLAYER_ROLES  # the count's copy (costs imports no torch) is the fit's
     target, donor, tl, dl, tp, dp = tiny_pair
-    solved = []
-    real = rel._solve_stack
+    solved, rebuilt = [], []
+    real, real_rebuild = rel._solve_stack, rel.rebuild
     monkeypatch.setattr(rel, "_solve_stack", lambda st, C, what, **kw: (solved.append(C.numel()), real(st, C, what, **kw))[1])
+    monkeypatch.setattr(rel, "rebuild", lambda C, *a, **kw: (rebuilt.append(C.numel()), real_rebuild(C, *a, **kw))[1])
     released = {"sublayers": sublayers, "plan_dtype": "float64", **({"layer_pairs": layer_pairs} if layer_pairs else {}), **extra}
     over = {"layer_subsample": 20, "layer_topk": 1} if layer_pairs == "pruned" else {}
     s = TransportSettings.defaults("transport_released", top_k=7, released=released, **over)
@@ -595,17 +642,24 @@ def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, m
     k = costs.constants()
     st, sd = costs._count(target.config, "t"), costs._count(donor.config, "d")
     costs.released_plans(w, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, s.layer_subsample, s.layer_topk,
-                         s.released.p_topk)
+                         s.released.p_topk, solver=s.released.solver)
     counted = w.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)
+    reused = s.released.solver == "released" and s.released.layer_pairs != "pruned"
+    assert bool(rebuilt) == reused and sum(solved) > 0
+    assert w.flops == 0.0  # the costs are float64 matmuls
+    costed = 2 * 60.0 * (sum(solved) + sum(rebuilt))
     if not s.released.p_topk:
-        assert counted == pytest.approx(sum(solved), rel=1e-12) and sum(solved) > 0
-        assert w.flops == pytest.approx(2 * 60.0 * sum(solved), rel=1e-12)
+        assert counted == pytest.approx(sum(solved), rel=1e-12) and w.cost_flops == pytest.approx(costed, rel=1e-12)
         return
     # p_topk: each module keeps its own top donor layers, so a target layer meets up to one per module; the count
-    # (the modules agreeing) is the least the fit can solve, every paired donor layer the most
+    # (the modules agreeing) is the least the fusion can take, every paired donor layer the most
     every = costs.Work("transport")
-    costs.released_plans(every, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, 0, 0, 0)
-    assert counted <= sum(solved) <= every.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)
+    costs.released_plans(every, st, sd, 60.0, k, s.released.sublayers, s.released.layer_pairs, 0, 0, 0, solver="checked")
+    assert w.cost_flops <= costed <= every.cost_flops
+    if reused:  # the layer-cost pass alone solves
+        assert counted == pytest.approx(sum(solved), rel=1e-12)
+    else:
+        assert counted <= sum(solved) <= every.ot_bytes / (float(k.released_ot_factor) * 2 * 8.0)
 
 
 @pytest.mark.parametrize("sublayers,extra", [("mlp_attn_out", {}), ("qkvo_mlp", {"layer_pairs": "all"}),

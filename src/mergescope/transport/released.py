@@ -165,7 +165,7 @@ def magnitude(p: fus.Probe, lay: Layout, name: str, layer: int) -> torch.Tensor:
 
 
 def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: float = 1e-6,
-                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+                      out: torch.Tensor | None = None, potentials: list | None = None) -> tuple[torch.Tensor, list[int]]:
     """The released neuron Sinkhorn on a stack of problems ``C`` (B, n, m), each stopping on its own: log-domain,
     uniform marginals, log u = log a - LSE_j(-C/eps + log v), then log v = log b - LSE_i(-C/eps + log u), from zero
     potentials; every 10th iteration (and the last) the row marginals' L1 error err, stopping when err < tol or
@@ -174,7 +174,9 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
 
     The same iterates are computed in the scaling domain when they fit float64 (:func:`_scaling_sinkhorn`: two
     batched mat-vecs an iteration instead of two log-sum-exps over the whole matrix, ~10x faster on a CPU); the
-    log domain otherwise. ``out``: a float64 buffer of C's shape the scaling domain works and returns its plans in."""
+    log domain otherwise. ``out``: a float64 buffer of C's shape the scaling domain works and returns its plans in.
+    ``potentials``: a list each problem's final potentials are appended to, from which :func:`rebuild` gives its plan
+    again, to the bit, from the same cost without iterating."""
     C = C.to(torch.float64)
     B, n, m = C.shape
     lo, span = C.new_zeros(B), 0.0
@@ -182,7 +184,10 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
         lo = C.amin(dim=(1, 2))
         span = float((C.amax(dim=(1, 2)) - lo).max()) / float(epsilon)
     if span <= SCALING_SPAN:
-        return _scaling_sinkhorn(C, lo, epsilon, n_iters, tol, out)
+        Q, iters, u, v = _scaling_sinkhorn(C, lo, epsilon, n_iters, tol, out)
+        if potentials is not None:
+            potentials.extend(Potentials(True, lo[i:i + 1].clone(), u[i:i + 1].clone(), v[i:i + 1].clone()) for i in range(B))
+        return Q, iters
     K = -C / float(epsilon)
     loga, logb = -math.log(n), -math.log(m)
 
@@ -195,7 +200,29 @@ def released_sinkhorn(C: torch.Tensor, epsilon: float, n_iters: int = 200, tol: 
 
     zeros = C.new_zeros
     logu, logv, iters = _released_loop(update, row_error, zeros(B, n), zeros(B, m), n_iters, tol)
+    if potentials is not None:
+        potentials.extend(Potentials(False, None, logu[i:i + 1].clone(), logv[i:i + 1].clone()) for i in range(B))
     return torch.exp(K + logu[:, :, None] + logv[:, None, :]), iters
+
+
+@dataclass(frozen=True)
+class Potentials:
+    """One problem's final potentials from :func:`released_sinkhorn`: the scaling domain's min cost and scalings u, v
+    (``scaling``), or the log domain's log u, log v; each (1, width)."""
+    scaling: bool
+    lo: torch.Tensor | None
+    u: torch.Tensor
+    v: torch.Tensor
+
+
+def rebuild(C: torch.Tensor, epsilon: float, pot: Potentials, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The plan :func:`released_sinkhorn` returned for the cost ``C`` (1, n, m) with final potentials ``pot``, by the
+    same operations in the same order (the same bits, without its iterations); in ``out`` when given."""
+    C = C.to(torch.float64)
+    if pot.scaling:
+        E = torch.sub(pot.lo[:, None, None], C, out=out) if out is not None else pot.lo[:, None, None] - C
+        return E.div_(float(epsilon)).exp_().mul_(pot.u[:, :, None]).mul_(pot.v[:, None, :])
+    return torch.exp(-C / float(epsilon) + pot.u[:, :, None] + pot.v[:, None, :])
 
 
 # The scaling domain holds the log-domain iterates when every problem's cost spans at most this many epsilons: the
@@ -218,7 +245,8 @@ def _scaling_sinkhorn(C: torch.Tensor, lo: torch.Tensor, epsilon: float, n_iters
     E^T u. The err checked after iteration t needs E v_t, which is the first half of iteration t + 1's pass: the check
     is read off that pass and a problem that stops there keeps its iteration-t potentials (the iteration-(t + 1) ones
     are dropped). A check at the last iteration changes neither the potentials nor the iteration reported, so it is not
-    made. ``lo``: each problem's min C; E (then the plan) is built in ``out`` when given."""
+    made. ``lo``: each problem's min C; E (then the plan) is built in ``out`` when given. Returns the plans, the
+    iterations and the final scalings u, v."""
     B, n, m = C.shape
     E = torch.sub(lo[:, None, None], C, out=out) if out is not None else lo[:, None, None] - C  # s - C is -(C - s) to the bit
     E.div_(float(epsilon)).exp_()  # -(C - s) / eps: the log domain's K - s / eps
@@ -244,7 +272,7 @@ def _scaling_sinkhorn(C: torch.Tensor, lo: torch.Tensor, epsilon: float, n_iters
         u = torch.where(done[:, None], u, a / s)
         v = torch.where(done[:, None], v, b / col)
         check = t % 10 == 0 and t < n_iters - 1
-    return E.mul_(u[:, :, None]).mul_(v[:, None, :]), iters
+    return E.mul_(u[:, :, None]).mul_(v[:, None, :]), iters, u, v
 
 
 def _stop(iters: list[int], t: int, err: torch.Tensor, prev: torch.Tensor, done: torch.Tensor,
@@ -382,6 +410,9 @@ class _State:
     infos: list[tot.PlanInfo] = field(default_factory=list)
     diag: dict[str, list[float]] = field(default_factory=dict)
     buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    # (target view, donor view, target layer, donor layer) -> the layer-cost pass's final potentials of that plan, kept
+    # for the fusion when it solves the same plan on the same cost (:func:`_reuses`): rebuilt, not solved again
+    potentials: dict[tuple[str, str, int, int], tuple[Potentials, int]] = field(default_factory=dict)  # and its iterations
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A float64 work array kept across plans of one shape (the fit solves thousands of plans of a few shapes: a
@@ -392,25 +423,36 @@ class _State:
         return self.buffers[key]
 
 
-def _solve_stack(st: _State, C: torch.Tensor, what: str, keep: bool = True) -> list[torch.Tensor]:
+def _reuses(st: _State) -> bool:
+    """Whether the fusion's plans are the layer-cost pass's: the released solver on the same full-width costs (every
+    layer pair but ``pruned``'s subsampled ones)."""
+    return st.s.released.solver == "released" and st.s.released.layer_pairs != "pruned"
+
+
+def _solve_stack(st: _State, C: torch.Tensor, what: str, keep: bool = True,
+                 potentials: list | None = None) -> list[torch.Tensor]:
     """Plans for a stack of costs, as stored (``plan_dtype``), by the configured solver. ``keep=False``: the plans are
-    views of a work array, valid until the next stack of the same shape is solved."""
+    views of a work array, valid until the next stack of the same shape is solved. ``potentials``: the released
+    solver's final potentials are appended to it (:func:`released_sinkhorn`)."""
     s, r = st.s, st.s.released
     if r.solver == "released":
-        Q, iters = released_sinkhorn(C, s.epsilon, s.max_iter, s.marginal_tol, out=st.buffer("plan", C.shape))
-        out = []
-        for Qi, it in zip(Q, iters):
-            n, m = Qi.shape
-            err = float((Qi.sum(1) - 1.0 / n).abs().sum())
-            st.infos.append(tot.PlanInfo("released_sinkhorn", max(err, float((Qi.sum(0) - 1.0 / m).abs().sum())), int(it)))
-            out.append(stored(Qi, r.plan_dtype, inplace=not keep))
-        return out
+        Q, iters = released_sinkhorn(C, s.epsilon, s.max_iter, s.marginal_tol, out=st.buffer("plan", C.shape),
+                                     potentials=potentials)
+        return [_stored_plan(st, Qi, it, keep) for Qi, it in zip(Q, iters)]
     out = []
     for Ci in C:
         Q, info = tot.solve(Ci, s.epsilon, s.max_iter, s.marginal_tol, what=what)
         st.infos.append(info)
         out.append(stored(Q, r.plan_dtype))
     return out
+
+
+def _stored_plan(st: _State, Q: torch.Tensor, it: int, keep: bool) -> torch.Tensor:
+    """A released plan's record (its marginals' L1 error, its iterations) and the plan as stored."""
+    n, m = Q.shape
+    err = float((Q.sum(1) - 1.0 / n).abs().sum())
+    st.infos.append(tot.PlanInfo("released_sinkhorn", max(err, float((Q.sum(0) - 1.0 / m).abs().sum())), int(it)))
+    return stored(Q, st.s.released.plan_dtype, inplace=not keep)
 
 
 def _paired(st: _State) -> tuple[list[int], list[int]]:
@@ -444,8 +486,12 @@ def _layer_cost(st: _State, tv: str, dv: str, budget_bytes: int = 1 << 28) -> np
             C = st.buffer("cost", (len(ms), xt.shape[1], xd.shape[1]))
             for b, m in enumerate(ms):
                 tot.pearson_cost(xt, cols(view(st.dp, st.dl, dv, m), "d").to(st.device), out=C[b])
-            for b, Q in enumerate(_solve_stack(st, C, f"{tv}|{dv} neuron plan (layer cost {l})", keep=False)):
+            pots: list[Potentials] | None = [] if _reuses(st) else None
+            for b, Q in enumerate(_solve_stack(st, C, f"{tv}|{dv} neuron plan (layer cost {l})", keep=False, potentials=pots)):
                 out[a, c0 + b] = float(Q.mul_(C[b]).sum())  # <C, Q>, Q's array reused for the products
+            if pots is not None:
+                st.potentials.update(((tv, dv, l, m), (pot, int(info.n_iter)))
+                                     for m, pot, info in zip(ms, pots, st.infos[-len(ms):]))
             c0 += len(ms)
     return out
 
@@ -473,7 +519,11 @@ def _plan(st: _State, tv: str, dv: str, l: int, m: int, diag: bool) -> tuple[tor
     r = st.s.released
     xt, xd = view(st.tp, st.tl, tv, l).to(st.device), view(st.dp, st.dl, dv, m).to(st.device)
     C = tot.pearson_cost(xt, xd, out=st.buffer("cost", (1, xt.shape[1], xd.shape[1]))[0])
-    Q = _solve_stack(st, C[None], f"{tv}|{dv} neuron plan (layer {l} <- {m})")[0]
+    kept = st.potentials.pop((tv, dv, l, m), None)
+    if kept is not None:  # solved in the layer-cost pass on this cost: the same plan, rebuilt from its potentials
+        Q = _stored_plan(st, rebuild(C[None], st.s.epsilon, kept[0], out=st.buffer("plan", (1, *C.shape)))[0], kept[1], True)
+    else:
+        Q = _solve_stack(st, C[None], f"{tv}|{dv} neuron plan (layer {l} <- {m})")[0]
     if diag:
         for k, v in tot.plan_diagnostics(Q, C, epsilon=st.s.epsilon, seed=st.s.control_seed).items():
             st.diag.setdefault(f"{k}_{tv}", []).append(v)
@@ -493,7 +543,9 @@ def _top(mag: torch.Tensor, k: int, limit: int | None = None) -> torch.Tensor:
 
 def fit(target, donor_sd: Mapping[str, torch.Tensor], tp: fus.Probe, dp: fus.Probe, tl: Layout, dl: Layout,
         settings: TransportSettings, progress: bool = True) -> ReleasedFit:
-    """Layer costs and plans, the donor-layer weights per module, then T, T_rand at every target layer's mask."""
+    """Layer costs and plans, the donor-layer weights per module, then T, T_rand at every target layer's mask. Where
+    the fusion's plan is one the layer-cost pass solved on the same cost (:func:`_reuses`) it is rebuilt from that
+    solve's potentials (:func:`rebuild`): the plan the layer cost read, without a second solve."""
     s, r = settings, settings.released
     device = next(target.parameters()).device
     st = _State(tp, dp, tl, dl, s, device)
