@@ -96,7 +96,7 @@ def test_the_fit_is_the_least_squares_solution_and_reproduces_its_points():
     k = costs.constants()
     works = [costs.point_work(p, k) for p in k.cpu.points]
     bw = float(k.cpu.matvec_gbps) * 1e9
-    y = np.array([float(p.wall_s) - w.flops / r.flops - costs.overhead(w, r) for p, w in zip(k.cpu.points, works)])
+    y = np.array([float(p.wall_s) - (w.flops + w.cost_flops) / r.flops - costs.overhead(w, r) for p, w in zip(k.cpu.points, works)])
     A = np.array([[w.load_bytes / 1e9, w.ot_bytes / bw] for w in works])
     (s_per_gb, iters), *_ = np.linalg.lstsq(A, y, rcond=None)  # unconstrained: the same where both are positive
     assert r.load_gbps == pytest.approx(1 / s_per_gb, rel=1e-9) and r.sinkhorn_iters == pytest.approx(iters, rel=1e-9)
@@ -116,12 +116,16 @@ def test_the_fit_is_the_least_squares_solution_and_reproduces_its_points():
 def test_gpu_and_cpu_seconds_follow_their_formulas():
     r = costs.fit()
     g = OmegaConf.create({"fp32_tflops": 10.0, "memory_tbps": 2.0, "host_link_gbps": 20.0, "efficiency": 0.5})
-    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9)
+    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9, f64_flops=3e12, cost_flops=2e12)
     over = r.overhead_s["quality"]
+    assert (w.total_flops, w.float64_flops) == (1.5e13, 5e12)
+    # the GPU: every FLOP at its stated peak; the CPU's fit: the costs at the forward rate (as fitted), the products in
+    # the Sinkhorn term (fitted on whole jobs)
     assert costs.gpu_seconds(w, r, g) == pytest.approx(
-        over + 4e9 / (r.load_gbps * 1e9) + 4e9 / 20e9 + 1e13 / 5e12 + 1e9 * r.sinkhorn_iters / 1e12)
+        over + 4e9 / (r.load_gbps * 1e9) + 4e9 / 20e9 + 1.5e13 / 5e12 + 1e9 * r.sinkhorn_iters / 1e12)
     assert costs.cpu_seconds(w, r) == pytest.approx(
-        over + 4e9 / (r.load_gbps * 1e9) + 1e13 / r.flops + 1e9 * r.sinkhorn_iters / (r.matvec_gbps * 1e9))
+        over + 4e9 / (r.load_gbps * 1e9) + 1.2e13 / r.flops + 1e9 * r.sinkhorn_iters / (r.matvec_gbps * 1e9))
+    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9)
     w.slow = 18.0
     assert costs.cpu_seconds(w, r) == pytest.approx(18.0 * costs.cpu_seconds(costs.Work("quality", 1e13, 4e9, 1e9), r))
 
@@ -242,7 +246,7 @@ def test_the_released_sft_is_not_charged_again_for_the_fusion_it_reuses(compose_
 
 
 def test_a_stage_floor_takes_each_precision_at_its_own_rate():
-    """The floor: float32 FLOPs at the float32 rate plus the float64 products at the float64 rate; a launch that
+    """The floor: float32 FLOPs at the float32 rate plus the float64 ones at the float64 rate; a launch that
     measured no float64 rate (logged before it was measured) keeps the floor it logged: every FLOP at float32's."""
     assert costs.flop_floor_s(1000.0, 200.0, 200.0, 50.0) == 800.0 / 200.0 + 200.0 / 50.0
     assert costs.flop_floor_s(1000.0, 0.0, 200.0, 50.0) == 5.0

@@ -53,7 +53,7 @@ def _stubs(monkeypatch, done: set[str], trained: set[str]):
     monkeypatch.setattr(costs, "fit", lambda: None)
     monkeypatch.setattr(costs, "constants", lambda: None)
     monkeypatch.setattr(costs, "Counter", lambda c: None)
-    monkeypatch.setattr(costs, "count", lambda counter, task, cfg: None if task not in work else SimpleNamespace(task=task, flops=work[task][1], f64_flops=work[task][2]))
+    monkeypatch.setattr(costs, "count", lambda counter, task, cfg: None if task not in work else SimpleNamespace(task=task, total_flops=work[task][1] + work[task][2], float64_flops=work[task][2]))
     monkeypatch.setattr(costs, "cpu_seconds", lambda w, rates: work[w.task][0])
     monkeypatch.setattr(costs, "matmul_gflops", lambda dtype="float32": {"float32": 200.0, "float64": 80.0}[dtype])
     monkeypatch.setattr(costs, "machine", lambda: {"cpu": "test"})

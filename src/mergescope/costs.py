@@ -154,9 +154,21 @@ class Work:
     ot_bytes: float = 0.0         # memory traffic of ONE Sinkhorn iteration of every plan (float64 kernels)
     f64_flops: float = 0.0        # the fusion's float64 products (in a stage's floor at the float64 rate; the fitted
                                   # estimate holds them in its Sinkhorn term, fitted on whole transport jobs)
+    cost_flops: float = 0.0       # the plans' Pearson costs, float64 matmuls (in a stage's floor at the float64 rate;
+                                  # the fitted estimate charges them at the forward rate, as it was fitted)
     held: list[Shape] = field(default_factory=list)
     slow: float = 1.0             # CPU slowdown of a reference path (Mamba)
     missing: list[str] = field(default_factory=list)   # why a count is unknown (the estimate is then None)
+
+    @property
+    def total_flops(self) -> float:
+        """Every counted FLOP, float32 and float64."""
+        return self.flops + self.cost_flops + self.f64_flops
+
+    @property
+    def float64_flops(self) -> float:
+        """The float64 part of :attr:`total_flops` (a stage's floor takes it at the float64 rate)."""
+        return self.cost_flops + self.f64_flops
 
     def add_load(self, s: Shape) -> None:
         self.load_bytes += s.f32_bytes
@@ -245,25 +257,25 @@ def _roles(st: Shape, sd: Shape, roles, absent: str) -> list[str]:
 
 
 def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, subsample: int, topk: int,
-                    released: tuple[str, str, int] | None = None, rows: int = 0, seeds: int = 1) -> None:
+                    released: tuple[str, str, int, str] | None = None, rows: int = 0, seeds: int = 1) -> None:
     """Both models loaded and probed, the layer-cost pass (two subsampled neuron plans per layer pair, their cost
     matrices) and the fusion's plans (per target layer and kept donor layer: the hidden units' plan and four
     residual-width interfaces), as FLOPs and bytes per Sinkhorn iteration, and the fusion's float64 products at
     ``rows`` masked neurons with ``seeds`` control seeds (:func:`fused_products`); ``released`` (its sublayers, layer
-    pairs and p_topk): the released method's plans and products instead (:func:`released_plans`)."""
+    pairs, p_topk and solver): the released method's plans and products instead (:func:`released_plans`)."""
     for s in (st, sd):
         w.add_load(s)
         w.add_forward(s, probes * float(k.probe_tokens_per_sentence), logits=False)
     if released is not None:
-        released_plans(w, st, sd, probes, k, released[0], released[1], subsample, topk, released[2], rows, seeds)
+        released_plans(w, st, sd, probes, k, released[0], released[1], subsample, topk, released[2], rows, seeds, released[3])
         return
     kk = min(subsample, st.ffn) * min(subsample, sd.ffn)
     pairs = float(st.layers * sd.layers)
     w.ot_bytes += 2 * pairs * 2 * 8.0 * kk
-    w.flops += 2 * pairs * 2 * probes * kk  # the layer pass's cost matrices (Pearson: one matmul each)
+    w.cost_flops += 2 * pairs * 2 * probes * kk  # the layer pass's cost matrices (Pearson: one float64 matmul each)
     kept = float(st.layers * min(topk, sd.layers))
     w.ot_bytes += kept * 2 * 8.0 * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
-    w.flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
+    w.cost_flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
     for role in _roles(st, sd, FUSED_WEIGHTS, "mlp_up"):
         o, i = FUSED_WEIGHTS[role]
         w.f64_flops += kept * fused_products((_width(st, o), _width(st, i)), (_width(sd, o), _width(sd, i)), rows, seeds)
@@ -286,14 +298,16 @@ def _width(s: Shape, what: str) -> int:
 
 
 def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, sublayers: str, layer_pairs: str,
-                   subsample: int, topk: int, p_topk: int = 0, rows: int = 0, seeds: int = 1) -> None:
+                   subsample: int, topk: int, p_topk: int = 0, rows: int = 0, seeds: int = 1, solver: str = "released") -> None:
     """The released method's plans (``merge=transport_released``): per distinct activation view of the modules both
     models have, one neuron plan per paired layer pair for the layer cost (zipped: the first min(L_A, L_B) layers of
     each; all: every pair; pruned: every pair on ``subsample`` neurons a side), then the fusion's plans per target layer
     and donor layer it keeps (pruned: ``topk``; else ``p_topk`` when set; else every paired one). Each plan is a Pearson
-    cost (one matmul over the probes) and a log-domain Sinkhorn, counted as ``released_ot_factor`` times a checked
-    solver's passes over the plan. Then each kept pair's float64 products, every module at ``rows`` masked neurons with
-    ``seeds`` control seeds (:func:`fused_products`; o_proj and down_proj by column)."""
+    cost (one float64 matmul over the probes) and a log-domain Sinkhorn, counted as ``released_ot_factor`` times a
+    checked solver's passes over the plan; the fusion's plans the layer-cost pass solved on the same costs (the released
+    ``solver``, every layer pair but ``pruned``'s subsamples) are rebuilt from its potentials: their costs are counted
+    again, no Sinkhorn. Then each kept pair's float64 products, every module at ``rows`` masked neurons with ``seeds``
+    control seeds (:func:`fused_products`; o_proj and down_proj by column)."""
     roles = _roles(st, sd, RELEASED_SUBLAYERS[sublayers], "up")
     views = {name: (_width(st, width), _width(sd, width)) for r in roles for name, width in RELEASED_VIEWS[r]}
     full = sum(float(t) * float(d) for t, d in views.values())
@@ -302,9 +316,9 @@ def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, 
              if layer_pairs == "pruned" else full)
     fused = (float(st.layers) * float(min(topk, sd.layers)) if layer_pairs == "pruned"
              else n_t * float(min(p_topk, n_d)) if p_topk else n_t * n_d)
-    entries = n_t * n_d * layer + fused * full
-    w.ot_bytes += float(k.get("released_ot_factor", 1.0)) * 2 * 8.0 * entries
-    w.flops += 2 * probes * entries  # each plan's Pearson cost
+    rebuilt = solver == "released" and layer_pairs != "pruned"
+    w.ot_bytes += float(k.get("released_ot_factor", 1.0)) * 2 * 8.0 * (n_t * n_d * layer + (0.0 if rebuilt else fused * full))
+    w.cost_flops += 2 * probes * (n_t * n_d * layer + fused * full)  # each plan's Pearson cost (a float64 matmul)
     for r in roles:
         (_, pw), (_, ow) = RELEASED_VIEWS[r]
         w.f64_flops += fused * fused_products((_width(st, ow), _width(st, pw)), (_width(sd, ow), _width(sd, pw)), rows, seeds,
@@ -397,7 +411,7 @@ def overhead(w: Work, r: Rates) -> float:
 
 
 def cpu_seconds(w: Work, r: Rates) -> float:
-    return w.slow * (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + w.flops / r.flops
+    return w.slow * (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + (w.flops + w.cost_flops) / r.flops
                      + w.ot_bytes * r.sinkhorn_iters / (r.matvec_gbps * 1e9))
 
 
@@ -431,7 +445,7 @@ def fit(path: str | None = None) -> Rates:
     over = {str(a): float(b) for a, b in cpu.overhead_s.items()}
     pts = list(cpu.points)
     works = [point_work(p, k) for p in pts]
-    y = np.array([float(p.wall_s) - w.flops / flops - over.get(w.kind, over["default"]) for p, w in zip(pts, works)])
+    y = np.array([float(p.wall_s) - (w.flops + w.cost_flops) / flops - over.get(w.kind, over["default"]) for p, w in zip(pts, works)])
     A = np.array([[w.load_bytes / 1e9, w.ot_bytes / bw] for w in works])
     (s_per_gb, iters), _ = nnls(A, y)
     base = float(cpu.peak_base_gib)
@@ -450,7 +464,7 @@ def gpu_seconds(w: Work, r: Rates, g: DictConfig) -> float:
     the Sinkhorn passes at the GPU's stated peaks times its stated efficiency, and the same per-job overhead."""
     eff = float(g.efficiency)
     return (overhead(w, r) + w.load_bytes / (r.load_gbps * 1e9) + w.load_bytes / (float(g.host_link_gbps) * 1e9)
-            + (w.flops + w.f64_flops) / (float(g.fp32_tflops) * 1e12 * eff) + w.ot_bytes * r.sinkhorn_iters / (float(g.memory_tbps) * 1e12 * eff))
+            + w.total_flops / (float(g.fp32_tflops) * 1e12 * eff) + w.ot_bytes * r.sinkhorn_iters / (float(g.memory_tbps) * 1e12 * eff))
 
 
 def gpu_peak_gib(w: Work) -> float:
@@ -497,8 +511,9 @@ def machine() -> dict[str, str]:
 
 
 def flop_floor_s(gflop: float, f64_gflop: float, f32_rate: float, f64_rate: float) -> float:
-    """A stage's floor (s): its counted float32 FLOPs at the float32 matrix-multiply rate plus its float64 products at
-    the float64 rate (GFLOP and GFLOP/s, ``gflop`` the total). A float64 part with no float64 rate measured (a launch
-    before the rate was logged) is left out, as those launches' own floors left it."""
+    """A stage's floor (s): its counted float32 FLOPs at the float32 matrix-multiply rate plus its float64 FLOPs (the
+    plans' Pearson costs, the fusions' products) at the float64 rate (GFLOP and GFLOP/s, ``gflop`` the total). A float64
+    part with no float64 rate measured (a launch before the rate was logged) is left out, as those launches' own floors
+    left it."""
     f64 = f64_gflop if f64_rate == f64_rate and f64_rate > 0 else 0.0
     return (gflop - f64) / f32_rate + (f64 / f64_rate if f64 else 0.0)

@@ -338,7 +338,7 @@ def _plan_rows(plan: Plan, client, rates, gpu, counter, stage: str, training: bo
         rows.append({"stage": stage, "arm": arm, "phase": phase, "jobs": len(jobs), "done": len(done), "todo": len(todo),
                      "peak_gb": max(peaks) if peaks else None,
                      "done_s": sum(secs), "todo_s": 0.0 if not todo else (med * len(todo) if med is not None else None),
-                     "gflop": (sum(w.flops + w.f64_flops for w in counted) / 1e9 if known else None) if todo else 0.0,
+                     "gflop": (sum(w.total_flops for w in counted) / 1e9 if known else None) if todo else 0.0,
                      "cpu_s": (sum(costs.cpu_seconds(w, rates) for w in counted) if known else None) if todo else 0.0,
                      "gpu_s": (sum(costs.gpu_seconds(w, rates, gpu) for w in counted) if known else None) if todo else 0.0,
                      "cpu_peak_gb": max(costs.cpu_peak_gib(w, rates) for w in counted) if known else None,
@@ -530,8 +530,8 @@ def _stage_count(plan: Plan, cfg: DictConfig) -> dict[str, Any]:
                     if w is None:
                         uncounted.add(arm)
                         continue
-                    gflop, cpu_s, n = gflop + (w.flops + w.f64_flops) / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
-                    f64 += w.f64_flops / 1e9
+                    gflop, cpu_s, n = gflop + w.total_flops / 1e9, cpu_s + costs.cpu_seconds(w, rates), n + 1
+                    f64 += w.float64_flops / 1e9
                     counted.add(arm)
     finally:
         plan._stage = sel

@@ -145,7 +145,8 @@ def _w_transport(c, cfg, w) -> None:
     ts = TransportSettings.from_node(m)
     rel = ts.released  # the released method's own plans (None: mergescope's)
     transport_plans(w, st, sd, float(m.probe_sentences), c.k, int(m.layer_subsample), int(m.layer_topk),
-                    None if rel is None else (rel.sublayers, rel.layer_pairs, int(rel.p_topk or 0)), ts.top_k, ts.control_seeds)
+                    None if rel is None else (rel.sublayers, rel.layer_pairs, int(rel.p_topk or 0), rel.solver), ts.top_k,
+                    ts.control_seeds)
     n_eval = cfg.native.get("nll_sentences")
     tok = sum(c.tokens(cfg.data, lang, n_eval)[1] for lang in dict.fromkeys([t_entry.lang, d_entry.lang]))  # both languages
     alphas = len(m.get("alphas") or [])
