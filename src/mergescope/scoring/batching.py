@@ -62,6 +62,17 @@ def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.devic
     return ids.to(device), mask.to(device), pos.to(device)
 
 
+def pack_batch(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, position_ids, sentence) for one batch packed into a single row with no padding: the sentences end
+    to end, positions counting from 0 in each, ``sentence`` each token's index in ``seqs``. A model given these
+    positions and no attention mask sees each sentence alone (transformers builds the block-diagonal causal mask from
+    the positions' restarts); :data:`mergescope.transport.finetune.PACKED_FAMILIES` are the families checked to."""
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    sent = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])
+    return ids[None].to(device), pos[None].to(device), sent[None].to(device)
+
+
 def pad_id(tokenizer) -> int:
     for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
         v = getattr(tokenizer, attr, None)

@@ -18,7 +18,7 @@ import torch
 
 from mergescope.errors import MergescopeError
 from mergescope.progress import bar
-from mergescope.scoring.batching import pad_batch, pad_id, tokenize
+from mergescope.scoring.batching import pack_batch, pad_batch, pad_id, tokenize
 from mergescope.transport.settings import AdaptSettings
 
 
@@ -31,11 +31,22 @@ def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tupl
     return next(model.parameters()).device, ids
 
 
-def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, label: str, progress: bool):
-    """The adaptation's batches, padded on the right, under one progress bar: (ids, mask, positions). ``steps``
-    batches of ``batch_size`` sentences each drawn without replacement by the data seed, or with ``epochs`` that many
-    passes over the text, each in a fresh seeded order (the last batch of a pass may be smaller). The same order for a
-    fused model and its baseline."""
+PACKED_FAMILIES = ("llama", "mistral", "qwen2", "olmo", "gpt_neox", "gemma3_text")
+"""Model types trained on packed batches (:func:`mergescope.scoring.batching.pack_batch`): each checked to give every
+sentence the logits it gets alone (tests/test_transport_adapt.py). Any other (a state-space model carries its state
+across the row) is trained on padded batches."""
+
+
+def packs(model) -> bool:
+    return str(getattr(model.config, "model_type", "")) in PACKED_FAMILIES
+
+
+def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, label: str, progress: bool, packed: bool):
+    """The adaptation's batches under one progress bar: (the model's keyword arguments, each token's sentence in the
+    batch; -1 on padding). ``steps`` batches of ``batch_size`` sentences each drawn without replacement by the data
+    seed, or with ``epochs`` that many passes over the text, each in a fresh seeded order (the last batch of a pass may
+    be smaller). The same order for a fused model and its baseline. ``packed``: the batch's sentences end to end in
+    one row, no padding (:func:`~mergescope.scoring.batching.pack_batch`); else padded on the right."""
     rng = np.random.default_rng(settings.seed)
     total, bs = settings.n_steps(len(ids)), settings.batch_size
     if settings.epochs is None:
@@ -46,8 +57,37 @@ def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, la
     with bar() as pb:
         task = pb.add_task(label, total=total, visible=progress)
         for rows in order:
-            yield pad_batch([ids[i] for i in rows], pad, "right", device)
+            seqs = [ids[i] for i in rows]
+            if packed:
+                x, p, sent = pack_batch(seqs, device)
+                yield {"input_ids": x, "attention_mask": None, "position_ids": p, "use_cache": False}, sent
+            else:
+                x, m, p = pad_batch(seqs, pad, "right", device)
+                rowid = torch.arange(len(seqs), device=device)[:, None].expand_as(m)
+                yield ({"input_ids": x, "attention_mask": m, "position_ids": p, "use_cache": False},
+                       torch.where(m.bool(), rowid, torch.full_like(rowid, -1)))
             pb.advance(task)
+
+
+def token_nll(logits: torch.Tensor, x: torch.Tensor, sent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each next-token NLL within a sentence, in float32: (nll, its sentence, whether it counts), over positions
+    0..T-2 of every row; a position counts when the next token is of the same sentence (not padding, not the next
+    sentence of a packed row)."""
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
+    own = sent[:, :-1]
+    return nll, own, (sent[:, 1:] == own) & (own >= 0)
+
+
+def batch_loss(nll: torch.Tensor, own: torch.Tensor, valid: torch.Tensor, n_sentences: int, kind: str) -> torch.Tensor:
+    """``token_weighted``: the mean over every counted token of the batch; ``sentence_mean``: each sentence's mean
+    token NLL, averaged over its sentences."""
+    v = valid.to(nll.dtype)
+    if kind == "token_weighted":
+        return (nll * v).sum() / v.sum().clamp_min(1)
+    idx = own.clamp_min(0).flatten()
+    total = nll.new_zeros(n_sentences).index_add_(0, idx, (nll * v).flatten())
+    count = nll.new_zeros(n_sentences).index_add_(0, idx, v.flatten())
+    return (total / count.clamp_min(1)).mean()
 
 
 def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | None, settings: AdaptSettings,
@@ -67,10 +107,9 @@ def finetune(model, tokenizer, sentences, residual: dict[str, torch.Tensor] | No
     losses = []
     model.train()
     try:
-        for x, m, p in _batches(ids, settings, pad, device, label, progress):
-            logits = model(input_ids=x, attention_mask=m, position_ids=p, use_cache=False).logits
-            valid = m[:, 1:].bool()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid].float(), x[:, 1:][valid])
+        for kw, sent in _batches(ids, settings, pad, device, label, progress, packs(model)):
+            logits = model(**kw).logits
+            loss = batch_loss(*token_nll(logits, kw["input_ids"], sent), int(sent.max()) + 1, "token_weighted")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip:
@@ -149,15 +188,9 @@ def finetune_released(model, tokenizer, sentences, transported: dict[str, torch.
         return {n: (1.0 - alpha) * named[n] + alpha * r for n, r in res.items()}
 
     try:
-        for x, m, p in _batches(ids, settings, pad, device, label, progress):
-            kw = {"input_ids": x, "attention_mask": m, "position_ids": p, "use_cache": False}
+        for kw, sent in _batches(ids, settings, pad, device, label, progress, packs(model)):
             logits = (functional_call(model, effective(), args=(), kwargs=kw, strict=False) if res else model(**kw)).logits
-            valid = m[:, 1:].to(logits.dtype)
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
-            if settings.loss == "token_weighted":
-                loss = (nll * valid).sum() / valid.sum().clamp_min(1)
-            else:
-                loss = ((nll * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()
+            loss = batch_loss(*token_nll(logits, kw["input_ids"], sent), int(sent.max()) + 1, settings.loss)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if settings.grad_clip:
