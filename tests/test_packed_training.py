@@ -97,5 +97,27 @@ def test_the_batches_pack_the_same_sentences_the_padded_ones_hold():
         assert kp["attention_mask"] is None and kp["input_ids"].shape[0] == 1
         for i in range(4):
             row = kq["input_ids"][i][sq[i] == i]
-            assert torch.equal(kp["input_ids"][0][sp[0] == i], row)
-            assert torch.equal(kp["position_ids"][0][sp[0] == i], torch.arange(len(row)))
+            assert torch.equal(kp["input_ids"][sp == i], row)
+            assert torch.equal(kp["position_ids"][sp == i], torch.arange(len(row)))
+
+
+def test_rows_past_the_cap_are_split_and_padded_and_each_sentence_stays_its_own():
+    """A batch longer than ``row_tokens`` packs into several rows (a sentence longer than the cap alone in its row),
+    padded on the right as a segment of their own: each sentence's logits are still its own, and the padding counts in
+    no loss."""
+    model, seqs = _model("llama"), _sentences(9)
+    seqs[3] = list(range(1, 31))  # longer than the cap: a row of its own width
+    x, p, sent = pack_batch(seqs, torch.device("cpu"), pad_id=0, row_tokens=20)
+    assert x.shape[0] > 2 and x.shape[1] == 30 and bool((sent == -1).any())
+    assert [int(i) for i in sent[sent >= 0].unique_consecutive()] == list(range(9))  # in order, each once
+    for r in range(x.shape[0]):  # a row's padding restarts its positions
+        pad = sent[r] == -1
+        if pad.any():
+            assert torch.equal(p[r][pad], torch.arange(int(pad.sum()))) and bool((x[r][pad] == 0).all())
+    with torch.no_grad():
+        logits = model(input_ids=x, attention_mask=None, position_ids=p, use_cache=False).logits
+        for i, s in enumerate(seqs):
+            alone = model(input_ids=torch.tensor([s]), use_cache=False).logits[0]
+            assert torch.allclose(logits[sent == i], alone, atol=1e-5, rtol=1e-5), i
+    nll, own, valid = ft.token_nll(logits, x, sent)
+    assert int(valid.sum()) == sum(len(s) - 1 for s in seqs)

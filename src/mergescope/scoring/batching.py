@@ -62,15 +62,33 @@ def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.devic
     return ids.to(device), mask.to(device), pos.to(device)
 
 
-def pack_batch(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids, sentence) for one batch packed into a single row with no padding: the sentences end
-    to end, positions counting from 0 in each, ``sentence`` each token's index in ``seqs``. A model given these
+def pack_batch(seqs: list[list[int]], device: torch.device, pad_id: int = 0,
+               row_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, position_ids, sentence) for one batch packed into rows: the sentences end to end in their order,
+    a new row when the next would take a row past ``row_tokens`` (or past the longest sentence, if longer), positions
+    counting from 0 in each sentence, ``sentence`` each token's index in ``seqs`` (-1 on padding). The rows are padded
+    on the right to the longest, the padding a segment of its own (its positions from 0 again). A model given these
     positions and no attention mask sees each sentence alone (transformers builds the block-diagonal causal mask from
-    the positions' restarts); :data:`mergescope.transport.finetune.PACKED_FAMILIES` are the families checked to."""
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    sent = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])
-    return ids[None].to(device), pos[None].to(device), sent[None].to(device)
+    the positions' restarts); :data:`mergescope.transport.finetune.PACKED_FAMILIES` are the families checked to. The
+    cap bounds the attention's cost, which grows with the square of a row's length."""
+    cap = max(int(row_tokens), max(len(s) for s in seqs))
+    rows: list[list[int]] = [[]]
+    for i, s in enumerate(seqs):
+        if rows[-1] and sum(len(seqs[j]) for j in rows[-1]) + len(s) > cap:
+            rows.append([])
+        rows[-1].append(i)
+    width = max(sum(len(seqs[j]) for j in r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    sent = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, members in enumerate(rows):
+        o = 0
+        for j in members:
+            n = len(seqs[j])
+            ids[r, o:o + n], pos[r, o:o + n], sent[r, o:o + n] = torch.tensor(seqs[j]), torch.arange(n), j
+            o += n
+        pos[r, o:] = torch.arange(width - o)
+    return ids.to(device), pos.to(device), sent.to(device)
 
 
 def pad_id(tokenizer) -> int:

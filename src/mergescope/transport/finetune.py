@@ -33,7 +33,7 @@ def _text(model, tokenizer, sentences, batch_size: int, max_length: int) -> tupl
 
 PACKED_FAMILIES = ("llama", "mistral", "qwen2", "olmo", "gpt_neox", "gemma3_text")
 """Model types trained on packed batches (:func:`mergescope.scoring.batching.pack_batch`): each checked to give every
-sentence the logits it gets alone (tests/test_transport_adapt.py). Any other (a state-space model carries its state
+sentence the logits it gets alone (tests/test_packed_training.py). Any other (a state-space model carries its state
 across the row) is trained on padded batches."""
 
 
@@ -59,7 +59,7 @@ def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, la
         for rows in order:
             seqs = [ids[i] for i in rows]
             if packed:
-                x, p, sent = pack_batch(seqs, device)
+                x, p, sent = pack_batch(seqs, device, pad)
                 yield {"input_ids": x, "attention_mask": None, "position_ids": p, "use_cache": False}, sent
             else:
                 x, m, p = pad_batch(seqs, pad, "right", device)
