@@ -116,7 +116,7 @@ def test_the_fit_is_the_least_squares_solution_and_reproduces_its_points():
 def test_gpu_and_cpu_seconds_follow_their_formulas():
     r = costs.fit()
     g = OmegaConf.create({"fp32_tflops": 10.0, "memory_tbps": 2.0, "host_link_gbps": 20.0, "efficiency": 0.5})
-    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9, f64_flops=3e12, cost_flops=2e12)
+    w = costs.Work("quality", flops=1e13, load_bytes=4e9, ot_bytes=1e9, product_flops=3e12, cost_flops=2e12)
     over = r.overhead_s["quality"]
     assert (w.total_flops, w.float64_flops) == (1.5e13, 5e12)
     # the GPU: every FLOP at its stated peak; the CPU's fit: the costs at the forward rate (as fitted), the products in

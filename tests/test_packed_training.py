@@ -1,4 +1,4 @@
-"""Adaptation batches packed into one row (no padding): every family trained packed gives each sentence the logits it
+"""Adaptation batches packed into rows (no padding but a row's tail): every family trained packed gives each sentence the logits it
 gets alone, and a family that is not (a state-space model) is trained on padded batches; the packed loss is the padded
 loss."""
 

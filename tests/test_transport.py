@@ -1455,7 +1455,7 @@ def test_more_adapt_alphas_are_the_runs_a_job_at_each_alpha_alone_makes(tiny_mod
 
 
 def test_the_counted_float64_products_are_what_the_fusion_multiplies(monkeypatch):
-    """plan=true's count of the fusion's float64 products (costs.transport_plans' f64_flops) is exactly what torch's
+    """plan=true's count of the fusion's float64 products (costs.transport_plans' product_flops) is exactly what torch's
     FLOP counter sees in the fusion's matrix products, its plans solved beforehand (they are counted apart), on a NeoX
     target (no up projection) and a Llama donor, at a top-k below one interface's width and above another's."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -1488,4 +1488,4 @@ def test_the_counted_float64_products_are_what_the_fusion_multiplies(monkeypatch
     assert min(st.ffn, sd.ffn) > s.top_k > st.hidden  # k = top_k rows of the MLP's units, every row of the residual ones
     costs.transport_plans(w, st, sd, 40.0, costs.constants(), s.layer_subsample, s.layer_topk, None, s.top_k, s.control_seeds)
     assert int(np.count_nonzero(align.kept)) == st.layers * min(s.layer_topk, sd.layers)
-    assert w.f64_flops == sum(counted) > 0
+    assert w.product_flops == sum(counted) > 0

@@ -665,7 +665,7 @@ def test_the_plan_count_is_the_neuron_plans_the_released_fit_solves(tiny_pair, m
 @pytest.mark.parametrize("sublayers,extra", [("mlp_attn_out", {}), ("qkvo_mlp", {"layer_pairs": "all"}),
                                              ("qkvo_mlp", {"layer_pairs": "all", "p_topk": 1})])
 def test_the_counted_float64_products_are_what_the_released_fusion_multiplies(tiny_pair, monkeypatch, sublayers, extra):
-    """plan=true's count of the released fusion's float64 products (costs.released_plans' f64_flops) is exactly what
+    """plan=true's count of the released fusion's float64 products (costs.released_plans' product_flops) is exactly what
     torch's FLOP counter sees in its matrix products, the plans solved beforehand (counted apart): by rows (q, k, v,
     gate, up) and by column (o, down), zipped, every pair and each module's top donor layer."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -701,4 +701,4 @@ def test_the_counted_float64_products_are_what_the_released_fusion_multiplies(ti
         skipped += (fused - np.count_nonzero(lw)) * costs.fused_products(
             (costs._width(st, ow), costs._width(st, pw)), (costs._width(sd, ow), costs._width(sd, pw)), s.top_k,
             s.control_seeds, by_column=x in costs.RELEASED_BY_COLUMN)
-    assert w.f64_flops - skipped == sum(counted) > 0
+    assert w.product_flops - skipped == sum(counted) > 0

@@ -152,7 +152,7 @@ class Work:
     flops: float = 0.0
     load_bytes: float = 0.0       # float32 bytes of weights loaded (read from files)
     ot_bytes: float = 0.0         # memory traffic of ONE Sinkhorn iteration of every plan (float64 kernels)
-    f64_flops: float = 0.0        # the fusion's float64 products (in a stage's floor at the float64 rate; the fitted
+    product_flops: float = 0.0    # the fusion's float64 products (in a stage's floor at the float64 rate; the fitted
                                   # estimate holds them in its Sinkhorn term, fitted on whole transport jobs)
     cost_flops: float = 0.0       # the plans' Pearson costs, float64 matmuls (in a stage's floor at the float64 rate;
                                   # the fitted estimate charges them at the forward rate, as it was fitted)
@@ -163,12 +163,12 @@ class Work:
     @property
     def total_flops(self) -> float:
         """Every counted FLOP, float32 and float64."""
-        return self.flops + self.cost_flops + self.f64_flops
+        return self.flops + self.cost_flops + self.product_flops
 
     @property
     def float64_flops(self) -> float:
         """The float64 part of :attr:`total_flops` (a stage's floor takes it at the float64 rate)."""
-        return self.cost_flops + self.f64_flops
+        return self.cost_flops + self.product_flops
 
     def add_load(self, s: Shape) -> None:
         self.load_bytes += s.f32_bytes
@@ -278,7 +278,7 @@ def transport_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig,
     w.cost_flops += kept * 2 * probes * (st.ffn * sd.ffn + 4 * st.hidden * sd.hidden)
     for role in _roles(st, sd, FUSED_WEIGHTS, "mlp_up"):
         o, i = FUSED_WEIGHTS[role]
-        w.f64_flops += kept * fused_products((_width(st, o), _width(st, i)), (_width(sd, o), _width(sd, i)), rows, seeds)
+        w.product_flops += kept * fused_products((_width(st, o), _width(st, i)), (_width(sd, o), _width(sd, i)), rows, seeds)
 
 
 RELEASED_VIEWS = {"q": (("attn_in", "hidden"), ("q_out", "q")), "k": (("attn_in", "hidden"), ("k_out", "kv")),
@@ -321,7 +321,7 @@ def released_plans(w: Work, st: Shape, sd: Shape, probes: float, k: DictConfig, 
     w.cost_flops += 2 * probes * (n_t * n_d * layer + fused * full)  # each plan's Pearson cost (a float64 matmul)
     for r in roles:
         (_, pw), (_, ow) = RELEASED_VIEWS[r]
-        w.f64_flops += fused * fused_products((_width(st, ow), _width(st, pw)), (_width(sd, ow), _width(sd, pw)), rows, seeds,
+        w.product_flops += fused * fused_products((_width(st, ow), _width(st, pw)), (_width(sd, ow), _width(sd, pw)), rows, seeds,
                                               by_column=r in RELEASED_BY_COLUMN)
 
 

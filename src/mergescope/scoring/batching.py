@@ -73,11 +73,14 @@ def pack_batch(seqs: list[list[int]], device: torch.device, pad_id: int = 0,
     cap bounds the attention's cost, which grows with the square of a row's length."""
     cap = max(int(row_tokens), max(len(s) for s in seqs))
     rows: list[list[int]] = [[]]
+    used = [0]  # tokens in each row
     for i, s in enumerate(seqs):
-        if rows[-1] and sum(len(seqs[j]) for j in rows[-1]) + len(s) > cap:
+        if rows[-1] and used[-1] + len(s) > cap:
             rows.append([])
+            used.append(0)
         rows[-1].append(i)
-    width = max(sum(len(seqs[j]) for j in r) for r in rows)
+        used[-1] += len(s)
+    width = max(used)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     sent = torch.full((len(rows), width), -1, dtype=torch.long)

@@ -46,7 +46,7 @@ def _batches(ids: list[list[int]], settings: AdaptSettings, pad: int, device, la
     batch; -1 on padding). ``steps`` batches of ``batch_size`` sentences each drawn without replacement by the data
     seed, or with ``epochs`` that many passes over the text, each in a fresh seeded order (the last batch of a pass may
     be smaller). The same order for a fused model and its baseline. ``packed``: the batch's sentences end to end in
-    one row, no padding (:func:`~mergescope.scoring.batching.pack_batch`); else padded on the right."""
+    rows of at most 512 tokens (:func:`~mergescope.scoring.batching.pack_batch`); else padded on the right."""
     rng = np.random.default_rng(settings.seed)
     total, bs = settings.n_steps(len(ids)), settings.batch_size
     if settings.epochs is None:
